@@ -57,6 +57,9 @@ pub struct DaemonConfig {
     /// of spinning; `"0s"` never sleeps. Default `"1ms"`.
     #[serde(default = "defaults::idle_sleep_after")]
     pub idle_sleep_after: HumanDuration,
+    /// An admin-socket client that sends nothing for this long is disconnected. Default `"30s"`.
+    #[serde(default = "defaults::admin_client_timeout")]
+    pub admin_client_timeout: HumanDuration,
 }
 
 impl Default for DaemonConfig {
@@ -68,6 +71,7 @@ impl Default for DaemonConfig {
             log_format: LogFormat::default(),
             stall_timeout: defaults::stall_timeout(),
             idle_sleep_after: defaults::idle_sleep_after(),
+            admin_client_timeout: defaults::admin_client_timeout(),
         }
     }
 }
@@ -307,6 +311,10 @@ pub mod defaults {
     /// `daemon.idle_sleep_after`
     pub fn idle_sleep_after() -> HumanDuration {
         HumanDuration::millis(1)
+    }
+    /// `daemon.admin_client_timeout`
+    pub fn admin_client_timeout() -> HumanDuration {
+        HumanDuration::secs(30)
     }
     /// `listener.port`
     pub fn port() -> u16 {

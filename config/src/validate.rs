@@ -161,6 +161,9 @@ fn daemon(c: &mut Checker<'_>, cfg: &Config) {
     if d.stall_timeout.0.is_zero() {
         c.fail(p.key("stall_timeout"), "must be longer than zero");
     }
+    if d.admin_client_timeout.0.is_zero() {
+        c.fail(p.key("admin_client_timeout"), "must be longer than zero");
+    }
 }
 
 fn listeners(c: &mut Checker<'_>, cfg: &Config) {

@@ -76,6 +76,7 @@ error_case!(core_does_not_exist, with_listener("[daemon]\nreactor_cores = [0, 64
 error_case!(relative_admin_socket, with_listener("[daemon]\nadmin_socket = \"nvmfd.sock\"\n"), "daemon.admin_socket", 5, 1, "not an absolute path");
 error_case!(long_admin_socket, with_listener(&format!("[daemon]\nadmin_socket = \"/{}\"\n", "s".repeat(120))), "daemon.admin_socket", 5, 1, "shorter than 108");
 error_case!(zero_stall_timeout, with_listener("[daemon]\nstall_timeout = \"0s\"\n"), "daemon.stall_timeout", 5, 1, "longer than zero");
+error_case!(zero_admin_client_timeout, with_listener("[daemon]\nadmin_client_timeout = \"0s\"\n"), "daemon.admin_client_timeout", 5, 1, "longer than zero");
 error_case!(queue_depth_too_small, with_listener("[transport]\nmax_queue_depth = 1\n"), "transport.max_queue_depth", 5, 1, "outside 2..=1024");
 error_case!(queue_depth_too_large, with_listener("[transport]\nmax_queue_depth = 4096\n"), "transport.max_queue_depth", 5, 1, "outside 2..=1024");
 error_case!(io_queues_zero, with_listener("[transport]\nmax_io_queues = 0\n"), "transport.max_io_queues", 5, 1, "outside 1..=1024");

@@ -1,1 +1,69 @@
-fn main(){}
+//! `nvmfd`: the NVMe over Fabrics target daemon.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use nvmfd::{control, logging, system_facts};
+use nvmfd_config::Config;
+use slog::{error, info, warn};
+
+/// nvmfd: a kernel-bypass NVMe over Fabrics target.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    /// Configuration file to serve.
+    #[arg(long, short = 'c', value_name = "PATH", default_value = "/etc/nvmfd/nvmfd.toml")]
+    config: PathBuf,
+    /// Validate this configuration file, print the verdict and exit (0 valid, 1 not).
+    #[arg(long, value_name = "PATH", conflicts_with = "config")]
+    check_config: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let facts = system_facts();
+    if let Some(path) = cli.check_config {
+        return match Config::load(&path, &facts) {
+            Ok(cfg) => {
+                let namespaces: usize = cfg.subsystems.iter().map(|s| s.namespaces.len()).sum();
+                println!(
+                    "{}: valid: {} listener(s), {} subsystem(s), {} namespace(s), {} reactor(s)",
+                    path.display(),
+                    cfg.listeners.len(),
+                    cfg.subsystems.len(),
+                    namespaces,
+                    cfg.daemon.reactor_cores.len()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let cfg = match Config::load(&cli.config, &facts) {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprintln!("nvmfd: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (level, level_warning) = logging::effective_level(cfg.daemon.log_level);
+    let log = logging::build(level, cfg.daemon.log_format);
+    if let Some(w) = level_warning {
+        warn!(log, "{}", w);
+    }
+    info!(log, "nvmfd starting"; "config" => %cli.config.display(), "pid" => std::process::id());
+    match control::run(cfg, log.clone()) {
+        Ok(()) => {
+            info!(log, "nvmfd stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            error!(log, "nvmfd failed"; "error" => %e);
+            ExitCode::FAILURE
+        }
+    }
+}

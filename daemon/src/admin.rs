@@ -1,0 +1,373 @@
+//! The admin socket: a Unix stream socket (mode 0660), one JSON request per line, one JSON
+//! answer per line, served on the control thread's `mio` loop.
+//!
+//! The socket faces local users, not remote hosts, but a buggy or hostile client must still not
+//! hurt the daemon: lines are bounded, answers a client does not read are bounded, idle clients
+//! are dropped, and so are clients above the connection limit (after an error answer).
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use mio::net::{UnixListener, UnixStream};
+use mio::{Interest, Registry, Token};
+use serde::{Deserialize, Serialize};
+use slog::{debug, warn, Logger};
+
+use crate::stats::AdminStats;
+
+/// Longest request line, newline included.
+pub const MAX_LINE_BYTES: usize = 4096;
+/// Most answer bytes buffered for a client that does not read them; past this it is dropped.
+pub const MAX_PENDING_OUTPUT_BYTES: usize = 1 << 20;
+/// Most clients connected at once; one more gets an error answer and is disconnected.
+pub const MAX_CLIENTS: usize = 64;
+
+/// A request: `{"request": "status"}`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "request", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// What the daemon serves and how it is doing.
+    Status,
+    /// Counters: reactors, and the tree the data path extends.
+    Stats,
+    /// The configuration in force, with every default filled in.
+    Config,
+    /// Test hook (only with `NVMFD_TEST_HOOKS=1`): block reactor `reactor` for `ms`.
+    DebugStallReactor {
+        /// Reactor index.
+        reactor: usize,
+        /// How long, in milliseconds.
+        ms: u64,
+    },
+}
+
+/// An answer: `{"ok": true, "data": ...}` or `{"ok": false, "error": "..."}`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Response {
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// The answer, when it succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<serde_json::Value>,
+    /// What went wrong, when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Response {
+    /// A successful answer.
+    pub fn data(data: serde_json::Value) -> Self {
+        Self {
+            ok: true,
+            data: Some(data),
+            error: None,
+        }
+    }
+    /// An error answer.
+    pub fn error(msg: impl Into<String>) -> Self {
+        Self {
+            ok: false,
+            data: None,
+            error: Some(msg.into()),
+        }
+    }
+    fn line(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec(self).unwrap_or_else(|_| br#"{"ok":false,"error":"unserializable answer"}"#.to_vec());
+        v.push(b'\n');
+        v
+    }
+}
+
+/// Why the admin socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// another process answers on the socket
+    #[error("{0}: another nvmfd is already serving this admin socket")]
+    InUse(PathBuf),
+    /// creating, binding or setting up the socket failed
+    #[error("{path}: {what}: {source}")]
+    Io {
+        /// The socket path.
+        path: PathBuf,
+        /// The step that failed.
+        what: &'static str,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+struct Client {
+    stream: UnixStream,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    last_active: Instant,
+    /// Close once `output` is flushed.
+    closing: bool,
+}
+
+/// The admin socket server.
+pub struct AdminServer {
+    path: PathBuf,
+    listener: UnixListener,
+    listener_token: Token,
+    clients: HashMap<Token, Client>,
+    next_token: usize,
+    first_client_token: usize,
+    idle_timeout: Duration,
+    stats: AdminStats,
+    log: Logger,
+}
+
+impl std::fmt::Debug for AdminServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminServer")
+            .field("path", &self.path)
+            .field("clients", &self.clients.len())
+            .finish()
+    }
+}
+
+impl AdminServer {
+    /// Binds the socket at `path` (mode 0660), creating its directory (0750) when missing and
+    /// replacing a stale socket file, and registers it with `registry` under `listener_token`.
+    /// Client tokens are allocated from `first_client_token` upwards.
+    pub fn bind(
+        path: &Path,
+        registry: &Registry,
+        listener_token: Token,
+        first_client_token: usize,
+        idle_timeout: Duration,
+        log: Logger,
+    ) -> Result<Self, AdminError> {
+        let io = |what: &'static str| {
+            let path = path.to_owned();
+            move |source| AdminError::Io { path, what, source }
+        };
+        if let Some(dir) = path.parent() {
+            if !dir.exists() {
+                std::fs::create_dir_all(dir).map_err(io("cannot create its directory"))?;
+                std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))
+                    .map_err(io("cannot set its directory's mode"))?;
+            }
+        }
+        if path.exists() {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(AdminError::InUse(path.to_owned()));
+            }
+            std::fs::remove_file(path).map_err(io("cannot remove the stale socket"))?;
+        }
+        let mut listener = UnixListener::bind(path).map_err(io("cannot bind"))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+            .map_err(io("cannot set mode 0660"))?;
+        registry
+            .register(&mut listener, listener_token, Interest::READABLE)
+            .map_err(io("cannot register with the poller"))?;
+        Ok(Self {
+            path: path.to_owned(),
+            listener,
+            listener_token,
+            clients: HashMap::new(),
+            next_token: first_client_token,
+            first_client_token,
+            idle_timeout,
+            stats: AdminStats::default(),
+            log,
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether `token` belongs to this server.
+    pub fn owns(&self, token: Token) -> bool {
+        token == self.listener_token || token.0 >= self.first_client_token
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> AdminStats {
+        AdminStats {
+            clients: self.clients.len() as u64,
+            ..self.stats.clone()
+        }
+    }
+
+    /// Handles a readiness event for `token`, answering complete request lines with `handle`.
+    pub fn on_event(&mut self, registry: &Registry, token: Token, handle: &mut dyn FnMut(Request, &AdminStats) -> Response) {
+        if token == self.listener_token {
+            self.accept(registry);
+            return;
+        }
+        let Some(mut client) = self.clients.remove(&token) else {
+            return;
+        };
+        let keep = self.serve(&mut client, handle);
+        if keep {
+            self.clients.insert(token, client);
+        } else {
+            let _ = registry.deregister(&mut client.stream);
+        }
+    }
+
+    /// Drops clients that have sent nothing for the idle timeout.
+    pub fn sweep(&mut self, registry: &Registry, now: Instant) {
+        let timeout = self.idle_timeout;
+        let idle: Vec<Token> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| now.duration_since(c.last_active) > timeout)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in idle {
+            if let Some(mut c) = self.clients.remove(&t) {
+                debug!(self.log, "admin client idle: disconnected"; "timeout" => ?timeout);
+                self.stats.dropped_total += 1;
+                let _ = registry.deregister(&mut c.stream);
+            }
+        }
+    }
+
+    fn accept(&mut self, registry: &Registry) {
+        loop {
+            match self.listener.accept() {
+                Ok((mut stream, _)) => {
+                    self.stats.connections_total += 1;
+                    if self.clients.len() >= MAX_CLIENTS {
+                        let line = Response::error(format!("too many admin clients (limit {MAX_CLIENTS}); try again")).line();
+                        let _ = stream.write(&line);
+                        self.stats.dropped_total += 1;
+                        self.stats.errors_total += 1;
+                        warn!(self.log, "admin client refused: too many clients"; "limit" => MAX_CLIENTS);
+                        continue;
+                    }
+                    let token = Token(self.next_token);
+                    self.next_token += 1;
+                    if let Err(e) = registry.register(&mut stream, token, Interest::READABLE | Interest::WRITABLE) {
+                        warn!(self.log, "cannot register admin client"; "error" => %e);
+                        continue;
+                    }
+                    self.clients.insert(
+                        token,
+                        Client {
+                            stream,
+                            input: Vec::with_capacity(256),
+                            output: Vec::new(),
+                            last_active: Instant::now(),
+                            closing: false,
+                        },
+                    );
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    warn!(self.log, "admin accept failed"; "error" => %e);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads, answers and flushes; false when the client is to be dropped.
+    fn serve(&mut self, c: &mut Client, handle: &mut dyn FnMut(Request, &AdminStats) -> Response) -> bool {
+        let mut buf = [0u8; 4096];
+        let mut eof = false;
+        while !c.closing {
+            match c.stream.read(&mut buf) {
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(n) => {
+                    c.last_active = Instant::now();
+                    c.input.extend_from_slice(&buf[..n]);
+                    self.answer_lines(c, handle);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return false,
+            }
+        }
+        if !self.flush(c) {
+            return false;
+        }
+        if eof {
+            // The client closed its side: answer what it sent, then drop it.
+            c.closing = true;
+        }
+        !(c.closing && c.output.is_empty())
+    }
+
+    fn answer_lines(&mut self, c: &mut Client, handle: &mut dyn FnMut(Request, &AdminStats) -> Response) {
+        while let Some(nl) = c.input.iter().position(|&b| b == b'\n') {
+            if nl + 1 > MAX_LINE_BYTES {
+                break;
+            }
+            let line: Vec<u8> = c.input.drain(..=nl).collect();
+            let text = String::from_utf8_lossy(&line[..nl]);
+            let text = text.trim();
+            if text.is_empty() {
+                continue;
+            }
+            let answer = match serde_json::from_str::<Request>(text) {
+                Ok(req) => handle(req, &self.stats()),
+                Err(e) => Response::error(format!(
+                    "bad request: {e}; send one JSON object per line, e.g. {{\"request\":\"status\"}}"
+                )),
+            };
+            self.stats.requests_total += 1;
+            if !answer.ok {
+                self.stats.errors_total += 1;
+            }
+            c.output.extend_from_slice(&answer.line());
+            if c.output.len() > MAX_PENDING_OUTPUT_BYTES {
+                return;
+            }
+        }
+        let pending_line = c.input.iter().position(|&b| b == b'\n').unwrap_or(c.input.len());
+        if pending_line + 1 > MAX_LINE_BYTES {
+            warn!(self.log, "admin client sent an oversized line: disconnected"; "limit" => MAX_LINE_BYTES);
+            self.stats.requests_total += 1;
+            self.stats.errors_total += 1;
+            self.stats.dropped_total += 1;
+            c.output
+                .extend_from_slice(&Response::error(format!("request line longer than {MAX_LINE_BYTES} bytes")).line());
+            c.input.clear();
+            c.closing = true;
+        }
+    }
+
+    /// Writes what the client will take; false when it must be dropped.
+    fn flush(&mut self, c: &mut Client) -> bool {
+        while !c.output.is_empty() {
+            match c.stream.write(&c.output) {
+                Ok(0) => return false,
+                Ok(n) => {
+                    c.output.drain(..n);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return false,
+            }
+        }
+        if c.output.len() > MAX_PENDING_OUTPUT_BYTES {
+            warn!(self.log, "admin client does not read its answers: disconnected";
+                  "pending_bytes" => c.output.len());
+            self.stats.dropped_total += 1;
+            return false;
+        }
+        true
+    }
+
+    /// Closes every client and removes the socket file.
+    pub fn shutdown(mut self, registry: &Registry) {
+        for (_, mut c) in self.clients.drain() {
+            let _ = registry.deregister(&mut c.stream);
+        }
+        let _ = registry.deregister(&mut self.listener);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

@@ -1,0 +1,388 @@
+//! The control thread: one `mio` loop over signals, the admin socket and timers (the reactor
+//! watchdog, admin idle sweeps). It starts the reactors, tells systemd how the daemon is doing,
+//! and stops everything in order. It never touches the data path.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::{Events, Poll, Token};
+use nvmfd_config::Config;
+use serde::{Deserialize, Serialize};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook_mio::v1_0::Signals;
+use slog::{error, info, o, warn, Logger};
+
+use crate::admin::{AdminError, AdminServer, Request, Response};
+use crate::notify::Notifier;
+use crate::reactor::{LoopConfig, ReactorError, ReactorHandle};
+use crate::stats::{AdminStats, Stats};
+
+const SIGNALS: Token = Token(0);
+const ADMIN: Token = Token(1);
+const FIRST_ADMIN_CLIENT: usize = 16;
+
+/// Environment variable that enables test-only admin requests (`debug_stall_reactor`).
+pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
+
+/// Exit status when a second termination signal forces the daemon out during a graceful stop.
+pub const FORCED_EXIT_STATUS: i32 = 130;
+
+/// Why the daemon could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// the poller or signal handling could not be set up
+    #[error("cannot set up the control loop: {0}")]
+    Setup(#[source] std::io::Error),
+    /// a reactor could not start
+    #[error(transparent)]
+    Reactor(#[from] ReactorError),
+    /// the admin socket could not be set up
+    #[error("admin socket {0}")]
+    Admin(#[from] AdminError),
+}
+
+/// One listener in `status`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ListenerStatus {
+    /// Address.
+    pub address: String,
+    /// Port.
+    pub port: u16,
+    /// Verbs provider.
+    pub provider: String,
+    /// Whether it accepts connections.
+    pub serving: bool,
+    /// Why not, when it does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// One subsystem in `status`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SubsystemStatus {
+    /// NQN.
+    pub nqn: String,
+    /// Number of namespaces.
+    pub namespaces: usize,
+    /// Whether any host may connect.
+    pub allow_any_host: bool,
+    /// Allowed host NQNs.
+    pub hosts: Vec<String>,
+}
+
+/// One reactor in `status`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ReactorStatus {
+    /// Index.
+    pub id: usize,
+    /// Pinned core.
+    pub core: usize,
+    /// Whether its heartbeat has stopped.
+    pub stalled: bool,
+}
+
+/// The answer to `status`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Status {
+    /// nvmfd's version.
+    pub version: String,
+    /// Process ID.
+    pub pid: u32,
+    /// `running` or `stopping`.
+    pub state: String,
+    /// Seconds since start.
+    pub uptime_seconds: u64,
+    /// systemd watchdog interval, when enabled.
+    pub watchdog_usec: Option<u64>,
+    /// Reactors.
+    pub reactors: Vec<ReactorStatus>,
+    /// Listeners.
+    pub listeners: Vec<ListenerStatus>,
+    /// Subsystems.
+    pub subsystems: Vec<SubsystemStatus>,
+}
+
+/// Heartbeat tracking for one reactor.
+#[derive(Debug)]
+struct Heartbeat {
+    last_turns: u64,
+    last_move: Instant,
+}
+
+struct Daemon {
+    cfg: Config,
+    log: Logger,
+    started: Instant,
+    notifier: Notifier,
+    reactors: Vec<ReactorHandle>,
+    heartbeats: Vec<Heartbeat>,
+    listeners: Vec<ListenerStatus>,
+    test_hooks: bool,
+    stopping: bool,
+}
+
+/// Runs the daemon until a termination signal: the control loop on this thread, one reactor
+/// thread per configured core. Returns after a graceful stop.
+///
+/// A second SIGTERM or SIGINT during the stop exits the process at once with status
+/// [`FORCED_EXIT_STATUS`].
+pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
+    // Signals first, so that a SIGTERM during start-up is a graceful stop, not a kill.
+    let term = Arc::new(AtomicBool::new(false));
+    for sig in [SIGTERM, SIGINT] {
+        signal_hook::flag::register_conditional_shutdown(sig, FORCED_EXIT_STATUS, Arc::clone(&term))
+            .map_err(DaemonError::Setup)?;
+        signal_hook::flag::register(sig, Arc::clone(&term)).map_err(DaemonError::Setup)?;
+    }
+    let mut poll = Poll::new().map_err(DaemonError::Setup)?;
+    let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP]).map_err(DaemonError::Setup)?;
+    poll.registry()
+        .register(&mut signals, SIGNALS, mio::Interest::READABLE)
+        .map_err(DaemonError::Setup)?;
+
+    let notifier = Notifier::new(log.clone());
+    let stall_timeout = cfg.daemon.stall_timeout.0;
+    let loop_cfg = LoopConfig {
+        idle_sleep_after: cfg.daemon.idle_sleep_after.0,
+        max_sleep: (stall_timeout / 4).max(Duration::from_millis(1)),
+    };
+    let mut d = Daemon {
+        log: log.clone(),
+        started: Instant::now(),
+        notifier,
+        reactors: Vec::new(),
+        heartbeats: Vec::new(),
+        listeners: Vec::new(),
+        test_hooks: std::env::var(TEST_HOOKS_ENV).is_ok_and(|v| v == "1"),
+        stopping: false,
+        cfg,
+    };
+    if d.test_hooks {
+        warn!(log, "test hooks are enabled ({TEST_HOOKS_ENV}=1): never in production");
+    }
+    let result = d.start(&mut poll, loop_cfg).and_then(|admin| d.serve(&mut poll, &mut signals, admin, &term));
+    d.stop_reactors();
+    result
+}
+
+impl Daemon {
+    fn start(&mut self, poll: &mut Poll, loop_cfg: LoopConfig) -> Result<AdminServer, DaemonError> {
+        for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {
+            self.reactors.push(ReactorHandle::spawn(id, core, loop_cfg, &self.log)?);
+            self.heartbeats.push(Heartbeat {
+                last_turns: 0,
+                last_move: Instant::now(),
+            });
+        }
+        self.listeners = self
+            .cfg
+            .listeners
+            .iter()
+            .map(|l| {
+                let reason = format!("the {} RDMA transport is not part of this build", l.provider);
+                warn!(self.log, "listener not serving"; "address" => %l.address, "port" => l.port,
+                      "provider" => %l.provider, "reason" => &reason);
+                ListenerStatus {
+                    address: l.address.to_string(),
+                    port: l.port,
+                    provider: l.provider.to_string(),
+                    serving: false,
+                    reason: Some(reason),
+                }
+            })
+            .collect();
+        let admin = AdminServer::bind(
+            &self.cfg.daemon.admin_socket,
+            poll.registry(),
+            ADMIN,
+            FIRST_ADMIN_CLIENT,
+            self.cfg.daemon.admin_client_timeout.0,
+            self.log.new(o!("admin" => self.cfg.daemon.admin_socket.display().to_string())),
+        )?;
+        info!(self.log, "nvmfd ready"; "reactors" => self.reactors.len(),
+              "admin_socket" => %self.cfg.daemon.admin_socket.display(),
+              "subsystems" => self.cfg.subsystems.len());
+        self.notifier.ready(&self.status_line());
+        Ok(admin)
+    }
+
+    fn status_line(&self) -> String {
+        let namespaces: usize = self.cfg.subsystems.iter().map(|s| s.namespaces.len()).sum();
+        let serving = self.listeners.iter().filter(|l| l.serving).count();
+        let stalled = self.heartbeats.iter().zip(&self.reactors).filter(|(_, r)| r.shared.counters.stalled.load(Ordering::Relaxed)).count();
+        let mut s = format!(
+            "{} subsystem(s), {} namespace(s); {}/{} listener(s) serving; {} reactor(s)",
+            self.cfg.subsystems.len(),
+            namespaces,
+            serving,
+            self.listeners.len(),
+            self.reactors.len()
+        );
+        if stalled > 0 {
+            s.push_str(&format!(", {stalled} STALLED"));
+        }
+        s
+    }
+
+    fn serve(&mut self, poll: &mut Poll, signals: &mut Signals, mut admin: AdminServer, term: &AtomicBool) -> Result<(), DaemonError> {
+        let tick = self.tick_interval();
+        info!(self.log, "control loop running"; "tick" => ?tick,
+              "watchdog" => ?self.notifier.watchdog_interval());
+        let mut events = Events::with_capacity(64);
+        let mut next_tick = Instant::now();
+        loop {
+            let now = Instant::now();
+            if now >= next_tick {
+                self.check_heartbeats(now);
+                admin.sweep(poll.registry(), now);
+                next_tick = now + tick;
+            }
+            let timeout = next_tick.saturating_duration_since(Instant::now());
+            if let Err(e) = poll.poll(&mut events, Some(timeout)) {
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(DaemonError::Setup(e));
+            }
+            for ev in events.iter() {
+                if ev.token() == SIGNALS {
+                    for sig in signals.pending() {
+                        if sig == SIGHUP {
+                            warn!(self.log, "SIGHUP: reloading the configuration is not supported; restart the service to apply changes");
+                        } else {
+                            info!(self.log, "termination signal: stopping gracefully (a second one forces exit)"; "signal" => sig);
+                            self.stopping = true;
+                        }
+                    }
+                } else if admin.owns(ev.token()) {
+                    admin.on_event(poll.registry(), ev.token(), &mut |req, stats| self.answer(req, stats));
+                }
+            }
+            if self.stopping || term.load(Ordering::Relaxed) {
+                break;
+            }
+        }
+        self.notifier.stopping("stopping: draining reactors");
+        admin.shutdown(poll.registry());
+        Ok(())
+    }
+
+    /// How often heartbeats are checked: often enough to feed the watchdog twice per interval
+    /// and to see a stall soon after `stall_timeout`.
+    fn tick_interval(&self) -> Duration {
+        let mut t = self.cfg.daemon.stall_timeout.0 / 4;
+        if let Some(w) = self.notifier.watchdog_interval() {
+            t = t.min(w / 2);
+        }
+        t.clamp(Duration::from_millis(5), Duration::from_secs(1))
+    }
+
+    /// Marks reactors whose heartbeat has not moved for `stall_timeout` as stalled, and feeds
+    /// the systemd watchdog only when none is.
+    fn check_heartbeats(&mut self, now: Instant) {
+        let stall_timeout = self.cfg.daemon.stall_timeout.0;
+        let mut changed = false;
+        for (hb, r) in self.heartbeats.iter_mut().zip(&self.reactors) {
+            let c = &r.shared.counters;
+            let turns = c.turns.load(Ordering::Relaxed);
+            if turns != hb.last_turns {
+                hb.last_turns = turns;
+                hb.last_move = now;
+            }
+            let stalled = now.duration_since(hb.last_move) > stall_timeout;
+            if stalled != c.stalled.swap(stalled, Ordering::Relaxed) {
+                changed = true;
+                if stalled {
+                    error!(self.log, "reactor stalled: its heartbeat has not moved; the watchdog is no longer fed";
+                           "reactor" => r.shared.id, "core" => r.shared.core,
+                           "for" => ?now.duration_since(hb.last_move));
+                } else {
+                    info!(self.log, "reactor recovered from a stall"; "reactor" => r.shared.id);
+                }
+            }
+        }
+        if changed {
+            self.notifier.status(&self.status_line());
+        }
+        let all_moving = self.reactors.iter().all(|r| !r.shared.counters.stalled.load(Ordering::Relaxed));
+        if all_moving {
+            self.notifier.watchdog();
+        }
+    }
+
+    fn answer(&self, req: Request, admin: &AdminStats) -> Response {
+        let json = |v: Result<serde_json::Value, serde_json::Error>| match v {
+            Ok(v) => Response::data(v),
+            Err(e) => Response::error(format!("internal error: {e}")),
+        };
+        match req {
+            Request::Status => json(serde_json::to_value(self.status())),
+            Request::Stats => json(serde_json::to_value(self.stats(admin))),
+            Request::Config => json(serde_json::to_value(&self.cfg)),
+            Request::DebugStallReactor { reactor, ms } => {
+                if !self.test_hooks {
+                    return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));
+                }
+                match self.reactors.get(reactor) {
+                    Some(r) => {
+                        r.shared.stall_for(ms);
+                        Response::data(serde_json::json!({ "stalled_reactor": reactor, "ms": ms }))
+                    }
+                    None => Response::error(format!("no reactor {reactor}")),
+                }
+            }
+        }
+    }
+
+    fn status(&self) -> Status {
+        Status {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            pid: std::process::id(),
+            state: if self.stopping { "stopping" } else { "running" }.to_owned(),
+            uptime_seconds: self.started.elapsed().as_secs(),
+            watchdog_usec: self.notifier.watchdog_interval().map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+            reactors: self
+                .reactors
+                .iter()
+                .map(|r| ReactorStatus {
+                    id: r.shared.id,
+                    core: r.shared.core,
+                    stalled: r.shared.counters.stalled.load(Ordering::Relaxed),
+                })
+                .collect(),
+            listeners: self.listeners.clone(),
+            subsystems: self
+                .cfg
+                .subsystems
+                .iter()
+                .map(|s| SubsystemStatus {
+                    nqn: s.nqn.clone(),
+                    namespaces: s.namespaces.len(),
+                    allow_any_host: s.allow_any_host,
+                    hosts: s.hosts.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    fn stats(&self, admin: &AdminStats) -> Stats {
+        Stats {
+            uptime_seconds: self.started.elapsed().as_secs(),
+            reactors: self.reactors.iter().map(|r| r.shared.counters.snapshot(r.shared.id, r.shared.core)).collect(),
+            admin: admin.clone(),
+        }
+    }
+
+    fn stop_reactors(&mut self) {
+        for r in &self.reactors {
+            r.shared.request_stop();
+        }
+        for r in &mut self.reactors {
+            r.join();
+        }
+        if !self.reactors.is_empty() {
+            info!(self.log, "reactors stopped"; "count" => self.reactors.len());
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! Logging with slog: human-readable on a terminal, one JSON object per line otherwise.
+
+use std::io::IsTerminal;
+use std::sync::Mutex;
+
+use nvmfd_config::{LogFormat, LogLevel};
+use slog::{o, Drain, Logger};
+
+/// Environment variable that overrides the configured log level.
+pub const LOG_ENV: &str = "NVMFD_LOG";
+
+/// The level to log at: `NVMFD_LOG` when it is set and valid, else the configured one. A bad
+/// `NVMFD_LOG` is reported in the returned warning instead of being ignored silently.
+pub fn effective_level(configured: LogLevel) -> (LogLevel, Option<String>) {
+    match std::env::var(LOG_ENV) {
+        Ok(v) if !v.trim().is_empty() => match v.parse() {
+            Ok(l) => (l, None),
+            Err(e) => (configured, Some(format!("{LOG_ENV} ignored: {e}"))),
+        },
+        _ => (configured, None),
+    }
+}
+
+fn slog_level(l: LogLevel) -> slog::Level {
+    match l {
+        LogLevel::Error => slog::Level::Error,
+        LogLevel::Warn => slog::Level::Warning,
+        LogLevel::Info => slog::Level::Info,
+        LogLevel::Debug => slog::Level::Debug,
+        LogLevel::Trace => slog::Level::Trace,
+    }
+}
+
+/// Builds the root logger, writing to standard error.
+///
+/// Lines are written synchronously under a mutex: the data path logs only rare events, and a
+/// synchronous drain loses nothing when the daemon exits.
+pub fn build(level: LogLevel, format: LogFormat) -> Logger {
+    let human = match format {
+        LogFormat::Auto => std::io::stderr().is_terminal(),
+        LogFormat::Human => true,
+        LogFormat::Json => false,
+    };
+    let level = slog_level(level);
+    let version = env!("CARGO_PKG_VERSION");
+    if human {
+        let decorator = slog_term::TermDecorator::new().stderr().build();
+        let drain = slog_term::FullFormat::new(decorator).build();
+        let drain = Mutex::new(drain.filter_level(level)).fuse();
+        Logger::root(drain, o!("version" => version))
+    } else {
+        let drain = slog_json::Json::new(std::io::stderr())
+            .add_key_value(o!(
+                "ts" => slog::PushFnValue(|_, ser| {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap_or_default();
+                    ser.emit(format!("{}.{:06}", now.as_secs(), now.subsec_micros()))
+                }),
+                "level" => slog::FnValue(|r| r.level().as_short_str()),
+                "msg" => slog::PushFnValue(|r, ser| ser.emit(r.msg())),
+            ))
+            .build();
+        let drain = Mutex::new(drain.filter_level(level)).fuse();
+        Logger::root(drain, o!("version" => version))
+    }
+}

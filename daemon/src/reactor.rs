@@ -1,0 +1,182 @@
+//! Reactor threads: one per configured core, pinned, each running a poll loop.
+//!
+//! The loop busy-polls its work sources and, after `idle_sleep_after` without work, sleeps on a
+//! `mio::Poll` (adaptive polling) until woken or until a bounded timeout, so its heartbeat keeps
+//! moving while it is healthy. The data path adds its sources (CQs, io_uring) to `poll_once`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mio::{Events, Poll, Token, Waker};
+use slog::{debug, error, info, o, Logger};
+
+use crate::stats::ReactorCounters;
+
+const WAKE: Token = Token(0);
+
+/// What the control thread shares with one reactor.
+#[derive(Debug)]
+pub struct ReactorShared {
+    /// Reactor index.
+    pub id: usize,
+    /// Core it is pinned to.
+    pub core: usize,
+    /// Its counters (the heartbeat is `counters.turns`).
+    pub counters: ReactorCounters,
+    stop: AtomicBool,
+    /// Test hook: milliseconds the reactor must stall for at its next turn.
+    stall_ms: AtomicU64,
+    waker: Waker,
+}
+
+impl ReactorShared {
+    /// Asks the reactor to stop, and wakes it if it sleeps.
+    pub fn request_stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.waker.wake();
+    }
+
+    /// Makes the reactor block for `ms` milliseconds in its next turn, as a stuck data path
+    /// would (tests of the watchdog only; the admin socket exposes it only with
+    /// `NVMFD_TEST_HOOKS=1`).
+    pub fn stall_for(&self, ms: u64) {
+        self.stall_ms.store(ms, Ordering::Relaxed);
+        let _ = self.waker.wake();
+    }
+}
+
+/// Tunables of the poll loop.
+#[derive(Clone, Copy, Debug)]
+pub struct LoopConfig {
+    /// Idle time after which the reactor sleeps instead of spinning; zero never sleeps.
+    pub idle_sleep_after: Duration,
+    /// Longest sleep, so that the heartbeat moves at least this often.
+    pub max_sleep: Duration,
+}
+
+/// A running reactor thread.
+#[derive(Debug)]
+pub struct ReactorHandle {
+    /// State shared with the thread.
+    pub shared: Arc<ReactorShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Why a reactor could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ReactorError {
+    /// the wake-up source could not be created
+    #[error("reactor {id}: cannot create its poller: {source}")]
+    Poll {
+        /// Reactor index.
+        id: usize,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// the thread could not be spawned
+    #[error("reactor {id}: cannot spawn its thread: {source}")]
+    Spawn {
+        /// Reactor index.
+        id: usize,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// the thread could not be pinned to its core
+    #[error("reactor {id}: cannot pin its thread to core {core}")]
+    Pin {
+        /// Reactor index.
+        id: usize,
+        /// The core.
+        core: usize,
+    },
+}
+
+impl ReactorHandle {
+    /// Starts reactor `id` pinned to `core`, and returns once it is pinned and running.
+    pub fn spawn(id: usize, core: usize, cfg: LoopConfig, log: &Logger) -> Result<Self, ReactorError> {
+        let poll = Poll::new().map_err(|source| ReactorError::Poll { id, source })?;
+        let waker = Waker::new(poll.registry(), WAKE).map_err(|source| ReactorError::Poll { id, source })?;
+        let shared = Arc::new(ReactorShared {
+            id,
+            core,
+            counters: ReactorCounters::default(),
+            stop: AtomicBool::new(false),
+            stall_ms: AtomicU64::new(0),
+            waker,
+        });
+        let log = log.new(o!("reactor" => id, "core" => core));
+        let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<bool>(1);
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name(format!("nvmfd-r{id}"))
+            .spawn(move || {
+                let pinned = core_affinity::set_for_current(core_affinity::CoreId { id: core });
+                let _ = started_tx.send(pinned);
+                if pinned {
+                    run(&thread_shared, poll, cfg, &log);
+                }
+            })
+            .map_err(|source| ReactorError::Spawn { id, source })?;
+        let mut handle = ReactorHandle {
+            shared,
+            thread: Some(thread),
+        };
+        if started_rx.recv() != Ok(true) {
+            handle.join();
+            return Err(ReactorError::Pin { id, core });
+        }
+        Ok(handle)
+    }
+
+    /// Waits for the thread to end (after `request_stop`).
+    pub fn join(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The poll loop.
+fn run(shared: &ReactorShared, mut poll: Poll, cfg: LoopConfig, log: &Logger) {
+    info!(log, "reactor started");
+    let c = &shared.counters;
+    let mut events = Events::with_capacity(16);
+    let mut last_work = Instant::now();
+    loop {
+        ReactorCounters::bump(&c.turns);
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let stall = shared.stall_ms.swap(0, Ordering::Relaxed);
+        if stall > 0 {
+            error!(log, "test hook: reactor stalling"; "ms" => stall);
+            std::thread::sleep(Duration::from_millis(stall));
+            continue;
+        }
+        if poll_once() {
+            ReactorCounters::bump(&c.busy_turns);
+            last_work = Instant::now();
+            continue;
+        }
+        if !cfg.idle_sleep_after.is_zero() && last_work.elapsed() >= cfg.idle_sleep_after {
+            ReactorCounters::bump(&c.sleeps);
+            if let Err(e) = poll.poll(&mut events, Some(cfg.max_sleep)) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    error!(log, "reactor poller failed; spinning instead"; "error" => %e);
+                    std::thread::yield_now();
+                }
+            }
+            debug!(log, "reactor woke"; "events" => events.iter().count());
+        }
+    }
+    info!(log, "reactor stopped"; "turns" => c.turns.load(Ordering::Relaxed));
+}
+
+/// One pass over the reactor's work sources; true when it found work. There are none yet: the
+/// RDMA completion queues and io_uring rings of the data path are polled here.
+#[inline]
+fn poll_once() -> bool {
+    false
+}

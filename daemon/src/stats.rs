@@ -1,0 +1,84 @@
+//! Lock-free counters written by the reactors and read by the control thread.
+//!
+//! Every counter is a relaxed atomic owned by one writer; readers take a snapshot that is
+//! consistent per counter, not across counters, which is what monitoring needs.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+
+use serde::{Deserialize, Serialize};
+
+/// Counters of one reactor, written only by its thread.
+#[derive(Debug, Default)]
+pub struct ReactorCounters {
+    /// Poll-loop turns: the heartbeat the watchdog watches.
+    pub turns: AtomicU64,
+    /// Turns that found work.
+    pub busy_turns: AtomicU64,
+    /// Times the reactor slept on its wake-up source after being idle.
+    pub sleeps: AtomicU64,
+    /// Set by the control thread while the heartbeat has not moved for `stall_timeout`.
+    pub stalled: AtomicBool,
+}
+
+impl ReactorCounters {
+    /// Adds one to a counter this thread owns.
+    #[inline]
+    pub fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Relaxed);
+    }
+
+    /// A snapshot for the admin socket.
+    pub fn snapshot(&self, id: usize, core: usize) -> ReactorStats {
+        ReactorStats {
+            id,
+            core,
+            turns_total: self.turns.load(Relaxed),
+            busy_turns_total: self.busy_turns.load(Relaxed),
+            sleeps_total: self.sleeps.load(Relaxed),
+            stalled: self.stalled.load(Relaxed),
+        }
+    }
+}
+
+/// One reactor in `stats`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ReactorStats {
+    /// Reactor index, in the order of `daemon.reactor_cores`.
+    pub id: usize,
+    /// The core it is pinned to.
+    pub core: usize,
+    /// Poll-loop turns (the heartbeat).
+    pub turns_total: u64,
+    /// Turns that found work.
+    pub busy_turns_total: u64,
+    /// Idle sleeps (adaptive polling).
+    pub sleeps_total: u64,
+    /// Whether the heartbeat has stopped for longer than `daemon.stall_timeout`.
+    pub stalled: bool,
+}
+
+/// Counters of the admin socket, written only by the control thread.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct AdminStats {
+    /// Clients connected now.
+    pub clients: u64,
+    /// Clients accepted since start.
+    pub connections_total: u64,
+    /// Requests answered (including error answers).
+    pub requests_total: u64,
+    /// Requests answered with an error.
+    pub errors_total: u64,
+    /// Clients dropped by the daemon: too many, line too long, idle, not reading.
+    pub dropped_total: u64,
+}
+
+/// The answer to `stats`: the tree that the data path's counters extend.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Stats {
+    /// Seconds since the daemon started.
+    pub uptime_seconds: u64,
+    /// One entry per reactor.
+    pub reactors: Vec<ReactorStats>,
+    /// The admin socket.
+    pub admin: AdminStats,
+}
