@@ -251,15 +251,18 @@ impl Daemon {
                         if sig == SIGHUP {
                             warn!(self.log, "SIGHUP: reloading the configuration is not supported; restart the service to apply changes");
                         } else {
-                            info!(self.log, "termination signal: stopping gracefully (a second one forces exit)"; "signal" => sig);
-                            self.stopping = true;
+                            info!(self.log, "termination signal"; "signal" => sig);
                         }
                     }
                 } else if admin.owns(ev.token()) {
                     admin.on_event(poll.registry(), ev.token(), &mut |req, stats| self.answer(req, stats));
                 }
             }
-            if self.stopping || term.load(Ordering::Relaxed) {
+            // The flag is set by the signal handler itself, possibly before the signal's event
+            // is polled: it alone decides.
+            if term.load(Ordering::Relaxed) {
+                info!(self.log, "stopping gracefully (a second SIGTERM or SIGINT forces exit)");
+                self.stopping = true;
                 break;
             }
         }

@@ -42,26 +42,22 @@ pub fn build(level: LogLevel, format: LogFormat) -> Logger {
         LogFormat::Json => false,
     };
     let level = slog_level(level);
-    let version = env!("CARGO_PKG_VERSION");
     if human {
         let decorator = slog_term::TermDecorator::new().stderr().build();
         let drain = slog_term::FullFormat::new(decorator).build();
         let drain = Mutex::new(drain.filter_level(level)).fuse();
-        Logger::root(drain, o!("version" => version))
+        Logger::root(drain, o!())
     } else {
         let drain = slog_json::Json::new(std::io::stderr())
             .add_key_value(o!(
                 "ts" => slog::PushFnValue(|_, ser| {
-                    let now = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .unwrap_or_default();
-                    ser.emit(format!("{}.{:06}", now.as_secs(), now.subsec_micros()))
+                    ser.emit(humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string())
                 }),
                 "level" => slog::FnValue(|r| r.level().as_short_str()),
                 "msg" => slog::PushFnValue(|r, ser| ser.emit(r.msg())),
             ))
             .build();
         let drain = Mutex::new(drain.filter_level(level)).fuse();
-        Logger::root(drain, o!("version" => version))
+        Logger::root(drain, o!())
     }
 }

@@ -1,1 +1,283 @@
-//! placeholder
+//! Helpers for nvmfd's end-to-end tests: start the real binaries, talk to them, wait for
+//! conditions (never for fixed times), and clean up.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixDatagram, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::Value;
+
+/// How long any wait in these tests may take before it fails.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+/// The path of a workspace binary built next to the test executable (`target/<profile>/`).
+///
+/// Cargo builds a package's binaries only for that package's own tests, so the test command
+/// builds them first (`cargo build --bins`); this fails with that advice when one is missing or
+/// older than the sources it is built from.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
+    let path = dir.join(name);
+    let built = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| panic!("{} is missing: run `cargo build --workspace --bins` first", path.display()));
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for src in ["daemon/src", "config/src"] {
+        if let Some(newer) = newest_file(&root.join(src)).filter(|(t, _)| *t > built) {
+            panic!(
+                "{} is older than {}: run `cargo build --workspace --bins` first",
+                path.display(),
+                newer.1.display()
+            );
+        }
+    }
+    path
+}
+
+fn newest_file(dir: &Path) -> Option<(SystemTime, PathBuf)> {
+    let mut best: Option<(SystemTime, PathBuf)> = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        let cand = if p.is_dir() {
+            newest_file(&p)
+        } else {
+            e.metadata().ok()?.modified().ok().map(|t| (t, p))
+        };
+        if let Some(c) = cand {
+            if best.as_ref().is_none_or(|b| c.0 > b.0) {
+                best = Some(c);
+            }
+        }
+    }
+    best
+}
+
+/// Polls `f` until it returns `Some`, or panics after `WAIT` with `what`.
+pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A configuration for tests: one reactor on core 0, the admin socket in `dir`, a soft
+/// listener and a RAM subsystem; `extra_daemon` adds lines to `[daemon]`.
+pub fn test_config(dir: &Path, extra_daemon: &str) -> String {
+    format!(
+        r#"[daemon]
+reactor_cores = [0]
+admin_socket = "{}"
+stall_timeout = "300ms"
+{extra_daemon}
+
+[[listener]]
+address = "127.0.0.1"
+provider = "soft"
+
+[[subsystem]]
+nqn = "nqn.2024-01.io.nvmfd.test:ram0"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+backend = "malloc"
+size = "64MiB"
+"#,
+        dir.join("admin.sock").display()
+    )
+}
+
+/// Options for starting a daemon.
+#[derive(Debug, Default)]
+pub struct Options {
+    /// Lines added to `[daemon]` (ignored when `config` is set).
+    pub extra_daemon: String,
+    /// The whole configuration, instead of `test_config`.
+    pub config: Option<String>,
+    /// Text replacements applied to `test_config`'s output.
+    pub replace: Vec<(String, String)>,
+    /// Give the daemon a `NOTIFY_SOCKET` that the test reads.
+    pub notify: bool,
+    /// Set `WATCHDOG_USEC`.
+    pub watchdog_usec: Option<u64>,
+    /// Set `NVMFD_TEST_HOOKS=1`.
+    pub test_hooks: bool,
+    /// Further environment variables.
+    pub env: Vec<(String, String)>,
+}
+
+/// A running `nvmfd` process, killed if still running when dropped.
+#[derive(Debug)]
+pub struct Daemon {
+    /// The process.
+    pub child: Child,
+    /// Its temporary directory (config, socket, log).
+    pub dir: tempfile::TempDir,
+    /// Its admin socket.
+    pub socket: PathBuf,
+    /// The notification socket, when `Options::notify`.
+    pub notify: Option<UnixDatagram>,
+    log_path: PathBuf,
+    exit: Option<ExitStatus>,
+}
+
+impl Daemon {
+    /// Starts `nvmfd` and waits until its admin socket answers.
+    pub fn start(opts: Options) -> Daemon {
+        let d = Self::spawn(opts);
+        wait_for("the admin socket to answer", || d.try_request(r#"{"request":"status"}"#).ok());
+        d
+    }
+
+    /// Starts `nvmfd` without waiting for anything.
+    pub fn spawn(opts: Options) -> Daemon {
+        let dir = tempfile::Builder::new().prefix("nvmfd-e2e").tempdir().expect("tempdir");
+        let config = opts.config.clone().unwrap_or_else(|| {
+            let mut c = test_config(dir.path(), &opts.extra_daemon);
+            for (from, to) in &opts.replace {
+                assert!(c.contains(from.as_str()), "`{from}` is not in the test config");
+                c = c.replace(from.as_str(), to);
+            }
+            c
+        });
+        let config_path = dir.path().join("nvmfd.toml");
+        std::fs::write(&config_path, config).expect("write config");
+        let log_path = dir.path().join("nvmfd.log");
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let mut cmd = Command::new(bin("nvmfd"));
+        cmd.arg("--config").arg(&config_path).stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+        cmd.env_remove("NOTIFY_SOCKET").env_remove("WATCHDOG_USEC").env_remove("WATCHDOG_PID");
+        cmd.env_remove("NVMFD_LOG").env_remove("NVMFD_TEST_HOOKS");
+        let notify = opts.notify.then(|| {
+            let path = dir.path().join("notify.sock");
+            let sock = UnixDatagram::bind(&path).expect("bind notify socket");
+            cmd.env("NOTIFY_SOCKET", &path);
+            sock
+        });
+        if let Some(us) = opts.watchdog_usec {
+            cmd.env("WATCHDOG_USEC", us.to_string());
+        }
+        if opts.test_hooks {
+            cmd.env("NVMFD_TEST_HOOKS", "1");
+        }
+        for (k, v) in &opts.env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("spawn nvmfd");
+        Daemon {
+            child,
+            socket: dir.path().join("admin.sock"),
+            dir,
+            notify,
+            log_path,
+            exit: None,
+        }
+    }
+
+    /// Everything the daemon logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Sends one request line on a new connection and returns the parsed answer.
+    pub fn try_request(&self, line: &str) -> std::io::Result<Value> {
+        let mut s = UnixStream::connect(&self.socket)?;
+        s.set_read_timeout(Some(WAIT))?;
+        s.write_all(line.as_bytes())?;
+        s.write_all(b"\n")?;
+        let mut answer = String::new();
+        BufReader::new(s).read_line(&mut answer)?;
+        serde_json::from_str(&answer).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    }
+
+    /// Sends one request line and returns the answer; panics if there is none.
+    pub fn request(&self, line: &str) -> Value {
+        self.try_request(line).unwrap_or_else(|e| panic!("request {line}: {e}\nlog:\n{}", self.log()))
+    }
+
+    /// The `data` of a successful request.
+    pub fn data(&self, request: &str) -> Value {
+        let v = self.request(&format!(r#"{{"request":"{request}"}}"#));
+        assert_eq!(v["ok"], true, "{request}: {v}");
+        v["data"].clone()
+    }
+
+    /// Sends a signal to the daemon.
+    pub fn signal(&self, sig: i32) {
+        let pid = i32::try_from(self.child.id()).expect("pid");
+        // SAFETY: kill(2) with a valid signal number has no memory-safety preconditions.
+        let rc = unsafe { libc::kill(pid, sig) };
+        assert_eq!(rc, 0, "kill({pid}, {sig}) failed");
+    }
+
+    /// Waits for the daemon to exit and returns its status.
+    pub fn wait_exit(&mut self) -> ExitStatus {
+        if let Some(s) = self.exit {
+            return s;
+        }
+        let s = wait_for("nvmfd to exit", || self.child.try_wait().expect("try_wait"));
+        self.exit = Some(s);
+        s
+    }
+
+    /// Receives notification datagrams until one has a line starting with `needle`; returns
+    /// all received.
+    pub fn notifications_until(&self, needle: &str) -> Vec<String> {
+        self.notifications_until_match(needle, |l| l.starts_with(needle))
+    }
+
+    /// Receives notification datagrams until one contains `needle`; returns all received.
+    pub fn notifications_until_contains(&self, needle: &str) -> Vec<String> {
+        self.notifications_until_match(needle, |l| l.contains(needle))
+    }
+
+    fn notifications_until_match(&self, needle: &str, matches: impl Fn(&str) -> bool) -> Vec<String> {
+        let sock = self.notify.as_ref().expect("started with notify");
+        sock.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+        let mut got = Vec::new();
+        let deadline = Instant::now() + WAIT;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            assert!(Instant::now() < deadline, "timed out waiting for {needle}; got {got:?}");
+            if let Ok(n) = sock.recv(&mut buf) {
+                let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let done = msg.lines().any(&matches);
+                got.push(msg);
+                if done {
+                    return got;
+                }
+            }
+        }
+    }
+
+    /// Receives notification datagrams for `d`, returning all of them.
+    pub fn notifications_for(&self, d: Duration) -> Vec<String> {
+        let sock = self.notify.as_ref().expect("started with notify");
+        sock.set_read_timeout(Some(Duration::from_millis(20))).expect("timeout");
+        let mut got = Vec::new();
+        let end = Instant::now() + d;
+        let mut buf = vec![0u8; 4096];
+        while Instant::now() < end {
+            if let Ok(n) = sock.recv(&mut buf) {
+                got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+            }
+        }
+        got
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.exit.is_none() && matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

@@ -55,7 +55,8 @@ fn main() -> ExitCode {
     if let Some(w) = level_warning {
         warn!(log, "{}", w);
     }
-    info!(log, "nvmfd starting"; "config" => %cli.config.display(), "pid" => std::process::id());
+    info!(log, "nvmfd starting"; "version" => env!("CARGO_PKG_VERSION"),
+          "config" => %cli.config.display(), "pid" => std::process::id());
     match control::run(cfg, log.clone()) {
         Ok(()) => {
             info!(log, "nvmfd stopped");
