@@ -30,11 +30,11 @@ pub const MAX_CLIENTS: usize = 64;
 #[serde(tag = "request", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// What the daemon serves and how it is doing.
-    Status,
+    Status {},
     /// Counters: reactors, and the tree the data path extends.
-    Stats,
+    Stats {},
     /// The configuration in force, with every default filled in.
-    Config,
+    Config {},
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): block reactor `reactor` for `ms`.
     DebugStallReactor {
         /// Reactor index.

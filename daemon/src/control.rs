@@ -320,9 +320,9 @@ impl Daemon {
             Err(e) => Response::error(format!("internal error: {e}")),
         };
         match req {
-            Request::Status => json(serde_json::to_value(self.status())),
-            Request::Stats => json(serde_json::to_value(self.stats(admin))),
-            Request::Config => json(serde_json::to_value(&self.cfg)),
+            Request::Status {} => json(serde_json::to_value(self.status())),
+            Request::Stats {} => json(serde_json::to_value(self.stats(admin))),
+            Request::Config {} => json(serde_json::to_value(&self.cfg)),
             Request::DebugStallReactor { reactor, ms } => {
                 if !self.test_hooks {
                     return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));

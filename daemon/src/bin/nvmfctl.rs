@@ -42,9 +42,9 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let req = match cli.command {
-        Command::Status => Request::Status,
-        Command::Stats { .. } => Request::Stats,
-        Command::Config => Request::Config,
+        Command::Status => Request::Status {},
+        Command::Stats { .. } => Request::Stats {},
+        Command::Config => Request::Config {},
     };
     let mut data = match ctl::request(&cli.socket, &req, Duration::from_secs(cli.timeout)) {
         Ok(d) => d,
