@@ -96,7 +96,10 @@ impl fmt::Display for ConfigErrors {
 /// 1-based line and column (in characters) of byte offset `pos` in `text`.
 pub(crate) fn line_col(text: &str, pos: usize) -> (usize, usize) {
     let pos = pos.min(text.len());
-    let pos = (0..=pos).rev().find(|&p| text.is_char_boundary(p)).unwrap_or(0);
+    let pos = (0..=pos)
+        .rev()
+        .find(|&p| text.is_char_boundary(p))
+        .unwrap_or(0);
     let before = &text[..pos];
     let line = before.matches('\n').count() + 1;
     let line_start = before.rfind('\n').map_or(0, |p| p + 1);
@@ -189,7 +192,12 @@ mod tests {
 
     #[test]
     fn key_paths_display_like_toml() {
-        let p = KeyPath::default().key("subsystem").index(0).key("namespace").index(2).key("nsid");
+        let p = KeyPath::default()
+            .key("subsystem")
+            .index(0)
+            .key("namespace")
+            .index(2)
+            .key("nsid");
         assert_eq!(p.to_string(), "subsystem[0].namespace[2].nsid");
     }
 }

@@ -75,7 +75,10 @@ impl FromStr for ByteSize {
             "TiB" => 40,
             u @ ("K" | "KB" | "k" | "kB" | "M" | "MB" | "G" | "GB" | "T" | "TB") => {
                 let binary = format!("{num}{}iB", &u[..1].to_ascii_uppercase());
-                return Err(ByteSizeError::Decimal(s.to_owned(), format!("\"{binary}\"")));
+                return Err(ByteSizeError::Decimal(
+                    s.to_owned(),
+                    format!("\"{binary}\""),
+                ));
             }
             _ => return Err(ByteSizeError::Syntax(s.to_owned())),
         };
@@ -160,7 +163,11 @@ impl<'de> Deserialize<'de> for HumanDuration {
         let s = String::deserialize(d)?;
         humantime::parse_duration(&s)
             .map(HumanDuration)
-            .map_err(|e| de::Error::custom(format!("`{s}` is not a duration ({e}); write e.g. \"500ms\", \"5s\" or \"2min\"")))
+            .map_err(|e| {
+                de::Error::custom(format!(
+                    "`{s}` is not a duration ({e}); write e.g. \"500ms\", \"5s\" or \"2min\""
+                ))
+            })
     }
 }
 
@@ -180,13 +187,30 @@ mod tests {
 
     #[test]
     fn sizes_refuse_decimal_and_garbage() {
-        assert!(matches!("4KB".parse::<ByteSize>(), Err(ByteSizeError::Decimal(_, hint)) if hint == "\"4KiB\""));
-        assert!(matches!("4k".parse::<ByteSize>(), Err(ByteSizeError::Decimal(..))));
-        assert!(matches!("KiB".parse::<ByteSize>(), Err(ByteSizeError::Syntax(_))));
-        assert!(matches!("1.5GiB".parse::<ByteSize>(), Err(ByteSizeError::Syntax(_))));
-        assert!(matches!("4PiB".parse::<ByteSize>(), Err(ByteSizeError::Syntax(_))));
+        assert!(
+            matches!("4KB".parse::<ByteSize>(), Err(ByteSizeError::Decimal(_, hint)) if hint == "\"4KiB\"")
+        );
+        assert!(matches!(
+            "4k".parse::<ByteSize>(),
+            Err(ByteSizeError::Decimal(..))
+        ));
+        assert!(matches!(
+            "KiB".parse::<ByteSize>(),
+            Err(ByteSizeError::Syntax(_))
+        ));
+        assert!(matches!(
+            "1.5GiB".parse::<ByteSize>(),
+            Err(ByteSizeError::Syntax(_))
+        ));
+        assert!(matches!(
+            "4PiB".parse::<ByteSize>(),
+            Err(ByteSizeError::Syntax(_))
+        ));
         assert!(matches!("".parse::<ByteSize>(), Err(ByteSizeError::Empty)));
-        assert!(matches!("99999999999TiB".parse::<ByteSize>(), Err(ByteSizeError::Overflow(_))));
+        assert!(matches!(
+            "99999999999TiB".parse::<ByteSize>(),
+            Err(ByteSizeError::Overflow(_))
+        ));
     }
 
     #[test]
@@ -200,8 +224,9 @@ mod tests {
 
     #[test]
     fn durations_round_trip() {
-        let d: HumanDuration = toml::from_str::<std::collections::BTreeMap<String, HumanDuration>>("a = \"1500ms\"")
-            .unwrap()["a"];
+        let d: HumanDuration =
+            toml::from_str::<std::collections::BTreeMap<String, HumanDuration>>("a = \"1500ms\"")
+                .unwrap()["a"];
         assert_eq!(d.0, Duration::from_millis(1500));
         assert_eq!(d.to_string(), "1s 500ms");
     }

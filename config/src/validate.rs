@@ -75,12 +75,19 @@ pub fn check_nqn(nqn: &str) -> Result<(), String> {
         && db[..4].iter().all(u8::is_ascii_digit)
         && db[4] == b'-'
         && db[5..].iter().all(u8::is_ascii_digit)
-        && matches!(&date[5..], "01" | "02" | "03" | "04" | "05" | "06" | "07" | "08" | "09" | "10" | "11" | "12");
+        && matches!(
+            &date[5..],
+            "01" | "02" | "03" | "04" | "05" | "06" | "07" | "08" | "09" | "10" | "11" | "12"
+        );
     if !date_ok {
-        return Err(format!("`{nqn}` has no valid yyyy-mm date after `nqn.`; {shape}"));
+        return Err(format!(
+            "`{nqn}` has no valid yyyy-mm date after `nqn.`; {shape}"
+        ));
     }
     let Some(rest) = rest[7..].strip_prefix('.') else {
-        return Err(format!("`{nqn}` has no `.` and domain after its date; {shape}"));
+        return Err(format!(
+            "`{nqn}` has no `.` and domain after its date; {shape}"
+        ));
     };
     let (domain, name) = match rest.split_once(':') {
         Some((d, n)) => (d, Some(n)),
@@ -133,17 +140,28 @@ fn daemon(c: &mut Checker<'_>, cfg: &Config) {
     let p = KeyPath::default().key("daemon");
     let d = &cfg.daemon;
     if d.reactor_cores.is_empty() {
-        c.fail(p.key("reactor_cores"), "at least one reactor core is needed");
+        c.fail(
+            p.key("reactor_cores"),
+            "at least one reactor core is needed",
+        );
     }
     let mut seen = HashMap::new();
     for (i, core) in d.reactor_cores.iter().enumerate() {
         if let Some(first) = seen.insert(*core, i) {
             c.fail(
                 p.key("reactor_cores").index(i),
-                format!("core {core} is listed twice (also at index {first}): one reactor per core"),
+                format!(
+                    "core {core} is listed twice (also at index {first}): one reactor per core"
+                ),
             );
         } else if !c.facts.allowed_cores.contains(core) {
-            let allowed = c.facts.allowed_cores.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ");
+            let allowed = c
+                .facts
+                .allowed_cores
+                .iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
             c.fail(
                 p.key("reactor_cores").index(i),
                 format!("core {core} does not exist or is not allowed to this process (allowed: {allowed})"),
@@ -151,7 +169,10 @@ fn daemon(c: &mut Checker<'_>, cfg: &Config) {
         }
     }
     if !d.admin_socket.is_absolute() {
-        c.fail(p.key("admin_socket"), format!("`{}` is not an absolute path", d.admin_socket.display()));
+        c.fail(
+            p.key("admin_socket"),
+            format!("`{}` is not an absolute path", d.admin_socket.display()),
+        );
     } else if d.admin_socket.as_os_str().len() >= 108 {
         c.fail(
             p.key("admin_socket"),
@@ -231,7 +252,10 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
         );
     }
     if t.srq_max == 0 || t.srq_max > SRQ_MAX_LIMIT {
-        c.fail(p.key("srq_max"), format!("{} is outside 1..={SRQ_MAX_LIMIT}", t.srq_max));
+        c.fail(
+            p.key("srq_max"),
+            format!("{} is outside 1..={SRQ_MAX_LIMIT}", t.srq_max),
+        );
     }
     if t.srq_initial == 0 {
         c.fail(p.key("srq_initial"), "at least one receive must be posted");
@@ -253,7 +277,10 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
     if t.srq_grow_chunk == 0 || t.srq_grow_chunk > t.srq_max {
         c.fail(
             p.key("srq_grow_chunk"),
-            format!("{} is outside 1..=srq_max ({})", t.srq_grow_chunk, t.srq_max),
+            format!(
+                "{} is outside 1..=srq_max ({})",
+                t.srq_grow_chunk, t.srq_max
+            ),
         );
     }
     if t.keep_alive_timeout_min.0.is_zero() {
@@ -280,9 +307,15 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
         if let Err(e) = check_nqn(&s.nqn) {
             c.fail(p.key("nqn"), e);
         } else if s.nqn == DISCOVERY_NQN {
-            c.fail(p.key("nqn"), "this is the discovery subsystem's NQN, which nvmfd serves itself");
+            c.fail(
+                p.key("nqn"),
+                "this is the discovery subsystem's NQN, which nvmfd serves itself",
+            );
         } else if let Some(first) = nqns.insert(s.nqn.clone(), i) {
-            c.fail(p.key("nqn"), format!("`{}` is already subsystem[{first}]'s NQN", s.nqn));
+            c.fail(
+                p.key("nqn"),
+                format!("`{}` is already subsystem[{first}]'s NQN", s.nqn),
+            );
         }
         subsystem_strings(c, &p, s);
         hosts(c, &p, s);
@@ -290,9 +323,18 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
         for (j, ns) in s.namespaces.iter().enumerate() {
             let np = p.key("namespace").index(j);
             if ns.nsid == 0 || ns.nsid == u32::MAX {
-                c.fail(np.key("nsid"), format!("{} is not a valid namespace ID (1 to 4294967294)", ns.nsid));
+                c.fail(
+                    np.key("nsid"),
+                    format!("{} is not a valid namespace ID (1 to 4294967294)", ns.nsid),
+                );
             } else if let Some(first) = nsids.insert(ns.nsid, j) {
-                c.fail(np.key("nsid"), format!("nsid {} is already namespace[{first}] of this subsystem", ns.nsid));
+                c.fail(
+                    np.key("nsid"),
+                    format!(
+                        "nsid {} is already namespace[{first}] of this subsystem",
+                        ns.nsid
+                    ),
+                );
             }
             namespace(c, &np, ns);
             if let Some(u) = ns.uuid {
@@ -327,11 +369,17 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
 fn subsystem_strings(c: &mut Checker<'_>, p: &KeyPath, s: &Subsystem) {
     if let Some(serial) = &s.serial {
         if serial.is_empty() || serial.len() > 20 || !printable_ascii(serial) {
-            c.fail(p.key("serial"), "a serial number is 1 to 20 printable ASCII characters");
+            c.fail(
+                p.key("serial"),
+                "a serial number is 1 to 20 printable ASCII characters",
+            );
         }
     }
     if s.model.is_empty() || s.model.len() > 40 || !printable_ascii(&s.model) {
-        c.fail(p.key("model"), "a model number is 1 to 40 printable ASCII characters");
+        c.fail(
+            p.key("model"),
+            "a model number is 1 to 40 printable ASCII characters",
+        );
     }
 }
 
@@ -352,7 +400,10 @@ fn hosts(c: &mut Checker<'_>, p: &KeyPath, s: &Subsystem) {
         if let Err(e) = check_nqn(h) {
             c.fail(p.key("hosts").index(k), e);
         } else if let Some(first) = seen.insert(h.as_str(), k) {
-            c.fail(p.key("hosts").index(k), format!("host `{h}` is listed twice (also at index {first})"));
+            c.fail(
+                p.key("hosts").index(k),
+                format!("host `{h}` is listed twice (also at index {first})"),
+            );
         }
     }
 }
@@ -362,30 +413,46 @@ fn namespace(c: &mut Checker<'_>, np: &KeyPath, ns: &Namespace) {
     if ns.backend.has_path() {
         match &ns.path {
             None => c.fail(np.clone(), format!("backend `{b}` needs a `path`")),
-            Some(path) if !path.is_absolute() => {
-                c.fail(np.key("path"), format!("`{}` is not an absolute path", path.display()))
-            }
+            Some(path) if !path.is_absolute() => c.fail(
+                np.key("path"),
+                format!("`{}` is not an absolute path", path.display()),
+            ),
             Some(_) => {}
         }
         if ns.size.is_some() {
-            c.fail(np.key("size"), format!("backend `{b}` takes its size from the file or device: remove `size`"));
+            c.fail(
+                np.key("size"),
+                format!("backend `{b}` takes its size from the file or device: remove `size`"),
+            );
         }
     } else {
         if ns.path.is_some() {
-            c.fail(np.key("path"), format!("backend `{b}` has no `path`; it needs a `size`"));
+            c.fail(
+                np.key("path"),
+                format!("backend `{b}` has no `path`; it needs a `size`"),
+            );
         }
         match ns.size {
-            None => c.fail(np.clone(), format!("backend `{b}` needs a `size`, e.g. size = \"1GiB\"")),
+            None => c.fail(
+                np.clone(),
+                format!("backend `{b}` needs a `size`, e.g. size = \"1GiB\""),
+            ),
             Some(ByteSize(0)) => c.fail(np.key("size"), "a namespace cannot be empty"),
             Some(size) if size.0 % ns.block_size.0.max(1) != 0 => c.fail(
                 np.key("size"),
-                format!("{size} is not a whole number of {}-byte blocks", ns.block_size.0),
+                format!(
+                    "{size} is not a whole number of {}-byte blocks",
+                    ns.block_size.0
+                ),
             ),
             Some(_) => {}
         }
     }
     if ns.block_size != ByteSize(512) && ns.block_size != ByteSize(4096) {
-        c.fail(np.key("block_size"), format!("{} is not 512 or 4096 bytes", ns.block_size.0));
+        c.fail(
+            np.key("block_size"),
+            format!("{} is not 512 or 4096 bytes", ns.block_size.0),
+        );
     } else if ns.backend == Backend::Bdev && ns.block_size != ByteSize(512) {
         c.fail(
             np.key("block_size"),

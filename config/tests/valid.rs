@@ -39,12 +39,18 @@ fn every_shipped_example_is_valid() {
         .collect();
     examples.push(root.join("systemd/nvmfd.toml"));
     let mut n = 0;
-    for path in examples.iter().filter(|p| p.extension().is_some_and(|e| e == "toml")) {
+    for path in examples
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+    {
         // The examples may pin reactors to any core; validate them against a 2-core machine.
         Config::load(path, &facts()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         n += 1;
     }
-    assert!(n >= 2, "expected the examples and the systemd config, found {n}");
+    assert!(
+        n >= 2,
+        "expected the examples and the systemd config, found {n}"
+    );
 }
 
 #[test]
@@ -82,7 +88,10 @@ fn a_full_config_round_trips_through_json_and_toml() {
     "#;
     let cfg = Config::parse(text, &facts()).unwrap();
     assert_eq!(cfg.subsystems[0].namespaces[1].backend, Backend::Malloc);
-    assert_eq!(cfg.subsystems[0].namespaces[1].size, Some(ByteSize::mib(64)));
+    assert_eq!(
+        cfg.subsystems[0].namespaces[1].size,
+        Some(ByteSize::mib(64))
+    );
     assert_eq!(cfg.transport.keep_alive_timeout_max.0.as_secs(), 120);
     let json = serde_json::to_value(&cfg).unwrap();
     assert_eq!(json["transport"]["max_io_size"], "1MiB");

@@ -75,7 +75,8 @@ impl Response {
         }
     }
     fn line(&self) -> Vec<u8> {
-        let mut v = serde_json::to_vec(self).unwrap_or_else(|_| br#"{"ok":false,"error":"unserializable answer"}"#.to_vec());
+        let mut v = serde_json::to_vec(self)
+            .unwrap_or_else(|_| br#"{"ok":false,"error":"unserializable answer"}"#.to_vec());
         v.push(b'\n');
         v
     }
@@ -197,7 +198,12 @@ impl AdminServer {
     }
 
     /// Handles a readiness event for `token`, answering complete request lines with `handle`.
-    pub fn on_event(&mut self, registry: &Registry, token: Token, handle: &mut dyn FnMut(Request, &AdminStats) -> Response) {
+    pub fn on_event(
+        &mut self,
+        registry: &Registry,
+        token: Token,
+        handle: &mut dyn FnMut(Request, &AdminStats) -> Response,
+    ) {
         if token == self.listener_token {
             self.accept(registry);
             return;
@@ -237,7 +243,10 @@ impl AdminServer {
                 Ok((mut stream, _)) => {
                     self.stats.connections_total += 1;
                     if self.clients.len() >= MAX_CLIENTS {
-                        let line = Response::error(format!("too many admin clients (limit {MAX_CLIENTS}); try again")).line();
+                        let line = Response::error(format!(
+                            "too many admin clients (limit {MAX_CLIENTS}); try again"
+                        ))
+                        .line();
                         let _ = stream.write(&line);
                         self.stats.dropped_total += 1;
                         self.stats.errors_total += 1;
@@ -246,7 +255,11 @@ impl AdminServer {
                     }
                     let token = Token(self.next_token);
                     self.next_token += 1;
-                    if let Err(e) = registry.register(&mut stream, token, Interest::READABLE | Interest::WRITABLE) {
+                    if let Err(e) = registry.register(
+                        &mut stream,
+                        token,
+                        Interest::READABLE | Interest::WRITABLE,
+                    ) {
                         warn!(self.log, "cannot register admin client"; "error" => %e);
                         continue;
                     }
@@ -272,7 +285,11 @@ impl AdminServer {
     }
 
     /// Reads, answers and flushes; false when the client is to be dropped.
-    fn serve(&mut self, c: &mut Client, handle: &mut dyn FnMut(Request, &AdminStats) -> Response) -> bool {
+    fn serve(
+        &mut self,
+        c: &mut Client,
+        handle: &mut dyn FnMut(Request, &AdminStats) -> Response,
+    ) -> bool {
         let mut buf = [0u8; 4096];
         let mut eof = false;
         while !c.closing {
@@ -301,7 +318,11 @@ impl AdminServer {
         !(c.closing && c.output.is_empty())
     }
 
-    fn answer_lines(&mut self, c: &mut Client, handle: &mut dyn FnMut(Request, &AdminStats) -> Response) {
+    fn answer_lines(
+        &mut self,
+        c: &mut Client,
+        handle: &mut dyn FnMut(Request, &AdminStats) -> Response,
+    ) {
         while let Some(nl) = c.input.iter().position(|&b| b == b'\n') {
             if nl + 1 > MAX_LINE_BYTES {
                 break;
@@ -327,14 +348,19 @@ impl AdminServer {
                 return;
             }
         }
-        let pending_line = c.input.iter().position(|&b| b == b'\n').unwrap_or(c.input.len());
+        let pending_line = c
+            .input
+            .iter()
+            .position(|&b| b == b'\n')
+            .unwrap_or(c.input.len());
         if pending_line + 1 > MAX_LINE_BYTES {
             warn!(self.log, "admin client sent an oversized line: disconnected"; "limit" => MAX_LINE_BYTES);
             self.stats.requests_total += 1;
             self.stats.errors_total += 1;
             self.stats.dropped_total += 1;
-            c.output
-                .extend_from_slice(&Response::error(format!("request line longer than {MAX_LINE_BYTES} bytes")).line());
+            c.output.extend_from_slice(
+                &Response::error(format!("request line longer than {MAX_LINE_BYTES} bytes")).line(),
+            );
             c.input.clear();
             c.closing = true;
         }

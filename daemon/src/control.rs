@@ -131,8 +131,12 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
     // Signals first, so that a SIGTERM during start-up is a graceful stop, not a kill.
     let term = Arc::new(AtomicBool::new(false));
     for sig in [SIGTERM, SIGINT] {
-        signal_hook::flag::register_conditional_shutdown(sig, FORCED_EXIT_STATUS, Arc::clone(&term))
-            .map_err(DaemonError::Setup)?;
+        signal_hook::flag::register_conditional_shutdown(
+            sig,
+            FORCED_EXIT_STATUS,
+            Arc::clone(&term),
+        )
+        .map_err(DaemonError::Setup)?;
         signal_hook::flag::register(sig, Arc::clone(&term)).map_err(DaemonError::Setup)?;
     }
     let mut poll = Poll::new().map_err(DaemonError::Setup)?;
@@ -159,9 +163,14 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
         cfg,
     };
     if d.test_hooks {
-        warn!(log, "test hooks are enabled ({TEST_HOOKS_ENV}=1): never in production");
+        warn!(
+            log,
+            "test hooks are enabled ({TEST_HOOKS_ENV}=1): never in production"
+        );
     }
-    let result = d.start(&mut poll, loop_cfg).and_then(|admin| d.serve(&mut poll, &mut signals, admin, &term));
+    let result = d
+        .start(&mut poll, loop_cfg)
+        .and_then(|admin| d.serve(&mut poll, &mut signals, admin, &term));
     d.stop_reactors();
     result
 }
@@ -169,7 +178,8 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
 impl Daemon {
     fn start(&mut self, poll: &mut Poll, loop_cfg: LoopConfig) -> Result<AdminServer, DaemonError> {
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {
-            self.reactors.push(ReactorHandle::spawn(id, core, loop_cfg, &self.log)?);
+            self.reactors
+                .push(ReactorHandle::spawn(id, core, loop_cfg, &self.log)?);
             self.heartbeats.push(Heartbeat {
                 last_turns: 0,
                 last_move: Instant::now(),
@@ -180,7 +190,10 @@ impl Daemon {
             .listeners
             .iter()
             .map(|l| {
-                let reason = format!("the {} RDMA transport is not part of this build", l.provider);
+                let reason = format!(
+                    "the {} RDMA transport is not part of this build",
+                    l.provider
+                );
                 warn!(self.log, "listener not serving"; "address" => %l.address, "port" => l.port,
                       "provider" => %l.provider, "reason" => &reason);
                 ListenerStatus {
@@ -198,7 +211,8 @@ impl Daemon {
             ADMIN,
             FIRST_ADMIN_CLIENT,
             self.cfg.daemon.admin_client_timeout.0,
-            self.log.new(o!("admin" => self.cfg.daemon.admin_socket.display().to_string())),
+            self.log
+                .new(o!("admin" => self.cfg.daemon.admin_socket.display().to_string())),
         )?;
         info!(self.log, "nvmfd ready"; "reactors" => self.reactors.len(),
               "admin_socket" => %self.cfg.daemon.admin_socket.display(),
@@ -210,7 +224,12 @@ impl Daemon {
     fn status_line(&self) -> String {
         let namespaces: usize = self.cfg.subsystems.iter().map(|s| s.namespaces.len()).sum();
         let serving = self.listeners.iter().filter(|l| l.serving).count();
-        let stalled = self.heartbeats.iter().zip(&self.reactors).filter(|(_, r)| r.shared.counters.stalled.load(Ordering::Relaxed)).count();
+        let stalled = self
+            .heartbeats
+            .iter()
+            .zip(&self.reactors)
+            .filter(|(_, r)| r.shared.counters.stalled.load(Ordering::Relaxed))
+            .count();
         let mut s = format!(
             "{} subsystem(s), {} namespace(s); {}/{} listener(s) serving; {} reactor(s)",
             self.cfg.subsystems.len(),
@@ -225,7 +244,13 @@ impl Daemon {
         s
     }
 
-    fn serve(&mut self, poll: &mut Poll, signals: &mut Signals, mut admin: AdminServer, term: &AtomicBool) -> Result<(), DaemonError> {
+    fn serve(
+        &mut self,
+        poll: &mut Poll,
+        signals: &mut Signals,
+        mut admin: AdminServer,
+        term: &AtomicBool,
+    ) -> Result<(), DaemonError> {
         let tick = self.tick_interval();
         info!(self.log, "control loop running"; "tick" => ?tick,
               "watchdog" => ?self.notifier.watchdog_interval());
@@ -255,13 +280,18 @@ impl Daemon {
                         }
                     }
                 } else if admin.owns(ev.token()) {
-                    admin.on_event(poll.registry(), ev.token(), &mut |req, stats| self.answer(req, stats));
+                    admin.on_event(poll.registry(), ev.token(), &mut |req, stats| {
+                        self.answer(req, stats)
+                    });
                 }
             }
             // The flag is set by the signal handler itself, possibly before the signal's event
             // is polled: it alone decides.
             if term.load(Ordering::Relaxed) {
-                info!(self.log, "stopping gracefully (a second SIGTERM or SIGINT forces exit)");
+                info!(
+                    self.log,
+                    "stopping gracefully (a second SIGTERM or SIGINT forces exit)"
+                );
                 self.stopping = true;
                 break;
             }
@@ -308,7 +338,10 @@ impl Daemon {
         if changed {
             self.notifier.status(&self.status_line());
         }
-        let all_moving = self.reactors.iter().all(|r| !r.shared.counters.stalled.load(Ordering::Relaxed));
+        let all_moving = self
+            .reactors
+            .iter()
+            .all(|r| !r.shared.counters.stalled.load(Ordering::Relaxed));
         if all_moving {
             self.notifier.watchdog();
         }
@@ -344,7 +377,10 @@ impl Daemon {
             pid: std::process::id(),
             state: if self.stopping { "stopping" } else { "running" }.to_owned(),
             uptime_seconds: self.started.elapsed().as_secs(),
-            watchdog_usec: self.notifier.watchdog_interval().map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
+            watchdog_usec: self
+                .notifier
+                .watchdog_interval()
+                .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
             reactors: self
                 .reactors
                 .iter()
@@ -372,7 +408,11 @@ impl Daemon {
     fn stats(&self, admin: &AdminStats) -> Stats {
         Stats {
             uptime_seconds: self.started.elapsed().as_secs(),
-            reactors: self.reactors.iter().map(|r| r.shared.counters.snapshot(r.shared.id, r.shared.core)).collect(),
+            reactors: self
+                .reactors
+                .iter()
+                .map(|r| r.shared.counters.snapshot(r.shared.id, r.shared.core))
+                .collect(),
             admin: admin.clone(),
         }
     }

@@ -55,7 +55,9 @@ pub fn request(socket: &Path, req: &Request, timeout: Duration) -> Result<Value,
     match (resp.ok, resp.data, resp.error) {
         (true, Some(d), _) => Ok(d),
         (_, _, Some(e)) => Err(CtlError::Daemon(e)),
-        _ => Err(CtlError::Daemon("an answer with neither data nor error".into())),
+        _ => Err(CtlError::Daemon(
+            "an answer with neither data nor error".into(),
+        )),
     }
 }
 
@@ -135,11 +137,18 @@ fn render_into(out: &mut String, title: Option<&str>, v: &Value) {
             t.load_style(UTF8_BORDERS_ONLY);
             t.set_header(cols.iter().map(|c| heading(c)));
             for it in items {
-                t.add_row(cols.iter().map(|c| scalar(it.get(c).unwrap_or(&Value::Null))));
+                t.add_row(
+                    cols.iter()
+                        .map(|c| scalar(it.get(c).unwrap_or(&Value::Null))),
+                );
             }
             out.push_str(&format!("{t}\n"));
         }
-        other => out.push_str(&format!("{}{}\n", title.map(|t| format!("{t}: ")).unwrap_or_default(), scalar(other))),
+        other => out.push_str(&format!(
+            "{}{}\n",
+            title.map(|t| format!("{t}: ")).unwrap_or_default(),
+            scalar(other)
+        )),
     }
 }
 
@@ -163,7 +172,14 @@ pub fn render_prometheus(stats: &Value) -> String {
     // Group each metric's samples under its TYPE line, as the format requires.
     let mut grouped = String::new();
     for name in &typed {
-        grouped.push_str(&format!("# TYPE {name} {}\n", if name.ends_with("_total") { "counter" } else { "gauge" }));
+        grouped.push_str(&format!(
+            "# TYPE {name} {}\n",
+            if name.ends_with("_total") {
+                "counter"
+            } else {
+                "gauge"
+            }
+        ));
         for (n, labels, value) in &samples {
             if n == name {
                 grouped.push_str(&format!("{n}{labels} {value}\n"));
@@ -174,25 +190,47 @@ pub fn render_prometheus(stats: &Value) -> String {
 }
 
 fn metric_name(s: &str) -> String {
-    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect()
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 fn escape_label(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
-fn collect(out: &mut Vec<(String, String, String)>, prefix: &str, labels: &[(String, String)], v: &Value) {
+fn collect(
+    out: &mut Vec<(String, String, String)>,
+    prefix: &str,
+    labels: &[(String, String)],
+    v: &Value,
+) {
     let label_text = |labels: &[(String, String)]| {
         if labels.is_empty() {
             String::new()
         } else {
-            let inner: Vec<String> = labels.iter().map(|(k, v)| format!("{}=\"{}\"", metric_name(k), escape_label(v))).collect();
+            let inner: Vec<String> = labels
+                .iter()
+                .map(|(k, v)| format!("{}=\"{}\"", metric_name(k), escape_label(v)))
+                .collect();
             format!("{{{}}}", inner.join(","))
         }
     };
     match v {
         Value::Number(n) => out.push((prefix.to_owned(), label_text(labels), n.to_string())),
-        Value::Bool(b) => out.push((prefix.to_owned(), label_text(labels), u8::from(*b).to_string())),
+        Value::Bool(b) => out.push((
+            prefix.to_owned(),
+            label_text(labels),
+            u8::from(*b).to_string(),
+        )),
         Value::Object(m) => {
             for (k, x) in m {
                 collect(out, &format!("{prefix}_{}", metric_name(k)), labels, x);
@@ -268,7 +306,10 @@ nvmfd_admin_requests_total 7
     #[test]
     fn label_values_are_escaped() {
         let text = render_prometheus(&json!({"qps": [{"host": "a\"b\\c", "n": 1}]}));
-        assert_eq!(text, "# TYPE nvmfd_qp_n gauge\nnvmfd_qp_n{host=\"a\\\"b\\\\c\"} 1\n");
+        assert_eq!(
+            text,
+            "# TYPE nvmfd_qp_n gauge\nnvmfd_qp_n{host=\"a\\\"b\\\\c\"} 1\n"
+        );
     }
 
     #[test]

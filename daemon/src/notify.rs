@@ -53,6 +53,9 @@ impl Notifier {
 
     /// STOPPING=1 with a STATUS line.
     pub fn stopping(&self, status: &str) {
-        self.send("STOPPING", &[NotifyState::Stopping, NotifyState::Status(status)]);
+        self.send(
+            "STOPPING",
+            &[NotifyState::Stopping, NotifyState::Status(status)],
+        );
     }
 }

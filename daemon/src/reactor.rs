@@ -95,9 +95,15 @@ pub enum ReactorError {
 
 impl ReactorHandle {
     /// Starts reactor `id` pinned to `core`, and returns once it is pinned and running.
-    pub fn spawn(id: usize, core: usize, cfg: LoopConfig, log: &Logger) -> Result<Self, ReactorError> {
+    pub fn spawn(
+        id: usize,
+        core: usize,
+        cfg: LoopConfig,
+        log: &Logger,
+    ) -> Result<Self, ReactorError> {
         let poll = Poll::new().map_err(|source| ReactorError::Poll { id, source })?;
-        let waker = Waker::new(poll.registry(), WAKE).map_err(|source| ReactorError::Poll { id, source })?;
+        let waker = Waker::new(poll.registry(), WAKE)
+            .map_err(|source| ReactorError::Poll { id, source })?;
         let shared = Arc::new(ReactorShared {
             id,
             core,

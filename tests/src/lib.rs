@@ -19,11 +19,19 @@ pub const WAIT: Duration = Duration::from_secs(20);
 /// older than the sources it is built from.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
     let path = dir.join(name);
     let built = std::fs::metadata(&path)
         .and_then(|m| m.modified())
-        .unwrap_or_else(|_| panic!("{} is missing: run `cargo build --workspace --bins` first", path.display()));
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} is missing: run `cargo build --workspace --bins` first",
+                path.display()
+            )
+        });
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     for src in ["daemon/src", "config/src"] {
         if let Some(newer) = newest_file(&root.join(src)).filter(|(t, _)| *t > built) {
@@ -132,17 +140,25 @@ impl Daemon {
     /// Starts `nvmfd` and waits until its admin socket answers.
     pub fn start(opts: Options) -> Daemon {
         let d = Self::spawn(opts);
-        wait_for("the admin socket to answer", || d.try_request(r#"{"request":"status"}"#).ok());
+        wait_for("the admin socket to answer", || {
+            d.try_request(r#"{"request":"status"}"#).ok()
+        });
         d
     }
 
     /// Starts `nvmfd` without waiting for anything.
     pub fn spawn(opts: Options) -> Daemon {
-        let dir = tempfile::Builder::new().prefix("nvmfd-e2e").tempdir().expect("tempdir");
+        let dir = tempfile::Builder::new()
+            .prefix("nvmfd-e2e")
+            .tempdir()
+            .expect("tempdir");
         let config = opts.config.clone().unwrap_or_else(|| {
             let mut c = test_config(dir.path(), &opts.extra_daemon);
             for (from, to) in &opts.replace {
-                assert!(c.contains(from.as_str()), "`{from}` is not in the test config");
+                assert!(
+                    c.contains(from.as_str()),
+                    "`{from}` is not in the test config"
+                );
                 c = c.replace(from.as_str(), to);
             }
             c
@@ -152,8 +168,14 @@ impl Daemon {
         let log_path = dir.path().join("nvmfd.log");
         let log = std::fs::File::create(&log_path).expect("log file");
         let mut cmd = Command::new(bin("nvmfd"));
-        cmd.arg("--config").arg(&config_path).stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
-        cmd.env_remove("NOTIFY_SOCKET").env_remove("WATCHDOG_USEC").env_remove("WATCHDOG_PID");
+        cmd.arg("--config")
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        cmd.env_remove("NOTIFY_SOCKET")
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID");
         cmd.env_remove("NVMFD_LOG").env_remove("NVMFD_TEST_HOOKS");
         let notify = opts.notify.then(|| {
             let path = dir.path().join("notify.sock");
@@ -194,12 +216,14 @@ impl Daemon {
         s.write_all(b"\n")?;
         let mut answer = String::new();
         BufReader::new(s).read_line(&mut answer)?;
-        serde_json::from_str(&answer).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        serde_json::from_str(&answer)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
     }
 
     /// Sends one request line and returns the answer; panics if there is none.
     pub fn request(&self, line: &str) -> Value {
-        self.try_request(line).unwrap_or_else(|e| panic!("request {line}: {e}\nlog:\n{}", self.log()))
+        self.try_request(line)
+            .unwrap_or_else(|e| panic!("request {line}: {e}\nlog:\n{}", self.log()))
     }
 
     /// The `data` of a successful request.
@@ -238,14 +262,22 @@ impl Daemon {
         self.notifications_until_match(needle, |l| l.contains(needle))
     }
 
-    fn notifications_until_match(&self, needle: &str, matches: impl Fn(&str) -> bool) -> Vec<String> {
+    fn notifications_until_match(
+        &self,
+        needle: &str,
+        matches: impl Fn(&str) -> bool,
+    ) -> Vec<String> {
         let sock = self.notify.as_ref().expect("started with notify");
-        sock.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+        sock.set_read_timeout(Some(Duration::from_millis(100)))
+            .expect("timeout");
         let mut got = Vec::new();
         let deadline = Instant::now() + WAIT;
         let mut buf = vec![0u8; 4096];
         loop {
-            assert!(Instant::now() < deadline, "timed out waiting for {needle}; got {got:?}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {needle}; got {got:?}"
+            );
             if let Ok(n) = sock.recv(&mut buf) {
                 let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
                 let done = msg.lines().any(&matches);
@@ -260,7 +292,8 @@ impl Daemon {
     /// Receives notification datagrams for `d`, returning all of them.
     pub fn notifications_for(&self, d: Duration) -> Vec<String> {
         let sock = self.notify.as_ref().expect("started with notify");
-        sock.set_read_timeout(Some(Duration::from_millis(20))).expect("timeout");
+        sock.set_read_timeout(Some(Duration::from_millis(20)))
+            .expect("timeout");
         let mut got = Vec::new();
         let end = Instant::now() + d;
         let mut buf = vec![0u8; 4096];

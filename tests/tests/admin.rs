@@ -29,7 +29,14 @@ fn closed_by_peer(s: &mut UnixStream) -> Option<()> {
     match s.read(&mut buf) {
         Ok(0) => Some(()),
         Ok(_) => None,
-        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => None,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            None
+        }
         Err(_) => Some(()),
     }
 }
@@ -41,16 +48,31 @@ fn status_stats_and_config_answer() {
     assert_eq!(status["state"], "running");
     assert_eq!(status["pid"], d.child.id());
     assert_eq!(status["reactors"][0]["core"], 0);
-    assert_eq!(status["subsystems"][0]["nqn"], "nqn.2024-01.io.nvmfd.test:ram0");
+    assert_eq!(
+        status["subsystems"][0]["nqn"],
+        "nqn.2024-01.io.nvmfd.test:ram0"
+    );
     assert_eq!(status["listeners"][0]["serving"], false);
-    assert!(status["listeners"][0]["reason"].as_str().unwrap().contains("not part of this build"));
+    assert!(status["listeners"][0]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("not part of this build"));
     let config = d.data("config");
     assert_eq!(config["subsystem"][0]["namespace"][0]["size"], "64MiB");
-    assert_eq!(config["transport"]["max_io_size"], "128KiB", "defaults are filled in");
+    assert_eq!(
+        config["transport"]["max_io_size"], "128KiB",
+        "defaults are filled in"
+    );
     // The heartbeat moves between two snapshots.
-    let t0 = d.data("stats")["reactors"][0]["turns_total"].as_u64().unwrap();
+    let t0 = d.data("stats")["reactors"][0]["turns_total"]
+        .as_u64()
+        .unwrap();
     wait_for("the heartbeat to move", || {
-        (d.data("stats")["reactors"][0]["turns_total"].as_u64().unwrap() > t0).then_some(())
+        (d.data("stats")["reactors"][0]["turns_total"]
+            .as_u64()
+            .unwrap()
+            > t0)
+            .then_some(())
     });
 }
 
@@ -67,7 +89,10 @@ fn malformed_json_gets_an_error_and_the_connection_keeps_working() {
     let mut s = UnixStream::connect(&d.socket).unwrap();
     let bad = answer(&mut s, "{not json");
     assert_eq!(bad["ok"], false);
-    assert!(bad["error"].as_str().unwrap().starts_with("bad request:"), "{bad}");
+    assert!(
+        bad["error"].as_str().unwrap().starts_with("bad request:"),
+        "{bad}"
+    );
     let bad = answer(&mut s, "\u{1}\u{2}\u{ff}");
     assert_eq!(bad["ok"], false);
     let good = answer(&mut s, r#"{"request":"status"}"#);
@@ -80,7 +105,13 @@ fn unknown_requests_and_fields_get_an_error() {
     let d = Daemon::start(Options::default());
     let v = d.request(r#"{"request":"reboot"}"#);
     assert_eq!(v["ok"], false);
-    assert!(v["error"].as_str().unwrap().contains("unknown variant `reboot`"), "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown variant `reboot`"),
+        "{v}"
+    );
     let v = d.request(r#"{"request":"status","verbose":true}"#);
     assert_eq!(v["ok"], false, "{v}");
     let v = d.request(r#"{"req":"status"}"#);
@@ -92,7 +123,10 @@ fn test_hooks_are_refused_without_the_environment_variable() {
     let d = Daemon::start(Options::default());
     let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":1000}"#);
     assert_eq!(v["ok"], false);
-    assert!(v["error"].as_str().unwrap().contains("NVMFD_TEST_HOOKS=1"), "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("NVMFD_TEST_HOOKS=1"),
+        "{v}"
+    );
     let d = Daemon::start(Options {
         test_hooks: true,
         ..Options::default()
@@ -110,7 +144,9 @@ fn an_oversized_line_gets_an_error_then_a_disconnect() {
     let line = read_line(&s);
     let v: Value = serde_json::from_str(&line).unwrap();
     assert_eq!(v["error"], "request line longer than 4096 bytes");
-    wait_for("the daemon to close the connection", || closed_by_peer(&mut s));
+    wait_for("the daemon to close the connection", || {
+        closed_by_peer(&mut s)
+    });
     assert_eq!(d.data("status")["state"], "running");
     assert_eq!(d.data("stats")["admin"]["dropped_total"], 1);
 }
@@ -123,9 +159,11 @@ fn a_slow_client_is_dropped_after_the_idle_timeout_while_others_are_served() {
     });
     let mut slow = UnixStream::connect(&d.socket).unwrap();
     slow.write_all(br#"{"request":"sta"#).unwrap(); // half a request, then nothing
-    // Others are served meanwhile.
+                                                    // Others are served meanwhile.
     assert_eq!(d.data("status")["state"], "running");
-    wait_for("the slow client to be dropped", || closed_by_peer(&mut slow));
+    wait_for("the slow client to be dropped", || {
+        closed_by_peer(&mut slow)
+    });
     assert!(d.data("stats")["admin"]["dropped_total"].as_u64().unwrap() >= 1);
 }
 
@@ -133,7 +171,8 @@ fn a_slow_client_is_dropped_after_the_idle_timeout_while_others_are_served() {
 fn a_client_that_never_reads_is_dropped() {
     let d = Daemon::start(Options::default());
     let s = UnixStream::connect(&d.socket).unwrap();
-    s.set_write_timeout(Some(Duration::from_millis(200))).unwrap();
+    s.set_write_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
     let requests = r#"{"request":"config"}"#.to_owned() + "\n";
     let mut w = &s;
     // Ask for far more answers than the daemon buffers, reading none of them.
@@ -145,7 +184,10 @@ fn a_client_that_never_reads_is_dropped() {
             break;
         }
     }
-    assert!(dropped, "the daemon kept accepting requests from a client that never reads");
+    assert!(
+        dropped,
+        "the daemon kept accepting requests from a client that never reads"
+    );
     wait_for("the non-reading client to be counted as dropped", || {
         (d.data("stats")["admin"]["dropped_total"].as_u64().unwrap() >= 1).then_some(())
     });
@@ -157,7 +199,8 @@ fn a_vanished_client_does_not_disturb_the_daemon() {
     let d = Daemon::start(Options::default());
     for _ in 0..20 {
         let mut s = UnixStream::connect(&d.socket).unwrap();
-        s.write_all(b"{\"request\":\"stats\"}\n{\"request\":\"config\"}\n").unwrap();
+        s.write_all(b"{\"request\":\"stats\"}\n{\"request\":\"config\"}\n")
+            .unwrap();
         drop(s); // gone before the answers
     }
     let s = UnixStream::connect(&d.socket).unwrap();
@@ -172,7 +215,9 @@ fn a_vanished_client_does_not_disturb_the_daemon() {
 #[test]
 fn a_hundred_clients_at_once_each_get_an_answer_or_a_clean_refusal() {
     let d = Daemon::start(Options::default());
-    let mut clients: Vec<UnixStream> = (0..100).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
+    let mut clients: Vec<UnixStream> = (0..100)
+        .map(|_| UnixStream::connect(&d.socket).unwrap())
+        .collect();
     for c in &mut clients {
         // A refused client may already be closed: its refusal is waiting to be read.
         let _ = c.write_all(b"{\"request\":\"status\"}\n");
@@ -184,11 +229,21 @@ fn a_hundred_clients_at_once_each_get_an_answer_or_a_clean_refusal() {
         if v["ok"] == true {
             ok += 1;
         } else {
-            assert!(v["error"].as_str().unwrap().starts_with("too many admin clients (limit 64)"), "{v}");
+            assert!(
+                v["error"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("too many admin clients (limit 64)"),
+                "{v}"
+            );
             refused += 1;
         }
     }
-    assert_eq!((ok, refused), (64, 36), "all 100 are held open: the first 64 are served");
+    assert_eq!(
+        (ok, refused),
+        (64, 36),
+        "all 100 are held open: the first 64 are served"
+    );
     drop(clients);
     wait_for("the clients to be reaped", || {
         (d.data("stats")["admin"]["clients"].as_u64().unwrap() <= 1).then_some(())
@@ -215,7 +270,12 @@ fn nvmfctl_prints_tables_json_toml_and_prometheus() {
     let d = Daemon::start(Options::default());
     let (ok, out, err) = nvmfctl(&d, &["status"]);
     assert!(ok, "{err}");
-    for needle in ["nqn.2024-01.io.nvmfd.test:ram0", "listeners", "reactors", "running"] {
+    for needle in [
+        "nqn.2024-01.io.nvmfd.test:ram0",
+        "listeners",
+        "reactors",
+        "running",
+    ] {
         assert!(out.contains(needle), "status lacks {needle}:\n{out}");
     }
     let (ok, out, _) = nvmfctl(&d, &["status", "--json"]);
@@ -229,7 +289,10 @@ fn nvmfctl_prints_tables_json_toml_and_prometheus() {
 
     let (ok, out, _) = nvmfctl(&d, &["stats", "--prometheus"]);
     assert!(ok);
-    assert!(out.contains("# TYPE nvmfd_reactor_turns_total counter\n"), "{out}");
+    assert!(
+        out.contains("# TYPE nvmfd_reactor_turns_total counter\n"),
+        "{out}"
+    );
     let turns = out
         .lines()
         .find_map(|l| l.strip_prefix("nvmfd_reactor_turns_total{id=\"0\",core=\"0\"} "))
@@ -244,13 +307,24 @@ fn nvmfctl_prints_tables_json_toml_and_prometheus() {
     let (ok, out, _) = nvmfctl(&d, &["config"]);
     assert!(ok);
     let cfg: toml::Table = toml::from_str(&out).unwrap_or_else(|e| panic!("{e}:\n{out}"));
-    assert_eq!(cfg["subsystem"][0]["nqn"].as_str(), Some("nqn.2024-01.io.nvmfd.test:ram0"));
+    assert_eq!(
+        cfg["subsystem"][0]["nqn"].as_str(),
+        Some("nqn.2024-01.io.nvmfd.test:ram0")
+    );
     // What nvmfctl prints is itself a valid configuration.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("printed.toml");
     std::fs::write(&path, &out).unwrap();
-    let check = Command::new(bin("nvmfd")).arg("--check-config").arg(&path).output().unwrap();
-    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let check = Command::new(bin("nvmfd"))
+        .arg("--check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
 }
 
 #[test]
@@ -261,5 +335,9 @@ fn nvmfctl_says_when_the_daemon_is_not_there() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cannot connect to /nonexistent/nvmfd.sock") && err.contains("is nvmfd running?"), "{err}");
+    assert!(
+        err.contains("cannot connect to /nonexistent/nvmfd.sock")
+            && err.contains("is nvmfd running?"),
+        "{err}"
+    );
 }

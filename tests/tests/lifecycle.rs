@@ -11,31 +11,52 @@ fn check_config_accepts_a_valid_file() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ok.toml");
     std::fs::write(&path, nvmfd_tests::test_config(dir.path(), "")).unwrap();
-    let out = Command::new(bin("nvmfd")).arg("--check-config").arg(&path).output().unwrap();
+    let out = Command::new(bin("nvmfd"))
+        .arg("--check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{out:?}");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("valid: 1 listener(s), 1 subsystem(s), 1 namespace(s), 1 reactor(s)"), "{stdout}");
+    assert!(
+        stdout.contains("valid: 1 listener(s), 1 subsystem(s), 1 namespace(s), 1 reactor(s)"),
+        "{stdout}"
+    );
 }
 
 #[test]
 fn check_config_refuses_an_invalid_file_naming_key_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bad.toml");
-    let text = nvmfd_tests::test_config(dir.path(), "").replace("size = \"64MiB\"", "size = \"64MB\"");
+    let text =
+        nvmfd_tests::test_config(dir.path(), "").replace("size = \"64MiB\"", "size = \"64MB\"");
     std::fs::write(&path, &text).unwrap();
     let line = text.lines().position(|l| l.starts_with("size")).unwrap() + 1;
-    let out = Command::new(bin("nvmfd")).arg("--check-config").arg(&path).output().unwrap();
+    let out = Command::new(bin("nvmfd"))
+        .arg("--check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let expected = format!("{}:{line}:8: `subsystem[0].namespace[0].size`: `64MB` uses a decimal unit", path.display());
-    assert!(stderr.starts_with(&expected), "{stderr}\nexpected: {expected}");
+    let expected = format!(
+        "{}:{line}:8: `subsystem[0].namespace[0].size`: `64MB` uses a decimal unit",
+        path.display()
+    );
+    assert!(
+        stderr.starts_with(&expected),
+        "{stderr}\nexpected: {expected}"
+    );
 }
 
 #[test]
 fn an_invalid_config_stops_the_daemon_before_it_starts() {
     let dir = tempfile::tempdir().unwrap();
     let mut d = Daemon::spawn(Options {
-        config: Some(nvmfd_tests::test_config(dir.path(), "").replace("reactor_cores = [0]", "reactor_cores = [0, 4096]")),
+        config: Some(
+            nvmfd_tests::test_config(dir.path(), "")
+                .replace("reactor_cores = [0]", "reactor_cores = [0, 4096]"),
+        ),
         ..Options::default()
     });
     assert_eq!(d.wait_exit().code(), Some(1));
@@ -65,7 +86,9 @@ fn sigint_stops_gracefully() {
 fn sighup_is_logged_and_does_not_stop_the_daemon() {
     let mut d = Daemon::start(Options::default());
     d.signal(libc::SIGHUP);
-    wait_for("the SIGHUP log line", || d.log().contains("SIGHUP").then_some(()));
+    wait_for("the SIGHUP log line", || {
+        d.log().contains("SIGHUP").then_some(())
+    });
     assert_eq!(d.data("status")["state"], "running");
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
@@ -80,10 +103,19 @@ fn a_second_signal_forces_exit_when_the_graceful_stop_hangs() {
     // A reactor stuck for a minute makes the graceful stop wait for it.
     let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":60000}"#);
     assert_eq!(v["ok"], true, "{v}");
-    wait_for("the reactor to stall", || d.log().contains("test hook: reactor stalling").then_some(()));
+    wait_for("the reactor to stall", || {
+        d.log()
+            .contains("test hook: reactor stalling")
+            .then_some(())
+    });
     d.signal(libc::SIGTERM);
-    wait_for("the graceful stop to begin", || d.log().contains("stopping gracefully").then_some(()));
-    assert!(d.child.try_wait().unwrap().is_none(), "the graceful stop should be waiting for the stalled reactor");
+    wait_for("the graceful stop to begin", || {
+        d.log().contains("stopping gracefully").then_some(())
+    });
+    assert!(
+        d.child.try_wait().unwrap().is_none(),
+        "the graceful stop should be waiting for the stalled reactor"
+    );
     d.signal(libc::SIGTERM);
     assert_eq!(d.wait_exit().code(), Some(130));
 }
@@ -97,8 +129,16 @@ fn a_second_daemon_on_the_same_socket_refuses_to_start() {
         ..Options::default()
     });
     assert_eq!(second.wait_exit().code(), Some(1));
-    assert!(second.log().contains("another nvmfd is already serving"), "{}", second.log());
-    assert_eq!(d.data("status")["state"], "running", "the first daemon must keep serving");
+    assert!(
+        second.log().contains("another nvmfd is already serving"),
+        "{}",
+        second.log()
+    );
+    assert_eq!(
+        d.data("status")["state"],
+        "running",
+        "the first daemon must keep serving"
+    );
 }
 
 #[test]
@@ -127,9 +167,17 @@ fn systemd_sees_ready_status_watchdog_and_stopping() {
     });
     let msgs = d.notifications_until("READY=1");
     let ready = msgs.last().unwrap();
-    assert!(ready.lines().any(|l| l.starts_with("STATUS=1 subsystem(s), 1 namespace(s)")), "{ready}");
+    assert!(
+        ready
+            .lines()
+            .any(|l| l.starts_with("STATUS=1 subsystem(s), 1 namespace(s)")),
+        "{ready}"
+    );
     // READY comes only once the admin socket is up: it answers at once.
-    assert!(std::os::unix::net::UnixStream::connect(&d.socket).is_ok(), "READY=1 before the admin socket");
+    assert!(
+        std::os::unix::net::UnixStream::connect(&d.socket).is_ok(),
+        "READY=1 before the admin socket"
+    );
     assert_eq!(d.data("status")["watchdog_usec"], 200_000);
     // Keep-alives at least every half interval: three in a row.
     for _ in 0..3 {
@@ -157,8 +205,15 @@ fn the_watchdog_stops_while_a_reactor_is_stalled_and_resumes_after() {
     assert_eq!(d.data("status")["reactors"][0]["stalled"], true);
     // While it is stalled no keep-alive is sent: watch for three watchdog intervals.
     let during = d.notifications_for(Duration::from_millis(600));
-    assert!(!during.iter().any(|m| m.contains("WATCHDOG=1")), "watchdog fed during a stall: {during:?}");
-    assert_eq!(d.data("status")["reactors"][0]["stalled"], true, "the stall ended before the check was done");
+    assert!(
+        !during.iter().any(|m| m.contains("WATCHDOG=1")),
+        "watchdog fed during a stall: {during:?}"
+    );
+    assert_eq!(
+        d.data("status")["reactors"][0]["stalled"],
+        true,
+        "the stall ended before the check was done"
+    );
     // When the reactor moves again, so does the watchdog.
     d.notifications_until("WATCHDOG=1");
     assert_eq!(d.data("status")["reactors"][0]["stalled"], false);
@@ -173,28 +228,42 @@ fn reactors_are_pinned_to_their_cores() {
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());
         (0..n.min(2)).collect()
     };
-    let list = cores.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ");
+    let list = cores
+        .iter()
+        .map(|c| c.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
     let mut d = Daemon::start(Options {
-        replace: vec![("reactor_cores = [0]".into(), format!("reactor_cores = [{list}]"))],
+        replace: vec![(
+            "reactor_cores = [0]".into(),
+            format!("reactor_cores = [{list}]"),
+        )],
         ..Options::default()
     });
     let pid = d.child.id();
     for (id, core) in cores.iter().enumerate() {
         let name = format!("nvmfd-r{id}");
         let allowed = wait_for(&format!("thread {name}"), || {
-            std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten().find_map(|t| {
-                let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
-                if comm.trim() != name {
-                    return None;
-                }
-                let status = std::fs::read_to_string(t.path().join("status")).ok()?;
-                status
-                    .lines()
-                    .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-                    .map(|s| s.trim().to_owned())
-            })
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .ok()?
+                .flatten()
+                .find_map(|t| {
+                    let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+                    if comm.trim() != name {
+                        return None;
+                    }
+                    let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+                    status
+                        .lines()
+                        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                        .map(|s| s.trim().to_owned())
+                })
         });
-        assert_eq!(allowed, core.to_string(), "{name} is not pinned to core {core}");
+        assert_eq!(
+            allowed,
+            core.to_string(),
+            "{name} is not pinned to core {core}"
+        );
     }
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
@@ -206,12 +275,18 @@ fn logs_are_json_lines_off_a_terminal_and_nvmfd_log_overrides_the_level() {
         env: vec![("NVMFD_LOG".into(), "debug".into())],
         ..Options::default()
     });
-    wait_for("a debug line", || d.log().contains("\"level\":\"DEBG\"").then_some(()));
+    wait_for("a debug line", || {
+        d.log().contains("\"level\":\"DEBG\"").then_some(())
+    });
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
     for line in d.log().lines() {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
-        assert!(v["msg"].is_string() && v["level"].is_string() && v["ts"].is_string(), "{line}");
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(
+            v["msg"].is_string() && v["level"].is_string() && v["ts"].is_string(),
+            "{line}"
+        );
     }
 }
 
@@ -224,8 +299,14 @@ fn the_configured_level_applies_without_the_override() {
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
     let log = d.log();
-    assert!(log.contains("listener not serving"), "warnings are logged: {log}");
-    assert!(!log.contains("\"level\":\"INFO\""), "info lines at level warn: {log}");
+    assert!(
+        log.contains("listener not serving"),
+        "warnings are logged: {log}"
+    );
+    assert!(
+        !log.contains("\"level\":\"INFO\""),
+        "info lines at level warn: {log}"
+    );
 }
 
 #[test]
@@ -236,5 +317,10 @@ fn a_bad_nvmfd_log_is_reported_not_ignored() {
     });
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
-    assert!(d.log().contains("NVMFD_LOG ignored: unknown log level `chatty`"), "{}", d.log());
+    assert!(
+        d.log()
+            .contains("NVMFD_LOG ignored: unknown log level `chatty`"),
+        "{}",
+        d.log()
+    );
 }

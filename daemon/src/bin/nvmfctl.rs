@@ -13,7 +13,13 @@ use nvmfd::ctl;
 #[command(version, about)]
 struct Cli {
     /// The daemon's admin socket.
-    #[arg(long, short = 's', env = "NVMFD_SOCKET", default_value = "/run/nvmfd/nvmfd.sock", global = true)]
+    #[arg(
+        long,
+        short = 's',
+        env = "NVMFD_SOCKET",
+        default_value = "/run/nvmfd/nvmfd.sock",
+        global = true
+    )]
     socket: PathBuf,
     /// Print the daemon's JSON answer instead of tables.
     #[arg(long, global = true)]

@@ -13,7 +13,12 @@ use slog::{error, info, warn};
 #[command(version, about)]
 struct Cli {
     /// Configuration file to serve.
-    #[arg(long, short = 'c', value_name = "PATH", default_value = "/etc/nvmfd/nvmfd.toml")]
+    #[arg(
+        long,
+        short = 'c',
+        value_name = "PATH",
+        default_value = "/etc/nvmfd/nvmfd.toml"
+    )]
     config: PathBuf,
     /// Validate this configuration file, print the verdict and exit (0 valid, 1 not).
     #[arg(long, value_name = "PATH", conflicts_with = "config")]
