@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: dependencies, formatting, lints, build, every test, and
+# the systemd unit. Exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+step() { echo; echo "==> $* ($(( $(date +%s) - t0 ))s)"; }
+step "dependencies"
+scripts/install-deps.sh
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+step "build the binaries the end-to-end tests start"
+cargo build --workspace --bins --locked
+step "cargo test"
+cargo test --workspace --locked 2>&1 | tee target/test-output.txt
+step "systemd unit"
+scripts/verify-unit.sh target/debug
+passed=$(grep -Eo '[0-9]+ passed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
+echo
+echo "all checks done in $(( $(date +%s) - t0 ))s"
+echo "$passed passed, $failed failed"
