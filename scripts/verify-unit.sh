@@ -3,7 +3,7 @@
 # binaries of this build (verify insists that they exist).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
-bindir=${1:-$top/target/debug}
+bindir=$(cd "${1:-$top/target/debug}" && pwd)
 [ -x "$bindir/nvmfd" ] || { echo "verify-unit: $bindir/nvmfd is missing: build first" >&2; exit 1; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 sed "s#/usr/local/bin/nvmfd#$bindir/nvmfd#g" "$top/systemd/nvmfd.service" > "$tmp/nvmfd.service"

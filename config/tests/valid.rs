@@ -99,3 +99,40 @@ fn a_full_config_round_trips_through_json_and_toml() {
     let again: Config = serde_json::from_value(json).unwrap();
     assert_eq!(again, cfg);
 }
+
+/// Every key of the schema appears in docs/CONFIGURATION.md, so the reference cannot fall behind.
+#[test]
+fn every_key_is_documented() {
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/CONFIGURATION.md")).unwrap();
+    let cfg = Config::parse(
+        "[[listener]]\naddress = \"::1\"\n[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a\"\nserial = \"s\"\nallow_any_host = true\n\
+         [[subsystem.namespace]]\nnsid = 1\nbackend = \"null\"\nsize = 4096\nuuid = \"6c61622d-0000-4000-8000-000000000001\"\nnguid = \"0123456789abcdef0123456789abcdef\"\n",
+        &facts(),
+    )
+    .unwrap();
+    let json = serde_json::to_value(&cfg).unwrap();
+    let mut keys = Vec::new();
+    fn walk(v: &serde_json::Value, keys: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    keys.push(k.clone());
+                    walk(x, keys);
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, keys)),
+            _ => {}
+        }
+    }
+    walk(&json, &mut keys);
+    assert!(keys.len() > 30, "walked only {keys:?}");
+    for k in keys {
+        let documented = match k.as_str() {
+            "daemon" | "transport" => doc.contains(&format!("`[{k}]`")),
+            "listener" | "subsystem" => doc.contains(&format!("`[[{k}]]`")),
+            "namespace" => doc.contains("`[[subsystem.namespace]]`"),
+            key => doc.contains(&format!("| `{key}` |")),
+        };
+        assert!(documented, "`{k}` is missing from docs/CONFIGURATION.md");
+    }
+}
