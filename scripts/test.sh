@@ -14,11 +14,17 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "build the binaries the end-to-end tests start"
 cargo build --workspace --bins --locked
 step "cargo test"
+mkdir -p target/tmp && rm -f target/tmp/skipped-tests.txt
 cargo test --workspace --locked 2>&1 | tee target/test-output.txt
 step "systemd unit"
 scripts/verify-unit.sh target/debug
 passed=$(grep -Eo '[0-9]+ passed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
+skipped=0
+if [ -s target/tmp/skipped-tests.txt ]; then
+  echo; echo "Skipped, with the reason:"; sort -u target/tmp/skipped-tests.txt
+  skipped=$(sort -u target/tmp/skipped-tests.txt | wc -l)
+fi
 echo
 echo "all checks done in $(( $(date +%s) - t0 ))s"
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed, $skipped skipped"

@@ -1,5 +1,86 @@
-//! Block devices for nvmfd: the per-reactor trait, and the io_uring file/block-device,
-//! `malloc` (RAM) and `null` backends.
+//! Block devices for nvmfd: how a reactor reaches the disks.
 //!
-//! Not written yet: this crate holds nothing, and no namespace is opened today.
-//! See `docs/ARCHITECTURE.md` for what it will own.
+//! - [`BufPool`] / [`DmaBuf`]: page-aligned memory that io_uring registers as fixed buffers and
+//!   the RDMA layer as memory regions, so a block goes from disk to wire with no copy.
+//! - [`Device`]: an open file, block device, RAM disk (`malloc`) or `null` device, with a
+//!   [`DeviceInfo`] saying its size, block sizes and capabilities.
+//! - [`Engine`]: one per reactor. It owns one io_uring, queues read, write (optionally FUA),
+//!   flush, write-zeroes and deallocate operations, submits them with one system call per loop
+//!   turn, and reaps completions without blocking. An operation owns its buffer until its
+//!   completion hands it back.
+
+mod device;
+mod engine;
+mod mem;
+
+pub use device::{Device, DeviceInfo, DeviceSpec, Kind};
+pub use engine::{Completion, DevId, Engine, OpKind, Rejected};
+pub use mem::{BufPool, DmaBuf, DmaRegion, DMA_ALIGN};
+
+/// Why a block operation was refused or failed: the small set the NVMe layer maps to status
+/// codes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BlockError {
+    /// offset or length not a whole number of logical blocks, or zero length
+    #[error("offset {offset} / length {len} are not a non-zero multiple of the {block_size}-byte block size")]
+    Misaligned {
+        /// Byte offset asked for.
+        offset: u64,
+        /// Byte length asked for.
+        len: u64,
+        /// The device's logical block size.
+        block_size: u32,
+    },
+    /// the range ends past the device's end
+    #[error("range {offset}+{len} is past the end of the device ({size} bytes)")]
+    OutOfRange {
+        /// Byte offset asked for.
+        offset: u64,
+        /// Byte length asked for.
+        len: u64,
+        /// Device size.
+        size: u64,
+    },
+    /// a write to a read-only device
+    #[error("the device is read-only")]
+    ReadOnly,
+    /// an operation the device does not support
+    #[error("the device does not support {0}")]
+    Unsupported(&'static str),
+    /// the engine has no room for another operation now: retry after reaping
+    #[error("the submission queue is full")]
+    QueueFull,
+    /// no such device on this engine
+    #[error("unknown device")]
+    UnknownDevice,
+    /// the device is full
+    #[error("no space left on the device")]
+    NoSpace,
+    /// the transfer ended early (the file shrank under nvmfd)
+    #[error("short transfer: {done} of {expected} bytes")]
+    ShortTransfer {
+        /// Bytes asked for.
+        expected: u32,
+        /// Bytes transferred.
+        done: u32,
+    },
+    /// any other error from the kernel (errno)
+    #[error("I/O error: {}", std::io::Error::from_raw_os_error(*.0))]
+    Io(i32),
+}
+
+impl BlockError {
+    /// Whether this is back-pressure (retry later) rather than a failure.
+    pub fn is_backpressure(&self) -> bool {
+        matches!(self, BlockError::QueueFull)
+    }
+
+    pub(crate) fn from_errno(errno: i32) -> BlockError {
+        match errno {
+            libc::ENOSPC => BlockError::NoSpace,
+            libc::EOPNOTSUPP => BlockError::Unsupported("this operation"),
+            libc::EROFS | libc::EBADF => BlockError::ReadOnly,
+            e => BlockError::Io(e),
+        }
+    }
+}

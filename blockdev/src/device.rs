@@ -1,0 +1,324 @@
+//! Opening block devices and describing them.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::mem::DmaRegion;
+use crate::BlockError;
+
+/// `_IOR(0x12, 114, size_t)`: a block device's size in bytes (not exported by `libc`).
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// Which backend serves a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A regular file, through io_uring.
+    File,
+    /// A block device, through io_uring.
+    Bdev,
+    /// RAM.
+    Malloc,
+    /// Discards writes, reads zeroes.
+    Null,
+}
+
+/// What a device is and what it can do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Backend.
+    pub kind: Kind,
+    /// Path, for files and block devices.
+    pub path: Option<PathBuf>,
+    /// Capacity in bytes, a whole number of logical blocks.
+    pub size: u64,
+    /// Logical block size: the unit of every offset and length.
+    pub logical_block_size: u32,
+    /// Physical block size (for the host's alignment hints).
+    pub physical_block_size: u32,
+    /// Writes are refused.
+    pub read_only: bool,
+    /// I/O bypasses the page cache (O_DIRECT). False after a logged fallback to buffered I/O.
+    pub direct: bool,
+    /// Write zeroes is supported.
+    pub write_zeroes: bool,
+    /// Deallocate (trim) is supported; deallocated blocks read back as zeroes.
+    pub deallocate: bool,
+    /// Flush does something (false for RAM and null, where data is never cached).
+    pub volatile_cache: bool,
+}
+
+impl DeviceInfo {
+    /// Capacity in logical blocks.
+    pub fn blocks(&self) -> u64 {
+        self.size / u64::from(self.logical_block_size)
+    }
+
+    /// Checks that `offset..offset+len` is a non-empty whole number of blocks inside the device.
+    pub fn check_range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        let bs = u64::from(self.logical_block_size);
+        if len == 0 || offset % bs != 0 || len % bs != 0 {
+            return Err(BlockError::Misaligned {
+                offset,
+                len,
+                block_size: self.logical_block_size,
+            });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(BlockError::OutOfRange { offset, len, size: self.size }),
+        }
+    }
+}
+
+/// How to open a device.
+#[derive(Clone, Debug)]
+pub struct DeviceSpec {
+    /// Backend.
+    pub kind: Kind,
+    /// Path (file, bdev).
+    pub path: Option<PathBuf>,
+    /// Size (malloc, null).
+    pub size: u64,
+    /// Logical block size (file, malloc, null; a block device reports its own).
+    pub block_size: u32,
+    /// Open read-only.
+    pub read_only: bool,
+    /// Try O_DIRECT (file, bdev). Default true; a refusal falls back to buffered I/O.
+    pub direct: bool,
+    /// Back RAM with huge pages when available (malloc).
+    pub huge_pages: bool,
+}
+
+impl DeviceSpec {
+    /// A spec with defaults for `kind`.
+    pub fn new(kind: Kind) -> DeviceSpec {
+        DeviceSpec {
+            kind,
+            path: None,
+            size: 0,
+            block_size: 512,
+            read_only: false,
+            direct: true,
+            huge_pages: false,
+        }
+    }
+}
+
+pub(crate) enum Backing {
+    File(File),
+    Malloc(DmaRegion),
+    Null,
+}
+
+/// An open device, shared by the reactors that serve it (each attaches it to its own engine).
+pub struct Device {
+    pub(crate) info: DeviceInfo,
+    pub(crate) backing: Backing,
+    /// Why O_DIRECT was not used, when it was wanted.
+    pub(crate) fallback_reason: Option<String>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("info", &self.info).finish()
+    }
+}
+
+// SAFETY: `Backing::Malloc` holds a raw mapping; the engine copies into and out of it with
+// whole-object copies (see `engine.rs`), and the mapping lives as long as the `Device`. Files
+// are thread-safe. Concurrent writes to the same blocks from two reactors leave one of the two
+// contents per byte range, as a disk would; no Rust reference to the mapping is ever formed.
+unsafe impl Send for Device {}
+// SAFETY: as for `Send`: shared access goes through raw copies only.
+unsafe impl Sync for Device {}
+
+impl Device {
+    /// Opens the device described by `spec`.
+    pub fn open(spec: &DeviceSpec) -> Result<Arc<Device>, io::Error> {
+        Self::open_with(spec, &|path, opts| opts.open(path))
+    }
+
+    /// `open`, with the system call that opens a path as a parameter (tests inject refusals).
+    pub fn open_with(
+        spec: &DeviceSpec,
+        opener: &dyn Fn(&Path, &OpenOptions) -> io::Result<File>,
+    ) -> Result<Arc<Device>, io::Error> {
+        let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
+        if spec.block_size != 512 && spec.block_size != 4096 && spec.kind != Kind::Bdev {
+            return Err(bad(format!("block size {} is not 512 or 4096", spec.block_size)));
+        }
+        let ram = |kind: Kind| {
+            if spec.size == 0 || spec.size % u64::from(spec.block_size) != 0 {
+                return Err(bad(format!("size {} is not a non-zero number of {}-byte blocks", spec.size, spec.block_size)));
+            }
+            Ok(DeviceInfo {
+                kind,
+                path: None,
+                size: spec.size,
+                logical_block_size: spec.block_size,
+                physical_block_size: spec.block_size,
+                read_only: spec.read_only,
+                direct: true,
+                write_zeroes: true,
+                deallocate: true,
+                volatile_cache: false,
+            })
+        };
+        match spec.kind {
+            Kind::Malloc => {
+                let info = ram(Kind::Malloc)?;
+                let len = usize::try_from(spec.size).map_err(|_| bad("size too large".into()))?;
+                let region = DmaRegion::new(len, spec.huge_pages)?;
+                Ok(Arc::new(Device {
+                    info,
+                    backing: Backing::Malloc(region),
+                    fallback_reason: None,
+                }))
+            }
+            Kind::Null => Ok(Arc::new(Device {
+                info: ram(Kind::Null)?,
+                backing: Backing::Null,
+                fallback_reason: None,
+            })),
+            Kind::File | Kind::Bdev => {
+                let path = spec.path.as_deref().ok_or_else(|| bad("a path is needed".into()))?;
+                open_path(spec, path, opener)
+            }
+        }
+    }
+
+    /// What the device is.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Why buffered I/O is used although O_DIRECT was asked for.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.fallback_reason.as_deref()
+    }
+}
+
+fn open_path(spec: &DeviceSpec, path: &Path, opener: &dyn Fn(&Path, &OpenOptions) -> io::Result<File>) -> io::Result<Arc<Device>> {
+    let ctx = |what: &str, e: io::Error| io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()));
+    let options = |direct: bool| {
+        let mut o = OpenOptions::new();
+        o.read(true).write(!spec.read_only);
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o
+    };
+    let mut fallback_reason = None;
+    let mut direct = spec.direct;
+    let file = match opener(path, &options(direct)) {
+        Ok(f) => f,
+        Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+            fallback_reason = Some(format!("the file system refuses O_DIRECT ({e}): using buffered I/O"));
+            direct = false;
+            opener(path, &options(false)).map_err(|e| ctx("cannot open", e))?
+        }
+        Err(e) => return Err(ctx("cannot open", e)),
+    };
+    let meta = file.metadata().map_err(|e| ctx("cannot stat", e))?;
+    let is_bdev = meta.file_type().is_block_device();
+    match (spec.kind, is_bdev) {
+        (Kind::Bdev, false) => return Err(ctx("not a block device", io::Error::from_raw_os_error(libc::ENOTBLK))),
+        (Kind::File, true) => {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: is a block device: use backend `bdev`", path.display())))
+        }
+        _ => {}
+    }
+    let fd = file.as_raw_fd();
+    let (size, lbs, pbs, write_zeroes, deallocate) = if is_bdev {
+        let mut size: u64 = 0;
+        let mut lbs: libc::c_int = 0;
+        let mut pbs: libc::c_uint = 0;
+        // SAFETY: each ioctl writes one integer of the type given into the pointed-to local.
+        let rc = unsafe {
+            (libc::ioctl(fd, BLKGETSIZE64 as _, &mut size) < 0
+                || libc::ioctl(fd, libc::BLKSSZGET as _, &mut lbs) < 0
+                || libc::ioctl(fd, libc::BLKPBSZGET as _, &mut pbs) < 0) as i32
+        };
+        if rc != 0 {
+            return Err(ctx("cannot read its size and block sizes", io::Error::last_os_error()));
+        }
+        let zeroes_max = sysfs_queue_value(&meta, "write_zeroes_max_bytes").unwrap_or(0);
+        // Write zeroes through fallocate(ZERO_RANGE) always works on a block device (the kernel
+        // writes zeroes itself when the device cannot); deallocate through
+        // fallocate(PUNCH_HOLE), which guarantees zeroes, needs the device's write-zeroes.
+        (size, u32::try_from(lbs).unwrap_or(512), pbs, true, zeroes_max > 0)
+    } else {
+        let bs = u64::from(spec.block_size);
+        let size = meta.len() / bs * bs;
+        let (z, d) = if spec.read_only { (false, false) } else { probe_fallocate(fd, size, bs) };
+        (size, spec.block_size, spec.block_size.max(4096), z, d)
+    };
+    if size == 0 {
+        return Err(ctx("is empty", io::Error::from_raw_os_error(libc::EINVAL)));
+    }
+    let mut file = file;
+    if direct {
+        if let Err(e) = probe_direct(&file, lbs) {
+            fallback_reason = Some(format!("O_DIRECT I/O of {lbs}-byte blocks is refused ({e}): using buffered I/O"));
+            direct = false;
+            file = opener(path, &options(false)).map_err(|e| ctx("cannot reopen", e))?;
+        }
+    }
+    Ok(Arc::new(Device {
+        info: DeviceInfo {
+            kind: spec.kind,
+            path: Some(path.to_owned()),
+            size,
+            logical_block_size: lbs,
+            physical_block_size: pbs.max(lbs),
+            read_only: spec.read_only,
+            direct,
+            write_zeroes,
+            deallocate,
+            volatile_cache: true,
+        },
+        backing: Backing::File(file),
+        fallback_reason,
+    }))
+}
+
+/// Reads one block at offset 0 with O_DIRECT: file systems that accept the open may still
+/// refuse the I/O (alignment), and it is better to know at open than at the first command.
+fn probe_direct(file: &File, block: u32) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let region = DmaRegion::new(block as usize, false)?;
+    // SAFETY: the region is at least `block` bytes, owned here, and not otherwise referenced.
+    let buf = unsafe { std::slice::from_raw_parts_mut(region.as_ptr(), block as usize) };
+    file.read_at(buf, 0).map(|_| ())
+}
+
+/// Whether fallocate's ZERO_RANGE and PUNCH_HOLE work on this file, tested past its end with
+/// KEEP_SIZE so that no data changes (and undone at once).
+fn probe_fallocate(fd: i32, size: u64, bs: u64) -> (bool, bool) {
+    let (Ok(off), Ok(len)) = (i64::try_from(size), i64::try_from(bs)) else {
+        return (false, false);
+    };
+    let try_mode = |mode: i32| {
+        // SAFETY: fallocate on an owned fd with KEEP_SIZE past the end changes no file data.
+        unsafe { libc::fallocate(fd, mode | libc::FALLOC_FL_KEEP_SIZE, off, len) == 0 }
+    };
+    let zeroes = try_mode(libc::FALLOC_FL_ZERO_RANGE);
+    let punch = try_mode(libc::FALLOC_FL_PUNCH_HOLE);
+    (zeroes, punch)
+}
+
+fn sysfs_queue_value(meta: &std::fs::Metadata, name: &str) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let rdev = meta.rdev();
+    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+    let base = format!("/sys/dev/block/{major}:{minor}");
+    // A partition's queue is its disk's.
+    let text = std::fs::read_to_string(format!("{base}/queue/{name}"))
+        .or_else(|_| std::fs::read_to_string(format!("{base}/../queue/{name}")))
+        .ok()?;
+    text.trim().parse().ok()
+}

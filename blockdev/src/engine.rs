@@ -1,0 +1,468 @@
+//! The per-reactor I/O engine: one io_uring for the files and block devices, and immediate
+//! completion for RAM and null devices.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+use crate::device::{Backing, Device};
+use crate::mem::{BufPool, DmaBuf};
+use crate::BlockError;
+
+/// A device attached to one engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DevId(pub u32);
+
+/// What an operation does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    /// Read into the buffer.
+    Read,
+    /// Write the buffer.
+    Write,
+    /// Write the buffer and make it durable before completing (FUA, `RWF_DSYNC`).
+    WriteFua,
+    /// Make every completed write durable (fdatasync).
+    Flush,
+    /// Zero a range.
+    WriteZeroes,
+    /// Deallocate (trim) a range; it reads back as zeroes.
+    Deallocate,
+}
+
+/// A finished operation.
+#[derive(Debug)]
+pub struct Completion {
+    /// The caller's tag.
+    pub tag: u64,
+    /// What it was.
+    pub op: OpKind,
+    /// Bytes transferred (reads and writes; 0 otherwise), or why it failed.
+    pub result: Result<u32, BlockError>,
+    /// The buffer, handed back.
+    pub buf: Option<DmaBuf>,
+}
+
+/// An operation the engine refused; the buffer comes back with the reason.
+#[derive(Debug)]
+pub struct Rejected {
+    /// Why.
+    pub error: BlockError,
+    /// The buffer, handed back.
+    pub buf: Option<DmaBuf>,
+}
+
+struct Attached {
+    dev: Arc<Device>,
+    /// Index in the ring's registered file table (files and block devices).
+    file: Option<u32>,
+    in_flight: usize,
+}
+
+struct Slot {
+    tag: u64,
+    op: OpKind,
+    dev: u32,
+    offset: u64,
+    len: u32,
+    done: u32,
+    buf: Option<DmaBuf>,
+}
+
+/// One reactor's I/O engine. Not `Send`: it belongs to its reactor thread.
+pub struct Engine {
+    ring: IoUring,
+    pools: Vec<BufPool>,
+    devices: Vec<Option<Attached>>,
+    slots: Vec<Option<Slot>>,
+    free_slots: Vec<u32>,
+    /// Finished operations not yet reaped, with their slots (freed when reaped, so that an
+    /// unreaped completion still counts against the depth).
+    ready: VecDeque<(u32, Completion)>,
+    unsubmitted: usize,
+    max_devices: u32,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("depth", &self.slots.len())
+            .field("in_flight", &self.in_flight())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// An engine with room for `depth` operations in flight (rounded up to a power of two),
+    /// `max_devices` attached devices, and `pools` registered as fixed buffers.
+    pub fn new(depth: u32, max_devices: u32, pools: &[BufPool]) -> io::Result<Engine> {
+        let depth = depth.clamp(1, 4096).next_power_of_two();
+        // Twice as many completion entries as operations: the CQ can never overflow.
+        let ring = IoUring::builder().setup_cqsize(depth * 2).build(depth)?;
+        ring.submitter().register_files_sparse(max_devices.max(1))?;
+        if !pools.is_empty() {
+            let iovecs: Vec<libc::iovec> = pools.iter().map(BufPool::iovec).collect();
+            // SAFETY: every iovec is a pool's whole region; this engine keeps a clone of each
+            // pool (and so the region) alive until the ring is dropped, which unregisters.
+            unsafe { ring.submitter().register_buffers(&iovecs)? };
+        }
+        let slots = (0..depth).map(|_| None).collect();
+        Ok(Engine {
+            ring,
+            pools: pools.to_vec(),
+            devices: Vec::with_capacity(max_devices as usize),
+            slots,
+            free_slots: (0..depth).rev().collect(),
+            ready: VecDeque::with_capacity(depth as usize),
+            unsubmitted: 0,
+            max_devices: max_devices.max(1),
+        })
+    }
+
+    /// Attaches a device: files and block devices join the ring's registered file table.
+    pub fn attach(&mut self, dev: &Arc<Device>) -> io::Result<DevId> {
+        let index = match self.devices.iter().position(Option::is_none) {
+            Some(i) => i,
+            None if self.devices.len() < self.max_devices as usize => {
+                self.devices.push(None);
+                self.devices.len() - 1
+            }
+            None => return Err(io::Error::new(io::ErrorKind::OutOfMemory, "the engine's device table is full")),
+        };
+        let slot = u32::try_from(index).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
+        let file = match &dev.backing {
+            Backing::File(f) => {
+                self.ring.submitter().register_files_update(slot, &[f.as_raw_fd()])?;
+                Some(slot)
+            }
+            _ => None,
+        };
+        self.devices[index] = Some(Attached {
+            dev: Arc::clone(dev),
+            file,
+            in_flight: 0,
+        });
+        Ok(DevId(slot))
+    }
+
+    /// Detaches a device with no operation in flight.
+    pub fn detach(&mut self, id: DevId) -> Result<(), BlockError> {
+        let a = self.devices.get_mut(id.0 as usize).and_then(Option::as_mut).ok_or(BlockError::UnknownDevice)?;
+        if a.in_flight > 0 {
+            return Err(BlockError::QueueFull);
+        }
+        if a.file.is_some() {
+            let _ = self.ring.submitter().register_files_update(id.0, &[-1]);
+        }
+        self.devices[id.0 as usize] = None;
+        Ok(())
+    }
+
+    /// The attached device `id`.
+    pub fn device(&self, id: DevId) -> Option<&Arc<Device>> {
+        self.devices.get(id.0 as usize)?.as_ref().map(|a| &a.dev)
+    }
+
+    /// Operations queued or in flight, reaped or not.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free_slots.len()
+    }
+
+    /// Room for this many more operations.
+    pub fn capacity_left(&self) -> usize {
+        self.free_slots.len()
+    }
+
+    /// Queues a read of `buf.len()` bytes at `offset`.
+    pub fn read(&mut self, dev: DevId, offset: u64, buf: DmaBuf, tag: u64) -> Result<(), Rejected> {
+        self.queue(dev, OpKind::Read, offset, 0, Some(buf), tag)
+    }
+
+    /// Queues a write of `buf.len()` bytes at `offset`; with `fua`, durable when it completes.
+    pub fn write(&mut self, dev: DevId, offset: u64, buf: DmaBuf, fua: bool, tag: u64) -> Result<(), Rejected> {
+        let op = if fua { OpKind::WriteFua } else { OpKind::Write };
+        self.queue(dev, op, offset, 0, Some(buf), tag)
+    }
+
+    /// Queues a flush: every write completed before it is durable when it completes.
+    pub fn flush(&mut self, dev: DevId, tag: u64) -> Result<(), Rejected> {
+        self.queue(dev, OpKind::Flush, 0, 0, None, tag)
+    }
+
+    /// Queues zeroing `len` bytes at `offset`.
+    pub fn write_zeroes(&mut self, dev: DevId, offset: u64, len: u64, tag: u64) -> Result<(), Rejected> {
+        self.queue(dev, OpKind::WriteZeroes, offset, len, None, tag)
+    }
+
+    /// Queues deallocating `len` bytes at `offset`.
+    pub fn deallocate(&mut self, dev: DevId, offset: u64, len: u64, tag: u64) -> Result<(), Rejected> {
+        self.queue(dev, OpKind::Deallocate, offset, len, None, tag)
+    }
+
+    fn queue(&mut self, dev: DevId, op: OpKind, offset: u64, len: u64, buf: Option<DmaBuf>, tag: u64) -> Result<(), Rejected> {
+        let reject = |error, buf| Err(Rejected { error, buf });
+        let Some(a) = self.devices.get(dev.0 as usize).and_then(Option::as_ref) else {
+            return reject(BlockError::UnknownDevice, buf);
+        };
+        let info = &a.dev.info;
+        let len = buf.as_ref().map_or(len, |b| b.len() as u64);
+        let writes = !matches!(op, OpKind::Read | OpKind::Flush);
+        if writes && info.read_only {
+            return reject(BlockError::ReadOnly, buf);
+        }
+        match op {
+            OpKind::WriteZeroes if !info.write_zeroes => return reject(BlockError::Unsupported("write zeroes"), buf),
+            OpKind::Deallocate if !info.deallocate => return reject(BlockError::Unsupported("deallocate"), buf),
+            OpKind::Flush => {}
+            _ => {
+                if let Err(e) = info.check_range(offset, len) {
+                    return reject(e, buf);
+                }
+            }
+        }
+        let Ok(len32) = u32::try_from(len) else {
+            return reject(BlockError::Unsupported("transfers of 4 GiB or more"), buf);
+        };
+        let Some(slot) = self.free_slots.pop() else {
+            return reject(BlockError::QueueFull, buf);
+        };
+        let dev_index = dev.0;
+        self.slots[slot as usize] = Some(Slot {
+            tag,
+            op,
+            dev: dev_index,
+            offset,
+            len: len32,
+            done: 0,
+            buf,
+        });
+        if let Some(a) = self.devices[dev_index as usize].as_mut() {
+            a.in_flight += 1;
+        }
+        let is_file = self.devices[dev_index as usize].as_ref().is_some_and(|a| a.file.is_some());
+        if is_file {
+            self.push_sqe(slot);
+        } else {
+            self.complete_in_memory(slot);
+        }
+        Ok(())
+    }
+
+    /// Builds and queues the SQE for (the rest of) slot `slot`'s operation.
+    fn push_sqe(&mut self, slot: u32) {
+        let s = self.slots[slot as usize].as_mut().expect("queued slot");
+        let file = types::Fixed(
+            self.devices[s.dev as usize]
+                .as_ref()
+                .and_then(|a| a.file)
+                .expect("file device"),
+        );
+        let offset = s.offset + u64::from(s.done);
+        let remaining = s.len - s.done;
+        let entry: squeue::Entry = match s.op {
+            OpKind::Read | OpKind::Write | OpKind::WriteFua => {
+                let buf = s.buf.as_mut().expect("data operations carry a buffer");
+                // SAFETY: done < len <= buf.len(), so the pointer stays inside the buffer.
+                let ptr = unsafe { buf.as_mut_ptr().add(s.done as usize) };
+                let fixed = self.pools.iter().position(|p| buf.is_from(p)).and_then(|i| u16::try_from(i).ok());
+                let flags = if s.op == OpKind::WriteFua { libc::RWF_DSYNC } else { 0 };
+                match (s.op, fixed) {
+                    (OpKind::Read, Some(i)) => opcode::ReadFixed::new(file, ptr, remaining, i).offset(offset).build(),
+                    (OpKind::Read, None) => opcode::Read::new(file, ptr, remaining).offset(offset).build(),
+                    (_, Some(i)) => opcode::WriteFixed::new(file, ptr, remaining, i).offset(offset).rw_flags(flags).build(),
+                    (_, None) => opcode::Write::new(file, ptr, remaining).offset(offset).rw_flags(flags).build(),
+                }
+            }
+            OpKind::Flush => opcode::Fsync::new(file).flags(types::FsyncFlags::DATASYNC).build(),
+            OpKind::WriteZeroes => opcode::Fallocate::new(file, u64::from(s.len))
+                .offset(s.offset)
+                .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+            OpKind::Deallocate => opcode::Fallocate::new(file, u64::from(s.len))
+                .offset(s.offset)
+                .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                .build(),
+        };
+        let entry = entry.user_data(u64::from(slot));
+        // SAFETY: the SQE points into `s.buf`, which this slot owns until the completion is
+        // reaped (the caller gave it up); the registered file and buffer tables hold the fd and
+        // the region for as long as the ring lives, and `Drop` waits for every operation.
+        let pushed = unsafe { self.ring.submission().push(&entry) };
+        // Slots never outnumber SQ entries and each has at most one SQE queued, so the SQ
+        // cannot be full; should it be, submit and retry once.
+        if pushed.is_err() {
+            let _ = self.ring.submit();
+            self.unsubmitted = 0;
+            // SAFETY: as above.
+            let again = unsafe { self.ring.submission().push(&entry) };
+            if again.is_err() {
+                self.finish(slot, Err(BlockError::QueueFull));
+                return;
+            }
+        }
+        self.unsubmitted += 1;
+    }
+
+    /// RAM and null devices: the operation completes now; the completion is reaped later.
+    fn complete_in_memory(&mut self, slot: u32) {
+        let s = self.slots[slot as usize].as_mut().expect("queued slot");
+        let dev = Arc::clone(&self.devices[s.dev as usize].as_ref().expect("attached").dev);
+        let len = s.len as usize;
+        let off = usize::try_from(s.offset).unwrap_or(usize::MAX);
+        match (&dev.backing, s.op) {
+            (_, OpKind::Flush) => {}
+            (Backing::Null, OpKind::Read) => s.buf.as_mut().expect("buffer").as_mut_slice().fill(0),
+            (Backing::Null, _) => {}
+            (Backing::Malloc(region), op) => {
+                // `queue` checked off + len <= size <= region.len().
+                debug_assert!(off + len <= region.len());
+                // SAFETY: off..off+len is inside the mapping (checked by `check_range`), the
+                // buffer is at least `len` bytes and owned by this slot; the copies are raw so
+                // no reference to the shared mapping is formed (see `Device`'s Sync).
+                unsafe {
+                    let dst = region.as_ptr().add(off);
+                    match op {
+                        OpKind::Read => std::ptr::copy_nonoverlapping(dst, s.buf.as_mut().expect("buffer").as_mut_ptr(), len),
+                        OpKind::Write | OpKind::WriteFua => {
+                            std::ptr::copy_nonoverlapping(s.buf.as_mut().expect("buffer").as_mut_ptr(), dst, len)
+                        }
+                        _ => std::ptr::write_bytes(dst, 0, len),
+                    }
+                }
+            }
+            (Backing::File(_), _) => unreachable!("files go through the ring"),
+        }
+        let done = if matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua) { s.len } else { 0 };
+        self.finish(slot, Ok(done));
+    }
+
+    /// Queues the slot's completion; the slot is freed when the completion is reaped.
+    fn finish(&mut self, slot: u32, result: Result<u32, BlockError>) {
+        let s = self.slots[slot as usize].take().expect("finishing a live slot");
+        if let Some(a) = self.devices[s.dev as usize].as_mut() {
+            a.in_flight -= 1;
+        }
+        self.ready.push_back((
+            slot,
+            Completion {
+                tag: s.tag,
+                op: s.op,
+                result,
+                buf: s.buf,
+            },
+        ));
+    }
+
+    /// Submits everything queued since the last call, in one system call. A busy kernel is
+    /// back-pressure: the entries stay queued for the next call.
+    pub fn submit(&mut self) -> io::Result<usize> {
+        if self.unsubmitted == 0 {
+            return Ok(0);
+        }
+        match self.ring.submit() {
+            Ok(n) => {
+                self.unsubmitted = self.unsubmitted.saturating_sub(n);
+                Ok(n)
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN) | Some(libc::EINTR)) => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Hands every finished operation to `f`, without blocking; returns how many.
+    ///
+    /// A partial read or write is resubmitted for its remainder (and completes later); one
+    /// that transferred nothing is reported as [`BlockError::ShortTransfer`].
+    pub fn reap(&mut self, mut f: impl FnMut(Completion)) -> usize {
+        loop {
+            let Some(cqe) = self.ring.completion().next() else { break };
+            let Ok(slot) = u32::try_from(cqe.user_data()) else { continue };
+            let res = cqe.result();
+            let Some(s) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            if res < 0 {
+                self.finish(slot, Err(BlockError::from_errno(-res)));
+                continue;
+            }
+            let data = matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua);
+            if !data {
+                self.finish(slot, Ok(0));
+                continue;
+            }
+            let n = res.unsigned_abs();
+            if n == 0 {
+                let (expected, done) = (s.len, s.done);
+                self.finish(slot, Err(BlockError::ShortTransfer { expected, done }));
+                continue;
+            }
+            s.done = s.done.saturating_add(n).min(s.len);
+            if s.done < s.len {
+                self.push_sqe(slot);
+            } else {
+                let len = s.len;
+                self.finish(slot, Ok(len));
+            }
+        }
+        let mut n = 0;
+        while let Some((slot, c)) = self.ready.pop_front() {
+            self.free_slots.push(slot);
+            f(c);
+            n += 1;
+        }
+        n
+    }
+
+    /// Submits what is queued and blocks until at least `min` operations have finished (or
+    /// none is in flight). For benchmarks and shutdown; a reactor polls instead.
+    pub fn wait(&mut self, min: usize) -> io::Result<()> {
+        let kernel_owned = self.in_flight() - self.ready.len();
+        if !self.ready.is_empty() || kernel_owned == 0 {
+            return self.submit().map(drop);
+        }
+        match self.ring.submit_and_wait(min.min(kernel_owned)) {
+            Ok(_) => {
+                self.unsubmitted = 0;
+                Ok(())
+            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Submits and waits until every operation has finished, handing each to `f`.
+    pub fn drain(&mut self, mut f: impl FnMut(Completion)) -> io::Result<()> {
+        while self.in_flight() > 0 || !self.ready.is_empty() {
+            self.submit()?;
+            let kernel_owned = self.in_flight() - self.ready.len();
+            if kernel_owned > 0 && self.ready.is_empty() {
+                match self.ring.submit_and_wait(1) {
+                    Ok(_) => self.unsubmitted = 0,
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            self.reap(&mut f);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // The kernel may still be using buffers of operations in flight: wait for all of them
+        // before the buffers and registrations go away.
+        if self.drain(drop).is_err() {
+            // The ring is unusable; in-flight buffers are leaked rather than freed under the
+            // kernel.
+            for s in self.slots.iter_mut() {
+                if let Some(slot) = s.take() {
+                    std::mem::forget(slot.buf);
+                }
+            }
+        }
+    }
+}

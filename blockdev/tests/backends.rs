@@ -1,0 +1,459 @@
+//! The same tests against every backend: a file on disk, a file on tmpfs, a loop block device,
+//! RAM and null.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use nvmfd_blockdev::{BlockError, BufPool, Completion, DevId, Device, DeviceSpec, DmaBuf, Engine, Kind};
+
+const SIZE: u64 = 8 << 20;
+
+/// Says that a test is skipped, on standard error and in `target/tmp/skipped-tests.txt`,
+/// which the test script prints at the end (cargo hides a passing test's output).
+fn skip(test: &str, why: &str) {
+    use std::io::Write;
+    eprintln!("SKIPPED {test}: {why}");
+    let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = writeln!(f, "SKIPPED {test}: {why}");
+    }
+}
+
+/// A deterministic byte pattern, different for every seed.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+struct Fixture {
+    engine: Engine,
+    pool: BufPool,
+    dev: DevId,
+    device: Arc<Device>,
+    /// Reads return what was written (false for null).
+    stores: bool,
+    _cleanup: Option<Cleanup>,
+}
+
+/// Held for its `Drop`: removes the directory, detaches the loop device.
+#[allow(dead_code)]
+enum Cleanup {
+    Dir(tempfile::TempDir),
+    Loop(String, tempfile::TempDir),
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Cleanup::Loop(dev, _) = self {
+            let _ = Command::new("losetup").arg("-d").arg(&*dev).status();
+        }
+    }
+}
+
+fn make_file(dir: &Path) -> PathBuf {
+    let path = dir.join("disk.img");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(SIZE).unwrap();
+    path
+}
+
+fn fixture(kind: &str, block_size: u32) -> Option<Fixture> {
+    let pool = BufPool::new(16, 256 * 1024, false).unwrap();
+    let (spec, cleanup, stores) = match kind {
+        "file" => {
+            let dir = tempfile::Builder::new().prefix("nvmfd-bdev").tempdir_in("/var/tmp").unwrap();
+            let mut s = DeviceSpec::new(Kind::File);
+            s.path = Some(make_file(dir.path()));
+            s.block_size = block_size;
+            (s, Some(Cleanup::Dir(dir)), true)
+        }
+        "tmpfs" => {
+            if !Path::new("/dev/shm").is_dir() {
+                skip(&format!("blockdev {kind} {block_size}"), "no tmpfs at /dev/shm");
+                return None;
+            }
+            let dir = tempfile::Builder::new().prefix("nvmfd-bdev").tempdir_in("/dev/shm").unwrap();
+            let mut s = DeviceSpec::new(Kind::File);
+            s.path = Some(make_file(dir.path()));
+            s.block_size = block_size;
+            (s, Some(Cleanup::Dir(dir)), true)
+        }
+        "loop" => {
+            let dir = tempfile::Builder::new().prefix("nvmfd-bdev").tempdir_in("/var/tmp").unwrap();
+            let file = make_file(dir.path());
+            let out = Command::new("losetup")
+                .args(["--find", "--show", "--sector-size", &block_size.to_string()])
+                .arg(&file)
+                .output();
+            let dev = match out {
+                Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_owned(),
+                Ok(o) => {
+                    let why = format!("losetup failed: {}", String::from_utf8_lossy(&o.stderr).trim());
+                    skip(&format!("blockdev loop device {block_size}"), &why);
+                    return None;
+                }
+                Err(e) => {
+                    skip(&format!("blockdev loop device {block_size}"), &format!("losetup unavailable: {e}"));
+                    return None;
+                }
+            };
+            let mut s = DeviceSpec::new(Kind::Bdev);
+            s.path = Some(PathBuf::from(&dev));
+            (s, Some(Cleanup::Loop(dev, dir)), true)
+        }
+        "malloc" => {
+            let mut s = DeviceSpec::new(Kind::Malloc);
+            s.size = SIZE;
+            s.block_size = block_size;
+            (s, None, true)
+        }
+        "null" => {
+            let mut s = DeviceSpec::new(Kind::Null);
+            s.size = SIZE;
+            s.block_size = block_size;
+            (s, None, false)
+        }
+        other => panic!("unknown backend {other}"),
+    };
+    let device = Device::open(&spec).unwrap_or_else(|e| panic!("{kind}: {e}"));
+    assert_eq!(device.info().logical_block_size, block_size, "{kind}");
+    assert_eq!(device.info().size, SIZE, "{kind}");
+    let mut engine = Engine::new(32, 4, std::slice::from_ref(&pool)).unwrap();
+    let dev = engine.attach(&device).unwrap();
+    Some(Fixture {
+        engine,
+        pool,
+        dev,
+        device,
+        stores,
+        _cleanup: cleanup,
+    })
+}
+
+impl Fixture {
+    fn buf(&self, len: usize) -> DmaBuf {
+        let mut b = self.pool.take().expect("a free buffer");
+        assert!(b.set_len(len));
+        b
+    }
+
+    /// Waits for every queued operation and returns the completions.
+    fn run(&mut self) -> Vec<Completion> {
+        let mut out = Vec::new();
+        self.engine.drain(|c| out.push(c)).unwrap();
+        out
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8], fua: bool) {
+        let mut b = self.buf(data.len());
+        b.as_mut_slice().copy_from_slice(data);
+        self.engine.write(self.dev, offset, b, fua, 1).unwrap();
+        let c = self.run();
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].result, Ok(data.len() as u32));
+    }
+
+    fn read(&mut self, offset: u64, len: usize) -> Vec<u8> {
+        let b = self.buf(len);
+        self.engine.read(self.dev, offset, b, 2).unwrap();
+        let mut c = self.run();
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].result, Ok(len as u32));
+        c.pop().unwrap().buf.unwrap().as_slice().to_vec()
+    }
+
+    fn expect(&self, got: &[u8], want: &[u8], what: &str) {
+        if self.stores {
+            assert!(got == want, "{what}: data differs");
+        } else {
+            assert!(got.iter().all(|&b| b == 0), "{what}: null reads must be zeroes");
+        }
+    }
+}
+
+macro_rules! per_backend {
+    ($test:ident) => {
+        mod $test {
+            #[test]
+            fn file_512() {
+                if let Some(f) = super::fixture("file", 512) {
+                    super::$test(f)
+                }
+            }
+            #[test]
+            fn file_4096() {
+                if let Some(f) = super::fixture("file", 4096) {
+                    super::$test(f)
+                }
+            }
+            #[test]
+            fn tmpfs_512() {
+                if let Some(f) = super::fixture("tmpfs", 512) {
+                    super::$test(f)
+                }
+            }
+            #[test]
+            fn loop_bdev_512() {
+                if let Some(f) = super::fixture("loop", 512) {
+                    super::$test(f)
+                }
+            }
+            #[test]
+            fn loop_bdev_4096() {
+                if let Some(f) = super::fixture("loop", 4096) {
+                    super::$test(f)
+                }
+            }
+            #[test]
+            fn malloc_512() {
+                super::$test(super::fixture("malloc", 512).unwrap())
+            }
+            #[test]
+            fn malloc_4096() {
+                super::$test(super::fixture("malloc", 4096).unwrap())
+            }
+            #[test]
+            fn null_512() {
+                super::$test(super::fixture("null", 512).unwrap())
+            }
+        }
+    };
+}
+
+fn data_round_trips_across_block_boundaries(mut f: Fixture) {
+    let bs = u64::from(f.device.info().logical_block_size);
+    let cases = [(0, 1), (7, 3), (1, 16), (33, 257), (SIZE / bs - 64, 64)];
+    for (i, (block, blocks)) in cases.into_iter().enumerate() {
+        let len = (blocks * bs).min(256 * 1024) as usize;
+        let data = pattern(i as u64 + 1, len);
+        f.write(block * bs, &data, i % 2 == 1);
+        let got = f.read(block * bs, len);
+        f.expect(&got, &data, &format!("case {i}"));
+    }
+    // An overlapping read sees both writes.
+    let a = pattern(100, 2 * bs as usize);
+    let b = pattern(101, 2 * bs as usize);
+    f.write(10 * bs, &a, false);
+    f.write(11 * bs, &b, false);
+    let got = f.read(10 * bs, 3 * bs as usize);
+    let mut want = a[..bs as usize].to_vec();
+    want.extend_from_slice(&b);
+    f.expect(&got, &want, "overlap");
+    assert_eq!(f.pool.free_count(), f.pool.count(), "every buffer came back");
+}
+per_backend!(data_round_trips_across_block_boundaries);
+
+fn flush_and_fua_complete(mut f: Fixture) {
+    let data = pattern(7, 4096);
+    f.write(0, &data, true);
+    f.engine.flush(f.dev, 9).unwrap();
+    let c = f.run();
+    assert_eq!((c[0].tag, &c[0].result), (9, &Ok(0)));
+    let got = f.read(0, 4096);
+    f.expect(&got, &data, "after flush");
+}
+per_backend!(flush_and_fua_complete);
+
+fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
+    let bs = f.device.info().logical_block_size as usize;
+    let len = 64 * 1024;
+    for (op, seed) in [("zeroes", 1), ("deallocate", 2)] {
+        let supported = if op == "zeroes" { f.device.info().write_zeroes } else { f.device.info().deallocate };
+        let base = seed * 1024 * 1024;
+        let data = pattern(seed, len);
+        f.write(base, &data, false);
+        let (zo, zl) = (base + 8192, 4 * bs as u64);
+        let r = if op == "zeroes" {
+            f.engine.write_zeroes(f.dev, zo, zl, 5)
+        } else {
+            f.engine.deallocate(f.dev, zo, zl, 5)
+        };
+        if !supported {
+            let e = r.unwrap_err();
+            assert!(matches!(e.error, BlockError::Unsupported(_)), "{op}: {e:?}");
+            eprintln!("{op} unsupported on {:?}: refused as expected", f.device.info().kind);
+            continue;
+        }
+        r.unwrap();
+        let c = f.run();
+        assert_eq!(c[0].result, Ok(0), "{op}");
+        let got = f.read(base, len);
+        let mut want = data.clone();
+        want[8192..8192 + 4 * bs].fill(0);
+        f.expect(&got, &want, op);
+    }
+}
+per_backend!(zeroes_and_deallocate_zero_only_their_range);
+
+fn misaligned_and_out_of_range_are_refused_with_the_buffer_back(mut f: Fixture) {
+    let bs = u64::from(f.device.info().logical_block_size);
+    let b = f.buf(bs as usize);
+    let e = f.engine.read(f.dev, 100, b, 1).unwrap_err();
+    assert!(matches!(e.error, BlockError::Misaligned { offset: 100, .. }), "{e:?}");
+    let mut b = e.buf.expect("buffer handed back");
+    assert!(b.set_len(bs as usize + 1));
+    let e = f.engine.write(f.dev, 0, b, false, 1).unwrap_err();
+    assert!(matches!(e.error, BlockError::Misaligned { .. }), "{e:?}");
+    let mut b = e.buf.unwrap();
+    b.set_len(2 * bs as usize);
+    let e = f.engine.read(f.dev, SIZE - bs, b, 1).unwrap_err();
+    assert!(matches!(e.error, BlockError::OutOfRange { .. }), "{e:?}");
+    let b = e.buf.unwrap();
+    let e = f.engine.read(f.dev, u64::MAX - bs + 1, b, 1).unwrap_err();
+    assert!(matches!(e.error, BlockError::OutOfRange { .. }), "overflow: {e:?}");
+    drop(e);
+    let e = f.engine.write_zeroes(f.dev, SIZE, bs, 1).unwrap_err();
+    assert!(matches!(e.error, BlockError::OutOfRange { .. } | BlockError::Unsupported(_)), "{e:?}");
+    let e = f.engine.read(f.dev, 0, f.buf(0), 1).unwrap_err();
+    assert!(matches!(e.error, BlockError::Misaligned { len: 0, .. }), "zero length: {e:?}");
+    let e = f.engine.read(DevId(3), 0, e.buf.unwrap(), 1).unwrap_err();
+    assert_eq!(e.error, BlockError::UnknownDevice);
+    drop(e);
+    assert_eq!(f.engine.in_flight(), 0);
+    assert_eq!(f.pool.free_count(), f.pool.count());
+}
+per_backend!(misaligned_and_out_of_range_are_refused_with_the_buffer_back);
+
+fn a_full_queue_is_backpressure(f: Fixture) {
+    let Fixture { pool, device, .. } = f;
+    let mut engine = Engine::new(4, 1, std::slice::from_ref(&pool)).unwrap();
+    let dev = engine.attach(&device).unwrap();
+    let take = || {
+        let mut b = pool.take().unwrap();
+        b.set_len(4096);
+        b
+    };
+    for i in 0..4 {
+        engine.read(dev, i * 4096, take(), i).unwrap();
+    }
+    let e = engine.read(dev, 0, take(), 99).unwrap_err();
+    assert!(e.error.is_backpressure(), "{e:?}");
+    assert!(e.buf.is_some());
+    drop(e);
+    let mut done = Vec::new();
+    engine.drain(|c| done.push(c.tag)).unwrap();
+    done.sort_unstable();
+    assert_eq!(done, [0, 1, 2, 3]);
+    engine.read(dev, 0, take(), 5).unwrap();
+    engine.drain(drop).unwrap();
+    assert_eq!(pool.free_count(), pool.count());
+}
+per_backend!(a_full_queue_is_backpressure);
+
+fn dropping_the_engine_waits_for_operations_in_flight(f: Fixture) {
+    let Fixture { pool, device, .. } = f;
+    let mut engine = Engine::new(32, 1, std::slice::from_ref(&pool)).unwrap();
+    let dev = engine.attach(&device).unwrap();
+    for i in 0..16 {
+        let mut b = pool.take().unwrap();
+        b.set_len(128 * 1024);
+        engine.write(dev, i * 128 * 1024, b, false, i).unwrap();
+    }
+    engine.submit().unwrap();
+    drop(engine);
+    assert_eq!(pool.free_count(), pool.count(), "buffers come back only after their I/O");
+}
+per_backend!(dropping_the_engine_waits_for_operations_in_flight);
+
+fn read_only_devices_refuse_writes(f: Fixture) {
+    if f.device.info().kind == Kind::Bdev {
+        return; // the loop device is opened read-write by the fixture; files cover read-only
+    }
+    let info = f.device.info().clone();
+    let mut spec = DeviceSpec::new(info.kind);
+    spec.path = info.path.clone();
+    spec.size = info.size;
+    spec.block_size = info.logical_block_size;
+    spec.read_only = true;
+    let ro = Device::open(&spec).unwrap();
+    let mut engine = Engine::new(4, 1, std::slice::from_ref(&f.pool)).unwrap();
+    let dev = engine.attach(&ro).unwrap();
+    let mut b = f.pool.take().unwrap();
+    b.set_len(4096);
+    let e = engine.write(dev, 0, b, false, 1).unwrap_err();
+    assert_eq!(e.error, BlockError::ReadOnly);
+    let e = engine.read(dev, 0, e.buf.unwrap(), 1);
+    assert!(e.is_ok(), "reads still work");
+    engine.drain(drop).unwrap();
+}
+per_backend!(read_only_devices_refuse_writes);
+
+#[test]
+fn o_direct_refusal_falls_back_to_buffered_io_and_says_why() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let mut spec = DeviceSpec::new(Kind::File);
+    spec.path = Some(make_file(dir.path()));
+    let refuse_direct = |path: &Path, opts: &std::fs::OpenOptions| {
+        // Stand in for a file system without O_DIRECT: the open with it fails with EINVAL.
+        let probe = opts.clone().custom_flags_probe();
+        if probe {
+            Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+        } else {
+            opts.open(path)
+        }
+    };
+    let dev = Device::open_with(&spec, &refuse_direct).unwrap();
+    assert!(!dev.info().direct);
+    assert!(dev.fallback_reason().unwrap().contains("refuses O_DIRECT"), "{:?}", dev.fallback_reason());
+    let d = Device::open(&spec).unwrap();
+    assert!(d.info().direct, "ext4 takes O_DIRECT");
+    assert!(d.fallback_reason().is_none());
+}
+
+/// `OpenOptions` does not expose its flags; the test opener marks direct opens itself.
+trait ProbeDirect {
+    fn custom_flags_probe(self) -> bool;
+}
+impl ProbeDirect for std::fs::OpenOptions {
+    fn custom_flags_probe(self) -> bool {
+        format!("{self:?}").contains(&format!("custom_flags: {}", libc::O_DIRECT))
+    }
+}
+
+#[test]
+fn a_file_that_shrinks_under_the_engine_gives_a_short_transfer() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let path = make_file(dir.path());
+    let mut spec = DeviceSpec::new(Kind::File);
+    spec.path = Some(path.clone());
+    let dev = Device::open(&spec).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(4096).unwrap();
+    let pool = BufPool::new(1, 8192, false).unwrap();
+    let mut engine = Engine::new(4, 1, std::slice::from_ref(&pool)).unwrap();
+    let id = engine.attach(&dev).unwrap();
+    let b = pool.take().unwrap();
+    engine.read(id, 1 << 20, b, 1).unwrap();
+    let mut out = Vec::new();
+    engine.drain(|c| out.push(c)).unwrap();
+    assert_eq!(out[0].result, Err(BlockError::ShortTransfer { expected: 8192, done: 0 }));
+    // Half of the buffer past the new end: the first half arrives, then the end.
+    let b = out.pop().unwrap().buf.unwrap();
+    engine.read(id, 0, b, 2).unwrap();
+    engine.drain(|c| out.push(c)).unwrap();
+    assert_eq!(out[0].result, Err(BlockError::ShortTransfer { expected: 8192, done: 4096 }));
+}
+
+#[test]
+fn opening_checks_kind_and_geometry() {
+    let mut s = DeviceSpec::new(Kind::Malloc);
+    s.size = 1000;
+    assert!(Device::open(&s).unwrap_err().to_string().contains("not a non-zero number of 512-byte blocks"));
+    let mut s = DeviceSpec::new(Kind::Bdev);
+    s.path = Some("/etc/hostname".into());
+    assert!(Device::open(&s).unwrap_err().to_string().contains("not a block device"));
+    let mut s = DeviceSpec::new(Kind::File);
+    s.path = Some("/nonexistent/disk.img".into());
+    assert!(Device::open(&s).unwrap_err().to_string().contains("/nonexistent/disk.img: cannot open"));
+    let mut s = DeviceSpec::new(Kind::Null);
+    s.size = 4096;
+    s.block_size = 1024;
+    assert!(Device::open(&s).unwrap_err().to_string().contains("not 512 or 4096"));
+}
