@@ -69,7 +69,11 @@ impl DeviceInfo {
         }
         match offset.checked_add(len) {
             Some(end) if end <= self.size => Ok(()),
-            _ => Err(BlockError::OutOfRange { offset, len, size: self.size }),
+            _ => Err(BlockError::OutOfRange {
+                offset,
+                len,
+                size: self.size,
+            }),
         }
     }
 }
@@ -149,11 +153,17 @@ impl Device {
     ) -> Result<Arc<Device>, io::Error> {
         let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
         if spec.block_size != 512 && spec.block_size != 4096 && spec.kind != Kind::Bdev {
-            return Err(bad(format!("block size {} is not 512 or 4096", spec.block_size)));
+            return Err(bad(format!(
+                "block size {} is not 512 or 4096",
+                spec.block_size
+            )));
         }
         let ram = |kind: Kind| {
             if spec.size == 0 || spec.size % u64::from(spec.block_size) != 0 {
-                return Err(bad(format!("size {} is not a non-zero number of {}-byte blocks", spec.size, spec.block_size)));
+                return Err(bad(format!(
+                    "size {} is not a non-zero number of {}-byte blocks",
+                    spec.size, spec.block_size
+                )));
             }
             Ok(DeviceInfo {
                 kind,
@@ -185,7 +195,10 @@ impl Device {
                 fallback_reason: None,
             })),
             Kind::File | Kind::Bdev => {
-                let path = spec.path.as_deref().ok_or_else(|| bad("a path is needed".into()))?;
+                let path = spec
+                    .path
+                    .as_deref()
+                    .ok_or_else(|| bad("a path is needed".into()))?;
                 open_path(spec, path, opener)
             }
         }
@@ -202,8 +215,14 @@ impl Device {
     }
 }
 
-fn open_path(spec: &DeviceSpec, path: &Path, opener: &dyn Fn(&Path, &OpenOptions) -> io::Result<File>) -> io::Result<Arc<Device>> {
-    let ctx = |what: &str, e: io::Error| io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()));
+fn open_path(
+    spec: &DeviceSpec,
+    path: &Path,
+    opener: &dyn Fn(&Path, &OpenOptions) -> io::Result<File>,
+) -> io::Result<Arc<Device>> {
+    let ctx = |what: &str, e: io::Error| {
+        io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()))
+    };
     let options = |direct: bool| {
         let mut o = OpenOptions::new();
         o.read(true).write(!spec.read_only);
@@ -217,7 +236,9 @@ fn open_path(spec: &DeviceSpec, path: &Path, opener: &dyn Fn(&Path, &OpenOptions
     let file = match opener(path, &options(direct)) {
         Ok(f) => f,
         Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
-            fallback_reason = Some(format!("the file system refuses O_DIRECT ({e}): using buffered I/O"));
+            fallback_reason = Some(format!(
+                "the file system refuses O_DIRECT ({e}): using buffered I/O"
+            ));
             direct = false;
             opener(path, &options(false)).map_err(|e| ctx("cannot open", e))?
         }
@@ -226,9 +247,17 @@ fn open_path(spec: &DeviceSpec, path: &Path, opener: &dyn Fn(&Path, &OpenOptions
     let meta = file.metadata().map_err(|e| ctx("cannot stat", e))?;
     let is_bdev = meta.file_type().is_block_device();
     match (spec.kind, is_bdev) {
-        (Kind::Bdev, false) => return Err(ctx("not a block device", io::Error::from_raw_os_error(libc::ENOTBLK))),
+        (Kind::Bdev, false) => {
+            return Err(ctx(
+                "not a block device",
+                io::Error::from_raw_os_error(libc::ENOTBLK),
+            ))
+        }
         (Kind::File, true) => {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: is a block device: use backend `bdev`", path.display())))
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{}: is a block device: use backend `bdev`", path.display()),
+            ))
         }
         _ => {}
     }
@@ -244,17 +273,30 @@ fn open_path(spec: &DeviceSpec, path: &Path, opener: &dyn Fn(&Path, &OpenOptions
                 || libc::ioctl(fd, libc::BLKPBSZGET as _, &mut pbs) < 0) as i32
         };
         if rc != 0 {
-            return Err(ctx("cannot read its size and block sizes", io::Error::last_os_error()));
+            return Err(ctx(
+                "cannot read its size and block sizes",
+                io::Error::last_os_error(),
+            ));
         }
         let zeroes_max = sysfs_queue_value(&meta, "write_zeroes_max_bytes").unwrap_or(0);
         // Write zeroes through fallocate(ZERO_RANGE) always works on a block device (the kernel
         // writes zeroes itself when the device cannot); deallocate through
         // fallocate(PUNCH_HOLE), which guarantees zeroes, needs the device's write-zeroes.
-        (size, u32::try_from(lbs).unwrap_or(512), pbs, true, zeroes_max > 0)
+        (
+            size,
+            u32::try_from(lbs).unwrap_or(512),
+            pbs,
+            true,
+            zeroes_max > 0,
+        )
     } else {
         let bs = u64::from(spec.block_size);
         let size = meta.len() / bs * bs;
-        let (z, d) = if spec.read_only { (false, false) } else { probe_fallocate(fd, size, bs) };
+        let (z, d) = if spec.read_only {
+            (false, false)
+        } else {
+            probe_fallocate(fd, size, bs)
+        };
         (size, spec.block_size, spec.block_size.max(4096), z, d)
     };
     if size == 0 {
@@ -263,7 +305,9 @@ fn open_path(spec: &DeviceSpec, path: &Path, opener: &dyn Fn(&Path, &OpenOptions
     let mut file = file;
     if direct {
         if let Err(e) = probe_direct(&file, lbs) {
-            fallback_reason = Some(format!("O_DIRECT I/O of {lbs}-byte blocks is refused ({e}): using buffered I/O"));
+            fallback_reason = Some(format!(
+                "O_DIRECT I/O of {lbs}-byte blocks is refused ({e}): using buffered I/O"
+            ));
             direct = false;
             file = opener(path, &options(false)).map_err(|e| ctx("cannot reopen", e))?;
         }

@@ -101,7 +101,17 @@ impl Engine {
     pub fn new(depth: u32, max_devices: u32, pools: &[BufPool]) -> io::Result<Engine> {
         let depth = depth.clamp(1, 4096).next_power_of_two();
         // Twice as many completion entries as operations: the CQ can never overflow.
-        let ring = IoUring::builder().setup_cqsize(depth * 2).build(depth)?;
+        // One thread submits, and completions are delivered when it asks (as fio does):
+        // task work runs at the engine's own `io_uring_enter`, not as interrupts. Kernels
+        // older than 6.1 lack these flags: fall back to a plain ring.
+        let ring = IoUring::builder()
+            .setup_cqsize(depth * 2)
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_coop_taskrun()
+            .setup_taskrun_flag()
+            .build(depth)
+            .or_else(|_| IoUring::builder().setup_cqsize(depth * 2).build(depth))?;
         ring.submitter().register_files_sparse(max_devices.max(1))?;
         if !pools.is_empty() {
             let iovecs: Vec<libc::iovec> = pools.iter().map(BufPool::iovec).collect();
@@ -130,12 +140,20 @@ impl Engine {
                 self.devices.push(None);
                 self.devices.len() - 1
             }
-            None => return Err(io::Error::new(io::ErrorKind::OutOfMemory, "the engine's device table is full")),
+            None => {
+                return Err(io::Error::new(
+                    io::ErrorKind::OutOfMemory,
+                    "the engine's device table is full",
+                ))
+            }
         };
-        let slot = u32::try_from(index).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
+        let slot =
+            u32::try_from(index).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
         let file = match &dev.backing {
             Backing::File(f) => {
-                self.ring.submitter().register_files_update(slot, &[f.as_raw_fd()])?;
+                self.ring
+                    .submitter()
+                    .register_files_update(slot, &[f.as_raw_fd()])?;
                 Some(slot)
             }
             _ => None,
@@ -150,7 +168,11 @@ impl Engine {
 
     /// Detaches a device with no operation in flight.
     pub fn detach(&mut self, id: DevId) -> Result<(), BlockError> {
-        let a = self.devices.get_mut(id.0 as usize).and_then(Option::as_mut).ok_or(BlockError::UnknownDevice)?;
+        let a = self
+            .devices
+            .get_mut(id.0 as usize)
+            .and_then(Option::as_mut)
+            .ok_or(BlockError::UnknownDevice)?;
         if a.in_flight > 0 {
             return Err(BlockError::QueueFull);
         }
@@ -182,7 +204,14 @@ impl Engine {
     }
 
     /// Queues a write of `buf.len()` bytes at `offset`; with `fua`, durable when it completes.
-    pub fn write(&mut self, dev: DevId, offset: u64, buf: DmaBuf, fua: bool, tag: u64) -> Result<(), Rejected> {
+    pub fn write(
+        &mut self,
+        dev: DevId,
+        offset: u64,
+        buf: DmaBuf,
+        fua: bool,
+        tag: u64,
+    ) -> Result<(), Rejected> {
         let op = if fua { OpKind::WriteFua } else { OpKind::Write };
         self.queue(dev, op, offset, 0, Some(buf), tag)
     }
@@ -193,16 +222,36 @@ impl Engine {
     }
 
     /// Queues zeroing `len` bytes at `offset`.
-    pub fn write_zeroes(&mut self, dev: DevId, offset: u64, len: u64, tag: u64) -> Result<(), Rejected> {
+    pub fn write_zeroes(
+        &mut self,
+        dev: DevId,
+        offset: u64,
+        len: u64,
+        tag: u64,
+    ) -> Result<(), Rejected> {
         self.queue(dev, OpKind::WriteZeroes, offset, len, None, tag)
     }
 
     /// Queues deallocating `len` bytes at `offset`.
-    pub fn deallocate(&mut self, dev: DevId, offset: u64, len: u64, tag: u64) -> Result<(), Rejected> {
+    pub fn deallocate(
+        &mut self,
+        dev: DevId,
+        offset: u64,
+        len: u64,
+        tag: u64,
+    ) -> Result<(), Rejected> {
         self.queue(dev, OpKind::Deallocate, offset, len, None, tag)
     }
 
-    fn queue(&mut self, dev: DevId, op: OpKind, offset: u64, len: u64, buf: Option<DmaBuf>, tag: u64) -> Result<(), Rejected> {
+    fn queue(
+        &mut self,
+        dev: DevId,
+        op: OpKind,
+        offset: u64,
+        len: u64,
+        buf: Option<DmaBuf>,
+        tag: u64,
+    ) -> Result<(), Rejected> {
         let reject = |error, buf| Err(Rejected { error, buf });
         let Some(a) = self.devices.get(dev.0 as usize).and_then(Option::as_ref) else {
             return reject(BlockError::UnknownDevice, buf);
@@ -214,8 +263,12 @@ impl Engine {
             return reject(BlockError::ReadOnly, buf);
         }
         match op {
-            OpKind::WriteZeroes if !info.write_zeroes => return reject(BlockError::Unsupported("write zeroes"), buf),
-            OpKind::Deallocate if !info.deallocate => return reject(BlockError::Unsupported("deallocate"), buf),
+            OpKind::WriteZeroes if !info.write_zeroes => {
+                return reject(BlockError::Unsupported("write zeroes"), buf)
+            }
+            OpKind::Deallocate if !info.deallocate => {
+                return reject(BlockError::Unsupported("deallocate"), buf)
+            }
             OpKind::Flush => {}
             _ => {
                 if let Err(e) = info.check_range(offset, len) {
@@ -242,7 +295,9 @@ impl Engine {
         if let Some(a) = self.devices[dev_index as usize].as_mut() {
             a.in_flight += 1;
         }
-        let is_file = self.devices[dev_index as usize].as_ref().is_some_and(|a| a.file.is_some());
+        let is_file = self.devices[dev_index as usize]
+            .as_ref()
+            .is_some_and(|a| a.file.is_some());
         if is_file {
             self.push_sqe(slot);
         } else {
@@ -267,16 +322,36 @@ impl Engine {
                 let buf = s.buf.as_mut().expect("data operations carry a buffer");
                 // SAFETY: done < len <= buf.len(), so the pointer stays inside the buffer.
                 let ptr = unsafe { buf.as_mut_ptr().add(s.done as usize) };
-                let fixed = self.pools.iter().position(|p| buf.is_from(p)).and_then(|i| u16::try_from(i).ok());
-                let flags = if s.op == OpKind::WriteFua { libc::RWF_DSYNC } else { 0 };
+                let fixed = self
+                    .pools
+                    .iter()
+                    .position(|p| buf.is_from(p))
+                    .and_then(|i| u16::try_from(i).ok());
+                let flags = if s.op == OpKind::WriteFua {
+                    libc::RWF_DSYNC
+                } else {
+                    0
+                };
                 match (s.op, fixed) {
-                    (OpKind::Read, Some(i)) => opcode::ReadFixed::new(file, ptr, remaining, i).offset(offset).build(),
-                    (OpKind::Read, None) => opcode::Read::new(file, ptr, remaining).offset(offset).build(),
-                    (_, Some(i)) => opcode::WriteFixed::new(file, ptr, remaining, i).offset(offset).rw_flags(flags).build(),
-                    (_, None) => opcode::Write::new(file, ptr, remaining).offset(offset).rw_flags(flags).build(),
+                    (OpKind::Read, Some(i)) => opcode::ReadFixed::new(file, ptr, remaining, i)
+                        .offset(offset)
+                        .build(),
+                    (OpKind::Read, None) => opcode::Read::new(file, ptr, remaining)
+                        .offset(offset)
+                        .build(),
+                    (_, Some(i)) => opcode::WriteFixed::new(file, ptr, remaining, i)
+                        .offset(offset)
+                        .rw_flags(flags)
+                        .build(),
+                    (_, None) => opcode::Write::new(file, ptr, remaining)
+                        .offset(offset)
+                        .rw_flags(flags)
+                        .build(),
                 }
             }
-            OpKind::Flush => opcode::Fsync::new(file).flags(types::FsyncFlags::DATASYNC).build(),
+            OpKind::Flush => opcode::Fsync::new(file)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
             OpKind::WriteZeroes => opcode::Fallocate::new(file, u64::from(s.len))
                 .offset(s.offset)
                 .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
@@ -325,23 +400,35 @@ impl Engine {
                 unsafe {
                     let dst = region.as_ptr().add(off);
                     match op {
-                        OpKind::Read => std::ptr::copy_nonoverlapping(dst, s.buf.as_mut().expect("buffer").as_mut_ptr(), len),
-                        OpKind::Write | OpKind::WriteFua => {
-                            std::ptr::copy_nonoverlapping(s.buf.as_mut().expect("buffer").as_mut_ptr(), dst, len)
-                        }
+                        OpKind::Read => std::ptr::copy_nonoverlapping(
+                            dst,
+                            s.buf.as_mut().expect("buffer").as_mut_ptr(),
+                            len,
+                        ),
+                        OpKind::Write | OpKind::WriteFua => std::ptr::copy_nonoverlapping(
+                            s.buf.as_mut().expect("buffer").as_mut_ptr(),
+                            dst,
+                            len,
+                        ),
                         _ => std::ptr::write_bytes(dst, 0, len),
                     }
                 }
             }
             (Backing::File(_), _) => unreachable!("files go through the ring"),
         }
-        let done = if matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua) { s.len } else { 0 };
+        let done = if matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua) {
+            s.len
+        } else {
+            0
+        };
         self.finish(slot, Ok(done));
     }
 
     /// Queues the slot's completion; the slot is freed when the completion is reaped.
     fn finish(&mut self, slot: u32, result: Result<u32, BlockError>) {
-        let s = self.slots[slot as usize].take().expect("finishing a live slot");
+        let s = self.slots[slot as usize]
+            .take()
+            .expect("finishing a live slot");
         if let Some(a) = self.devices[s.dev as usize].as_mut() {
             a.in_flight -= 1;
         }
@@ -359,7 +446,9 @@ impl Engine {
     /// Submits everything queued since the last call, in one system call. A busy kernel is
     /// back-pressure: the entries stay queued for the next call.
     pub fn submit(&mut self) -> io::Result<usize> {
-        if self.unsubmitted == 0 {
+        // With deferred task work, completions wait for an enter: make one when the kernel
+        // says it has some, even with nothing new to submit.
+        if self.unsubmitted == 0 && !self.ring.submission().taskrun() {
             return Ok(0);
         }
         match self.ring.submit() {
@@ -367,7 +456,14 @@ impl Engine {
                 self.unsubmitted = self.unsubmitted.saturating_sub(n);
                 Ok(n)
             }
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN) | Some(libc::EINTR)) => Ok(0),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EBUSY) | Some(libc::EAGAIN) | Some(libc::EINTR)
+                ) =>
+            {
+                Ok(0)
+            }
             Err(e) => Err(e),
         }
     }
@@ -377,9 +473,16 @@ impl Engine {
     /// A partial read or write is resubmitted for its remainder (and completes later); one
     /// that transferred nothing is reported as [`BlockError::ShortTransfer`].
     pub fn reap(&mut self, mut f: impl FnMut(Completion)) -> usize {
+        if self.unsubmitted == 0 && self.ring.submission().taskrun() {
+            let _ = self.ring.submit();
+        }
         loop {
-            let Some(cqe) = self.ring.completion().next() else { break };
-            let Ok(slot) = u32::try_from(cqe.user_data()) else { continue };
+            let Some(cqe) = self.ring.completion().next() else {
+                break;
+            };
+            let Ok(slot) = u32::try_from(cqe.user_data()) else {
+                continue;
+            };
             let res = cqe.result();
             let Some(s) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
                 continue;
@@ -428,7 +531,14 @@ impl Engine {
                 self.unsubmitted = 0;
                 Ok(())
             }
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)) => Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
+                ) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }

@@ -26,14 +26,26 @@ impl DmaRegion {
     /// and normal pages used when none are available; [`DmaRegion::is_huge`] tells which.
     pub fn new(len: usize, huge: bool) -> io::Result<DmaRegion> {
         if len == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "a DMA region cannot be empty"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a DMA region cannot be empty",
+            ));
         }
         let len = len.div_ceil(DMA_ALIGN) * DMA_ALIGN;
         let base = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
         let attempt = |flags: i32, len: usize| {
             // SAFETY: an anonymous private mapping with no address hint touches no existing
             // memory; the result is checked against MAP_FAILED.
-            let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    flags,
+                    -1,
+                    0,
+                )
+            };
             (p != libc::MAP_FAILED).then_some(p)
         };
         if huge {
@@ -177,7 +189,9 @@ impl BufPool {
     pub fn contains(&self, ptr: *const u8, len: usize) -> bool {
         let start = self.base as usize;
         let p = ptr as usize;
-        p >= start && p.checked_add(len).is_some_and(|end| end <= start + self.len)
+        p >= start
+            && p.checked_add(len)
+                .is_some_and(|end| end <= start + self.len)
     }
 
     fn same(&self, other: &BufPool) -> bool {
@@ -198,7 +212,10 @@ pub struct DmaBuf {
 
 impl std::fmt::Debug for DmaBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DmaBuf").field("index", &self.index).field("len", &self.len).finish()
+        f.debug_struct("DmaBuf")
+            .field("index", &self.index)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -281,7 +298,10 @@ mod tests {
         assert!(starts.iter().all(|s| s % DMA_ALIGN == 0));
         bufs[0].as_mut_slice().fill(0xab);
         assert!(bufs[0].as_slice().iter().all(|&b| b == 0xab));
-        assert!(bufs[1].as_slice().iter().all(|&b| b == 0), "fresh memory is zeroed");
+        assert!(
+            bufs[1].as_slice().iter().all(|&b| b == 0),
+            "fresh memory is zeroed"
+        );
         assert!(!bufs[0].set_len(8193));
         assert!(bufs[0].set_len(512));
         assert_eq!(bufs[0].as_slice().len(), 512);

@@ -1,11 +1,16 @@
 //! The same tests against every backend: a file on disk, a file on tmpfs, a loop block device,
 //! RAM and null.
 
+// Sizes and counters in this file are small and known: casts cannot truncate.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use nvmfd_blockdev::{BlockError, BufPool, Completion, DevId, Device, DeviceSpec, DmaBuf, Engine, Kind};
+use nvmfd_blockdev::{
+    BlockError, BufPool, Completion, DevId, Device, DeviceSpec, DmaBuf, Engine, Kind,
+};
 
 const SIZE: u64 = 8 << 20;
 
@@ -15,7 +20,11 @@ fn skip(test: &str, why: &str) {
     use std::io::Write;
     eprintln!("SKIPPED {test}: {why}");
     let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
         let _ = writeln!(f, "SKIPPED {test}: {why}");
     }
 }
@@ -69,7 +78,10 @@ fn fixture(kind: &str, block_size: u32) -> Option<Fixture> {
     let pool = BufPool::new(16, 256 * 1024, false).unwrap();
     let (spec, cleanup, stores) = match kind {
         "file" => {
-            let dir = tempfile::Builder::new().prefix("nvmfd-bdev").tempdir_in("/var/tmp").unwrap();
+            let dir = tempfile::Builder::new()
+                .prefix("nvmfd-bdev")
+                .tempdir_in("/var/tmp")
+                .unwrap();
             let mut s = DeviceSpec::new(Kind::File);
             s.path = Some(make_file(dir.path()));
             s.block_size = block_size;
@@ -77,17 +89,26 @@ fn fixture(kind: &str, block_size: u32) -> Option<Fixture> {
         }
         "tmpfs" => {
             if !Path::new("/dev/shm").is_dir() {
-                skip(&format!("blockdev {kind} {block_size}"), "no tmpfs at /dev/shm");
+                skip(
+                    &format!("blockdev {kind} {block_size}"),
+                    "no tmpfs at /dev/shm",
+                );
                 return None;
             }
-            let dir = tempfile::Builder::new().prefix("nvmfd-bdev").tempdir_in("/dev/shm").unwrap();
+            let dir = tempfile::Builder::new()
+                .prefix("nvmfd-bdev")
+                .tempdir_in("/dev/shm")
+                .unwrap();
             let mut s = DeviceSpec::new(Kind::File);
             s.path = Some(make_file(dir.path()));
             s.block_size = block_size;
             (s, Some(Cleanup::Dir(dir)), true)
         }
         "loop" => {
-            let dir = tempfile::Builder::new().prefix("nvmfd-bdev").tempdir_in("/var/tmp").unwrap();
+            let dir = tempfile::Builder::new()
+                .prefix("nvmfd-bdev")
+                .tempdir_in("/var/tmp")
+                .unwrap();
             let file = make_file(dir.path());
             let out = Command::new("losetup")
                 .args(["--find", "--show", "--sector-size", &block_size.to_string()])
@@ -96,12 +117,18 @@ fn fixture(kind: &str, block_size: u32) -> Option<Fixture> {
             let dev = match out {
                 Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_owned(),
                 Ok(o) => {
-                    let why = format!("losetup failed: {}", String::from_utf8_lossy(&o.stderr).trim());
+                    let why = format!(
+                        "losetup failed: {}",
+                        String::from_utf8_lossy(&o.stderr).trim()
+                    );
                     skip(&format!("blockdev loop device {block_size}"), &why);
                     return None;
                 }
                 Err(e) => {
-                    skip(&format!("blockdev loop device {block_size}"), &format!("losetup unavailable: {e}"));
+                    skip(
+                        &format!("blockdev loop device {block_size}"),
+                        &format!("losetup unavailable: {e}"),
+                    );
                     return None;
                 }
             };
@@ -174,7 +201,10 @@ impl Fixture {
         if self.stores {
             assert!(got == want, "{what}: data differs");
         } else {
-            assert!(got.iter().all(|&b| b == 0), "{what}: null reads must be zeroes");
+            assert!(
+                got.iter().all(|&b| b == 0),
+                "{what}: null reads must be zeroes"
+            );
         }
     }
 }
@@ -247,7 +277,11 @@ fn data_round_trips_across_block_boundaries(mut f: Fixture) {
     let mut want = a[..bs as usize].to_vec();
     want.extend_from_slice(&b);
     f.expect(&got, &want, "overlap");
-    assert_eq!(f.pool.free_count(), f.pool.count(), "every buffer came back");
+    assert_eq!(
+        f.pool.free_count(),
+        f.pool.count(),
+        "every buffer came back"
+    );
 }
 per_backend!(data_round_trips_across_block_boundaries);
 
@@ -266,7 +300,11 @@ fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
     let bs = f.device.info().logical_block_size as usize;
     let len = 64 * 1024;
     for (op, seed) in [("zeroes", 1), ("deallocate", 2)] {
-        let supported = if op == "zeroes" { f.device.info().write_zeroes } else { f.device.info().deallocate };
+        let supported = if op == "zeroes" {
+            f.device.info().write_zeroes
+        } else {
+            f.device.info().deallocate
+        };
         let base = seed * 1024 * 1024;
         let data = pattern(seed, len);
         f.write(base, &data, false);
@@ -279,7 +317,10 @@ fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
         if !supported {
             let e = r.unwrap_err();
             assert!(matches!(e.error, BlockError::Unsupported(_)), "{op}: {e:?}");
-            eprintln!("{op} unsupported on {:?}: refused as expected", f.device.info().kind);
+            eprintln!(
+                "{op} unsupported on {:?}: refused as expected",
+                f.device.info().kind
+            );
             continue;
         }
         r.unwrap();
@@ -297,7 +338,10 @@ fn misaligned_and_out_of_range_are_refused_with_the_buffer_back(mut f: Fixture) 
     let bs = u64::from(f.device.info().logical_block_size);
     let b = f.buf(bs as usize);
     let e = f.engine.read(f.dev, 100, b, 1).unwrap_err();
-    assert!(matches!(e.error, BlockError::Misaligned { offset: 100, .. }), "{e:?}");
+    assert!(
+        matches!(e.error, BlockError::Misaligned { offset: 100, .. }),
+        "{e:?}"
+    );
     let mut b = e.buf.expect("buffer handed back");
     assert!(b.set_len(bs as usize + 1));
     let e = f.engine.write(f.dev, 0, b, false, 1).unwrap_err();
@@ -308,12 +352,24 @@ fn misaligned_and_out_of_range_are_refused_with_the_buffer_back(mut f: Fixture) 
     assert!(matches!(e.error, BlockError::OutOfRange { .. }), "{e:?}");
     let b = e.buf.unwrap();
     let e = f.engine.read(f.dev, u64::MAX - bs + 1, b, 1).unwrap_err();
-    assert!(matches!(e.error, BlockError::OutOfRange { .. }), "overflow: {e:?}");
+    assert!(
+        matches!(e.error, BlockError::OutOfRange { .. }),
+        "overflow: {e:?}"
+    );
     drop(e);
     let e = f.engine.write_zeroes(f.dev, SIZE, bs, 1).unwrap_err();
-    assert!(matches!(e.error, BlockError::OutOfRange { .. } | BlockError::Unsupported(_)), "{e:?}");
+    assert!(
+        matches!(
+            e.error,
+            BlockError::OutOfRange { .. } | BlockError::Unsupported(_)
+        ),
+        "{e:?}"
+    );
     let e = f.engine.read(f.dev, 0, f.buf(0), 1).unwrap_err();
-    assert!(matches!(e.error, BlockError::Misaligned { len: 0, .. }), "zero length: {e:?}");
+    assert!(
+        matches!(e.error, BlockError::Misaligned { len: 0, .. }),
+        "zero length: {e:?}"
+    );
     let e = f.engine.read(DevId(3), 0, e.buf.unwrap(), 1).unwrap_err();
     assert_eq!(e.error, BlockError::UnknownDevice);
     drop(e);
@@ -359,7 +415,11 @@ fn dropping_the_engine_waits_for_operations_in_flight(f: Fixture) {
     }
     engine.submit().unwrap();
     drop(engine);
-    assert_eq!(pool.free_count(), pool.count(), "buffers come back only after their I/O");
+    assert_eq!(
+        pool.free_count(),
+        pool.count(),
+        "buffers come back only after their I/O"
+    );
 }
 per_backend!(dropping_the_engine_waits_for_operations_in_flight);
 
@@ -402,7 +462,11 @@ fn o_direct_refusal_falls_back_to_buffered_io_and_says_why() {
     };
     let dev = Device::open_with(&spec, &refuse_direct).unwrap();
     assert!(!dev.info().direct);
-    assert!(dev.fallback_reason().unwrap().contains("refuses O_DIRECT"), "{:?}", dev.fallback_reason());
+    assert!(
+        dev.fallback_reason().unwrap().contains("refuses O_DIRECT"),
+        "{:?}",
+        dev.fallback_reason()
+    );
     let d = Device::open(&spec).unwrap();
     assert!(d.info().direct, "ext4 takes O_DIRECT");
     assert!(d.fallback_reason().is_none());
@@ -425,7 +489,12 @@ fn a_file_that_shrinks_under_the_engine_gives_a_short_transfer() {
     let mut spec = DeviceSpec::new(Kind::File);
     spec.path = Some(path.clone());
     let dev = Device::open(&spec).unwrap();
-    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(4096).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
     let pool = BufPool::new(1, 8192, false).unwrap();
     let mut engine = Engine::new(4, 1, std::slice::from_ref(&pool)).unwrap();
     let id = engine.attach(&dev).unwrap();
@@ -433,27 +502,51 @@ fn a_file_that_shrinks_under_the_engine_gives_a_short_transfer() {
     engine.read(id, 1 << 20, b, 1).unwrap();
     let mut out = Vec::new();
     engine.drain(|c| out.push(c)).unwrap();
-    assert_eq!(out[0].result, Err(BlockError::ShortTransfer { expected: 8192, done: 0 }));
+    assert_eq!(
+        out[0].result,
+        Err(BlockError::ShortTransfer {
+            expected: 8192,
+            done: 0
+        })
+    );
     // Half of the buffer past the new end: the first half arrives, then the end.
     let b = out.pop().unwrap().buf.unwrap();
     engine.read(id, 0, b, 2).unwrap();
     engine.drain(|c| out.push(c)).unwrap();
-    assert_eq!(out[0].result, Err(BlockError::ShortTransfer { expected: 8192, done: 4096 }));
+    assert_eq!(
+        out[0].result,
+        Err(BlockError::ShortTransfer {
+            expected: 8192,
+            done: 4096
+        })
+    );
 }
 
 #[test]
 fn opening_checks_kind_and_geometry() {
     let mut s = DeviceSpec::new(Kind::Malloc);
     s.size = 1000;
-    assert!(Device::open(&s).unwrap_err().to_string().contains("not a non-zero number of 512-byte blocks"));
+    assert!(Device::open(&s)
+        .unwrap_err()
+        .to_string()
+        .contains("not a non-zero number of 512-byte blocks"));
     let mut s = DeviceSpec::new(Kind::Bdev);
     s.path = Some("/etc/hostname".into());
-    assert!(Device::open(&s).unwrap_err().to_string().contains("not a block device"));
+    assert!(Device::open(&s)
+        .unwrap_err()
+        .to_string()
+        .contains("not a block device"));
     let mut s = DeviceSpec::new(Kind::File);
     s.path = Some("/nonexistent/disk.img".into());
-    assert!(Device::open(&s).unwrap_err().to_string().contains("/nonexistent/disk.img: cannot open"));
+    assert!(Device::open(&s)
+        .unwrap_err()
+        .to_string()
+        .contains("/nonexistent/disk.img: cannot open"));
     let mut s = DeviceSpec::new(Kind::Null);
     s.size = 4096;
     s.block_size = 1024;
-    assert!(Device::open(&s).unwrap_err().to_string().contains("not 512 or 4096"));
+    assert!(Device::open(&s)
+        .unwrap_err()
+        .to_string()
+        .contains("not 512 or 4096"));
 }

@@ -103,7 +103,10 @@ fn a_full_config_round_trips_through_json_and_toml() {
 /// Every key of the schema appears in docs/CONFIGURATION.md, so the reference cannot fall behind.
 #[test]
 fn every_key_is_documented() {
-    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/CONFIGURATION.md")).unwrap();
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/CONFIGURATION.md"),
+    )
+    .unwrap();
     let cfg = Config::parse(
         "[[listener]]\naddress = \"::1\"\n[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a\"\nserial = \"s\"\nallow_any_host = true\n\
          [[subsystem.namespace]]\nnsid = 1\nbackend = \"null\"\nsize = 4096\nuuid = \"6c61622d-0000-4000-8000-000000000001\"\nnguid = \"0123456789abcdef0123456789abcdef\"\n",

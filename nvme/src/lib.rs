@@ -1,5 +1,21 @@
-//! NVMe and NVMe over Fabrics: wire types and the transport-agnostic controller (subsystems,
-//! namespaces, admin, fabrics, discovery and I/O command handling).
-//!
-//! Not written yet: this crate holds nothing, and nothing in nvmfd serves NVMe commands today.
-//! See `docs/ARCHITECTURE.md` for what it will own.
+//! NVMe and NVMe over Fabrics for nvmfd: byte-exact wire types ([`wire`]), and the
+//! transport-agnostic target ([`Target`], [`Queue`]): subsystems, namespaces, discovery,
+//! Fabrics Connect and properties, admin and I/O commands. The core is sans-I/O: a transport
+//! hands over capsules and carries out the [`Action`]s that come back (move data, run a block
+//! operation, send a completion). [`host`] is the other side, and [`loopback`] connects the
+//! two in one process for tests.
+
+mod admin;
+pub mod host;
+mod io;
+pub mod loopback;
+mod queue;
+mod target;
+pub mod wire;
+
+pub use admin::AER_LIMIT;
+pub use io::{block_error_status, DSM_MAX_RANGES};
+pub use queue::{Action, CmParams, Command, DataRef, IoOp, IoRequest, Queue, SQE_SIZE};
+pub use target::{
+    Controller, EndReason, Limits, Namespace, Port, Subsystem, Target, DISCOVERY_NQN, NVME_VERSION,
+};

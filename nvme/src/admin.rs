@@ -1,0 +1,526 @@
+//! Admin commands and controller properties.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::IntoBytes;
+
+use crate::queue::{refresh_ready, Action, Command, DataRef, IoOp, IoRequest, Queue};
+use crate::target::{Controller, NVME_VERSION};
+use crate::wire::{self, admin_opcode as op, feature, log_page, property, status, Status};
+
+/// Largest number of Asynchronous Event Requests held at once (AERL is this minus one).
+pub const AER_LIMIT: usize = 4;
+
+pub(crate) fn handle(
+    q: &mut Queue,
+    ctrl: &Controller,
+    cmd: Command,
+    icd_len: u32,
+    now: Instant,
+) -> Action {
+    let sqe = cmd.sqe;
+    match sqe.opcode {
+        op::KEEP_ALIVE => {
+            ctrl.lock().last_keep_alive = now;
+            q.respond(&cmd, Status::SUCCESS, 0)
+        }
+        op::IDENTIFY => identify(q, ctrl, cmd, icd_len),
+        op::GET_LOG_PAGE => get_log_page(q, ctrl, cmd, icd_len),
+        op::SET_FEATURES => set_features(q, ctrl, cmd, now),
+        op::GET_FEATURES => get_features(q, ctrl, cmd),
+        op::ASYNC_EVENT_REQUEST => {
+            let mut st = ctrl.lock();
+            if st.held_aers.len() >= AER_LIMIT {
+                return q.respond(&cmd, status::AER_LIMIT_EXCEEDED, 0);
+            }
+            st.held_aers.push(cmd.cid());
+            Action::Hold
+        }
+        // Abort: "the command was not aborted" (dw0 bit 0 set) is always a valid answer.
+        op::ABORT => q.respond(&cmd, Status::SUCCESS, 1),
+        _ => q.respond(&cmd, status::INVALID_OPCODE, 0),
+    }
+}
+
+/// Controller capabilities.
+pub(crate) fn cap(q: &Queue) -> u64 {
+    let mqes = u64::from(q.target().limits().max_queue_depth - 1);
+    let cqr = 1 << 16;
+    let to = 15u64 << 24; // ready within 7.5 s (500 ms units); nvmfd is ready at once
+    let css_nvm = 1u64 << 37;
+    mqes | cqr | to | css_nvm // MPSMIN = MPSMAX = 0: 4 KiB pages
+}
+
+pub(crate) fn property(
+    q: &mut Queue,
+    ctrl: &Controller,
+    cmd: Command,
+    set: bool,
+    _now: Instant,
+) -> Action {
+    let bytes = cmd.sqe.as_bytes();
+    let attrib = bytes[40] & 0x7;
+    let offset = u32::from_le_bytes([bytes[44], bytes[45], bytes[46], bytes[47]]);
+    let size8 = match attrib {
+        0 => false,
+        1 => true,
+        _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
+    };
+    if !set {
+        let value: u64 = match (offset, size8) {
+            (property::CAP, true) => cap(q),
+            (property::VS, false) => u64::from(NVME_VERSION),
+            (property::CC, false) => u64::from(ctrl.lock().cc),
+            (property::CSTS, false) => u64::from(ctrl.lock().csts),
+            _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
+        };
+        let mut c = crate::queue::cqe(&cmd, q.qid_or_zero(), Status::SUCCESS, wire::lo32(value));
+        c.dw1 = U32::new(wire::hi32(value));
+        return Action::Respond { cqe: c, data: None };
+    }
+    if offset != property::CC || size8 {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    }
+    let value = wire::lo32(u64::from_le_bytes(
+        bytes[48..56].try_into().unwrap_or([0; 8]),
+    ));
+    let mut st = ctrl.lock();
+    let was_enabled = st.cc & 1 == 1;
+    let enable = value & 1 == 1;
+    let shn = (value >> 14) & 0x3;
+    st.cc = value;
+    if enable && !was_enabled {
+        // IOSQES 64 bytes, IOCQES 16 bytes, 4 KiB pages, NVM command set.
+        let iosqes = (value >> 16) & 0xF;
+        let iocqes = (value >> 20) & 0xF;
+        let mps = (value >> 7) & 0xF;
+        let css = (value >> 4) & 0x7;
+        let discovery = ctrl.subsystem.is_none();
+        let ok = mps == 0 && css == 0 && (discovery || (iosqes == 6 && iocqes == 4));
+        st.csts = if ok { 1 } else { 1 << 1 }; // RDY, or CFS
+    } else if !enable && was_enabled {
+        // Reset: the I/O queues must go (they see the new epoch and disconnect); the admin
+        // queue stays, with the controller disabled and its negotiated state cleared.
+        st.csts = 0;
+        st.queues_granted = None;
+        st.io_queues.clear();
+        st.held_aers.clear();
+        refresh_ready(ctrl, &st);
+        ctrl.epoch.fetch_add(1, Ordering::AcqRel);
+        return q.respond(&cmd, Status::SUCCESS, 0);
+    }
+    refresh_ready(ctrl, &st);
+    if shn != 0 && (st.csts >> 2) & 0x3 == 0 {
+        // Shutdown: make every namespace durable, then report SHST complete (in io_done).
+        st.csts = (st.csts & !0xC) | (1 << 2);
+        drop(st);
+        let nsids = q
+            .subsystem()
+            .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
+            .unwrap_or_default();
+        return Action::Io(IoRequest {
+            cmd,
+            nsid: 0,
+            op: IoOp::FlushAll { nsids },
+            data: None,
+        });
+    }
+    q.respond(&cmd, Status::SUCCESS, 0)
+}
+
+/// Responds with `data` pushed to the host buffer that the command's SGL describes.
+fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd_len: u32) -> Action {
+    let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
+    match q.data_ref(&cmd.sqe, 0, false, icd_len) {
+        Ok(DataRef::Keyed {
+            addr,
+            len: _,
+            key,
+            invalidate,
+        }) => {
+            // The host buffer may be shorter than the structure: send what fits.
+            let (sgl_len, _) = keyed_len(&cmd.sqe);
+            let dest = DataRef::Keyed {
+                addr,
+                len: sgl_len.min(len),
+                key,
+                invalidate,
+            };
+            Action::Respond {
+                cqe: crate::queue::cqe(cmd, q.qid_or_zero(), Status::SUCCESS, 0),
+                data: Some((data, dest)),
+            }
+        }
+        Ok(_) => q.respond(cmd, status::SGL_DESCRIPTOR_TYPE_INVALID, 0),
+        Err(st) => q.respond(cmd, st, 0),
+    }
+}
+
+fn keyed_len(sqe: &wire::Sqe) -> (u32, bool) {
+    match sqe.dptr.decode() {
+        wire::Sgl::Keyed {
+            len, invalidate, ..
+        } => (len, invalidate),
+        _ => (0, false),
+    }
+}
+
+fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd_len: u32) -> Action {
+    let cns = cmd.sqe.cdw10.get() & 0xFF;
+    let nsid = cmd.sqe.nsid.get();
+    let data = match cns {
+        0x01 => identify_controller(q, ctrl).as_bytes().to_vec(),
+        0x00 | 0x02 | 0x03 if ctrl.subsystem.is_none() => {
+            return q.respond(&cmd, status::INVALID_FIELD, 0)
+        }
+        0x00 => {
+            let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
+                return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
+            };
+            identify_namespace(ns, q.target().limits().max_io_size)
+                .as_bytes()
+                .to_vec()
+        }
+        0x02 => {
+            if nsid >= 0xFFFF_FFFE {
+                return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
+            }
+            let mut list = vec![0u8; 4096];
+            let ids = q
+                .subsystem()
+                .map(|s| {
+                    s.namespaces
+                        .iter()
+                        .map(|n| n.nsid)
+                        .filter(|&i| i > nsid)
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default();
+            for (i, id) in ids.iter().take(1024).enumerate() {
+                list[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+            }
+            list
+        }
+        0x03 => {
+            let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
+                return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
+            };
+            ns_descriptors(ns)
+        }
+        _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
+    };
+    respond_data(q, &cmd, data, icd_len)
+}
+
+fn ns_descriptors(ns: &crate::target::Namespace) -> Vec<u8> {
+    let mut out = vec![0u8; 4096];
+    let mut at = 0;
+    let mut put = |nidt: u8, id: &[u8]| {
+        let h = wire::NsIdDescHeader {
+            nidt,
+            nidl: wire::sat(id.len()),
+            rsvd: [0; 2],
+        };
+        out[at..at + 4].copy_from_slice(h.as_bytes());
+        out[at + 4..at + 4 + id.len()].copy_from_slice(id);
+        at += 4 + id.len();
+    };
+    if let Some(g) = ns.nguid {
+        put(wire::nidt::NGUID, &g);
+    }
+    if let Some(u) = ns.uuid {
+        put(wire::nidt::UUID, &u);
+    }
+    put(wire::nidt::CSI, &[0]); // NVM command set
+    out
+}
+
+/// Identify Controller for this queue's controller.
+pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::IdentifyController {
+    let limits = q.target().limits();
+    let mut id: wire::IdentifyController = wire::zeroed();
+    let firmware = crate::target::FIRMWARE_REVISION;
+    match q.subsystem() {
+        Some(s) => {
+            wire::put_str(&mut id.sn, &s.serial, b' ');
+            wire::put_str(&mut id.mn, &s.model, b' ');
+            wire::put_str(&mut id.subnqn, &s.nqn, 0);
+            id.cntrltype = 1;
+            let all = |f: fn(&nvmfd_blockdev::DeviceInfo) -> bool| {
+                !s.namespaces.is_empty() && s.namespaces.iter().all(|n| f(&n.info))
+            };
+            let mut oncs = 0u16;
+            if all(|i| i.deallocate) {
+                oncs |= 1 << 2; // Dataset Management
+            }
+            if all(|i| i.write_zeroes) {
+                oncs |= 1 << 3; // Write Zeroes
+            }
+            id.oncs = U16::new(oncs);
+            id.vwc = u8::from(s.namespaces.iter().any(|n| n.info.volatile_cache));
+            id.nn = U32::new(s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0));
+            id.mnan = id.nn;
+            id.oaes = U32::new(1 << 8); // Namespace Attribute Notices
+        }
+        None => {
+            wire::put_str(&mut id.sn, "nvmfd-discovery", b' ');
+            wire::put_str(&mut id.mn, "nvmfd discovery", b' ');
+            wire::put_str(&mut id.subnqn, crate::target::DISCOVERY_NQN, 0);
+            id.cntrltype = 2;
+        }
+    }
+    wire::put_str(&mut id.fr, firmware, b' ');
+    id.cmic = 1 << 1; // the subsystem may have several controllers
+    id.mdts = wire::sat((limits.max_io_size / 4096).max(1).trailing_zeros());
+    id.cntlid = U16::new(ctrl.cntlid);
+    id.ver = U32::new(NVME_VERSION);
+    id.acl = 3;
+    id.aerl = wire::sat(AER_LIMIT - 1);
+    id.lpa = 1 << 2; // extended Get Log Page (offsets, NUMDU)
+    id.elpe = 0;
+    id.kas = U16::new(1); // keep-alive granularity: 100 ms
+    id.sqes = 0x66;
+    id.cqes = 0x44;
+    id.maxcmd = U16::new(limits.max_queue_depth);
+    // SGLs without alignment, keyed SGL data blocks, and the offset subtype (in-capsule data).
+    id.sgls = U32::new(1 | (1 << 2) | (1 << 20));
+    id.ioccsz = U32::new((64 + limits.in_capsule_data_size) / 16);
+    id.iorcsz = U32::new(1);
+    id.icdoff = U16::new(0);
+    id.fcatt = 0; // dynamic controller model
+    id.msdbd = 1;
+    id
+}
+
+/// Identify Namespace.
+pub(crate) fn identify_namespace(
+    ns: &crate::target::Namespace,
+    max_io_size: u32,
+) -> wire::IdentifyNamespace {
+    let info = &ns.info;
+    let mut id: wire::IdentifyNamespace = wire::zeroed();
+    let blocks = info.blocks();
+    id.nsze = U64::new(blocks);
+    id.ncap = U64::new(blocks);
+    id.nuse = U64::new(blocks);
+    id.nlbaf = 0;
+    id.flbas = 0;
+    id.lbaf[0].lbads = wire::sat(info.logical_block_size.trailing_zeros());
+    let per_phys = (info.physical_block_size / info.logical_block_size).max(1);
+    if per_phys > 1 {
+        id.nsfeat |= 1 << 4; // NPWG, NPWA, NPDG, NPDA and NOWS are valid
+        id.npwg = U16::new(wire::sat(per_phys - 1));
+        id.npwa = U16::new(wire::sat(per_phys - 1));
+        id.npdg = U16::new(wire::sat(per_phys - 1));
+        id.npda = U16::new(wire::sat(per_phys - 1));
+        id.nows = U16::new(wire::sat(
+            (max_io_size / info.logical_block_size).max(1) - 1,
+        ));
+    }
+    if info.deallocate {
+        // Deallocated blocks read as zeroes; Write Zeroes may deallocate.
+        id.dlfeat = 0x1 | (1 << 3);
+        id.nsfeat |= 1 << 2; // DAE: deallocated or unwritten logical block error support off
+        id.nsfeat &= !(1 << 2);
+    }
+    if info.read_only {
+        id.nsattr = 1;
+    }
+    if let Some(g) = ns.nguid {
+        id.nguid = g;
+    }
+    id
+}
+
+fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd_len: u32) -> Action {
+    let cdw10 = cmd.sqe.cdw10.get();
+    let lid = (cdw10 & 0xFF) as u8;
+    let rae = cdw10 & (1 << 15) != 0;
+    let numd = (u64::from(cmd.sqe.cdw11.get() & 0xFFFF) << 16 | u64::from(cdw10 >> 16)) + 1;
+    let len = numd * 4;
+    let offset = u64::from(cmd.sqe.cdw12.get()) | u64::from(cmd.sqe.cdw13.get()) << 32;
+    if offset % 4 != 0 {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    }
+    let page: Vec<u8> = match (lid, ctrl.subsystem.is_some()) {
+        (log_page::DISCOVERY, false) => discovery_log(q, ctrl),
+        (log_page::ERROR, _) => vec![0u8; 64],
+        (log_page::SMART, true) => smart_log(ctrl).as_bytes().to_vec(),
+        (log_page::FIRMWARE_SLOT, true) => {
+            let mut p = vec![0u8; 512];
+            p[0] = 1; // active slot 1
+            wire::put_str(&mut p[8..16], crate::target::FIRMWARE_REVISION, b' ');
+            p
+        }
+        (log_page::CHANGED_NAMESPACES, true) => {
+            let mut p = vec![0u8; 4096];
+            let mut st = ctrl.lock();
+            if st.changed_nsids.len() > 1024 {
+                p[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+            } else {
+                for (i, id) in st.changed_nsids.iter().enumerate() {
+                    p[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+                }
+            }
+            if !rae {
+                st.changed_nsids.clear();
+            }
+            p
+        }
+        _ => return q.respond(&cmd, status::INVALID_LOG_PAGE, 0),
+    };
+    let Ok(start) = usize::try_from(offset) else {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    };
+    if start > page.len() {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    }
+    let end = usize::try_from(offset.saturating_add(len))
+        .unwrap_or(usize::MAX)
+        .min(page.len());
+    let mut data = page[start..end].to_vec();
+    // Reads past the end of the page return zeroes up to the requested length.
+    let want = usize::try_from(len).unwrap_or(usize::MAX).min(1 << 20);
+    if data.len() < want {
+        data.resize(want, 0);
+    }
+    respond_data(q, &cmd, data, icd_len)
+}
+
+fn smart_log(ctrl: &Controller) -> wire::SmartLog {
+    let mut s: wire::SmartLog = wire::zeroed();
+    s.temperature = U16::new(273 + 25);
+    s.avail_spare = 100;
+    s.spare_thresh = 10;
+    // Data units are thousands of 512-byte units, rounded up.
+    let units = |bytes: u64| (bytes.div_ceil(512)).div_ceil(1000) as u128;
+    s.data_units_read = units(ctrl.bytes_read.load(Ordering::Relaxed)).to_le_bytes();
+    s.data_units_written = units(ctrl.bytes_written.load(Ordering::Relaxed)).to_le_bytes();
+    s.host_reads = (ctrl.host_reads.load(Ordering::Relaxed) as u128).to_le_bytes();
+    s.host_writes = (ctrl.host_writes.load(Ordering::Relaxed) as u128).to_le_bytes();
+    s
+}
+
+/// The discovery log page: one entry per port for every subsystem this host may reach.
+pub(crate) fn discovery_log(q: &Queue, ctrl: &Controller) -> Vec<u8> {
+    let t = q.target();
+    let mut entries = Vec::new();
+    for s in t.subsystems().iter().filter(|s| s.allows(&ctrl.hostnqn)) {
+        for (portid, p) in t.inner.ports.iter().enumerate() {
+            let mut e: wire::DiscoveryLogEntry = wire::zeroed();
+            e.trtype = 1; // RDMA
+            e.adrfam = if p.addr.is_ipv4() { 1 } else { 2 };
+            e.subtype = 2; // NVM subsystem
+            e.treq = 0x2; // secure channel not required
+            e.portid = U16::new(wire::sat(portid));
+            e.cntlid = U16::new(0xFFFF);
+            e.asqsz = U16::new(32);
+            wire::put_str(&mut e.trsvcid, &p.port.to_string(), b' ');
+            wire::put_str(&mut e.subnqn, &s.nqn, 0);
+            wire::put_str(&mut e.traddr, &p.addr.to_string(), b' ');
+            e.rdma_qptype = 1; // reliable connected
+            e.rdma_prtype = 1; // no provider specified
+            e.rdma_cms = 1; // rdma_cm
+            entries.push(e);
+        }
+    }
+    let mut h: wire::DiscoveryLogHeader = wire::zeroed();
+    h.genctr = U64::new(t.inner.genctr.load(Ordering::Relaxed));
+    h.numrec = U64::new(entries.len() as u64);
+    let mut out = h.as_bytes().to_vec();
+    for e in &entries {
+        out.extend_from_slice(e.as_bytes());
+    }
+    out
+}
+
+fn set_features(q: &mut Queue, ctrl: &Controller, cmd: Command, now: Instant) -> Action {
+    let cdw10 = cmd.sqe.cdw10.get();
+    let fid = (cdw10 & 0xFF) as u8;
+    if cdw10 & (1 << 31) != 0 {
+        return q.respond(&cmd, status::FEATURE_NOT_SAVEABLE, 0);
+    }
+    let cdw11 = cmd.sqe.cdw11.get();
+    let limits = *q.target().limits();
+    let mut st = ctrl.lock();
+    match fid {
+        feature::NUMBER_OF_QUEUES if ctrl.subsystem.is_some() => {
+            let nsqr = cdw11 & 0xFFFF;
+            let ncqr = cdw11 >> 16;
+            if nsqr == 0xFFFF || ncqr == 0xFFFF {
+                return q.respond(&cmd, status::INVALID_FIELD, 0);
+            }
+            if st.io_queues.iter().any(|&b| b) {
+                return q.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+            }
+            let granted: u16 = wire::sat(nsqr.min(ncqr).min(u32::from(limits.max_io_queues) - 1));
+            st.queues_granted = Some(granted);
+            let dw0 = u32::from(granted) | u32::from(granted) << 16;
+            q.respond(&cmd, Status::SUCCESS, dw0)
+        }
+        feature::ASYNC_EVENT_CONFIG => {
+            st.aec = cdw11;
+            q.respond(&cmd, Status::SUCCESS, 0)
+        }
+        feature::KEEP_ALIVE_TIMER => {
+            let ms = Duration::from_millis(u64::from(cdw11));
+            st.kato = if ms.is_zero() {
+                ms
+            } else {
+                ms.clamp(limits.kato_min, limits.kato_max)
+            };
+            st.last_keep_alive = now;
+            q.respond(&cmd, Status::SUCCESS, 0)
+        }
+        feature::VOLATILE_WRITE_CACHE if ctrl.subsystem.is_some() => {
+            let has_cache = q
+                .subsystem()
+                .is_some_and(|s| s.namespaces.iter().any(|n| n.info.volatile_cache));
+            if !has_cache {
+                q.respond(&cmd, status::INVALID_FIELD, 0)
+            } else if cdw11 & 1 == 1 {
+                q.respond(&cmd, Status::SUCCESS, 0)
+            } else {
+                // Turning the cache off would need FUA on every write: not offered.
+                q.respond(&cmd, status::FEATURE_NOT_CHANGEABLE, 0)
+            }
+        }
+        _ => q.respond(&cmd, status::INVALID_FIELD, 0),
+    }
+}
+
+fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command) -> Action {
+    let cdw10 = cmd.sqe.cdw10.get();
+    let fid = (cdw10 & 0xFF) as u8;
+    let sel = (cdw10 >> 8) & 0x7;
+    if sel == 3 {
+        // Supported capabilities: nothing is saveable or namespace specific; all changeable.
+        return q.respond(&cmd, Status::SUCCESS, 1 << 2);
+    }
+    let st = ctrl.lock();
+    let dw0 = match fid {
+        feature::NUMBER_OF_QUEUES if ctrl.subsystem.is_some() => {
+            let g = u32::from(
+                st.queues_granted
+                    .unwrap_or(q.target().limits().max_io_queues - 1),
+            );
+            g | g << 16
+        }
+        feature::ASYNC_EVENT_CONFIG => st.aec,
+        feature::KEEP_ALIVE_TIMER => u32::try_from(st.kato.as_millis()).unwrap_or(u32::MAX),
+        feature::VOLATILE_WRITE_CACHE if ctrl.subsystem.is_some() => {
+            let has_cache = q
+                .subsystem()
+                .is_some_and(|s| s.namespaces.iter().any(|n| n.info.volatile_cache));
+            if !has_cache {
+                return q.respond(&cmd, status::INVALID_FIELD, 0);
+            }
+            1
+        }
+        feature::ARBITRATION => 0,
+        _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
+    };
+    q.respond(&cmd, Status::SUCCESS, dw0)
+}

@@ -1,0 +1,471 @@
+//! The host side of NVMe over Fabrics: what a host sends and expects, over any transport that
+//! implements [`HostTransport`]. nvmfd's `nvmf` tool and the tests use it.
+
+use zerocopy::little_endian::{U16, U32};
+use zerocopy::IntoBytes;
+
+use crate::wire::{
+    self, admin_opcode, fctype, io_opcode, property, ConnectCmd, ConnectData, Cqe, Sqe, Status,
+};
+
+/// Data a command moves.
+#[derive(Debug)]
+pub enum DataDir<'a> {
+    /// None.
+    None,
+    /// Host to target (writes, Connect data, DSM ranges).
+    ToTarget(&'a [u8]),
+    /// Target to host (reads, Identify, log pages).
+    FromTarget(&'a mut [u8]),
+}
+
+/// Why a host operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// the transport failed or the connection closed
+    #[error("transport: {0}")]
+    Transport(String),
+    /// the target completed the command with an error status
+    #[error("command failed: {status:?} (dw0 {dw0:#x})")]
+    Status {
+        /// The status.
+        status: Status,
+        /// Completion dword 0 (Connect's Invalid Parameters says where).
+        dw0: u32,
+    },
+    /// the target did not reach a state in time
+    #[error("timed out waiting for {0}")]
+    Timeout(&'static str),
+    /// the target answered something a host cannot use
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+impl HostError {
+    /// The NVMe status, when the target answered with one.
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            HostError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A transport as the host sees it: send a command with its data, get its completion.
+pub trait HostTransport {
+    /// Sends `sqe` (the transport fills in the SGL that describes `data`) and waits for the
+    /// completion.
+    fn execute(&mut self, sqe: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError>;
+}
+
+/// The host's identity.
+#[derive(Clone, Debug)]
+pub struct HostId {
+    /// Host NQN.
+    pub nqn: String,
+    /// Host identifier.
+    pub id: [u8; 16],
+}
+
+fn check(cqe: Cqe) -> Result<Cqe, HostError> {
+    let st = cqe.status();
+    if st.is_success() {
+        Ok(cqe)
+    } else {
+        Err(HostError::Status {
+            status: st,
+            dw0: cqe.dw0.get(),
+        })
+    }
+}
+
+fn sqe(opcode: u8, cid: u16) -> Sqe {
+    Sqe {
+        opcode,
+        flags: 1 << 6, // PSDT: SGL
+        cid: U16::new(cid),
+        ..wire::zeroed()
+    }
+}
+
+/// What a Connect asks for.
+struct ConnectArgs {
+    qid: u16,
+    sqsize: u16,
+    kato_ms: u32,
+    cntlid: u16,
+}
+
+fn connect<T: HostTransport>(
+    t: &mut T,
+    host: &HostId,
+    subnqn: &str,
+    a: ConnectArgs,
+) -> Result<Cqe, HostError> {
+    let ConnectArgs {
+        qid,
+        sqsize,
+        kato_ms,
+        cntlid,
+    } = a;
+    let cid = 0;
+    let cmd = ConnectCmd {
+        opcode: admin_opcode::FABRICS,
+        flags: 1 << 6,
+        cid: U16::new(cid),
+        fctype: fctype::CONNECT,
+        qid: U16::new(qid),
+        sqsize: U16::new(sqsize),
+        kato: U32::new(kato_ms),
+        ..wire::zeroed()
+    };
+    let mut data: ConnectData = wire::zeroed();
+    data.hostid = host.id;
+    data.cntlid = U16::new(cntlid);
+    wire::put_str(&mut data.subnqn, subnqn, 0);
+    wire::put_str(&mut data.hostnqn, &host.nqn, 0);
+    let sqe = wire::read::<Sqe>(cmd.as_bytes())
+        .ok_or_else(|| HostError::Protocol("connect layout".into()))?;
+    check(t.execute(sqe, DataDir::ToTarget(data.as_bytes()))?)
+}
+
+/// An admin queue, connected.
+#[derive(Debug)]
+pub struct AdminQueue<T: HostTransport> {
+    t: T,
+    cid: u16,
+    /// The controller ID the target assigned.
+    pub cntlid: u16,
+}
+
+impl<T: HostTransport> AdminQueue<T> {
+    /// Connects the admin queue of a new controller of `subnqn` (`sqsize` 0's based;
+    /// `kato_ms` 0 asks for no keep-alive).
+    pub fn connect(
+        mut t: T,
+        host: &HostId,
+        subnqn: &str,
+        sqsize: u16,
+        kato_ms: u32,
+    ) -> Result<Self, HostError> {
+        let args = ConnectArgs {
+            qid: 0,
+            sqsize,
+            kato_ms,
+            cntlid: 0xFFFF,
+        };
+        let cqe = connect(&mut t, host, subnqn, args)?;
+        Ok(AdminQueue {
+            t,
+            cid: 1,
+            cntlid: wire::sat(cqe.dw0.get() & 0xFFFF),
+        })
+    }
+
+    /// The transport.
+    pub fn transport(&mut self) -> &mut T {
+        &mut self.t
+    }
+
+    fn next_cid(&mut self) -> u16 {
+        self.cid = self.cid.wrapping_add(1);
+        self.cid
+    }
+
+    /// Sends an admin command built by the caller (cid and PSDT filled in here).
+    pub fn raw(&mut self, mut s: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError> {
+        s.cid = U16::new(self.next_cid());
+        s.flags |= 1 << 6;
+        check(self.t.execute(s, data)?)
+    }
+
+    /// Property Get.
+    pub fn property_get(&mut self, offset: u32, eight_bytes: bool) -> Result<u64, HostError> {
+        let mut s = sqe(admin_opcode::FABRICS, self.next_cid());
+        let b = s.as_mut_bytes();
+        b[4] = fctype::PROPERTY_GET;
+        b[40] = u8::from(eight_bytes);
+        b[44..48].copy_from_slice(&offset.to_le_bytes());
+        let c = check(self.t.execute(s, DataDir::None)?)?;
+        Ok(u64::from(c.dw0.get()) | u64::from(c.dw1.get()) << 32)
+    }
+
+    /// Property Set (4 bytes).
+    pub fn property_set(&mut self, offset: u32, value: u32) -> Result<(), HostError> {
+        let mut s = sqe(admin_opcode::FABRICS, self.next_cid());
+        let b = s.as_mut_bytes();
+        b[4] = fctype::PROPERTY_SET;
+        b[44..48].copy_from_slice(&offset.to_le_bytes());
+        b[48..56].copy_from_slice(&u64::from(value).to_le_bytes());
+        check(self.t.execute(s, DataDir::None)?).map(drop)
+    }
+
+    /// Enables the controller (CC.EN with 64/16-byte entries) and waits for CSTS.RDY.
+    pub fn enable(&mut self) -> Result<(), HostError> {
+        let cc = 1 | (6 << 16) | (4 << 20);
+        self.property_set(property::CC, cc)?;
+        for _ in 0..1000 {
+            let csts = self.property_get(property::CSTS, false)?;
+            if csts & 0x2 != 0 {
+                return Err(HostError::Protocol(
+                    "controller fatal status (CSTS.CFS)".into(),
+                ));
+            }
+            if csts & 1 == 1 {
+                return Ok(());
+            }
+        }
+        Err(HostError::Timeout("CSTS.RDY"))
+    }
+
+    /// Shuts the controller down (CC.SHN normal) and waits for CSTS.SHST complete.
+    pub fn shutdown(&mut self) -> Result<(), HostError> {
+        let cc = wire::lo32(self.property_get(property::CC, false)?);
+        self.property_set(property::CC, (cc & !(0x3 << 14)) | (1 << 14))?;
+        for _ in 0..1000 {
+            if (self.property_get(property::CSTS, false)? >> 2) & 0x3 == 2 {
+                return Ok(());
+            }
+        }
+        Err(HostError::Timeout("CSTS.SHST"))
+    }
+
+    fn identify(&mut self, cns: u8, nsid: u32) -> Result<Vec<u8>, HostError> {
+        let mut s = sqe(admin_opcode::IDENTIFY, self.next_cid());
+        s.nsid = U32::new(nsid);
+        s.cdw10 = U32::new(u32::from(cns));
+        let mut buf = vec![0u8; 4096];
+        check(self.t.execute(s, DataDir::FromTarget(&mut buf))?)?;
+        Ok(buf)
+    }
+
+    /// Identify Controller.
+    pub fn identify_controller(&mut self) -> Result<wire::IdentifyController, HostError> {
+        let b = self.identify(1, 0)?;
+        wire::read(&b).ok_or_else(|| HostError::Protocol("short identify".into()))
+    }
+
+    /// Identify Namespace.
+    pub fn identify_namespace(&mut self, nsid: u32) -> Result<wire::IdentifyNamespace, HostError> {
+        let b = self.identify(0, nsid)?;
+        wire::read(&b).ok_or_else(|| HostError::Protocol("short identify".into()))
+    }
+
+    /// Active namespace IDs above `after`.
+    pub fn active_namespaces(&mut self, after: u32) -> Result<Vec<u32>, HostError> {
+        let b = self.identify(2, after)?;
+        Ok(b.chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .take_while(|&n| n != 0)
+            .collect())
+    }
+
+    /// Namespace identification descriptors: (type, identifier).
+    pub fn namespace_ids(&mut self, nsid: u32) -> Result<Vec<(u8, Vec<u8>)>, HostError> {
+        let b = self.identify(3, nsid)?;
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at + 4 <= b.len() && b[at] != 0 {
+            let len = usize::from(b[at + 1]);
+            let Some(id) = b.get(at + 4..at + 4 + len) else {
+                break;
+            };
+            out.push((b[at], id.to_vec()));
+            at += 4 + len;
+        }
+        Ok(out)
+    }
+
+    /// Set Features, Number of Queues: asks for `n` I/O queues, returns how many are granted.
+    pub fn set_queue_count(&mut self, n: u16) -> Result<u16, HostError> {
+        let mut s = sqe(admin_opcode::SET_FEATURES, self.next_cid());
+        s.cdw10 = U32::new(u32::from(wire::feature::NUMBER_OF_QUEUES));
+        let z = u32::from(n.saturating_sub(1));
+        s.cdw11 = U32::new(z | z << 16);
+        let c = check(self.t.execute(s, DataDir::None)?)?;
+        let dw0 = c.dw0.get();
+        Ok(wire::sat((dw0 & 0xFFFF).min(dw0 >> 16) + 1))
+    }
+
+    /// Get Features: dword 0 of the answer.
+    pub fn get_feature(&mut self, fid: u8) -> Result<u32, HostError> {
+        let mut s = sqe(admin_opcode::GET_FEATURES, self.next_cid());
+        s.cdw10 = U32::new(u32::from(fid));
+        Ok(check(self.t.execute(s, DataDir::None)?)?.dw0.get())
+    }
+
+    /// Set Features with dword 11.
+    pub fn set_feature(&mut self, fid: u8, cdw11: u32) -> Result<u32, HostError> {
+        let mut s = sqe(admin_opcode::SET_FEATURES, self.next_cid());
+        s.cdw10 = U32::new(u32::from(fid));
+        s.cdw11 = U32::new(cdw11);
+        Ok(check(self.t.execute(s, DataDir::None)?)?.dw0.get())
+    }
+
+    /// Keep Alive.
+    pub fn keep_alive(&mut self) -> Result<(), HostError> {
+        let s = sqe(admin_opcode::KEEP_ALIVE, self.next_cid());
+        check(self.t.execute(s, DataDir::None)?).map(drop)
+    }
+
+    /// Get Log Page `lid`: `len` bytes (a multiple of 4) from byte `offset`.
+    pub fn get_log_page(&mut self, lid: u8, offset: u64, len: u32) -> Result<Vec<u8>, HostError> {
+        let numd = len / 4 - 1;
+        let mut s = sqe(admin_opcode::GET_LOG_PAGE, self.next_cid());
+        s.cdw10 = U32::new(u32::from(lid) | (numd & 0xFFFF) << 16);
+        s.cdw11 = U32::new(numd >> 16);
+        s.cdw12 = U32::new(wire::lo32(offset));
+        s.cdw13 = U32::new(wire::hi32(offset));
+        let mut buf = vec![0u8; len as usize];
+        check(self.t.execute(s, DataDir::FromTarget(&mut buf))?)?;
+        Ok(buf)
+    }
+
+    /// The discovery log (on a discovery controller): every entry, read consistently (the
+    /// generation counter must not change during the read).
+    pub fn discover(&mut self) -> Result<Vec<wire::DiscoveryLogEntry>, HostError> {
+        for _ in 0..10 {
+            let head = self.get_log_page(wire::log_page::DISCOVERY, 0, 1024)?;
+            let h: wire::DiscoveryLogHeader =
+                wire::read(&head).ok_or_else(|| HostError::Protocol("short log".into()))?;
+            let n = h.numrec.get();
+            if n > 1024 {
+                return Err(HostError::Protocol(format!("{n} discovery records")));
+            }
+            let body = if n == 0 {
+                Vec::new()
+            } else {
+                self.get_log_page(wire::log_page::DISCOVERY, 1024, wire::sat(n * 1024))?
+            };
+            let again = self.get_log_page(wire::log_page::DISCOVERY, 0, 1024)?;
+            let h2: wire::DiscoveryLogHeader =
+                wire::read(&again).ok_or_else(|| HostError::Protocol("short log".into()))?;
+            if h2.genctr.get() != h.genctr.get() {
+                continue;
+            }
+            return Ok(body
+                .chunks_exact(1024)
+                .filter_map(wire::read::<wire::DiscoveryLogEntry>)
+                .collect());
+        }
+        Err(HostError::Timeout("a stable discovery log"))
+    }
+}
+
+/// An I/O queue, connected.
+#[derive(Debug)]
+pub struct IoQueue<T: HostTransport> {
+    t: T,
+    cid: u16,
+    /// Queue ID.
+    pub qid: u16,
+}
+
+impl<T: HostTransport> IoQueue<T> {
+    /// Connects I/O queue `qid` of controller `cntlid`.
+    pub fn connect(
+        mut t: T,
+        host: &HostId,
+        subnqn: &str,
+        cntlid: u16,
+        qid: u16,
+        sqsize: u16,
+    ) -> Result<Self, HostError> {
+        connect(
+            &mut t,
+            host,
+            subnqn,
+            ConnectArgs {
+                qid,
+                sqsize,
+                kato_ms: 0,
+                cntlid,
+            },
+        )?;
+        Ok(IoQueue { t, cid: 1, qid })
+    }
+
+    /// The transport.
+    pub fn transport(&mut self) -> &mut T {
+        &mut self.t
+    }
+
+    fn next_cid(&mut self) -> u16 {
+        self.cid = self.cid.wrapping_add(1);
+        self.cid
+    }
+
+    fn rw(&mut self, opcode: u8, nsid: u32, slba: u64, nlb: u32, fua: bool) -> Sqe {
+        let mut s = sqe(opcode, self.next_cid());
+        s.nsid = U32::new(nsid);
+        s.cdw10 = U32::new(wire::lo32(slba));
+        s.cdw11 = U32::new(wire::hi32(slba));
+        s.cdw12 = U32::new((nlb - 1) | (u32::from(fua) << 30));
+        s
+    }
+
+    /// Reads `nlb` blocks at `slba` into `buf` (which must be `nlb` blocks long).
+    pub fn read(
+        &mut self,
+        nsid: u32,
+        slba: u64,
+        nlb: u32,
+        buf: &mut [u8],
+    ) -> Result<(), HostError> {
+        let s = self.rw(io_opcode::READ, nsid, slba, nlb, false);
+        check(self.t.execute(s, DataDir::FromTarget(buf))?).map(drop)
+    }
+
+    /// Writes `data` (`nlb` blocks) at `slba`.
+    pub fn write(
+        &mut self,
+        nsid: u32,
+        slba: u64,
+        nlb: u32,
+        data: &[u8],
+        fua: bool,
+    ) -> Result<(), HostError> {
+        let s = self.rw(io_opcode::WRITE, nsid, slba, nlb, fua);
+        check(self.t.execute(s, DataDir::ToTarget(data))?).map(drop)
+    }
+
+    /// Flush.
+    pub fn flush(&mut self, nsid: u32) -> Result<(), HostError> {
+        let mut s = sqe(io_opcode::FLUSH, self.next_cid());
+        s.nsid = U32::new(nsid);
+        check(self.t.execute(s, DataDir::None)?).map(drop)
+    }
+
+    /// Write Zeroes of `nlb` blocks at `slba`.
+    pub fn write_zeroes(&mut self, nsid: u32, slba: u64, nlb: u32) -> Result<(), HostError> {
+        let s = self.rw(io_opcode::WRITE_ZEROES, nsid, slba, nlb, false);
+        check(self.t.execute(s, DataDir::None)?).map(drop)
+    }
+
+    /// Dataset Management, deallocate: (slba, nlb) ranges.
+    pub fn deallocate(&mut self, nsid: u32, ranges: &[(u64, u32)]) -> Result<(), HostError> {
+        let mut s = sqe(io_opcode::DATASET_MANAGEMENT, self.next_cid());
+        s.nsid = U32::new(nsid);
+        s.cdw10 = U32::new(wire::sat(ranges.len().saturating_sub(1)));
+        s.cdw11 = U32::new(1 << 2);
+        let mut data = Vec::with_capacity(ranges.len() * 16);
+        for &(slba, nlb) in ranges {
+            data.extend_from_slice(&0u32.to_le_bytes());
+            data.extend_from_slice(&nlb.to_le_bytes());
+            data.extend_from_slice(&slba.to_le_bytes());
+        }
+        check(self.t.execute(s, DataDir::ToTarget(&data))?).map(drop)
+    }
+
+    /// Sends a command built by the caller (cid filled in here).
+    pub fn raw(&mut self, mut s: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError> {
+        s.cid = U16::new(self.next_cid());
+        check(self.t.execute(s, data)?)
+    }
+}
+
+/// Reads a discovery entry's text fields: (subsystem NQN, address, port).
+pub fn discovery_entry_text(e: &wire::DiscoveryLogEntry) -> (String, String, String) {
+    let s = |b: &[u8]| wire::get_str(b).unwrap_or("").trim().to_owned();
+    (s(&e.subnqn), s(&e.traddr), s(&e.trsvcid))
+}

@@ -1,0 +1,169 @@
+//! NVM command set I/O commands: validation, and their translation into block operations.
+
+use nvmfd_blockdev::BlockError;
+
+use crate::queue::{Action, Command, IoOp, IoRequest, Queue};
+use crate::target::Controller;
+use crate::wire::{self, io_opcode as op, status, Status};
+
+/// Largest number of Dataset Management ranges (NR is 0's based, 8 bits).
+pub const DSM_MAX_RANGES: u32 = 256;
+
+pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd_len: u32) -> Action {
+    let sqe = cmd.sqe;
+    let nsid = sqe.nsid.get();
+    let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)).cloned() else {
+        return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
+    };
+    let info = &ns.info;
+    let lbs = u64::from(info.logical_block_size);
+    let slba = u64::from(sqe.cdw10.get()) | u64::from(sqe.cdw11.get()) << 32;
+    let nlb = u64::from(sqe.cdw12.get() & 0xFFFF) + 1;
+    // LBA range: slba + nlb must not overflow nor pass the end.
+    let in_range = slba
+        .checked_add(nlb)
+        .is_some_and(|end| end <= info.blocks());
+    let writes = matches!(
+        sqe.opcode,
+        op::WRITE | op::WRITE_ZEROES | op::DATASET_MANAGEMENT
+    );
+    if writes && info.read_only {
+        return q.respond(&cmd, status::NAMESPACE_WRITE_PROTECTED, 0);
+    }
+    let max_io = q.target().limits().max_io_size;
+    match sqe.opcode {
+        op::READ | op::WRITE => {
+            if !in_range {
+                return q.respond(&cmd, status::LBA_OUT_OF_RANGE, 0);
+            }
+            let bytes = nlb * lbs;
+            if bytes > u64::from(max_io) {
+                return q.respond(&cmd, status::INVALID_FIELD, 0);
+            }
+            let len: u32 = wire::sat(bytes);
+            let offset = slba * lbs;
+            let write = sqe.opcode == op::WRITE;
+            let data = match q.data_ref(&sqe, len, write, icd_len) {
+                Ok(d) => d,
+                Err(st) => return q.respond(&cmd, st, 0),
+            };
+            let fua = sqe.cdw12.get() & (1 << 30) != 0;
+            let op = if write {
+                IoOp::Write { offset, len, fua }
+            } else {
+                IoOp::Read { offset, len }
+            };
+            Action::Io(IoRequest {
+                cmd,
+                nsid,
+                op,
+                data: Some(data),
+            })
+        }
+        op::FLUSH => Action::Io(IoRequest {
+            cmd,
+            nsid,
+            op: IoOp::Flush,
+            data: None,
+        }),
+        op::WRITE_ZEROES => {
+            if !info.write_zeroes {
+                return q.respond(&cmd, status::INVALID_OPCODE, 0);
+            }
+            if !in_range {
+                return q.respond(&cmd, status::LBA_OUT_OF_RANGE, 0);
+            }
+            Action::Io(IoRequest {
+                cmd,
+                nsid,
+                op: IoOp::WriteZeroes {
+                    offset: slba * lbs,
+                    len: nlb * lbs,
+                },
+                data: None,
+            })
+        }
+        op::DATASET_MANAGEMENT => {
+            if !info.deallocate {
+                return q.respond(&cmd, status::INVALID_OPCODE, 0);
+            }
+            let ranges = (sqe.cdw10.get() & 0xFF) + 1;
+            match q.data_ref(&sqe, ranges * 16, true, icd_len) {
+                Ok(from) => Action::Fetch { cmd, from },
+                Err(st) => q.respond(&cmd, st, 0),
+            }
+        }
+        _ => q.respond(&cmd, status::INVALID_OPCODE, 0),
+    }
+}
+
+/// Dataset Management ranges arrived: deallocate them when AD is set (other attributes are
+/// hints, which a target may ignore).
+pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data: &[u8]) -> Action {
+    let sqe = cmd.sqe;
+    if sqe.opcode != op::DATASET_MANAGEMENT {
+        return q.respond(&cmd, status::INTERNAL_ERROR, 0);
+    }
+    let nsid = sqe.nsid.get();
+    let Some(info) = q
+        .subsystem()
+        .and_then(|s| s.namespace(nsid))
+        .map(|n| n.info.clone())
+    else {
+        return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
+    };
+    let n = ((sqe.cdw10.get() & 0xFF) + 1) as usize;
+    if data.len() < n * 16 {
+        return q.respond(&cmd, status::DATA_SGL_LENGTH_INVALID, 0);
+    }
+    let deallocate = sqe.cdw11.get() & (1 << 2) != 0;
+    if !deallocate {
+        return q.respond(&cmd, Status::SUCCESS, 0);
+    }
+    let lbs = u64::from(info.logical_block_size);
+    let mut ranges = Vec::with_capacity(n);
+    for r in data[..n * 16].chunks_exact(16) {
+        let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
+        let slba = u64::from_le_bytes([r[8], r[9], r[10], r[11], r[12], r[13], r[14], r[15]]);
+        if nlb == 0 {
+            continue;
+        }
+        if slba.checked_add(nlb).is_none_or(|end| end > info.blocks()) {
+            return q.respond(&cmd, status::LBA_OUT_OF_RANGE, 0);
+        }
+        ranges.push((slba * lbs, nlb * lbs));
+    }
+    if ranges.is_empty() {
+        return q.respond(&cmd, Status::SUCCESS, 0);
+    }
+    Action::Io(IoRequest {
+        cmd,
+        nsid,
+        op: IoOp::Deallocate { ranges },
+        data: None,
+    })
+}
+
+/// The NVMe status for a failed block operation.
+pub fn block_error_status(e: &BlockError, op: &IoOp) -> Status {
+    let read = matches!(op, IoOp::Read { .. });
+    match e {
+        BlockError::Misaligned { .. } => status::INVALID_FIELD,
+        BlockError::OutOfRange { .. } => status::LBA_OUT_OF_RANGE,
+        BlockError::ReadOnly => status::NAMESPACE_WRITE_PROTECTED,
+        BlockError::Unsupported(_) => status::INVALID_OPCODE,
+        BlockError::NoSpace => status::CAPACITY_EXCEEDED,
+        // Back-pressure is the transport's to absorb; should it escape, the host may retry.
+        BlockError::QueueFull => Status::retryable(0, 0x06),
+        BlockError::UnknownDevice => status::INVALID_NAMESPACE,
+        BlockError::ShortTransfer { .. } | BlockError::Io(_) => {
+            if read {
+                status::UNRECOVERED_READ_ERROR
+            } else if matches!(op, IoOp::Write { .. } | IoOp::WriteZeroes { .. }) {
+                status::WRITE_FAULT
+            } else {
+                status::INTERNAL_ERROR
+            }
+        }
+    }
+}

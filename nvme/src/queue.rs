@@ -1,0 +1,647 @@
+//! One queue (admin or I/O) of one connection: what each command means, as a sans-I/O state
+//! machine. The transport hands over capsules and carries out the [`Action`]s the queue asks
+//! for (move data, do block I/O, send a completion); it never decides what a command means.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvmfd_blockdev::{BlockError, OpKind};
+use zerocopy::little_endian::{U16, U32};
+use zerocopy::IntoBytes;
+
+use crate::target::{Controller, CtrlState, EndReason, Subsystem, Target, DISCOVERY_NQN};
+use crate::wire::{self, status, ConnectCmd, ConnectData, Cqe, Sgl, Sqe, Status};
+use crate::{admin, io};
+
+/// Size of a submission queue entry.
+pub const SQE_SIZE: usize = 64;
+
+/// A command the queue accepted, carried through the transport until it completes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Command {
+    /// The submission queue entry.
+    pub sqe: Sqe,
+    /// SQ head after fetching it, reported in its completion.
+    pub sqhd: u16,
+}
+
+impl Command {
+    /// Command identifier.
+    pub fn cid(&self) -> u16 {
+        self.sqe.cid.get()
+    }
+}
+
+/// Where a command's data is in host memory or in the capsule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataRef {
+    /// In the capsule, `offset` bytes after the SQE.
+    InCapsule {
+        /// Offset in the in-capsule data.
+        offset: u32,
+        /// Length.
+        len: u32,
+    },
+    /// Host memory, by RDMA.
+    Keyed {
+        /// Host address.
+        addr: u64,
+        /// Length.
+        len: u32,
+        /// Remote key.
+        key: u32,
+        /// Send the response with invalidate of `key`.
+        invalidate: bool,
+    },
+}
+
+impl DataRef {
+    /// Length in bytes.
+    pub fn len(&self) -> u32 {
+        match *self {
+            DataRef::InCapsule { len, .. } | DataRef::Keyed { len, .. } => len,
+        }
+    }
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The key to invalidate with the response, if the host asked for it.
+    pub fn invalidate_key(&self) -> Option<u32> {
+        match *self {
+            DataRef::Keyed {
+                key,
+                invalidate: true,
+                ..
+            } => Some(key),
+            _ => None,
+        }
+    }
+}
+
+/// A block-device operation for the transport to run, then report with [`Queue::io_done`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IoRequest {
+    /// The command.
+    pub cmd: Command,
+    /// Namespace.
+    pub nsid: u32,
+    /// What to do.
+    pub op: IoOp,
+    /// Host data: where writes come from and reads go to.
+    pub data: Option<DataRef>,
+}
+
+/// A block operation, in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IoOp {
+    /// Read `len` bytes at `offset`, then push them to the host.
+    Read {
+        /// Byte offset.
+        offset: u64,
+        /// Byte length.
+        len: u32,
+    },
+    /// Fetch `len` bytes from the host, then write them at `offset`.
+    Write {
+        /// Byte offset.
+        offset: u64,
+        /// Byte length.
+        len: u32,
+        /// Durable before completion.
+        fua: bool,
+    },
+    /// Flush the namespace.
+    Flush,
+    /// Zero `len` bytes at `offset`.
+    WriteZeroes {
+        /// Byte offset.
+        offset: u64,
+        /// Byte length.
+        len: u64,
+    },
+    /// Deallocate each (offset, len) range.
+    Deallocate {
+        /// Byte ranges.
+        ranges: Vec<(u64, u64)>,
+    },
+    /// Flush these namespaces (controller shutdown); no host data.
+    FlushAll {
+        /// Namespaces.
+        nsids: Vec<u32>,
+    },
+}
+
+impl IoOp {
+    /// The blockdev operation kind (for ranges and flushes, the kind of each part).
+    pub fn kind(&self) -> OpKind {
+        match self {
+            IoOp::Read { .. } => OpKind::Read,
+            IoOp::Write { fua: false, .. } => OpKind::Write,
+            IoOp::Write { fua: true, .. } => OpKind::WriteFua,
+            IoOp::Flush | IoOp::FlushAll { .. } => OpKind::Flush,
+            IoOp::WriteZeroes { .. } => OpKind::WriteZeroes,
+            IoOp::Deallocate { .. } => OpKind::Deallocate,
+        }
+    }
+}
+
+/// What the transport must do next for a command.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Send `cqe`. With `data`, first push those bytes to the host at `dest` (only as many as
+    /// `dest` holds).
+    Respond {
+        /// The completion.
+        cqe: Cqe,
+        /// Bytes for the host, and where they go.
+        data: Option<(Vec<u8>, DataRef)>,
+    },
+    /// Fetch the command's data (RDMA READ for keyed, a copy from the capsule otherwise),
+    /// then call [`Queue::data_arrived`].
+    Fetch {
+        /// The command.
+        cmd: Command,
+        /// Where the data is.
+        from: DataRef,
+    },
+    /// Run a block operation, then call [`Queue::io_done`].
+    Io(IoRequest),
+    /// Nothing now: the command (an Asynchronous Event Request) completes later, through
+    /// [`Queue::poll_events`].
+    Hold,
+    /// Close the connection (after sending `cqe`, when there is one).
+    Disconnect {
+        /// A last completion.
+        cqe: Option<Cqe>,
+        /// Why, for the log.
+        reason: &'static str,
+    },
+}
+
+/// The NVMe/RDMA connect request parameters the transport saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CmParams {
+    /// Queue ID.
+    pub qid: u16,
+    /// Host SQ size, 0's based.
+    pub hsqsize: u16,
+}
+
+/// One queue of one connection.
+pub struct Queue {
+    target: Target,
+    cm: Option<CmParams>,
+    /// Queue ID and size, once connected.
+    qid: Option<u16>,
+    sqsize: u16,
+    sqhd: u16,
+    ctrl: Option<Arc<Controller>>,
+    subsystem: Option<usize>,
+    /// In-capsule data this transport accepts on this queue.
+    in_capsule_limit: u32,
+    /// The controller's reset epoch when this queue connected.
+    epoch: u32,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("qid", &self.qid)
+            .field("cntlid", &self.ctrl.as_ref().map(|c| c.cntlid))
+            .finish()
+    }
+}
+
+/// A completion for `cmd` with `status` and `dw0`.
+pub(crate) fn cqe(cmd: &Command, qid: u16, st: Status, dw0: u32) -> Cqe {
+    Cqe {
+        dw0: U32::new(dw0),
+        dw1: U32::new(0),
+        sqhd: U16::new(cmd.sqhd),
+        sqid: U16::new(qid),
+        cid: cmd.sqe.cid,
+        status: U16::new(st.0 << 1),
+    }
+}
+
+impl Queue {
+    /// A new queue on a fresh connection. `cm` carries the RDMA CM request's parameters,
+    /// checked against Connect; transports without one pass `None`.
+    pub fn new(target: &Target, cm: Option<CmParams>) -> Queue {
+        let admin = cm.is_none_or(|c| c.qid == 0);
+        Queue {
+            target: target.clone(),
+            cm,
+            qid: None,
+            sqsize: 0,
+            sqhd: 0,
+            ctrl: None,
+            subsystem: None,
+            in_capsule_limit: if admin {
+                8192
+            } else {
+                target.limits().in_capsule_data_size
+            },
+            epoch: 0,
+        }
+    }
+
+    /// The queue ID, once connected.
+    pub fn qid(&self) -> Option<u16> {
+        self.qid
+    }
+
+    /// The controller, once connected.
+    pub fn controller(&self) -> Option<&Arc<Controller>> {
+        self.ctrl.as_ref()
+    }
+
+    /// The target.
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    pub(crate) fn subsystem(&self) -> Option<&Subsystem> {
+        self.subsystem.map(|i| &self.target.inner.subsystems[i])
+    }
+
+    pub(crate) fn qid_or_zero(&self) -> u16 {
+        self.qid.unwrap_or(0)
+    }
+
+    pub(crate) fn respond(&self, cmd: &Command, st: Status, dw0: u32) -> Action {
+        Action::Respond {
+            cqe: cqe(cmd, self.qid_or_zero(), st, dw0),
+            data: None,
+        }
+    }
+
+    /// Hands over one command capsule: the 64-byte SQE followed by `capsule.len() - 64` bytes
+    /// of in-capsule data. A capsule too short for an SQE is a protocol error: disconnect.
+    pub fn handle(&mut self, capsule: &[u8], now: Instant) -> Action {
+        let Some(sqe) = wire::read::<Sqe>(capsule) else {
+            return Action::Disconnect {
+                cqe: None,
+                reason: "command capsule shorter than 64 bytes",
+            };
+        };
+        let icd_len = u32::try_from(capsule.len() - SQE_SIZE).unwrap_or(u32::MAX);
+        let entries = self.sqsize.wrapping_add(1).max(1);
+        self.sqhd = (self.sqhd + 1) % entries;
+        let cmd = Command {
+            sqe,
+            sqhd: self.sqhd,
+        };
+        if self.must_disconnect() {
+            return Action::Disconnect {
+                cqe: None,
+                reason: "the controller has ended or was reset",
+            };
+        }
+        if icd_len > self.in_capsule_limit {
+            return self.respond(&cmd, status::DATA_SGL_LENGTH_INVALID, 0);
+        }
+        if sqe.fuse() != 0 {
+            return self.respond(&cmd, status::INVALID_FIELD, 0);
+        }
+        if sqe.opcode == wire::admin_opcode::FABRICS {
+            return self.fabrics(cmd, icd_len, now);
+        }
+        let Some(ctrl) = self.ctrl.clone() else {
+            return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+        };
+        if !ctrl.ready.load(Ordering::Acquire) {
+            return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+        }
+        if self.qid == Some(0) {
+            admin::handle(self, &ctrl, cmd, icd_len, now)
+        } else {
+            io::handle(self, &ctrl, cmd, icd_len)
+        }
+    }
+
+    /// Where a command's data is, checked against the direction and the capsule: the SGL of
+    /// a command that moves `len` bytes (`host_to_target` for writes).
+    pub(crate) fn data_ref(
+        &self,
+        sqe: &Sqe,
+        len: u32,
+        host_to_target: bool,
+        icd_len: u32,
+    ) -> Result<DataRef, Status> {
+        if sqe.psdt() != 1 && sqe.psdt() != 2 {
+            return Err(status::INVALID_FIELD);
+        }
+        match sqe.dptr.decode() {
+            Sgl::Keyed {
+                addr,
+                len: l,
+                key,
+                invalidate,
+            } => {
+                if l < len {
+                    return Err(status::DATA_SGL_LENGTH_INVALID);
+                }
+                Ok(DataRef::Keyed {
+                    addr,
+                    len,
+                    key,
+                    invalidate,
+                })
+            }
+            Sgl::InCapsule { offset, len: l } => {
+                if !host_to_target {
+                    return Err(status::SGL_DESCRIPTOR_TYPE_INVALID);
+                }
+                let Ok(offset) = u32::try_from(offset) else {
+                    return Err(status::SGL_OFFSET_INVALID);
+                };
+                if offset >= icd_len.max(1) && len > 0 {
+                    return Err(status::SGL_OFFSET_INVALID);
+                }
+                if l != len || offset.checked_add(len).is_none_or(|end| end > icd_len) {
+                    return Err(status::DATA_SGL_LENGTH_INVALID);
+                }
+                Ok(DataRef::InCapsule { offset, len })
+            }
+            Sgl::Unsupported { .. } => Err(status::SGL_DESCRIPTOR_TYPE_INVALID),
+        }
+    }
+
+    fn fabrics(&mut self, cmd: Command, icd_len: u32, now: Instant) -> Action {
+        let fctype = cmd.sqe.nsid.get().to_le_bytes()[0];
+        match fctype {
+            wire::fctype::CONNECT => {
+                if self.qid.is_some() {
+                    return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+                }
+                match self.data_ref(&cmd.sqe, 1024, true, icd_len) {
+                    Ok(from) => Action::Fetch { cmd, from },
+                    Err(st) => self.respond(&cmd, st, 0),
+                }
+            }
+            wire::fctype::PROPERTY_GET | wire::fctype::PROPERTY_SET => {
+                let Some(ctrl) = self.ctrl.clone() else {
+                    return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+                };
+                if self.qid != Some(0) {
+                    return self.respond(&cmd, status::INVALID_OPCODE, 0);
+                }
+                admin::property(self, &ctrl, cmd, fctype == wire::fctype::PROPERTY_SET, now)
+            }
+            _ => self.respond(&cmd, status::INVALID_OPCODE, 0),
+        }
+    }
+
+    /// Hands over the data fetched for `cmd` (after [`Action::Fetch`]).
+    pub fn data_arrived(&mut self, cmd: Command, data: &[u8], now: Instant) -> Action {
+        if cmd.sqe.opcode == wire::admin_opcode::FABRICS {
+            return self.connect(cmd, data, now);
+        }
+        match (&self.ctrl, self.qid) {
+            (Some(ctrl), Some(q)) if q > 0 => {
+                let ctrl = Arc::clone(ctrl);
+                io::data_arrived(self, &ctrl, cmd, data)
+            }
+            _ => self.respond(&cmd, status::INTERNAL_ERROR, 0),
+        }
+    }
+
+    /// Reports a finished block operation; returns what to send (its data, for reads, is
+    /// already in the transport's buffer: push it, then send the completion).
+    pub fn io_done(&mut self, req: &IoRequest, result: Result<u32, BlockError>) -> Cqe {
+        let qid = self.qid_or_zero();
+        if let IoOp::FlushAll { .. } = req.op {
+            if let Some(ctrl) = &self.ctrl {
+                let mut st = ctrl.lock();
+                st.csts = (st.csts & !0xC) | (2 << 2); // SHST: shutdown processing complete
+            }
+            return cqe(&req.cmd, qid, Status::SUCCESS, 0);
+        }
+        let st = match result {
+            Ok(_) => {
+                if let Some(c) = &self.ctrl {
+                    match &req.op {
+                        IoOp::Read { len, .. } => {
+                            c.host_reads.fetch_add(1, Ordering::Relaxed);
+                            c.bytes_read.fetch_add(u64::from(*len), Ordering::Relaxed);
+                        }
+                        IoOp::Write { len, .. } => {
+                            c.host_writes.fetch_add(1, Ordering::Relaxed);
+                            c.bytes_written
+                                .fetch_add(u64::from(*len), Ordering::Relaxed);
+                        }
+                        _ => {}
+                    }
+                }
+                Status::SUCCESS
+            }
+            Err(e) => io::block_error_status(&e, &req.op),
+        };
+        cqe(&req.cmd, qid, st, 0)
+    }
+
+    /// Completions that became due without a new command: Asynchronous Event Requests whose
+    /// event arrived. Call it on the admin queue when the control thread signals events.
+    pub fn poll_events(&mut self) -> Vec<Cqe> {
+        let (Some(ctrl), Some(0)) = (&self.ctrl, self.qid) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut st = ctrl.lock();
+        while !st.held_aers.is_empty() && !st.pending_events.is_empty() {
+            let cid = st.held_aers.remove(0);
+            let dw0 = st.pending_events.remove(0);
+            let sqe = Sqe {
+                cid: U16::new(cid),
+                ..wire::zeroed()
+            };
+            out.push(cqe(
+                &Command {
+                    sqe,
+                    sqhd: self.sqhd,
+                },
+                0,
+                Status::SUCCESS,
+                dw0,
+            ));
+        }
+        out
+    }
+
+    /// Whether the transport must close this queue now (its controller ended).
+    pub fn must_disconnect(&self) -> bool {
+        self.ctrl.as_ref().is_some_and(|c| {
+            c.is_dead() || (self.qid != Some(0) && c.epoch.load(Ordering::Acquire) != self.epoch)
+        })
+    }
+
+    fn connect(&mut self, cmd: Command, data: &[u8], now: Instant) -> Action {
+        let Some(c) = wire::read::<ConnectCmd>(cmd.sqe.as_bytes()) else {
+            return self.respond(&cmd, status::INTERNAL_ERROR, 0);
+        };
+        let Some(d) = wire::read::<ConnectData>(data) else {
+            return self.respond(&cmd, status::DATA_SGL_LENGTH_INVALID, 0);
+        };
+        // Invalid Parameters: dw0 says where (IATTR bit 16: 1 = in the data; IPO bits 15:0).
+        let invalid = |q: &Queue, in_data: bool, offset: u32| {
+            q.respond(
+                &cmd,
+                status::CONNECT_INVALID_PARAMETERS,
+                (u32::from(in_data) << 16) | offset,
+            )
+        };
+        if c.recfmt.get() != 0 {
+            return self.respond(&cmd, status::CONNECT_INCOMPATIBLE_FORMAT, 0);
+        }
+        let qid = c.qid.get();
+        let sqsize = c.sqsize.get();
+        let limits = *self.target.limits();
+        if let Some(cm) = self.cm {
+            if cm.qid != qid {
+                return invalid(self, false, 42);
+            }
+            if cm.hsqsize != sqsize {
+                return invalid(self, false, 44);
+            }
+        }
+        if sqsize == 0 || sqsize >= limits.max_queue_depth {
+            return invalid(self, false, 44);
+        }
+        let (Some(subnqn), Some(hostnqn)) = (wire::get_str(&d.subnqn), wire::get_str(&d.hostnqn))
+        else {
+            return invalid(self, true, 256);
+        };
+        let discovery = subnqn == DISCOVERY_NQN;
+        let subsystem = if discovery {
+            None
+        } else {
+            match self
+                .target
+                .inner
+                .subsystems
+                .iter()
+                .position(|s| s.nqn == subnqn)
+            {
+                Some(i) => Some(i),
+                None => return invalid(self, true, 256),
+            }
+        };
+        if let Some(i) = subsystem {
+            if !self.target.inner.subsystems[i].allows(hostnqn) {
+                return self.respond(&cmd, status::CONNECT_INVALID_HOST, 0);
+            }
+        }
+        if qid == 0 {
+            if d.cntlid.get() != 0xFFFF {
+                return invalid(self, true, 16);
+            }
+            let requested = Duration::from_millis(u64::from(c.kato.get()));
+            let kato = if requested.is_zero() {
+                if discovery {
+                    limits.kato_max
+                } else {
+                    Duration::ZERO
+                }
+            } else {
+                requested.clamp(limits.kato_min, limits.kato_max)
+            };
+            let mut map = self.target.ctrls();
+            let Some(cntlid) = self.target.alloc_cntlid(&map) else {
+                return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
+            };
+            let ctrl = Arc::new(Controller {
+                cntlid,
+                hostnqn: hostnqn.to_owned(),
+                hostid: d.hostid,
+                subsystem,
+                state: std::sync::Mutex::new(CtrlState {
+                    cc: 0,
+                    csts: 0,
+                    kato,
+                    last_keep_alive: now,
+                    queues_granted: None,
+                    io_queues: Vec::new(),
+                    aec: 0,
+                    held_aers: Vec::new(),
+                    pending_events: Vec::new(),
+                    changed_nsids: Vec::new(),
+                }),
+                dead: false.into(),
+                end_reason: std::sync::Mutex::new(None),
+                ready: false.into(),
+                epoch: 0.into(),
+                host_reads: 0.into(),
+                host_writes: 0.into(),
+                bytes_read: 0.into(),
+                bytes_written: 0.into(),
+            });
+            map.insert(cntlid, Arc::clone(&ctrl));
+            drop(map);
+            self.bind(ctrl, subsystem, 0, sqsize);
+            return self.respond(&cmd, Status::SUCCESS, u32::from(cntlid));
+        }
+        // An I/O queue joins an existing controller of the same subsystem and host.
+        if discovery {
+            return invalid(self, false, 42);
+        }
+        let ctrl = self.target.ctrls().get(&d.cntlid.get()).cloned();
+        let Some(ctrl) =
+            ctrl.filter(|c| c.subsystem == subsystem && c.hostnqn == hostnqn && !c.is_dead())
+        else {
+            return invalid(self, true, 16);
+        };
+        if !ctrl.ready.load(Ordering::Acquire) {
+            return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+        }
+        {
+            let mut st = ctrl.lock();
+            let granted = st.queues_granted.map_or(0, |g| usize::from(g) + 1);
+            let slot = usize::from(qid) - 1;
+            if slot >= granted || st.io_queues.get(slot).copied().unwrap_or(false) {
+                return invalid(self, false, 42);
+            }
+            if st.io_queues.len() <= slot {
+                st.io_queues.resize(slot + 1, false);
+            }
+            st.io_queues[slot] = true;
+        }
+        self.bind(ctrl, subsystem, qid, sqsize);
+        self.respond(&cmd, Status::SUCCESS, 0)
+    }
+
+    fn bind(&mut self, ctrl: Arc<Controller>, subsystem: Option<usize>, qid: u16, sqsize: u16) {
+        self.qid = Some(qid);
+        self.sqsize = sqsize;
+        self.subsystem = subsystem;
+        self.epoch = ctrl.epoch.load(Ordering::Acquire);
+        self.ctrl = Some(ctrl);
+    }
+}
+
+impl Drop for Queue {
+    /// A closed admin queue ends its controller; a closed I/O queue frees its queue ID.
+    fn drop(&mut self) {
+        let (Some(ctrl), Some(qid)) = (self.ctrl.take(), self.qid) else {
+            return;
+        };
+        if qid == 0 {
+            ctrl.end(EndReason::AdminQueueLost);
+            self.target.ctrls().remove(&ctrl.cntlid);
+        } else if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
+            // (A queue from before a reset holds no slot: the reset cleared them.)
+            let mut st = ctrl.lock();
+            if let Some(q) = st.io_queues.get_mut(usize::from(qid) - 1) {
+                *q = false;
+            }
+        }
+    }
+}
+
+/// The ready/enabled bits of CC and CSTS, for the fast path.
+pub(crate) fn refresh_ready(ctrl: &Controller, st: &CtrlState) {
+    let ready = st.cc & 1 == 1 && st.csts & 1 == 1;
+    ctrl.ready.store(ready, Ordering::Release);
+}

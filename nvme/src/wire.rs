@@ -1,0 +1,1033 @@
+//! Byte-exact NVMe and NVMe over Fabrics structures.
+//!
+//! Every type is `repr(C)` with little-endian, unaligned fields (`zerocopy`), so its layout is
+//! the specification's and parsing untrusted bytes is a bounds-checked copy that cannot panic.
+//! `tests/layout.rs` checks every field's offset and size against the specification's tables.
+
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+/// Derives shared by every wire type.
+macro_rules! wire {
+    ($(#[$m:meta])* $v:vis struct $name:ident { $($body:tt)* }) => {
+        $(#[$m])*
+        #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug, PartialEq, Eq)]
+        #[repr(C)]
+        $v struct $name { $($body)* }
+    };
+}
+
+/// Reads a `T` from the start of `bytes`; `None` when there are too few bytes.
+pub fn read<T: FromBytes>(bytes: &[u8]) -> Option<T> {
+    T::read_from_prefix(bytes).ok().map(|(t, _)| t)
+}
+
+/// A zeroed `T`.
+pub fn zeroed<T: FromBytes>() -> T {
+    T::new_zeroed()
+}
+
+wire! {
+    /// SGL descriptor (NVMe Base, "SGL Descriptor"): 16 bytes, the type in byte 15.
+    pub struct SglDesc {
+        /// Address (keyed data block, data block) or offset (data block, offset subtype).
+        pub addr: U64,
+        /// Type-specific: length (3 bytes) and key (4 bytes) for keyed data blocks; length
+        /// (4 bytes) and 3 reserved bytes for data blocks.
+        pub body: [u8; 7],
+        /// Descriptor type (high nibble) and subtype (low nibble).
+        pub id: u8,
+    }
+}
+
+/// SGL descriptor types (high nibble of the identifier).
+pub mod sgl {
+    /// Data Block.
+    pub const TYPE_DATA_BLOCK: u8 = 0x0;
+    /// Keyed Data Block (RDMA).
+    pub const TYPE_KEYED_DATA_BLOCK: u8 = 0x4;
+    /// Subtype: address.
+    pub const SUBTYPE_ADDRESS: u8 = 0x0;
+    /// Subtype: offset (in-capsule data).
+    pub const SUBTYPE_OFFSET: u8 = 0x1;
+    /// Subtype: invalidate the key after the transfer (keyed data block).
+    pub const SUBTYPE_INVALIDATE_KEY: u8 = 0xF;
+}
+
+/// Where a command's data is, as its SGL says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sgl {
+    /// Keyed data block: host memory reached by RDMA at `addr` with `key`.
+    Keyed {
+        /// Host address.
+        addr: u64,
+        /// Length in bytes (24 bits).
+        len: u32,
+        /// Remote key.
+        key: u32,
+        /// The host asks for the key to be invalidated (SEND_WITH_INVALIDATE).
+        invalidate: bool,
+    },
+    /// Data block with the offset subtype: data inside the capsule, at `offset` after the SQE.
+    InCapsule {
+        /// Offset from the start of the in-capsule data.
+        offset: u64,
+        /// Length in bytes.
+        len: u32,
+    },
+    /// Anything else (a type or subtype this target does not take).
+    Unsupported {
+        /// The identifier byte.
+        id: u8,
+    },
+}
+
+impl SglDesc {
+    /// Decodes the descriptor.
+    pub fn decode(&self) -> Sgl {
+        let b = self.body;
+        match (self.id >> 4, self.id & 0xF) {
+            (
+                sgl::TYPE_KEYED_DATA_BLOCK,
+                st @ (sgl::SUBTYPE_ADDRESS | sgl::SUBTYPE_INVALIDATE_KEY),
+            ) => Sgl::Keyed {
+                addr: self.addr.get(),
+                len: u32::from_le_bytes([b[0], b[1], b[2], 0]),
+                key: u32::from_le_bytes([b[3], b[4], b[5], b[6]]),
+                invalidate: st == sgl::SUBTYPE_INVALIDATE_KEY,
+            },
+            (sgl::TYPE_DATA_BLOCK, sgl::SUBTYPE_OFFSET) => Sgl::InCapsule {
+                offset: self.addr.get(),
+                len: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            },
+            _ => Sgl::Unsupported { id: self.id },
+        }
+    }
+
+    /// A keyed data block descriptor (`len` is truncated to 24 bits).
+    pub fn keyed(addr: u64, len: u32, key: u32, invalidate: bool) -> SglDesc {
+        let l = len.to_le_bytes();
+        let k = key.to_le_bytes();
+        let st = if invalidate {
+            sgl::SUBTYPE_INVALIDATE_KEY
+        } else {
+            sgl::SUBTYPE_ADDRESS
+        };
+        SglDesc {
+            addr: U64::new(addr),
+            body: [l[0], l[1], l[2], k[0], k[1], k[2], k[3]],
+            id: (sgl::TYPE_KEYED_DATA_BLOCK << 4) | st,
+        }
+    }
+
+    /// An in-capsule data block descriptor.
+    pub fn in_capsule(offset: u64, len: u32) -> SglDesc {
+        let l = len.to_le_bytes();
+        SglDesc {
+            addr: U64::new(offset),
+            body: [l[0], l[1], l[2], l[3], 0, 0, 0],
+            id: (sgl::TYPE_DATA_BLOCK << 4) | sgl::SUBTYPE_OFFSET,
+        }
+    }
+}
+
+wire! {
+    /// Submission queue entry: 64 bytes.
+    pub struct Sqe {
+        /// Opcode.
+        pub opcode: u8,
+        /// FUSE (bits 1:0) and PSDT (bits 7:6; 01b or 10b = SGL).
+        pub flags: u8,
+        /// Command identifier.
+        pub cid: U16,
+        /// Namespace identifier.
+        pub nsid: U32,
+        /// Command dword 2.
+        pub cdw2: U32,
+        /// Command dword 3.
+        pub cdw3: U32,
+        /// Metadata pointer.
+        pub mptr: U64,
+        /// Data pointer: SGL descriptor 1.
+        pub dptr: SglDesc,
+        /// Command dword 10.
+        pub cdw10: U32,
+        /// Command dword 11.
+        pub cdw11: U32,
+        /// Command dword 12.
+        pub cdw12: U32,
+        /// Command dword 13.
+        pub cdw13: U32,
+        /// Command dword 14.
+        pub cdw14: U32,
+        /// Command dword 15.
+        pub cdw15: U32,
+    }
+}
+
+impl Sqe {
+    /// PSDT: 0 = PRP, 1 = SGL (contiguous metadata buffer), 2 = SGL (metadata SGL).
+    pub fn psdt(&self) -> u8 {
+        self.flags >> 6
+    }
+    /// FUSE bits.
+    pub fn fuse(&self) -> u8 {
+        self.flags & 0x3
+    }
+}
+
+wire! {
+    /// Completion queue entry: 16 bytes.
+    pub struct Cqe {
+        /// Command specific dword 0.
+        pub dw0: U32,
+        /// Command specific dword 1.
+        pub dw1: U32,
+        /// SQ head pointer.
+        pub sqhd: U16,
+        /// SQ identifier.
+        pub sqid: U16,
+        /// Command identifier.
+        pub cid: U16,
+        /// Phase tag (bit 0) and status field (bits 15:1).
+        pub status: U16,
+    }
+}
+
+impl Cqe {
+    /// The status without the phase bit.
+    pub fn status(&self) -> Status {
+        Status(self.status.get() >> 1)
+    }
+}
+
+/// Status field (15 bits, without the phase tag): SC bits 7:0, SCT bits 10:8, CRD 12:11,
+/// More bit 13, DNR bit 14.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Status(pub u16);
+
+impl std::fmt::Debug for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Status(sct {:#x}, sc {:#04x}{})",
+            self.sct(),
+            self.sc(),
+            if self.dnr() { ", dnr" } else { "" }
+        )
+    }
+}
+
+impl Status {
+    /// Success.
+    pub const SUCCESS: Status = Status(0);
+    /// A status with Do Not Retry set.
+    pub const fn new(sct: u8, sc: u8) -> Status {
+        Status(((sct as u16 & 0x7) << 8) | sc as u16 | (1 << 14))
+    }
+    /// A status the host may retry (DNR clear).
+    pub const fn retryable(sct: u8, sc: u8) -> Status {
+        Status(((sct as u16 & 0x7) << 8) | sc as u16)
+    }
+    /// Status code type.
+    pub fn sct(self) -> u8 {
+        ((self.0 >> 8) & 0x7) as u8
+    }
+    /// Status code.
+    pub fn sc(self) -> u8 {
+        (self.0 & 0xff) as u8
+    }
+    /// Do Not Retry.
+    pub fn dnr(self) -> bool {
+        self.0 & (1 << 14) != 0
+    }
+    /// Whether this is success.
+    pub fn is_success(self) -> bool {
+        self.sct() == 0 && self.sc() == 0
+    }
+    /// Same code, ignoring DNR/More/CRD.
+    pub fn same_code(self, other: Status) -> bool {
+        self.sct() == other.sct() && self.sc() == other.sc()
+    }
+}
+
+/// Status codes used by nvmfd (NVMe Base and NVMe over Fabrics).
+pub mod status {
+    use super::Status;
+    /// Generic: Invalid Command Opcode.
+    pub const INVALID_OPCODE: Status = Status::new(0, 0x01);
+    /// Generic: Invalid Field in Command.
+    pub const INVALID_FIELD: Status = Status::new(0, 0x02);
+    /// Generic: Data Transfer Error.
+    pub const DATA_TRANSFER_ERROR: Status = Status::new(0, 0x04);
+    /// Generic: Internal Error.
+    pub const INTERNAL_ERROR: Status = Status::new(0, 0x06);
+    /// Generic: Command Abort Requested.
+    pub const ABORT_REQUESTED: Status = Status::new(0, 0x07);
+    /// Generic: Command Aborted due to SQ Deletion.
+    pub const ABORTED_SQ_DELETION: Status = Status::new(0, 0x08);
+    /// Generic: Invalid Namespace or Format.
+    pub const INVALID_NAMESPACE: Status = Status::new(0, 0x0B);
+    /// Generic: Command Sequence Error.
+    pub const COMMAND_SEQUENCE_ERROR: Status = Status::new(0, 0x0C);
+    /// Generic: Data SGL Length Invalid.
+    pub const DATA_SGL_LENGTH_INVALID: Status = Status::new(0, 0x0F);
+    /// Generic: SGL Descriptor Type Invalid.
+    pub const SGL_DESCRIPTOR_TYPE_INVALID: Status = Status::new(0, 0x11);
+    /// Generic: SGL Offset Invalid.
+    pub const SGL_OFFSET_INVALID: Status = Status::new(0, 0x16);
+    /// Generic: Namespace is Write Protected.
+    pub const NAMESPACE_WRITE_PROTECTED: Status = Status::new(0, 0x20);
+    /// Generic: LBA Out of Range.
+    pub const LBA_OUT_OF_RANGE: Status = Status::new(0, 0x80);
+    /// Generic: Capacity Exceeded.
+    pub const CAPACITY_EXCEEDED: Status = Status::new(0, 0x81);
+    /// Command specific: Invalid Queue Identifier.
+    pub const INVALID_QUEUE_IDENTIFIER: Status = Status::new(1, 0x01);
+    /// Command specific: Invalid Queue Size.
+    pub const INVALID_QUEUE_SIZE: Status = Status::new(1, 0x02);
+    /// Command specific: Asynchronous Event Request Limit Exceeded.
+    pub const AER_LIMIT_EXCEEDED: Status = Status::new(1, 0x05);
+    /// Command specific: Invalid Log Page.
+    pub const INVALID_LOG_PAGE: Status = Status::new(1, 0x09);
+    /// Command specific: Feature Identifier Not Saveable.
+    pub const FEATURE_NOT_SAVEABLE: Status = Status::new(1, 0x0D);
+    /// Command specific: Feature Not Changeable.
+    pub const FEATURE_NOT_CHANGEABLE: Status = Status::new(1, 0x0E);
+    /// Fabrics Connect: Incompatible Format.
+    pub const CONNECT_INCOMPATIBLE_FORMAT: Status = Status::new(1, 0x80);
+    /// Fabrics Connect: Controller Busy.
+    pub const CONNECT_CONTROLLER_BUSY: Status = Status::new(1, 0x81);
+    /// Fabrics Connect: Invalid Parameters.
+    pub const CONNECT_INVALID_PARAMETERS: Status = Status::new(1, 0x82);
+    /// Fabrics Connect: Invalid Host.
+    pub const CONNECT_INVALID_HOST: Status = Status::new(1, 0x84);
+    /// Media: Write Fault.
+    pub const WRITE_FAULT: Status = Status::new(2, 0x80);
+    /// Media: Unrecovered Read Error.
+    pub const UNRECOVERED_READ_ERROR: Status = Status::new(2, 0x81);
+}
+
+/// Admin command opcodes.
+pub mod admin_opcode {
+    /// Get Log Page.
+    pub const GET_LOG_PAGE: u8 = 0x02;
+    /// Identify.
+    pub const IDENTIFY: u8 = 0x06;
+    /// Abort.
+    pub const ABORT: u8 = 0x08;
+    /// Set Features.
+    pub const SET_FEATURES: u8 = 0x09;
+    /// Get Features.
+    pub const GET_FEATURES: u8 = 0x0A;
+    /// Asynchronous Event Request.
+    pub const ASYNC_EVENT_REQUEST: u8 = 0x0C;
+    /// Keep Alive.
+    pub const KEEP_ALIVE: u8 = 0x18;
+    /// Fabrics commands (on every queue).
+    pub const FABRICS: u8 = 0x7F;
+}
+
+/// NVM command set I/O opcodes.
+pub mod io_opcode {
+    /// Flush.
+    pub const FLUSH: u8 = 0x00;
+    /// Write.
+    pub const WRITE: u8 = 0x01;
+    /// Read.
+    pub const READ: u8 = 0x02;
+    /// Write Zeroes.
+    pub const WRITE_ZEROES: u8 = 0x08;
+    /// Dataset Management.
+    pub const DATASET_MANAGEMENT: u8 = 0x09;
+}
+
+/// Fabrics command types (byte 4 of a Fabrics command).
+pub mod fctype {
+    /// Property Set.
+    pub const PROPERTY_SET: u8 = 0x00;
+    /// Connect.
+    pub const CONNECT: u8 = 0x01;
+    /// Property Get.
+    pub const PROPERTY_GET: u8 = 0x04;
+    /// Authentication Send.
+    pub const AUTH_SEND: u8 = 0x05;
+    /// Authentication Receive.
+    pub const AUTH_RECEIVE: u8 = 0x06;
+    /// Disconnect.
+    pub const DISCONNECT: u8 = 0x08;
+}
+
+/// Feature identifiers.
+pub mod feature {
+    /// Arbitration.
+    pub const ARBITRATION: u8 = 0x01;
+    /// Volatile Write Cache.
+    pub const VOLATILE_WRITE_CACHE: u8 = 0x06;
+    /// Number of Queues.
+    pub const NUMBER_OF_QUEUES: u8 = 0x07;
+    /// Interrupt Coalescing (not for fabrics).
+    pub const INTERRUPT_COALESCING: u8 = 0x08;
+    /// Asynchronous Event Configuration.
+    pub const ASYNC_EVENT_CONFIG: u8 = 0x0B;
+    /// Keep Alive Timer.
+    pub const KEEP_ALIVE_TIMER: u8 = 0x0F;
+}
+
+/// Log page identifiers.
+pub mod log_page {
+    /// Error Information.
+    pub const ERROR: u8 = 0x01;
+    /// SMART / Health Information.
+    pub const SMART: u8 = 0x02;
+    /// Firmware Slot Information.
+    pub const FIRMWARE_SLOT: u8 = 0x03;
+    /// Changed Namespace List.
+    pub const CHANGED_NAMESPACES: u8 = 0x04;
+    /// Commands Supported and Effects.
+    pub const COMMAND_EFFECTS: u8 = 0x05;
+    /// Discovery.
+    pub const DISCOVERY: u8 = 0x70;
+}
+
+wire! {
+    /// Fabrics command (the Fabrics view of an SQE, opcode 0x7F).
+    pub struct FabricsCmd {
+        /// 0x7F.
+        pub opcode: u8,
+        /// Flags (PSDT).
+        pub flags: u8,
+        /// Command identifier.
+        pub cid: U16,
+        /// Fabrics command type.
+        pub fctype: u8,
+        /// Reserved.
+        pub rsvd5: [u8; 19],
+        /// SGL descriptor 1.
+        pub dptr: SglDesc,
+        /// Fabrics command specific (bytes 40 to 63).
+        pub specific: [u8; 24],
+    }
+}
+
+wire! {
+    /// Connect command: 64 bytes.
+    pub struct ConnectCmd {
+        /// 0x7F.
+        pub opcode: u8,
+        /// Flags.
+        pub flags: u8,
+        /// Command identifier.
+        pub cid: U16,
+        /// 0x01.
+        pub fctype: u8,
+        /// Reserved.
+        pub rsvd5: [u8; 19],
+        /// SGL descriptor 1 (the 1024-byte Connect data).
+        pub dptr: SglDesc,
+        /// Record format, 0.
+        pub recfmt: U16,
+        /// Queue ID: 0 admin, else I/O.
+        pub qid: U16,
+        /// Submission queue size, 0's based.
+        pub sqsize: U16,
+        /// Connect attributes (bit 2: disable SQ flow control).
+        pub cattr: u8,
+        /// Reserved.
+        pub rsvd47: u8,
+        /// Keep alive timeout in ms (admin queue).
+        pub kato: U32,
+        /// Reserved.
+        pub rsvd52: [u8; 12],
+    }
+}
+
+wire! {
+    /// Connect data: 1024 bytes.
+    pub struct ConnectData {
+        /// Host identifier.
+        pub hostid: [u8; 16],
+        /// Controller ID: 0xFFFF (dynamic) for the admin queue; the controller's for I/O.
+        pub cntlid: U16,
+        /// Reserved.
+        pub rsvd18: [u8; 238],
+        /// Subsystem NQN, NUL-padded.
+        pub subnqn: [u8; 256],
+        /// Host NQN, NUL-padded.
+        pub hostnqn: [u8; 256],
+        /// Reserved.
+        pub rsvd768: [u8; 256],
+    }
+}
+
+wire! {
+    /// Property Set command.
+    pub struct PropertySetCmd {
+        /// 0x7F.
+        pub opcode: u8,
+        /// Flags.
+        pub flags: u8,
+        /// Command identifier.
+        pub cid: U16,
+        /// 0x00.
+        pub fctype: u8,
+        /// Reserved.
+        pub rsvd5: [u8; 35],
+        /// Attributes: bits 2:0 size, 0 = 4 bytes, 1 = 8 bytes.
+        pub attrib: u8,
+        /// Reserved.
+        pub rsvd41: [u8; 3],
+        /// Property offset.
+        pub offset: U32,
+        /// Value.
+        pub value: U64,
+        /// Reserved.
+        pub rsvd56: [u8; 8],
+    }
+}
+
+wire! {
+    /// Property Get command.
+    pub struct PropertyGetCmd {
+        /// 0x7F.
+        pub opcode: u8,
+        /// Flags.
+        pub flags: u8,
+        /// Command identifier.
+        pub cid: U16,
+        /// 0x04.
+        pub fctype: u8,
+        /// Reserved.
+        pub rsvd5: [u8; 35],
+        /// Attributes: bits 2:0 size, 0 = 4 bytes, 1 = 8 bytes.
+        pub attrib: u8,
+        /// Reserved.
+        pub rsvd41: [u8; 3],
+        /// Property offset.
+        pub offset: U32,
+        /// Reserved.
+        pub rsvd48: [u8; 16],
+    }
+}
+
+/// Controller properties (register offsets).
+pub mod property {
+    /// Controller Capabilities (8 bytes).
+    pub const CAP: u32 = 0x00;
+    /// Version (4 bytes).
+    pub const VS: u32 = 0x08;
+    /// Controller Configuration (4 bytes).
+    pub const CC: u32 = 0x14;
+    /// Controller Status (4 bytes).
+    pub const CSTS: u32 = 0x1C;
+    /// NVM Subsystem Reset (4 bytes).
+    pub const NSSR: u32 = 0x20;
+}
+
+wire! {
+    /// NVMe/RDMA CM private data of a connect request: 32 bytes.
+    pub struct RdmaCmRequest {
+        /// Record format, 0.
+        pub recfmt: U16,
+        /// Queue ID.
+        pub qid: U16,
+        /// Host receive queue size (entries).
+        pub hrqsize: U16,
+        /// Host send queue size (0's based: the SQ size).
+        pub hsqsize: U16,
+        /// Controller ID (I/O queues).
+        pub cntlid: U16,
+        /// Reserved.
+        pub rsvd: [u8; 22],
+    }
+}
+
+wire! {
+    /// NVMe/RDMA CM private data of an accept: 32 bytes.
+    pub struct RdmaCmAccept {
+        /// Record format, 0.
+        pub recfmt: U16,
+        /// Controller receive queue size.
+        pub crqsize: U16,
+        /// Reserved.
+        pub rsvd: [u8; 28],
+    }
+}
+
+wire! {
+    /// NVMe/RDMA CM private data of a reject: 4 bytes.
+    pub struct RdmaCmReject {
+        /// Record format, 0.
+        pub recfmt: U16,
+        /// Status (see [`rdma_cm_status`]).
+        pub sts: U16,
+    }
+}
+
+/// NVMe/RDMA CM reject status codes.
+pub mod rdma_cm_status {
+    /// Invalid private data length.
+    pub const INVALID_PRIVATE_DATA_LENGTH: u16 = 0x01;
+    /// Invalid RECFMT.
+    pub const INVALID_RECFMT: u16 = 0x02;
+    /// Invalid QID.
+    pub const INVALID_QID: u16 = 0x03;
+    /// Invalid HSQSIZE.
+    pub const INVALID_HSQSIZE: u16 = 0x04;
+    /// Invalid HRQSIZE.
+    pub const INVALID_HRQSIZE: u16 = 0x05;
+    /// No resources.
+    pub const NO_RESOURCES: u16 = 0x06;
+    /// Invalid IRD.
+    pub const INVALID_IRD: u16 = 0x07;
+    /// Invalid ORD.
+    pub const INVALID_ORD: u16 = 0x08;
+    /// Invalid CNTLID.
+    pub const INVALID_CNTLID: u16 = 0x09;
+}
+
+wire! {
+    /// Power state descriptor: 32 bytes.
+    pub struct PowerState {
+        /// Maximum power (centiwatts).
+        pub mp: U16,
+        /// Reserved.
+        pub rsvd2: u8,
+        /// Flags.
+        pub flags: u8,
+        /// Entry latency.
+        pub enlat: U32,
+        /// Exit latency.
+        pub exlat: U32,
+        /// Relative read throughput, latency, write throughput, latency.
+        pub rrt_rrl_rwt_rwl: [u8; 4],
+        /// Idle and active power.
+        pub rest: [u8; 16],
+    }
+}
+
+wire! {
+    /// Identify Controller data structure (CNS 01h): 4096 bytes.
+    pub struct IdentifyController {
+        /// PCI Vendor ID.
+        pub vid: U16,
+        /// PCI Subsystem Vendor ID.
+        pub ssvid: U16,
+        /// Serial number, ASCII, space-padded.
+        pub sn: [u8; 20],
+        /// Model number, ASCII, space-padded.
+        pub mn: [u8; 40],
+        /// Firmware revision, ASCII, space-padded.
+        pub fr: [u8; 8],
+        /// Recommended arbitration burst.
+        pub rab: u8,
+        /// IEEE OUI.
+        pub ieee: [u8; 3],
+        /// Controller multi-path I/O and namespace sharing capabilities.
+        pub cmic: u8,
+        /// Maximum data transfer size, a power of two in units of CAP.MPSMIN.
+        pub mdts: u8,
+        /// Controller ID.
+        pub cntlid: U16,
+        /// Version.
+        pub ver: U32,
+        /// RTD3 resume latency.
+        pub rtd3r: U32,
+        /// RTD3 entry latency.
+        pub rtd3e: U32,
+        /// Optional asynchronous events supported.
+        pub oaes: U32,
+        /// Controller attributes.
+        pub ctratt: U32,
+        /// Read recovery levels supported.
+        pub rrls: U16,
+        /// Reserved.
+        pub rsvd102: [u8; 9],
+        /// Controller type: 1 I/O, 2 discovery, 3 administrative.
+        pub cntrltype: u8,
+        /// FRU globally unique identifier.
+        pub fguid: [u8; 16],
+        /// Command retry delay times.
+        pub crdt: [U16; 3],
+        /// Reserved.
+        pub rsvd134: [u8; 122],
+        /// Optional admin command support.
+        pub oacs: U16,
+        /// Abort command limit, 0's based.
+        pub acl: u8,
+        /// Asynchronous event request limit, 0's based.
+        pub aerl: u8,
+        /// Firmware updates.
+        pub frmw: u8,
+        /// Log page attributes.
+        pub lpa: u8,
+        /// Error log page entries, 0's based.
+        pub elpe: u8,
+        /// Number of power states support, 0's based.
+        pub npss: u8,
+        /// Admin vendor specific command configuration.
+        pub avscc: u8,
+        /// Autonomous power state transition attributes.
+        pub apsta: u8,
+        /// Warning composite temperature threshold.
+        pub wctemp: U16,
+        /// Critical composite temperature threshold.
+        pub cctemp: U16,
+        /// Reserved and fields nvmfd does not fill (bytes 270 to 319).
+        pub rsvd270: [u8; 50],
+        /// Keep alive support, in 100 ms units.
+        pub kas: U16,
+        /// Reserved (bytes 322 to 511).
+        pub rsvd322: [u8; 190],
+        /// Submission queue entry size: required (3:0) and maximum (7:4), log2.
+        pub sqes: u8,
+        /// Completion queue entry size: required and maximum, log2.
+        pub cqes: u8,
+        /// Maximum outstanding commands.
+        pub maxcmd: U16,
+        /// Number of namespaces (largest valid NSID).
+        pub nn: U32,
+        /// Optional NVM command support.
+        pub oncs: U16,
+        /// Fused operation support.
+        pub fuses: U16,
+        /// Format NVM attributes.
+        pub fna: u8,
+        /// Volatile write cache.
+        pub vwc: u8,
+        /// Atomic write unit normal.
+        pub awun: U16,
+        /// Atomic write unit power fail.
+        pub awupf: U16,
+        /// I/O command set vendor specific command configuration.
+        pub icsvscc: u8,
+        /// Namespace write protection capabilities.
+        pub nwpc: u8,
+        /// Atomic compare and write unit.
+        pub acwu: U16,
+        /// Copy descriptor formats supported.
+        pub cdfs: U16,
+        /// SGL support.
+        pub sgls: U32,
+        /// Maximum number of allowed namespaces.
+        pub mnan: U32,
+        /// Reserved (bytes 544 to 767).
+        pub rsvd544: [u8; 224],
+        /// NVM subsystem NQN, NUL-padded.
+        pub subnqn: [u8; 256],
+        /// Reserved (bytes 1024 to 1791).
+        pub rsvd1024: [u8; 768],
+        /// I/O queue command capsule supported size, in 16-byte units.
+        pub ioccsz: U32,
+        /// I/O queue response capsule supported size, in 16-byte units.
+        pub iorcsz: U32,
+        /// In-capsule data offset, in 16-byte units.
+        pub icdoff: U16,
+        /// Fabrics controller attributes.
+        pub fcatt: u8,
+        /// Maximum SGL data block descriptors.
+        pub msdbd: u8,
+        /// Optional fabrics commands supported.
+        pub ofcs: U16,
+        /// Reserved (bytes 1806 to 2047).
+        pub rsvd1806: [u8; 242],
+        /// Power state descriptors.
+        pub psd: [PowerState; 32],
+        /// Vendor specific.
+        pub vs: [u8; 1024],
+    }
+}
+
+wire! {
+    /// LBA format descriptor: 4 bytes.
+    pub struct LbaFormat {
+        /// Metadata size.
+        pub ms: U16,
+        /// LBA data size, log2.
+        pub lbads: u8,
+        /// Relative performance.
+        pub rp: u8,
+    }
+}
+
+wire! {
+    /// Identify Namespace data structure (CNS 00h): 4096 bytes.
+    pub struct IdentifyNamespace {
+        /// Namespace size, in logical blocks.
+        pub nsze: U64,
+        /// Namespace capacity.
+        pub ncap: U64,
+        /// Namespace utilization.
+        pub nuse: U64,
+        /// Namespace features.
+        pub nsfeat: u8,
+        /// Number of LBA formats, 0's based.
+        pub nlbaf: u8,
+        /// Formatted LBA size.
+        pub flbas: u8,
+        /// Metadata capabilities.
+        pub mc: u8,
+        /// End-to-end data protection capabilities.
+        pub dpc: u8,
+        /// End-to-end data protection type settings.
+        pub dps: u8,
+        /// Namespace multi-path I/O and sharing capabilities.
+        pub nmic: u8,
+        /// Reservation capabilities.
+        pub rescap: u8,
+        /// Format progress indicator.
+        pub fpi: u8,
+        /// Deallocate logical block features.
+        pub dlfeat: u8,
+        /// Namespace atomic write unit normal.
+        pub nawun: U16,
+        /// Namespace atomic write unit power fail.
+        pub nawupf: U16,
+        /// Namespace atomic compare and write unit.
+        pub nacwu: U16,
+        /// Namespace atomic boundary size normal.
+        pub nabsn: U16,
+        /// Namespace atomic boundary offset.
+        pub nabo: U16,
+        /// Namespace atomic boundary size power fail.
+        pub nabspf: U16,
+        /// Namespace optimal I/O boundary.
+        pub noiob: U16,
+        /// NVM capacity, bytes.
+        pub nvmcap: [u8; 16],
+        /// Namespace preferred write granularity, 0's based.
+        pub npwg: U16,
+        /// Namespace preferred write alignment, 0's based.
+        pub npwa: U16,
+        /// Namespace preferred deallocate granularity, 0's based.
+        pub npdg: U16,
+        /// Namespace preferred deallocate alignment, 0's based.
+        pub npda: U16,
+        /// Namespace optimal write size, 0's based.
+        pub nows: U16,
+        /// Reserved and fields nvmfd does not fill (bytes 74 to 91).
+        pub rsvd74: [u8; 18],
+        /// ANA group identifier.
+        pub anagrpid: U32,
+        /// Reserved.
+        pub rsvd96: [u8; 3],
+        /// Namespace attributes (bit 0: write protected).
+        pub nsattr: u8,
+        /// NVM set identifier.
+        pub nvmsetid: U16,
+        /// Endurance group identifier.
+        pub endgid: U16,
+        /// Namespace globally unique identifier.
+        pub nguid: [u8; 16],
+        /// IEEE extended unique identifier.
+        pub eui64: [u8; 8],
+        /// LBA formats.
+        pub lbaf: [LbaFormat; 64],
+        /// Vendor specific.
+        pub vs: [u8; 3712],
+    }
+}
+
+/// Namespace identification descriptor types (Identify CNS 03h).
+pub mod nidt {
+    /// IEEE EUI-64, 8 bytes.
+    pub const EUI64: u8 = 1;
+    /// NGUID, 16 bytes.
+    pub const NGUID: u8 = 2;
+    /// UUID, 16 bytes.
+    pub const UUID: u8 = 3;
+    /// Command set identifier, 1 byte.
+    pub const CSI: u8 = 4;
+}
+
+wire! {
+    /// Namespace identification descriptor header: 4 bytes, followed by NIDL bytes.
+    pub struct NsIdDescHeader {
+        /// Type.
+        pub nidt: u8,
+        /// Length of the identifier.
+        pub nidl: u8,
+        /// Reserved.
+        pub rsvd: [u8; 2],
+    }
+}
+
+wire! {
+    /// Error information log entry: 64 bytes.
+    pub struct ErrorLogEntry {
+        /// Error count.
+        pub error_count: U64,
+        /// Submission queue ID.
+        pub sqid: U16,
+        /// Command ID.
+        pub cid: U16,
+        /// Status field.
+        pub status: U16,
+        /// Parameter error location.
+        pub param_error_location: U16,
+        /// LBA.
+        pub lba: U64,
+        /// Namespace.
+        pub nsid: U32,
+        /// Vendor specific information available.
+        pub vs: u8,
+        /// Transport type.
+        pub trtype: u8,
+        /// Reserved.
+        pub rsvd30: [u8; 2],
+        /// Command specific information.
+        pub csi: U64,
+        /// Transport type specific information.
+        pub trtype_specific: U16,
+        /// Reserved.
+        pub rsvd42: [u8; 22],
+    }
+}
+
+wire! {
+    /// SMART / Health information log: 512 bytes.
+    pub struct SmartLog {
+        /// Critical warning.
+        pub critical_warning: u8,
+        /// Composite temperature, kelvin.
+        pub temperature: U16,
+        /// Available spare, percent.
+        pub avail_spare: u8,
+        /// Available spare threshold, percent.
+        pub spare_thresh: u8,
+        /// Percentage used.
+        pub percent_used: u8,
+        /// Endurance group critical warning summary.
+        pub endu_grp_crit_warn_sumry: u8,
+        /// Reserved.
+        pub rsvd7: [u8; 25],
+        /// Data units read (thousands of 512-byte units).
+        pub data_units_read: [u8; 16],
+        /// Data units written.
+        pub data_units_written: [u8; 16],
+        /// Host read commands.
+        pub host_reads: [u8; 16],
+        /// Host write commands.
+        pub host_writes: [u8; 16],
+        /// Controller busy time, minutes.
+        pub ctrl_busy_time: [u8; 16],
+        /// Power cycles.
+        pub power_cycles: [u8; 16],
+        /// Power on hours.
+        pub power_on_hours: [u8; 16],
+        /// Unsafe shutdowns.
+        pub unsafe_shutdowns: [u8; 16],
+        /// Media and data integrity errors.
+        pub media_errors: [u8; 16],
+        /// Number of error information log entries.
+        pub num_err_log_entries: [u8; 16],
+        /// The rest (bytes 192 to 511).
+        pub rest: [u8; 320],
+    }
+}
+
+wire! {
+    /// Discovery log page header: 1024 bytes, followed by the entries.
+    pub struct DiscoveryLogHeader {
+        /// Generation counter: changes whenever the log changes.
+        pub genctr: U64,
+        /// Number of records.
+        pub numrec: U64,
+        /// Record format, 0.
+        pub recfmt: U16,
+        /// Reserved.
+        pub rsvd18: [u8; 1006],
+    }
+}
+
+wire! {
+    /// Discovery log page entry: 1024 bytes.
+    pub struct DiscoveryLogEntry {
+        /// Transport type (1 = RDMA).
+        pub trtype: u8,
+        /// Address family (1 = IPv4, 2 = IPv6).
+        pub adrfam: u8,
+        /// Subsystem type (1 = referral/discovery, 2 = NVM, 3 = current discovery).
+        pub subtype: u8,
+        /// Transport requirements.
+        pub treq: u8,
+        /// Port ID.
+        pub portid: U16,
+        /// Controller ID (0xFFFF: dynamic).
+        pub cntlid: U16,
+        /// Admin max SQ size.
+        pub asqsz: U16,
+        /// Entry flags.
+        pub eflags: U16,
+        /// Reserved.
+        pub rsvd12: [u8; 20],
+        /// Transport service identifier (port), ASCII, space-padded.
+        pub trsvcid: [u8; 32],
+        /// Reserved.
+        pub rsvd64: [u8; 192],
+        /// Subsystem NQN, NUL-padded.
+        pub subnqn: [u8; 256],
+        /// Transport address, ASCII, space-padded.
+        pub traddr: [u8; 256],
+        /// RDMA: QP service type (1 = reliable connected).
+        pub rdma_qptype: u8,
+        /// RDMA: provider type (1 = none, 2 = InfiniBand, 3 = RoCE, 4 = RoCEv2, 5 = iWARP).
+        pub rdma_prtype: u8,
+        /// RDMA: connection management service (1 = rdma_cm).
+        pub rdma_cms: u8,
+        /// Reserved.
+        pub rsvd771: [u8; 5],
+        /// RDMA: partition key.
+        pub rdma_pkey: U16,
+        /// Reserved.
+        pub rsvd778: [u8; 246],
+    }
+}
+
+/// Copies `s` into a fixed field, padded with `pad` (NUL for NQNs, space for ASCII strings),
+/// truncated to fit.
+pub fn put_str(field: &mut [u8], s: &str, pad: u8) {
+    field.fill(pad);
+    let n = s.len().min(field.len());
+    field[..n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+/// A NUL- or space-padded string field as text; `None` when it is not UTF-8.
+pub fn get_str(field: &[u8]) -> Option<&str> {
+    let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+    std::str::from_utf8(&field[..end])
+        .ok()
+        .map(|s| s.trim_end_matches(' '))
+}
+
+/// The low dword of a 64-bit value (the first of the two dwords it is carried in).
+pub fn lo32(v: u64) -> u32 {
+    u32::try_from(v & 0xFFFF_FFFF).unwrap_or(0)
+}
+
+/// The high dword of a 64-bit value.
+pub fn hi32(v: u64) -> u32 {
+    u32::try_from(v >> 32).unwrap_or(0)
+}
+
+/// `v` as a narrower integer, saturating at its maximum (fields whose value is bounded by
+/// construction; a value beyond the field would be a bug, and saturation keeps it visible).
+pub fn sat<T: TryFrom<U> + Bounded, U>(v: U) -> T {
+    T::try_from(v).unwrap_or(T::MAX)
+}
+
+/// Integer types with a maximum, for [`sat`].
+pub trait Bounded {
+    /// The largest value.
+    const MAX: Self;
+}
+
+impl Bounded for u8 {
+    const MAX: u8 = u8::MAX;
+}
+impl Bounded for u16 {
+    const MAX: u16 = u16::MAX;
+}
+impl Bounded for u32 {
+    const MAX: u32 = u32::MAX;
+}

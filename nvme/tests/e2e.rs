@@ -1,0 +1,697 @@
+//! The host drives the target end to end over the in-memory transport: discovery, connect,
+//! identify, I/O verified from 512 B to the largest transfer, errors, keep-alive, shutdown.
+
+// Sizes and counters in this file are small and known: casts cannot truncate.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvmfd_blockdev::{Device, DeviceSpec, Kind};
+use nvmfd_nvme::host::{AdminQueue, DataDir, HostError, HostId, IoQueue};
+use nvmfd_nvme::loopback::{Backend, Loopback};
+use nvmfd_nvme::wire::{self, status, SglDesc, Sqe, Status};
+use nvmfd_nvme::*;
+use zerocopy::little_endian::{U16, U32};
+use zerocopy::IntoBytes;
+
+const SUB: &str = "nqn.2024-01.io.nvmfd.test:ram";
+const RESTRICTED: &str = "nqn.2024-01.io.nvmfd.test:restricted";
+const SIZE: u64 = 16 << 20;
+
+fn host(n: u8) -> HostId {
+    HostId {
+        nqn: format!("nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000{n:02}"),
+        id: [n; 16],
+    }
+}
+
+struct World {
+    target: Target,
+    backend: Rc<RefCell<Backend>>,
+}
+
+fn malloc(size: u64, bs: u32, read_only: bool) -> Arc<Device> {
+    let mut s = DeviceSpec::new(Kind::Malloc);
+    s.size = size;
+    s.block_size = bs;
+    s.read_only = read_only;
+    Device::open(&s).unwrap()
+}
+
+fn world() -> World {
+    let d1 = malloc(SIZE, 512, false);
+    let d2 = malloc(SIZE, 4096, false);
+    let d3 = malloc(SIZE, 512, true);
+    let d4 = malloc(SIZE, 512, false);
+    let ns = |nsid: u32, d: &Arc<Device>, id: Option<u8>| Namespace {
+        nsid,
+        info: d.info().clone(),
+        uuid: id.map(|b| [b; 16]),
+        nguid: id.map(|b| [b ^ 0xff; 16]),
+    };
+    let subsystems = vec![
+        Subsystem {
+            nqn: SUB.into(),
+            serial: "SN-TEST-0001".into(),
+            model: "nvmfd test".into(),
+            allow_any_host: true,
+            hosts: vec![],
+            namespaces: vec![ns(1, &d1, None), ns(2, &d2, Some(7)), ns(3, &d3, None)],
+        },
+        Subsystem {
+            nqn: RESTRICTED.into(),
+            serial: "SN-TEST-0002".into(),
+            model: "nvmfd test".into(),
+            allow_any_host: false,
+            hosts: vec![host(1).nqn],
+            namespaces: vec![ns(1, &d4, None)],
+        },
+    ];
+    let ports = vec![Port {
+        addr: "192.0.2.7".parse().unwrap(),
+        port: 4420,
+    }];
+    let target = Target::new(subsystems, ports, Limits::default());
+    let backend = Backend::new(
+        &[
+            (SUB.into(), 1, d1),
+            (SUB.into(), 2, d2),
+            (SUB.into(), 3, d3),
+            (RESTRICTED.into(), 1, d4),
+        ],
+        Limits::default().max_io_size,
+    )
+    .unwrap();
+    World { target, backend }
+}
+
+impl World {
+    fn link(&self, qid: u16, hsqsize: u16) -> Loopback {
+        Loopback::new(&self.target, &self.backend, qid, hsqsize)
+    }
+    fn admin(&self, h: &HostId, subnqn: &str) -> Result<AdminQueue<Loopback>, HostError> {
+        AdminQueue::connect(self.link(0, 31), h, subnqn, 31, 5000)
+    }
+    /// An enabled controller with `n` I/O queues connected.
+    fn controller(&self, n: u16) -> (AdminQueue<Loopback>, Vec<IoQueue<Loopback>>) {
+        let h = host(1);
+        let mut a = self.admin(&h, SUB).unwrap();
+        a.enable().unwrap();
+        assert_eq!(a.set_queue_count(n).unwrap(), n);
+        let ios = (1..=n)
+            .map(|q| IoQueue::connect(self.link(q, 127), &h, SUB, a.cntlid, q, 127).unwrap())
+            .collect();
+        (a, ios)
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn status_of<T: std::fmt::Debug>(r: Result<T, HostError>) -> Status {
+    match r {
+        Err(HostError::Status { status, .. }) => status,
+        other => panic!("expected an NVMe error status, got {other:?}"),
+    }
+}
+
+fn dw0_of<T: std::fmt::Debug>(r: Result<T, HostError>) -> u32 {
+    match r {
+        Err(HostError::Status { dw0, .. }) => dw0,
+        other => panic!("expected an NVMe error status, got {other:?}"),
+    }
+}
+
+#[test]
+fn discovery_lists_what_the_host_may_reach() {
+    let w = world();
+    for (h, expect) in [(host(1), vec![SUB, RESTRICTED]), (host(2), vec![SUB])] {
+        let mut d = w.admin(&h, DISCOVERY_NQN).unwrap();
+        d.enable().unwrap();
+        let id = d.identify_controller().unwrap();
+        assert_eq!(id.cntrltype, 2, "a discovery controller");
+        let entries = d.discover().unwrap();
+        let got: Vec<_> = entries.iter().map(host_text).collect();
+        let want: Vec<_> = expect
+            .iter()
+            .map(|s| (s.to_string(), "192.0.2.7".to_string(), "4420".to_string()))
+            .collect();
+        assert_eq!(got, want);
+        for e in &entries {
+            assert_eq!(
+                (e.trtype, e.adrfam, e.subtype, e.rdma_qptype, e.rdma_cms),
+                (1, 1, 2, 1, 1)
+            );
+            assert_eq!(e.cntlid.get(), 0xFFFF);
+        }
+        // Reads at an offset return the same bytes as the whole page.
+        let whole = d
+            .get_log_page(
+                wire::log_page::DISCOVERY,
+                0,
+                1024 + 1024 * expect.len() as u32,
+            )
+            .unwrap();
+        let tail = d
+            .get_log_page(wire::log_page::DISCOVERY, 1024 + 256, 256)
+            .unwrap();
+        assert_eq!(tail, whole[1024 + 256..1024 + 512]);
+        // A discovery controller has no namespaces and no I/O log pages.
+        assert!(status_of(d.identify_namespace(1)).same_code(status::INVALID_FIELD));
+        assert!(status_of(d.get_log_page(wire::log_page::SMART, 0, 512))
+            .same_code(status::INVALID_LOG_PAGE));
+    }
+}
+
+fn host_text(e: &wire::DiscoveryLogEntry) -> (String, String, String) {
+    nvmfd_nvme::host::discovery_entry_text(e)
+}
+
+#[test]
+fn connect_checks_host_subsystem_and_parameters() {
+    let w = world();
+    assert!(w.admin(&host(1), RESTRICTED).is_ok());
+    let refused = w.admin(&host(2), RESTRICTED);
+    assert!(status_of(refused).same_code(status::CONNECT_INVALID_HOST));
+    // Invalid Parameters says where: IATTR (bit 16) = in the data, IPO = byte offset.
+    let unknown = w.admin(&host(1), "nqn.2024-01.io.nvmfd.test:nope");
+    assert_eq!(dw0_of(unknown), 1 << 16 | 256);
+    let zero_sqsize = AdminQueue::connect(w.link(0, 0), &host(1), SUB, 0, 0);
+    assert_eq!(dw0_of(zero_sqsize), 44);
+    let too_deep = AdminQueue::connect(w.link(0, 4096), &host(1), SUB, 4096, 0);
+    assert_eq!(dw0_of(too_deep), 44);
+    let cm_mismatch = AdminQueue::connect(w.link(0, 15), &host(1), SUB, 31, 0);
+    assert_eq!(
+        dw0_of(cm_mismatch),
+        44,
+        "CM HSQSIZE differs from Connect SQSIZE"
+    );
+    // An I/O queue needs an enabled controller of the same host, and a granted queue ID.
+    let (a, _ios) = w.controller(2);
+    let other_host = IoQueue::connect(w.link(3, 127), &host(2), SUB, a.cntlid, 1, 127);
+    assert!(other_host.is_err());
+    let beyond = IoQueue::connect(w.link(3, 127), &host(1), SUB, a.cntlid, 3, 127);
+    assert_eq!(dw0_of(beyond), 42, "qid 3 of 2 granted");
+    let twice = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127);
+    assert_eq!(dw0_of(twice), 42, "qid 1 is taken");
+    let wrong_ctrl = IoQueue::connect(w.link(1, 127), &host(1), SUB, 0x7777, 1, 127);
+    assert_eq!(dw0_of(wrong_ctrl), 1 << 16 | 16);
+}
+
+#[test]
+fn connect_refuses_an_incompatible_format_and_a_static_cntlid() {
+    let w = world();
+    let mut l = w.link(0, 31);
+    let mut cmd: wire::ConnectCmd = wire::zeroed();
+    cmd.opcode = 0x7F;
+    cmd.flags = 0x40;
+    cmd.fctype = wire::fctype::CONNECT;
+    cmd.sqsize = U16::new(31);
+    cmd.recfmt = U16::new(1);
+    let mut data: wire::ConnectData = wire::zeroed();
+    data.cntlid = U16::new(0xFFFF);
+    wire::put_str(&mut data.subnqn, SUB, 0);
+    wire::put_str(&mut data.hostnqn, &host(1).nqn, 0);
+    let sqe = wire::read::<Sqe>(cmd.as_bytes()).unwrap();
+    let c =
+        nvmfd_nvme::host::HostTransport::execute(&mut l, sqe, DataDir::ToTarget(data.as_bytes()))
+            .unwrap();
+    assert!(c.status().same_code(status::CONNECT_INCOMPATIBLE_FORMAT));
+    cmd.recfmt = U16::new(0);
+    data.cntlid = U16::new(5);
+    let sqe = wire::read::<Sqe>(cmd.as_bytes()).unwrap();
+    let c =
+        nvmfd_nvme::host::HostTransport::execute(&mut l, sqe, DataDir::ToTarget(data.as_bytes()))
+            .unwrap();
+    assert_eq!(c.dw0.get(), 1 << 16 | 16);
+}
+
+#[test]
+fn identify_reports_what_the_linux_host_checks() {
+    let w = world();
+    let (mut a, _) = w.controller(1);
+    let id = a.identify_controller().unwrap();
+    assert_eq!(id.cntlid.get(), a.cntlid);
+    assert_eq!(wire::get_str(&id.subnqn), Some(SUB));
+    assert_eq!(wire::get_str(&id.sn), Some("SN-TEST-0001"));
+    assert_eq!(wire::get_str(&id.mn), Some("nvmfd test"));
+    assert_eq!(wire::get_str(&id.fr), Some(env!("CARGO_PKG_VERSION")));
+    assert_eq!(id.ver.get(), NVME_VERSION);
+    assert_eq!(id.cntrltype, 1);
+    let sgls = id.sgls.get();
+    assert!(
+        sgls & 0x3 == 1 && sgls & (1 << 2) != 0 && sgls & (1 << 20) != 0,
+        "SGLs, keyed, offset: {sgls:#x}"
+    );
+    assert_eq!(id.icdoff.get(), 0);
+    assert_eq!(id.ioccsz.get(), (64 + 4096) / 16);
+    assert_eq!(id.iorcsz.get(), 1);
+    assert_eq!(id.mdts, 5, "128 KiB in 4 KiB pages");
+    assert_eq!((id.sqes, id.cqes), (0x66, 0x44));
+    assert_eq!(id.maxcmd.get(), 128);
+    assert_eq!(id.nn.get(), 3);
+    assert_eq!(id.oncs.get() & 0b1100, 0b1100, "DSM and Write Zeroes");
+    assert_eq!(id.msdbd, 1);
+    let ns = a.identify_namespace(2).unwrap();
+    assert_eq!(ns.nsze.get(), SIZE / 4096);
+    assert_eq!(ns.lbaf[0].lbads, 12);
+    assert_eq!(ns.dlfeat & 0x7, 1, "deallocated blocks read as zeroes");
+    assert_eq!(ns.nguid, [7 ^ 0xff; 16]);
+    assert_eq!(a.identify_namespace(3).unwrap().nsattr, 1, "read-only");
+    assert_eq!(a.active_namespaces(0).unwrap(), [1, 2, 3]);
+    assert_eq!(a.active_namespaces(1).unwrap(), [2, 3]);
+    let ids = a.namespace_ids(2).unwrap();
+    assert_eq!(
+        ids,
+        vec![(2, vec![7 ^ 0xff; 16]), (3, vec![7; 16]), (4, vec![0])]
+    );
+    assert!(status_of(a.identify_namespace(9)).same_code(status::INVALID_NAMESPACE));
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::admin_opcode::IDENTIFY;
+    s.cdw10 = U32::new(0x55);
+    let mut buf = vec![0u8; 4096];
+    assert!(status_of(a.raw(s, DataDir::FromTarget(&mut buf))).same_code(status::INVALID_FIELD));
+}
+
+#[test]
+fn writes_and_reads_round_trip_from_512_bytes_to_the_largest_transfer() {
+    let w = world();
+    let (_a, mut ios) = w.controller(2);
+    let max = Limits::default().max_io_size as usize;
+    let mut seed = 0;
+    for (nsid, bs) in [(1u32, 512usize), (2, 4096)] {
+        for (q, keyed_only) in [(0usize, false), (1, true)] {
+            let io = &mut ios[q];
+            io.transport().in_capsule = if keyed_only { 0 } else { 4096 };
+            let mut len = bs;
+            while len <= max {
+                seed += 1;
+                let nlb = (len / bs) as u32;
+                let slba = seed * 3;
+                let data = pattern(seed, len);
+                io.write(nsid, slba, nlb, &data, seed % 3 == 0).unwrap();
+                let mut back = vec![0u8; len];
+                io.read(nsid, slba, nlb, &mut back).unwrap();
+                assert!(back == data, "ns {nsid} len {len} keyed_only {keyed_only}");
+                len = if len < 8192 { len * 2 } else { len * 4 };
+            }
+        }
+    }
+}
+
+#[test]
+fn flush_write_zeroes_and_deallocate() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let io = &mut ios[0];
+    let data = pattern(9, 64 * 512);
+    io.write(1, 100, 64, &data, false).unwrap();
+    io.flush(1).unwrap();
+    io.write_zeroes(1, 108, 8).unwrap();
+    io.deallocate(1, &[(120, 4), (130, 2)]).unwrap();
+    let mut back = vec![0u8; 64 * 512];
+    io.read(1, 100, 64, &mut back).unwrap();
+    let mut want = data.clone();
+    for (s, n) in [(8, 8), (20, 4), (30, 2)] {
+        want[s * 512..(s + n) * 512].fill(0);
+    }
+    assert!(back == want);
+}
+
+#[test]
+fn out_of_range_and_malformed_commands_get_the_precise_status() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let io = &mut ios[0];
+    let blocks = SIZE / 512;
+    let mut buf = vec![0u8; 1024];
+    assert!(status_of(io.read(1, blocks - 1, 2, &mut buf)).same_code(status::LBA_OUT_OF_RANGE));
+    assert!(
+        status_of(io.read(1, u64::MAX, 2, &mut buf)).same_code(status::LBA_OUT_OF_RANGE),
+        "overflow"
+    );
+    assert!(status_of(io.write_zeroes(1, blocks, 1)).same_code(status::LBA_OUT_OF_RANGE));
+    assert!(status_of(io.deallocate(1, &[(blocks - 1, 2)])).same_code(status::LBA_OUT_OF_RANGE));
+    let mut big = vec![0u8; 256 * 1024];
+    assert!(
+        status_of(io.read(1, 0, 512, &mut big)).same_code(status::INVALID_FIELD),
+        "above MDTS"
+    );
+    assert!(status_of(io.read(9, 0, 2, &mut buf)).same_code(status::INVALID_NAMESPACE));
+    assert!(status_of(io.write(3, 0, 2, &buf, false)).same_code(status::NAMESPACE_WRITE_PROTECTED));
+    assert!(status_of(io.write_zeroes(3, 0, 2)).same_code(status::NAMESPACE_WRITE_PROTECTED));
+    // Hand-made commands: wrong SGL kinds and lengths, PRPs, unknown opcodes.
+    let rw = |opcode: u8, dptr: SglDesc, flags: u8| {
+        let mut s: Sqe = wire::zeroed();
+        s.opcode = opcode;
+        s.flags = flags;
+        s.nsid = U32::new(1);
+        s.cdw12 = U32::new(1); // 2 blocks
+        s.dptr = dptr;
+        s
+    };
+    let l = io.transport();
+    let send = |l: &mut Loopback, s: Sqe, icd: &[u8]| {
+        let mut c = s.as_bytes().to_vec();
+        c.extend_from_slice(icd);
+        l.send_capsule(&c).unwrap().unwrap().status()
+    };
+    let (addr, key) = l.register_host_memory(vec![0u8; 1024]);
+    assert!(
+        send(l, rw(2, SglDesc::in_capsule(0, 1024), 0x40), &[0u8; 1024])
+            .same_code(status::SGL_DESCRIPTOR_TYPE_INVALID),
+        "a read into the capsule"
+    );
+    let (addr, key) = {
+        let _ = (addr, key);
+        l.register_host_memory(vec![0u8; 1024])
+    };
+    assert!(
+        send(l, rw(2, SglDesc::keyed(addr, 512, key, false), 0x40), &[])
+            .same_code(status::DATA_SGL_LENGTH_INVALID)
+    );
+    assert!(
+        send(l, rw(2, SglDesc::keyed(addr, 1024, key, false), 0x00), &[])
+            .same_code(status::INVALID_FIELD),
+        "PRP"
+    );
+    assert!(
+        send(l, rw(1, SglDesc::in_capsule(0, 1024), 0x40), &[0u8; 512])
+            .same_code(status::DATA_SGL_LENGTH_INVALID),
+        "short capsule"
+    );
+    assert!(send(
+        l,
+        rw(1, SglDesc::in_capsule(4096, 1024), 0x40),
+        &[0u8; 1024]
+    )
+    .same_code(status::SGL_OFFSET_INVALID));
+    let mut bad_type = SglDesc::keyed(addr, 1024, key, false);
+    bad_type.id = 0x30; // last segment
+    assert!(send(l, rw(2, bad_type, 0x40), &[]).same_code(status::SGL_DESCRIPTOR_TYPE_INVALID));
+    assert!(send(l, rw(0x7E, SglDesc::keyed(0, 0, 0, false), 0x40), &[])
+        .same_code(status::INVALID_OPCODE));
+    let mut fused = rw(2, SglDesc::keyed(addr, 1024, key, false), 0x41);
+    fused.flags = 0x41;
+    assert!(
+        send(l, fused, &[]).same_code(status::INVALID_FIELD),
+        "fused"
+    );
+    assert!(
+        send(
+            l,
+            rw(1, SglDesc::in_capsule(0, 8192), 0x40),
+            &vec![0u8; 8192]
+        )
+        .same_code(status::DATA_SGL_LENGTH_INVALID),
+        "more in-capsule data than offered"
+    );
+    // A connect on a connected queue is a sequence error; the queue still works.
+    let mut again: Sqe = wire::zeroed();
+    again.opcode = 0x7F;
+    again.flags = 0x40;
+    again.nsid = U32::new(u32::from(wire::fctype::CONNECT));
+    assert!(send(l, again, &[]).same_code(status::COMMAND_SEQUENCE_ERROR));
+    let mut back = vec![0u8; 512];
+    io.read(1, 0, 1, &mut back).unwrap();
+}
+
+#[test]
+fn a_bad_key_or_a_short_capsule_closes_the_connection() {
+    let w = world();
+    let (_a, mut ios) = w.controller(2);
+    let l = ios[0].transport();
+    let (addr, key) = l.register_host_memory(vec![0u8; 1024]);
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = 2;
+    s.flags = 0x40;
+    s.nsid = U32::new(1);
+    s.cdw12 = U32::new(1);
+    s.dptr = SglDesc::keyed(addr, 1024, key ^ 1, false);
+    let r = l.send_capsule(s.as_bytes());
+    assert!(
+        matches!(r, Err(HostError::Transport(ref e)) if e.contains("remote access error")),
+        "{r:?}"
+    );
+    assert!(l.closed().is_some());
+    s.dptr = SglDesc::keyed(addr + 512, 1024, key, false);
+    let l2 = ios[1].transport();
+    let (addr2, key2) = l2.register_host_memory(vec![0u8; 1024]);
+    s.dptr = SglDesc::keyed(addr2 + 512, 1024, key2, false);
+    assert!(
+        l2.send_capsule(s.as_bytes()).is_err(),
+        "past the end of the host buffer"
+    );
+    let mut l3 = w.link(0, 31);
+    assert!(matches!(
+        l3.send_capsule(&[0u8; 40]),
+        Err(HostError::Transport(_))
+    ));
+}
+
+#[test]
+fn commands_before_connect_or_enable_are_sequence_errors() {
+    let w = world();
+    let mut l = w.link(0, 31);
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::admin_opcode::KEEP_ALIVE;
+    let c = l.send_capsule(s.as_bytes()).unwrap().unwrap();
+    assert!(c.status().same_code(status::COMMAND_SEQUENCE_ERROR));
+    let mut a = w.admin(&host(1), SUB).unwrap();
+    assert!(
+        status_of(a.keep_alive()).same_code(status::COMMAND_SEQUENCE_ERROR),
+        "not enabled yet"
+    );
+    let io = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127);
+    assert!(status_of(io).same_code(status::COMMAND_SEQUENCE_ERROR));
+    a.enable().unwrap();
+    a.keep_alive().unwrap();
+}
+
+#[test]
+fn properties_say_what_the_controller_is() {
+    let w = world();
+    let mut a = w.admin(&host(1), SUB).unwrap();
+    let cap = a.property_get(wire::property::CAP, true).unwrap();
+    assert_eq!(cap & 0xFFFF, 127, "MQES");
+    assert_eq!(cap >> 37 & 1, 1, "NVM command set");
+    assert_eq!((cap >> 48) & 0xF, 0, "MPSMIN 4 KiB");
+    assert_eq!(
+        a.property_get(wire::property::VS, false).unwrap(),
+        u64::from(NVME_VERSION)
+    );
+    assert_eq!(a.property_get(wire::property::CSTS, false).unwrap(), 0);
+    assert!(status_of(a.property_get(0x40, false)).same_code(status::INVALID_FIELD));
+    assert!(
+        status_of(a.property_get(wire::property::CAP, false)).same_code(status::INVALID_FIELD),
+        "CAP is 8 bytes"
+    );
+    assert!(
+        status_of(a.property_set(wire::property::CSTS, 1)).same_code(status::INVALID_FIELD),
+        "CSTS is read-only"
+    );
+    // Enabling with a wrong entry size reports a fatal status.
+    a.property_set(wire::property::CC, 1 | (7 << 16) | (4 << 20))
+        .unwrap();
+    assert_eq!(
+        a.property_get(wire::property::CSTS, false).unwrap() & 0x3,
+        0x2,
+        "CFS"
+    );
+}
+
+#[test]
+fn features_negotiate_queues_keep_alive_and_events() {
+    let w = world();
+    let mut a = w.admin(&host(1), SUB).unwrap();
+    a.enable().unwrap();
+    assert_eq!(
+        a.set_queue_count(1000).unwrap(),
+        64,
+        "capped at max_io_queues"
+    );
+    assert_eq!(
+        a.get_feature(wire::feature::NUMBER_OF_QUEUES).unwrap(),
+        63 | 63 << 16
+    );
+    assert_eq!(
+        a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(),
+        5000,
+        "from Connect"
+    );
+    a.set_feature(wire::feature::KEEP_ALIVE_TIMER, 10).unwrap();
+    assert_eq!(
+        a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(),
+        1000,
+        "raised to the minimum"
+    );
+    a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
+        .unwrap();
+    assert_eq!(
+        a.get_feature(wire::feature::ASYNC_EVENT_CONFIG).unwrap(),
+        1 << 8
+    );
+    assert!(status_of(a.get_feature(0x80)).same_code(status::INVALID_FIELD));
+    assert!(
+        status_of(a.set_feature(wire::feature::NUMBER_OF_QUEUES, 0xFFFF))
+            .same_code(status::INVALID_FIELD)
+    );
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::admin_opcode::SET_FEATURES;
+    s.cdw10 = U32::new(u32::from(wire::feature::ASYNC_EVENT_CONFIG) | 1 << 31);
+    assert!(status_of(a.raw(s, DataDir::None)).same_code(status::FEATURE_NOT_SAVEABLE));
+    s.opcode = wire::admin_opcode::ABORT;
+    assert_eq!(
+        a.raw(s, DataDir::None).unwrap().dw0.get() & 1,
+        1,
+        "not aborted"
+    );
+    s.opcode = 0x80; // Format NVM: not supported
+    assert!(status_of(a.raw(s, DataDir::None)).same_code(status::INVALID_OPCODE));
+}
+
+#[test]
+fn async_events_are_held_until_a_namespace_changes() {
+    let w = world();
+    let (mut a, _ios) = w.controller(1);
+    a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
+        .unwrap();
+    let l = a.transport();
+    let aer = |cid: u16| {
+        let mut s: Sqe = wire::zeroed();
+        s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
+        s.cid = U16::new(cid);
+        s
+    };
+    for cid in 100..100 + AER_LIMIT as u16 {
+        assert!(
+            l.send_capsule(aer(cid).as_bytes()).unwrap().is_none(),
+            "held"
+        );
+    }
+    let over = l.send_capsule(aer(200).as_bytes()).unwrap().unwrap();
+    assert!(over.status().same_code(status::AER_LIMIT_EXCEEDED));
+    assert!(l.poll_events().is_empty());
+    w.target.namespace_changed(SUB, 2);
+    let ev = l.poll_events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (100, 0x0004_0002));
+    let log = a
+        .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4096)
+        .unwrap();
+    assert_eq!(&log[..8], &[2, 0, 0, 0, 0, 0, 0, 0]);
+    let log = a
+        .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4096)
+        .unwrap();
+    assert_eq!(&log[..4], &[0, 0, 0, 0], "reading the log clears it");
+}
+
+#[test]
+fn keep_alive_expiry_ends_the_controller_and_its_queues() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(1);
+    let t0 = Instant::now();
+    a.keep_alive().unwrap();
+    let kato = Duration::from_millis(5000);
+    assert!(w
+        .target
+        .expire_keep_alives(t0 + kato - Duration::from_millis(100))
+        .is_empty());
+    let ended = w
+        .target
+        .expire_keep_alives(t0 + kato + Duration::from_secs(1));
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].end_reason(), Some(EndReason::KeepAliveExpired));
+    assert!(ios[0].transport().queue().must_disconnect());
+    let mut buf = vec![0u8; 512];
+    assert!(matches!(
+        ios[0].read(1, 0, 1, &mut buf),
+        Err(HostError::Transport(_))
+    ));
+    assert!(matches!(a.keep_alive(), Err(HostError::Transport(_))));
+    // The host can connect again at once.
+    let (mut a2, mut ios2) = w.controller(1);
+    a2.keep_alive().unwrap();
+    ios2[0].read(1, 0, 1, &mut buf).unwrap();
+}
+
+#[test]
+fn losing_the_admin_queue_ends_the_controller() {
+    let w = world();
+    let (a, mut ios) = w.controller(1);
+    let cntlid = a.cntlid;
+    drop(a);
+    assert!(w.target.controllers().iter().all(|c| c.cntlid != cntlid));
+    assert!(ios[0].transport().queue().must_disconnect());
+    let mut buf = vec![0u8; 512];
+    assert!(ios[0].read(1, 0, 1, &mut buf).is_err());
+}
+
+#[test]
+fn shutdown_flushes_and_reports_complete() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(1);
+    ios[0].write(1, 0, 1, &pattern(3, 512), false).unwrap();
+    a.shutdown().unwrap();
+    assert_eq!(
+        a.property_get(wire::property::CSTS, false).unwrap() >> 2 & 3,
+        2
+    );
+}
+
+#[test]
+fn a_reset_ends_the_io_queues() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(1);
+    a.property_set(wire::property::CC, 0).unwrap();
+    assert_eq!(a.property_get(wire::property::CSTS, false).unwrap() & 1, 0);
+    assert!(ios[0].transport().queue().must_disconnect());
+    let mut buf = vec![0u8; 512];
+    assert!(matches!(
+        ios[0].read(1, 0, 1, &mut buf),
+        Err(HostError::Transport(_))
+    ));
+    // The admin queue stays; the host enables again and connects new I/O queues.
+    a.enable().unwrap();
+    assert_eq!(a.set_queue_count(1).unwrap(), 1);
+    let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127).unwrap();
+    io.read(1, 0, 1, &mut buf).unwrap();
+}
+
+#[test]
+fn smart_log_counts_io() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(1);
+    for i in 0..3 {
+        ios[0].write(1, i * 8, 8, &pattern(i, 4096), false).unwrap();
+    }
+    let mut b = vec![0u8; 4096];
+    ios[0].read(1, 0, 8, &mut b).unwrap();
+    let log = a.get_log_page(wire::log_page::SMART, 0, 512).unwrap();
+    let s: wire::SmartLog = wire::read(&log).unwrap();
+    assert_eq!(u128::from_le_bytes(s.host_writes), 3);
+    assert_eq!(u128::from_le_bytes(s.host_reads), 1);
+    assert_eq!(
+        u128::from_le_bytes(s.data_units_written),
+        1,
+        "24 units of 512 B, rounded up to one thousand"
+    );
+    assert!(status_of(a.get_log_page(0x33, 0, 512)).same_code(status::INVALID_LOG_PAGE));
+    let s: Status = status_of(a.get_log_page(wire::log_page::SMART, 2, 512));
+    assert!(
+        s.same_code(status::INVALID_FIELD),
+        "offset not dword aligned"
+    );
+}
