@@ -192,8 +192,9 @@ pub struct TransportConfig {
     /// Shortest keep-alive timeout granted: a host asking for less gets this. Default `"1s"`.
     #[serde(default = "defaults::keep_alive_timeout_min")]
     pub keep_alive_timeout_min: HumanDuration,
-    /// Longest keep-alive timeout granted, and the one used when a host asks for none.
-    /// Default `"120s"`.
+    /// Longest keep-alive timeout granted; also a discovery controller's when its host asks
+    /// for none (an I/O controller whose host asks for none has no keep-alive, as the
+    /// specification says). Default `"120s"`.
     #[serde(default = "defaults::keep_alive_timeout_max")]
     pub keep_alive_timeout_max: HumanDuration,
 }
