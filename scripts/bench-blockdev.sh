@@ -20,7 +20,7 @@ fio_run() { # mode bs -> iops
   local rw=$1 bs=$2
   fio --name=b --filename="$FILE" --size=${SIZE_MIB}m --rw="$rw" --bs="$bs" --direct=1 \
       --ioengine=io_uring --iodepth="$QD" --runtime="$RUNTIME" --time_based --norandommap \
-      --randrepeat=0 --output-format=json \
+      --randrepeat=0 --buffer_pattern=0x6e766d66 --output-format=json \
     | python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; print(round(j["read"]["iops"]+j["write"]["iops"]))'
 }
 ours_run() { # mode bs submit-policy

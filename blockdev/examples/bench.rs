@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use nvmfd_blockdev::{BufPool, Device, DeviceSpec, Engine, Kind};
 
+/// The bytes of fio's `--buffer_pattern=0x6e766d66`.
+const PATTERN: [u8; 4] = [0x6e, 0x76, 0x6d, 0x66];
+
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
 enum Mode {
     Randread,
@@ -78,21 +81,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut next_seq = 0u64;
     let mut done_ops = 0u64;
     let mut errors = 0u64;
-    let start = Instant::now();
-    let end = start + Duration::from_secs(a.runtime);
-    // Random contents, as fio writes: zero-filled writes can take a different path (zero
-    // detection) in virtual disks and storage arrays.
+    // The same contents as fio writes with `--buffer_pattern=0x6e766d66`: virtual disks and
+    // storage arrays treat data differently (zero detection, compression, deduplication), so
+    // both sides must write the same bytes.
     let mut spare = Vec::with_capacity(a.qd as usize);
-    let mut fill = 0x9e37_79b9_7f4a_7c15u64;
     while let Some(mut b) = pool.take() {
-        for chunk in b.as_mut_slice().chunks_mut(8) {
-            fill ^= fill << 13;
-            fill ^= fill >> 7;
-            fill ^= fill << 17;
-            chunk.copy_from_slice(&fill.to_le_bytes()[..chunk.len()]);
+        for chunk in b.as_mut_slice().chunks_mut(4) {
+            chunk.copy_from_slice(&PATTERN[..chunk.len()]);
         }
         spare.push(b);
     }
+    let start = Instant::now();
+    let end = start + Duration::from_secs(a.runtime);
     while Instant::now() < end {
         while engine.in_flight() < a.qd as usize {
             let buf = spare.pop().or_else(|| pool.take()).expect("qd buffers");

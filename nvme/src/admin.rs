@@ -46,7 +46,7 @@ pub(crate) fn handle(
 
 /// Controller capabilities.
 pub(crate) fn cap(q: &Queue) -> u64 {
-    let mqes = u64::from(q.target().limits().max_queue_depth - 1);
+    let mqes = u64::from(q.target().limits().max_queue_depth.saturating_sub(1));
     let cqr = 1 << 16;
     let to = 15u64 << 24; // ready within 7.5 s (500 ms units); nvmfd is ready at once
     let css_nvm = 1u64 << 37;
@@ -455,7 +455,7 @@ fn set_features(q: &mut Queue, ctrl: &Controller, cmd: Command, now: Instant) ->
             if st.io_queues.iter().any(|&b| b) {
                 return q.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
             }
-            let granted: u16 = wire::sat(nsqr.min(ncqr).min(u32::from(limits.max_io_queues) - 1));
+            let granted: u16 = wire::sat(nsqr.min(ncqr).min(u32::from(limits.max_io_queues).saturating_sub(1)));
             st.queues_granted = Some(granted);
             let dw0 = u32::from(granted) | u32::from(granted) << 16;
             q.respond(&cmd, Status::SUCCESS, dw0)
@@ -504,7 +504,7 @@ fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command) -> Action {
         feature::NUMBER_OF_QUEUES if ctrl.subsystem.is_some() => {
             let g = u32::from(
                 st.queues_granted
-                    .unwrap_or(q.target().limits().max_io_queues - 1),
+                    .unwrap_or(q.target().limits().max_io_queues.saturating_sub(1)),
             );
             g | g << 16
         }
