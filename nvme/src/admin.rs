@@ -455,7 +455,10 @@ fn set_features(q: &mut Queue, ctrl: &Controller, cmd: Command, now: Instant) ->
             if st.io_queues.iter().any(|&b| b) {
                 return q.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
             }
-            let granted: u16 = wire::sat(nsqr.min(ncqr).min(u32::from(limits.max_io_queues).saturating_sub(1)));
+            let granted: u16 = wire::sat(
+                nsqr.min(ncqr)
+                    .min(u32::from(limits.max_io_queues).saturating_sub(1)),
+            );
             st.queues_granted = Some(granted);
             let dw0 = u32::from(granted) | u32::from(granted) << 16;
             q.respond(&cmd, Status::SUCCESS, dw0)

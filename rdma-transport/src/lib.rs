@@ -1,6 +1,11 @@
-//! The RDMA transport of nvmfd: verbs providers (`ibverbs` over rdma-sys and rdma_cm, and
-//! `soft`, a user-space provider), memory regions, the elastic SRQ, queue pairs and their
-//! recovery, and the connection manager.
+//! The RDMA layer of nvmfd: provider-neutral verbs types ([`types`]) and the `soft` provider
+//! ([`soft`]), a user-space RDMA fabric with the semantics the daemon depends on.
 //!
-//! Not written yet: this crate holds nothing, and no listener accepts connections today.
-//! See `docs/ARCHITECTURE.md` for what it will own.
+//! Still to come: the `ibverbs` provider over rdma-sys and rdma_cm behind the same API, the
+//! TCP wire and seeded fault injection of the soft provider, the elastic SRQ and QP recovery.
+//! Nothing in the daemon uses this crate yet.
+
+pub mod soft;
+pub mod types;
+
+pub use types::*;

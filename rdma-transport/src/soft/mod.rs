@@ -1,0 +1,1099 @@
+//! `soft`: a user-space RDMA provider with the semantics the daemon relies on, so that nvmfd
+//! runs and is tested where there is no RDMA device.
+//!
+//! Everything of one [`Fabric`] (its devices, the memory registered on them, their queues and
+//! connections) lives behind one lock, and work requests execute when posted, in the poster's
+//! thread: the in-process wire is deterministic. What hardware checks, this checks: keys,
+//! bounds, rights and protection domains on every access, QP states, SQ depth including
+//! unsignaled work requests, inline limits, SRQ limits that fire once per arming, RNR with
+//! `rnr_retry` (7 retries forever: the message waits for a receive), flush of outstanding work
+//! requests when a QP enters the error state followed by `LAST_WQE_REACHED` on SRQ-attached
+//! QPs, and CQ overflow.
+
+pub mod cm;
+mod event;
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use event::EventFd;
+
+use crate::types::*;
+
+/// Device limits of the soft provider.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceAttr {
+    /// Largest QP depth.
+    pub max_qp_wr: u32,
+    /// Largest SRQ depth.
+    pub max_srq_wr: u32,
+    /// SGEs per send or receive WR.
+    pub max_sge: u32,
+    /// SGEs per SRQ receive WR.
+    pub max_srq_sge: u32,
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// RDMA READs a QP may have outstanding as responder / initiator.
+    pub max_qp_rd_atom: u32,
+    /// Largest inline send.
+    pub max_inline_data: u32,
+}
+
+/// The soft provider's limits (rxe's, where they matter).
+pub const SOFT_ATTR: DeviceAttr = DeviceAttr {
+    max_qp_wr: 16384,
+    max_srq_wr: 16384,
+    max_sge: 32,
+    max_srq_sge: 27,
+    max_cqe: 32767,
+    max_qp_rd_atom: 128,
+    max_inline_data: 256,
+};
+
+/// What fault injection changes (seeded faults come with the fault-injection work).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Faults {
+    /// Never send `LAST_WQE_REACHED` (behave as rxe and iWARP do).
+    pub suppress_last_wqe: bool,
+}
+
+struct MrEntry {
+    dev: u32,
+    pd: u32,
+    addr: u64,
+    len: u64,
+    access: Access,
+    valid: bool,
+}
+
+struct CqState {
+    dev: u32,
+    cap: usize,
+    entries: VecDeque<Wc>,
+    overflowed: bool,
+    channel: Arc<EventFd>,
+}
+
+struct PostedRecv {
+    wr_id: u64,
+    sges: Vec<Sge>,
+}
+
+struct SrqState {
+    dev: u32,
+    pd: u32,
+    max_wr: u32,
+    max_sge: u32,
+    limit: u32,
+    recvs: VecDeque<PostedRecv>,
+}
+
+/// A SEND waiting for a receive at its destination (RNR, retried forever).
+struct Pending {
+    from_qpn: u32,
+    wr_id: u64,
+    signaled: bool,
+    data: Vec<u8>,
+    invalidate: Option<u32>,
+}
+
+struct QpState_ {
+    dev: u32,
+    pd: u32,
+    state: QpState,
+    send_cq: u32,
+    recv_cq: u32,
+    srq: Option<u32>,
+    caps: QpCaps,
+    peer: Option<u32>,
+    rnr_retry: u8,
+    /// Unsignaled WRs completed since the last signaled completion: they hold SQ slots.
+    unsignaled_run: u32,
+    /// SENDs of this QP waiting at the peer for a receive.
+    deferred: u32,
+    /// Messages for this QP waiting for a receive.
+    inbound: VecDeque<Pending>,
+    last_wqe_sent: bool,
+}
+
+struct DevState {
+    events: VecDeque<AsyncEvent>,
+    async_fd: Arc<EventFd>,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    next_id: u32,
+    devs: HashMap<u32, DevState>,
+    mrs: HashMap<u32, MrEntry>,
+    cqs: HashMap<u32, CqState>,
+    srqs: HashMap<u32, SrqState>,
+    qps: HashMap<u32, QpState_>,
+    pub(crate) cm: cm::CmState,
+    faults: Faults,
+}
+
+/// One soft RDMA fabric: the devices that can reach each other in this process.
+#[derive(Clone, Default)]
+pub struct Fabric {
+    pub(crate) state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for Fabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fabric")
+    }
+}
+
+impl Fabric {
+    /// A new, empty fabric.
+    pub fn new() -> Fabric {
+        Fabric::default()
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sets the faults in force.
+    pub fn set_faults(&self, f: Faults) {
+        self.lock().faults = f;
+    }
+
+    /// Opens a new device on this fabric.
+    pub fn open_device(&self) -> Result<Device, VerbsError> {
+        let fd = Arc::new(
+            EventFd::new()
+                .map_err(|e| VerbsError::os("eventfd", e.raw_os_error().unwrap_or(libc::EIO)))?,
+        );
+        let mut s = self.lock();
+        let id = s.alloc_id();
+        s.devs.insert(
+            id,
+            DevState {
+                events: VecDeque::new(),
+                async_fd: Arc::clone(&fd),
+            },
+        );
+        Ok(Device {
+            fabric: self.clone(),
+            id,
+            async_fd: fd,
+        })
+    }
+}
+
+impl State {
+    fn alloc_id(&mut self) -> u32 {
+        self.next_id += 1;
+        // Keys, QP numbers and IDs share one space: (counter << 8) | 0x5f makes them look
+        // like hardware keys and never zero.
+        (self.next_id << 8) | 0x5f
+    }
+
+    fn event(&mut self, dev: u32, e: AsyncEvent) {
+        if let Some(d) = self.devs.get_mut(&dev) {
+            d.events.push_back(e);
+            d.async_fd.signal();
+        }
+    }
+
+    fn push_wc(&mut self, cq: u32, wc: Wc) {
+        let mut overflow_dev = None;
+        if let Some(c) = self.cqs.get_mut(&cq) {
+            if c.entries.len() >= c.cap {
+                if !c.overflowed {
+                    c.overflowed = true;
+                    overflow_dev = Some(c.dev);
+                }
+            } else {
+                c.entries.push_back(wc);
+                c.channel.signal();
+            }
+        }
+        if let Some(dev) = overflow_dev {
+            self.event(dev, AsyncEvent::CqErr(cq));
+        }
+    }
+
+    /// Checks that `sges` lie in valid regions of `dev`/`pd` with `need` rights; total length.
+    fn check_local(&self, dev: u32, pd: u32, sges: &[Sge], need: Access) -> Option<u64> {
+        let mut total = 0u64;
+        for s in sges {
+            let m = self.mrs.get(&s.lkey)?;
+            let end = s.addr.checked_add(u64::from(s.length))?;
+            if !m.valid
+                || m.dev != dev
+                || m.pd != pd
+                || s.addr < m.addr
+                || end > m.addr + m.len
+                || !m.access.contains(need)
+            {
+                return None;
+            }
+            total += u64::from(s.length);
+        }
+        Some(total)
+    }
+
+    /// Checks a remote access for the responder QP's PD.
+    fn check_remote(
+        &self,
+        dev: u32,
+        pd: u32,
+        addr: u64,
+        len: u64,
+        rkey: u32,
+        need: Access,
+    ) -> bool {
+        let Some(m) = self.mrs.get(&rkey) else {
+            return false;
+        };
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        m.valid
+            && m.dev == dev
+            && m.pd == pd
+            && addr >= m.addr
+            && end <= m.addr + m.len
+            && m.access.contains(need)
+    }
+
+    /// Moves a QP to ERR: flush what waits, then LAST_WQE_REACHED for SRQ-attached QPs.
+    fn qp_error(&mut self, qpn: u32) {
+        let Some(q) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        if q.state == QpState::Err {
+            return;
+        }
+        q.state = QpState::Err;
+        let (dev, srq, send_cq) = (q.dev, q.srq, q.send_cq);
+        let inbound: Vec<Pending> = q.inbound.drain(..).collect();
+        // Our SENDs waiting at the peer are flushed.
+        let peer = q.peer;
+        let mut flushed = Vec::new();
+        if let Some(p) = peer.and_then(|p| self.qps.get_mut(&p)) {
+            let mut keep = VecDeque::new();
+            for m in p.inbound.drain(..) {
+                if m.from_qpn == qpn {
+                    flushed.push(m.wr_id);
+                } else {
+                    keep.push_back(m);
+                }
+            }
+            p.inbound = keep;
+        }
+        for wr_id in flushed {
+            self.push_wc(
+                send_cq,
+                Wc {
+                    wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: WcOpcode::Send,
+                    qp_num: qpn,
+                    ..Wc::default()
+                },
+            );
+        }
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            q.deferred = 0;
+        }
+        // Messages from the peer waiting for our receives: the peer's SENDs fail.
+        for m in inbound {
+            self.complete_send(
+                m.from_qpn,
+                m.wr_id,
+                m.signaled,
+                WcStatus::RetryExcErr,
+                WcOpcode::Send,
+            );
+            self.qp_error(m.from_qpn);
+        }
+        if srq.is_some() && !self.faults.suppress_last_wqe {
+            if let Some(q) = self.qps.get_mut(&qpn) {
+                q.last_wqe_sent = true;
+            }
+            self.event(dev, AsyncEvent::QpLastWqeReached(qpn));
+        }
+    }
+
+    fn complete_send(
+        &mut self,
+        qpn: u32,
+        wr_id: u64,
+        signaled: bool,
+        status: WcStatus,
+        opcode: WcOpcode,
+    ) {
+        let Some(q) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        let cq = q.send_cq;
+        // Errors always complete; a signaled success retires the unsignaled run before it.
+        if status != WcStatus::Success || signaled {
+            q.unsignaled_run = 0;
+            self.push_wc(
+                cq,
+                Wc {
+                    wr_id,
+                    status,
+                    opcode,
+                    qp_num: qpn,
+                    ..Wc::default()
+                },
+            );
+        } else {
+            q.unsignaled_run += 1;
+        }
+    }
+
+    /// Delivers a message into the next receive of QP `dst`; false when there is none (RNR).
+    fn deliver(&mut self, dst: u32, m: &Pending) -> Option<Result<(), ()>> {
+        let q = self.qps.get(&dst)?;
+        let (dev, pd, recv_cq) = (q.dev, q.pd, q.recv_cq);
+        let srq_id = q.srq?;
+        let srq = self.srqs.get_mut(&srq_id)?;
+        let r = srq.recvs.pop_front()?;
+        let remaining = u32::try_from(srq.recvs.len()).unwrap_or(u32::MAX);
+        if srq.limit > 0 && remaining < srq.limit {
+            srq.limit = 0; // one-shot: re-armed by modify
+            let sdev = srq.dev;
+            self.event(sdev, AsyncEvent::SrqLimitReached(srq_id));
+        }
+        let room = self.check_local(dev, pd, &r.sges, Access::LOCAL_WRITE);
+        let fits = room.is_some_and(|room| room >= m.data.len() as u64);
+        if !fits {
+            let status = if room.is_none() {
+                WcStatus::LocProtErr
+            } else {
+                WcStatus::LocLenErr
+            };
+            self.push_wc(
+                recv_cq,
+                Wc {
+                    wr_id: r.wr_id,
+                    status,
+                    opcode: WcOpcode::Recv,
+                    qp_num: dst,
+                    ..Wc::default()
+                },
+            );
+            self.qp_error(dst);
+            return Some(Err(()));
+        }
+        scatter(&r.sges, &m.data);
+        if let Some(k) = m.invalidate {
+            if let Some(mr) = self.mrs.get_mut(&k) {
+                mr.valid = false;
+            }
+        }
+        let wc = Wc {
+            wr_id: r.wr_id,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len: u32::try_from(m.data.len()).unwrap_or(u32::MAX),
+            qp_num: dst,
+            invalidated_rkey: m.invalidate,
+        };
+        self.push_wc(recv_cq, wc);
+        Some(Ok(()))
+    }
+
+    /// Delivers what waits for receives on the QPs of SRQ `srq` (after a post).
+    fn drain_inbound(&mut self, srq: u32) {
+        let qpns: Vec<u32> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| q.srq == Some(srq) && !q.inbound.is_empty())
+            .map(|(n, _)| *n)
+            .collect();
+        for dst in qpns {
+            while let Some(m) = self.qps.get_mut(&dst).and_then(|q| q.inbound.pop_front()) {
+                match self.deliver(dst, &m) {
+                    None => {
+                        if let Some(q) = self.qps.get_mut(&dst) {
+                            q.inbound.push_front(m);
+                        }
+                        break;
+                    }
+                    Some(r) => {
+                        if let Some(src) = self.qps.get_mut(&m.from_qpn) {
+                            src.deferred = src.deferred.saturating_sub(1);
+                        }
+                        let st = if r.is_ok() {
+                            WcStatus::Success
+                        } else {
+                            WcStatus::RemInvReqErr
+                        };
+                        self.complete_send(m.from_qpn, m.wr_id, m.signaled, st, WcOpcode::Send);
+                        if r.is_err() {
+                            self.qp_error(m.from_qpn);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Copies `data` into the regions of `sges`, in order.
+fn scatter(sges: &[Sge], data: &[u8]) {
+    let mut at = 0;
+    for s in sges {
+        if at >= data.len() {
+            break;
+        }
+        let n = (s.length as usize).min(data.len() - at);
+        // SAFETY: `check_local` verified that addr..addr+length lies in a registered region
+        // whose owner keeps it mapped while registered; like a NIC's DMA, the copy is raw.
+        unsafe { std::ptr::copy(data[at..].as_ptr(), s.addr as *mut u8, n) };
+        at += n;
+    }
+}
+
+/// Reads the bytes of `sges`, in order.
+fn gather(sges: &[Sge]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+    for s in sges {
+        // SAFETY: as in `scatter` (the caller checked the SGEs or they are inline data that
+        // the poster guarantees readable).
+        let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
+        out.extend_from_slice(src);
+    }
+    out
+}
+
+/// A device: the parent of PDs and CQs, with an async event queue.
+#[derive(Debug)]
+pub struct Device {
+    fabric: Fabric,
+    id: u32,
+    async_fd: Arc<EventFd>,
+}
+
+impl Device {
+    /// Limits.
+    pub fn attr(&self) -> DeviceAttr {
+        SOFT_ATTR
+    }
+
+    /// The fabric.
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// The pollable fd that turns readable when an async event is queued.
+    pub fn async_fd(&self) -> RawFd {
+        self.async_fd.as_raw_fd()
+    }
+
+    /// The next async event, without blocking.
+    pub fn next_event(&self) -> Option<AsyncEvent> {
+        let mut s = self.fabric.lock();
+        let d = s.devs.get_mut(&self.id)?;
+        let e = d.events.pop_front();
+        if d.events.is_empty() {
+            d.async_fd.clear();
+        }
+        e
+    }
+
+    /// A protection domain.
+    pub fn alloc_pd(&self) -> Pd {
+        let id = self.fabric.lock().alloc_id();
+        Pd {
+            fabric: self.fabric.clone(),
+            dev: self.id,
+            id,
+        }
+    }
+
+    /// A completion queue of `cqe` entries, with its completion channel.
+    pub fn create_cq(&self, cqe: u32) -> Result<Cq, VerbsError> {
+        if cqe == 0 || cqe > SOFT_ATTR.max_cqe {
+            return Err(VerbsError::os("create_cq", libc::EINVAL));
+        }
+        let channel = Arc::new(
+            EventFd::new()
+                .map_err(|e| VerbsError::os("eventfd", e.raw_os_error().unwrap_or(libc::EIO)))?,
+        );
+        let mut s = self.fabric.lock();
+        let id = s.alloc_id();
+        s.cqs.insert(
+            id,
+            CqState {
+                dev: self.id,
+                cap: cqe as usize,
+                entries: VecDeque::new(),
+                overflowed: false,
+                channel: Arc::clone(&channel),
+            },
+        );
+        Ok(Cq {
+            fabric: self.fabric.clone(),
+            id,
+            channel,
+        })
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.fabric.lock().devs.remove(&self.id);
+    }
+}
+
+/// A protection domain.
+#[derive(Debug)]
+pub struct Pd {
+    fabric: Fabric,
+    dev: u32,
+    id: u32,
+}
+
+/// A registered memory region. [`Pd::alloc_mr`] makes one that owns its memory.
+#[derive(Debug)]
+pub struct Mr {
+    fabric: Fabric,
+    key: u32,
+    addr: u64,
+    len: usize,
+    /// Memory the region owns (boxed: its address never moves).
+    owned: Option<Box<[u8]>>,
+}
+
+impl Pd {
+    /// Registers `len` bytes at `addr` with `access`.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr+len` must stay mapped and writable until the returned `Mr` is dropped.
+    /// Peers read and write it at any time, as a NIC would by DMA: the owner must treat it as
+    /// shared memory (no references held across accesses it does not order).
+    pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: Access) -> Mr {
+        let mut s = self.fabric.lock();
+        let key = s.alloc_id();
+        s.mrs.insert(
+            key,
+            MrEntry {
+                dev: self.dev,
+                pd: self.id,
+                addr: addr as u64,
+                len: len as u64,
+                access,
+                valid: true,
+            },
+        );
+        Mr {
+            fabric: self.fabric.clone(),
+            key,
+            addr: addr as u64,
+            len,
+            owned: None,
+        }
+    }
+
+    /// Allocates `len` zeroed bytes and registers them.
+    pub fn alloc_mr(&self, len: usize, access: Access) -> Mr {
+        let mut mem = vec![0u8; len.max(1)].into_boxed_slice();
+        let ptr = mem.as_mut_ptr();
+        // SAFETY: the memory is owned by the returned Mr and freed only after deregistration.
+        let mut mr = unsafe { self.reg_mr(ptr, len, access) };
+        mr.owned = Some(mem);
+        mr
+    }
+
+    /// A shared receive queue of `max_wr` receives of up to `max_sge` SGEs each.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq, VerbsError> {
+        if max_wr == 0
+            || max_wr > SOFT_ATTR.max_srq_wr
+            || max_sge == 0
+            || max_sge > SOFT_ATTR.max_srq_sge
+        {
+            return Err(VerbsError::os("create_srq", libc::EINVAL));
+        }
+        let mut s = self.fabric.lock();
+        let id = s.alloc_id();
+        s.srqs.insert(
+            id,
+            SrqState {
+                dev: self.dev,
+                pd: self.id,
+                max_wr,
+                max_sge,
+                limit: 0,
+                recvs: VecDeque::new(),
+            },
+        );
+        Ok(Srq {
+            fabric: self.fabric.clone(),
+            id,
+        })
+    }
+
+    /// An RC queue pair on `send_cq`/`recv_cq`, taking its receives from `srq`.
+    pub fn create_qp(
+        &self,
+        send_cq: &Cq,
+        recv_cq: &Cq,
+        srq: &Srq,
+        caps: QpCaps,
+    ) -> Result<Qp, VerbsError> {
+        if self
+            .fabric
+            .lock()
+            .srqs
+            .get(&srq.id)
+            .is_none_or(|q| q.pd != self.id)
+        {
+            return Err(VerbsError::Invalid {
+                op: "create_qp",
+                why: "the SRQ belongs to another protection domain",
+            });
+        }
+        if caps.max_send_wr == 0
+            || caps.max_send_wr > SOFT_ATTR.max_qp_wr
+            || caps.max_send_sge > SOFT_ATTR.max_sge
+            || caps.max_inline_data > SOFT_ATTR.max_inline_data
+        {
+            return Err(VerbsError::os("create_qp", libc::EINVAL));
+        }
+        let mut s = self.fabric.lock();
+        let qpn = s.alloc_id();
+        s.qps.insert(
+            qpn,
+            QpState_ {
+                dev: self.dev,
+                pd: self.id,
+                state: QpState::Reset,
+                send_cq: send_cq.id,
+                recv_cq: recv_cq.id,
+                srq: Some(srq.id),
+                caps,
+                peer: None,
+                rnr_retry: 7,
+                unsignaled_run: 0,
+                deferred: 0,
+                inbound: VecDeque::new(),
+                last_wqe_sent: false,
+            },
+        );
+        Ok(Qp {
+            fabric: self.fabric.clone(),
+            qpn,
+        })
+    }
+}
+
+impl Mr {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.key
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.key
+    }
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// An SGE for `len` bytes at `offset`.
+    pub fn sge(&self, offset: usize, len: u32) -> Sge {
+        Sge {
+            addr: self.addr + offset as u64,
+            length: len,
+            lkey: self.key,
+        }
+    }
+    /// Copies bytes out of the region.
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        assert!(offset + out.len() <= self.len, "read past the region");
+        // SAFETY: in bounds (asserted) of memory kept mapped while registered; raw copy of
+        // shared memory.
+        unsafe {
+            std::ptr::copy(
+                (self.addr as *const u8).add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+    }
+    /// Copies bytes into the region.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.len, "write past the region");
+        // SAFETY: as in `read`.
+        unsafe {
+            std::ptr::copy(
+                data.as_ptr(),
+                (self.addr as *mut u8).add(offset),
+                data.len(),
+            )
+        };
+    }
+    /// Whether the key is still valid (a SEND with invalidate may have invalidated it).
+    pub fn is_valid(&self) -> bool {
+        self.fabric
+            .lock()
+            .mrs
+            .get(&self.key)
+            .is_some_and(|m| m.valid)
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        self.fabric.lock().mrs.remove(&self.key);
+    }
+}
+
+/// A completion queue.
+#[derive(Debug)]
+pub struct Cq {
+    fabric: Fabric,
+    id: u32,
+    channel: Arc<EventFd>,
+}
+
+impl Cq {
+    /// Polls up to `out.len()` completions; an overflowed CQ is an error.
+    pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
+        let mut s = self.fabric.lock();
+        let c = s
+            .cqs
+            .get_mut(&self.id)
+            .ok_or(VerbsError::os("poll_cq", libc::EINVAL))?;
+        if c.overflowed {
+            return Err(VerbsError::os("poll_cq", libc::EOVERFLOW));
+        }
+        let n = out.len().min(c.entries.len());
+        for (slot, wc) in out.iter_mut().zip(c.entries.drain(..n)) {
+            *slot = wc;
+        }
+        if c.entries.is_empty() {
+            c.channel.clear();
+        }
+        Ok(n)
+    }
+
+    /// The completion channel's fd: readable while completions wait.
+    pub fn channel_fd(&self) -> RawFd {
+        self.channel.as_raw_fd()
+    }
+
+    /// An ID, as async events name it.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        self.fabric.lock().cqs.remove(&self.id);
+    }
+}
+
+/// SRQ attributes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrqAttr {
+    /// Depth.
+    pub max_wr: u32,
+    /// SGEs per receive.
+    pub max_sge: u32,
+    /// Armed limit (0: not armed; reads 0 after the event until re-armed).
+    pub srq_limit: u32,
+}
+
+/// A shared receive queue.
+#[derive(Debug)]
+pub struct Srq {
+    fabric: Fabric,
+    id: u32,
+}
+
+impl Srq {
+    /// Posts receives; fails whole when one has too many SGEs or the SRQ would overflow.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        let mut s = self.fabric.lock();
+        let q = s
+            .srqs
+            .get_mut(&self.id)
+            .ok_or(VerbsError::os("post_srq_recv", libc::EINVAL))?;
+        if wrs.iter().any(|w| w.sges.len() > q.max_sge as usize) {
+            return Err(VerbsError::os("post_srq_recv", libc::EINVAL));
+        }
+        if q.recvs.len() + wrs.len() > q.max_wr as usize {
+            return Err(VerbsError::os("post_srq_recv", libc::ENOMEM));
+        }
+        for w in wrs {
+            q.recvs.push_back(PostedRecv {
+                wr_id: w.wr_id,
+                sges: w.sges.to_vec(),
+            });
+        }
+        s.drain_inbound(self.id);
+        Ok(())
+    }
+
+    /// Arms the limit: `SrqLimitReached` fires once when fewer than `limit` receives remain.
+    pub fn arm_limit(&self, limit: u32) -> Result<(), VerbsError> {
+        let mut s = self.fabric.lock();
+        let q = s
+            .srqs
+            .get_mut(&self.id)
+            .ok_or(VerbsError::os("modify_srq", libc::EINVAL))?;
+        if limit > q.max_wr {
+            return Err(VerbsError::os("modify_srq", libc::EINVAL));
+        }
+        q.limit = limit;
+        Ok(())
+    }
+
+    /// Attributes.
+    pub fn query(&self) -> Result<SrqAttr, VerbsError> {
+        let s = self.fabric.lock();
+        let q = s
+            .srqs
+            .get(&self.id)
+            .ok_or(VerbsError::os("query_srq", libc::EINVAL))?;
+        Ok(SrqAttr {
+            max_wr: q.max_wr,
+            max_sge: q.max_sge,
+            srq_limit: q.limit,
+        })
+    }
+
+    /// Receives posted and not yet consumed.
+    pub fn posted(&self) -> usize {
+        self.fabric
+            .lock()
+            .srqs
+            .get(&self.id)
+            .map_or(0, |q| q.recvs.len())
+    }
+
+    /// An ID, as async events name it.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for Srq {
+    fn drop(&mut self) {
+        self.fabric.lock().srqs.remove(&self.id);
+    }
+}
+
+/// An RC queue pair.
+#[derive(Debug)]
+pub struct Qp {
+    pub(crate) fabric: Fabric,
+    pub(crate) qpn: u32,
+}
+
+impl Qp {
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// State.
+    pub fn state(&self) -> QpState {
+        self.fabric
+            .lock()
+            .qps
+            .get(&self.qpn)
+            .map_or(QpState::Err, |q| q.state)
+    }
+
+    /// Sets how often a SEND meeting an empty receive queue is retried (7: forever).
+    pub fn set_rnr_retry(&self, n: u8) {
+        if let Some(q) = self.fabric.lock().qps.get_mut(&self.qpn) {
+            q.rnr_retry = n.min(7);
+        }
+    }
+
+    /// Moves the QP to ERR (flushing outstanding work, then LAST_WQE_REACHED).
+    pub fn to_error(&self) {
+        self.fabric.lock().qp_error(self.qpn);
+    }
+
+    /// Posts a chain of send work requests. The whole chain is checked first (state, SQ room
+    /// counting unsignaled work requests not yet retired, SGE count, inline size).
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        let mut s = self.fabric.lock();
+        let q = s
+            .qps
+            .get(&self.qpn)
+            .ok_or(VerbsError::os("post_send", libc::EINVAL))?;
+        let flush = match q.state {
+            QpState::Rts => false,
+            QpState::Err => true,
+            _ => return Err(VerbsError::os("post_send", libc::EINVAL)),
+        };
+        let used = q.unsignaled_run + q.deferred;
+        if used as usize + wrs.len() > q.caps.max_send_wr as usize {
+            return Err(VerbsError::os("post_send", libc::ENOMEM));
+        }
+        for w in wrs {
+            let len: u64 = w.sges.iter().map(|s| u64::from(s.length)).sum();
+            if w.sges.len() > q.caps.max_send_sge.max(1) as usize {
+                return Err(VerbsError::os("post_send", libc::EINVAL));
+            }
+            if w.inline
+                && (len > u64::from(q.caps.max_inline_data)
+                    || matches!(w.op, SendOp::RdmaRead { .. }))
+            {
+                return Err(VerbsError::os("post_send", libc::EINVAL));
+            }
+        }
+        for w in wrs {
+            let opcode = match w.op {
+                SendOp::Send | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
+                SendOp::RdmaWrite { .. } => WcOpcode::RdmaWrite,
+                SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
+            };
+            if flush || s.qps.get(&self.qpn).is_none_or(|q| q.state == QpState::Err) {
+                s.complete_send(self.qpn, w.wr_id, w.signaled, WcStatus::WrFlushErr, opcode);
+                continue;
+            }
+            execute(&mut s, self.qpn, w, opcode);
+        }
+        Ok(())
+    }
+}
+
+/// Runs one send WR on the in-process wire.
+fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
+    let (dev, pd, peer, rnr_retry) = {
+        let q = &s.qps[&qpn];
+        (q.dev, q.pd, q.peer, q.rnr_retry)
+    };
+    let fail = |s: &mut State, st: WcStatus| {
+        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
+        s.qp_error(qpn);
+    };
+    // The local side: gather (SEND/WRITE) needs readable regions, READ needs writable ones.
+    let local_ok = w.inline || {
+        let need = if matches!(w.op, SendOp::RdmaRead { .. }) {
+            Access::LOCAL_WRITE
+        } else {
+            Access(0)
+        };
+        s.check_local(dev, pd, w.sges, need).is_some()
+    };
+    if !local_ok {
+        return fail(s, WcStatus::LocProtErr);
+    }
+    let Some(peer) = peer.filter(|p| {
+        s.qps
+            .get(p)
+            .is_some_and(|q| matches!(q.state, QpState::Rtr | QpState::Rts))
+    }) else {
+        return fail(s, WcStatus::RetryExcErr);
+    };
+    let (pdev, ppd) = (s.qps[&peer].dev, s.qps[&peer].pd);
+    match w.op {
+        SendOp::RdmaWrite { remote_addr, rkey } => {
+            let data = gather(w.sges);
+            if !s.check_remote(
+                pdev,
+                ppd,
+                remote_addr,
+                data.len() as u64,
+                rkey,
+                Access::REMOTE_WRITE,
+            ) {
+                return fail(s, WcStatus::RemAccessErr);
+            }
+            scatter(
+                &[Sge {
+                    addr: remote_addr,
+                    length: u32::try_from(data.len()).unwrap_or(u32::MAX),
+                    lkey: 0,
+                }],
+                &data,
+            );
+            s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
+        }
+        SendOp::RdmaRead { remote_addr, rkey } => {
+            let len: u64 = w.sges.iter().map(|g| u64::from(g.length)).sum();
+            if !s.check_remote(pdev, ppd, remote_addr, len, rkey, Access::REMOTE_READ) {
+                return fail(s, WcStatus::RemAccessErr);
+            }
+            let data = gather(&[Sge {
+                addr: remote_addr,
+                length: u32::try_from(len).unwrap_or(u32::MAX),
+                lkey: 0,
+            }]);
+            scatter(w.sges, &data);
+            s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
+        }
+        SendOp::Send | SendOp::SendWithInvalidate { .. } => {
+            let invalidate = match w.op {
+                SendOp::SendWithInvalidate { rkey } => Some(rkey),
+                _ => None,
+            };
+            let m = Pending {
+                from_qpn: qpn,
+                wr_id: w.wr_id,
+                signaled: w.signaled,
+                data: gather(w.sges),
+                invalidate,
+            };
+            let waiting = s.qps.get(&peer).is_some_and(|q| !q.inbound.is_empty());
+            let r = if waiting { None } else { s.deliver(peer, &m) };
+            match r {
+                Some(Ok(())) => {
+                    s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode)
+                }
+                Some(Err(())) => fail(s, WcStatus::RemInvReqErr),
+                None if rnr_retry >= 7 => {
+                    // Receiver Not Ready, retried forever: the message waits for a receive.
+                    if let Some(q) = s.qps.get_mut(&qpn) {
+                        q.deferred += 1;
+                    }
+                    if let Some(p) = s.qps.get_mut(&peer) {
+                        p.inbound.push_back(m);
+                    }
+                }
+                None => fail(s, WcStatus::RnrRetryExcErr),
+            }
+        }
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let mut s = self.fabric.lock();
+        s.qp_error(self.qpn);
+        if let Some(p) = s.qps.get(&self.qpn).and_then(|q| q.peer) {
+            if let Some(pq) = s.qps.get_mut(&p) {
+                pq.peer = None;
+            }
+        }
+        s.qps.remove(&self.qpn);
+    }
+}
+
+/// Connects two QPs as RC peers and moves both to RTS (what the CM's accept does).
+pub(crate) fn link(s: &mut State, a: u32, b: u32) {
+    for (x, y) in [(a, b), (b, a)] {
+        if let Some(q) = s.qps.get_mut(&x) {
+            q.peer = Some(y);
+            q.state = QpState::Rts;
+            q.last_wqe_sent = false;
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! Provider-neutral verbs types: what the data path posts, polls and is told.
+
+use std::fmt;
+
+/// Memory region access rights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Access(pub u32);
+
+impl Access {
+    /// Local write (receives and RDMA READ land here).
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// Remote peers may RDMA WRITE into the region.
+    pub const REMOTE_WRITE: Access = Access(1 << 1);
+    /// Remote peers may RDMA READ from the region.
+    pub const REMOTE_READ: Access = Access(1 << 2);
+
+    /// Whether every right of `other` is granted.
+    pub fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, o: Access) -> Access {
+        Access(self.0 | o.0)
+    }
+}
+
+/// A scatter/gather element: `length` bytes at `addr` in the region of `lkey`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sge {
+    /// Address.
+    pub addr: u64,
+    /// Length.
+    pub length: u32,
+    /// Local key of the region.
+    pub lkey: u32,
+}
+
+/// What a send work request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOp {
+    /// SEND into the peer's next receive.
+    Send,
+    /// SEND, and invalidate `rkey` at the peer.
+    SendWithInvalidate {
+        /// The remote key to invalidate.
+        rkey: u32,
+    },
+    /// RDMA WRITE to `remote_addr` with `rkey`.
+    RdmaWrite {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+    },
+    /// RDMA READ from `remote_addr` with `rkey`.
+    RdmaRead {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+    },
+}
+
+/// A send work request. Chains are slices of these, posted with one call.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: SendOp,
+    /// Local data (gathered for SEND/WRITE, scattered for READ).
+    pub sges: &'a [Sge],
+    /// Generate a completion.
+    pub signaled: bool,
+    /// Copy the data into the work request at post time (SEND/WRITE only; up to the QP's
+    /// `max_inline_data`); the SGEs' keys are not used.
+    pub inline: bool,
+}
+
+/// A receive work request.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Where the incoming message is scattered, in order.
+    pub sges: &'a [Sge],
+}
+
+/// Completion status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WcStatus {
+    /// Success.
+    Success,
+    /// Local length error (the message did not fit the receive).
+    LocLenErr,
+    /// Local QP operation error.
+    LocQpOpErr,
+    /// Local protection error (bad lkey or range).
+    LocProtErr,
+    /// Flushed: the QP is in the error state.
+    WrFlushErr,
+    /// Remote invalid request.
+    RemInvReqErr,
+    /// Remote access error (bad rkey, range or rights).
+    RemAccessErr,
+    /// Remote operation error.
+    RemOpErr,
+    /// Transport retry counter exceeded (the peer is gone).
+    RetryExcErr,
+    /// RNR retry counter exceeded (the peer had no receive).
+    RnrRetryExcErr,
+    /// Anything else.
+    GeneralErr,
+}
+
+/// What completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WcOpcode {
+    /// A SEND (or SEND with invalidate).
+    Send,
+    /// An RDMA WRITE.
+    RdmaWrite,
+    /// An RDMA READ.
+    RdmaRead,
+    /// A receive.
+    Recv,
+}
+
+/// A work completion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wc {
+    /// The work request's ID.
+    pub wr_id: u64,
+    /// Status.
+    pub status: WcStatus,
+    /// What completed (valid on success; receives always say `Recv`).
+    pub opcode: WcOpcode,
+    /// Bytes received (receives).
+    pub byte_len: u32,
+    /// The local QP it belongs to.
+    pub qp_num: u32,
+    /// The remote key the peer invalidated with its SEND, if it did.
+    pub invalidated_rkey: Option<u32>,
+}
+
+impl Default for Wc {
+    fn default() -> Wc {
+        Wc {
+            wr_id: 0,
+            status: WcStatus::GeneralErr,
+            opcode: WcOpcode::Recv,
+            byte_len: 0,
+            qp_num: 0,
+            invalidated_rkey: None,
+        }
+    }
+}
+
+/// Queue pair states (RC).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpState {
+    /// Reset.
+    Reset,
+    /// Initialized.
+    Init,
+    /// Ready to receive.
+    Rtr,
+    /// Ready to send.
+    Rts,
+    /// Error: work requests are flushed.
+    Err,
+}
+
+/// Asynchronous events, with the object they concern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AsyncEvent {
+    /// A QP hit an error it cannot recover from.
+    QpFatal(u32),
+    /// Invalid request on a QP.
+    QpReqErr(u32),
+    /// Access violation on a QP.
+    QpAccessErr(u32),
+    /// An SRQ-attached QP in error will take no more receives from its SRQ.
+    QpLastWqeReached(u32),
+    /// The SRQ fell below its armed limit (fires once per arming).
+    SrqLimitReached(u32),
+    /// The SRQ is broken.
+    SrqErr(u32),
+    /// A CQ overflowed or failed.
+    CqErr(u32),
+    /// The port came up.
+    PortActive(u8),
+    /// The port went down.
+    PortErr(u8),
+    /// The device failed.
+    DeviceFatal,
+}
+
+/// Why a verbs call failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VerbsError {
+    /// the call failed with an errno
+    #[error("{op}: {}", std::io::Error::from_raw_os_error(*errno))]
+    Os {
+        /// The call.
+        op: &'static str,
+        /// errno.
+        errno: i32,
+    },
+    /// the call is not valid now
+    #[error("{op}: {why}")]
+    Invalid {
+        /// The call.
+        op: &'static str,
+        /// Why.
+        why: &'static str,
+    },
+}
+
+impl VerbsError {
+    /// The errno, where there is one.
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            VerbsError::Os { errno, .. } => Some(*errno),
+            VerbsError::Invalid { .. } => None,
+        }
+    }
+    pub(crate) fn os(op: &'static str, errno: i32) -> VerbsError {
+        VerbsError::Os { op, errno }
+    }
+}
+
+/// QP creation parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct QpCaps {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// SGEs per send WR.
+    pub max_send_sge: u32,
+    /// Receive queue depth (ignored with an SRQ).
+    pub max_recv_wr: u32,
+    /// Largest inline send.
+    pub max_inline_data: u32,
+}
+
+impl fmt::Display for QpState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
