@@ -18,6 +18,8 @@ mkdir -p target/tmp && rm -f target/tmp/skipped-tests.txt
 cargo test --workspace --locked 2>&1 | tee target/test-output.txt
 step "systemd unit"
 scripts/verify-unit.sh target/debug
+step "real verbs: the ibverbs provider on rxe0 in the VM lab (../shared/lab)"
+scripts/lab-rdma.sh
 passed=$(grep -Eo '[0-9]+ passed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 skipped=0

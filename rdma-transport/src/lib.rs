@@ -9,3 +9,5 @@ pub mod soft;
 pub mod types;
 
 pub use types::*;
+#[cfg(feature = "ibverbs")]
+pub mod ibverbs;

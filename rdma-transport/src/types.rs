@@ -27,8 +27,10 @@ impl std::ops::BitOr for Access {
     }
 }
 
-/// A scatter/gather element: `length` bytes at `addr` in the region of `lkey`.
+/// A scatter/gather element: `length` bytes at `addr` in the region of `lkey`. Laid out as
+/// `struct ibv_sge`, so the ibverbs provider hands arrays of it to the NIC as they are.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
 pub struct Sge {
     /// Address.
     pub addr: u64,

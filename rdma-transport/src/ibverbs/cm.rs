@@ -1,0 +1,473 @@
+//! rdma_cm: event channel, listen, resolve and connect with private data, accept or reject
+//! with private data, disconnect, typed events. The QP of a connection is created on its CM
+//! ID (`rdma_create_qp`) and destroyed with it.
+
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rdma_sys::*;
+
+use super::{check, errno, post_send, Cq, Device, Pd, Srq};
+use crate::types::*;
+
+/// A connection manager event.
+#[derive(Debug)]
+pub enum CmEvent {
+    /// A peer asks to connect.
+    ConnectRequest {
+        /// The new connection.
+        id: CmId,
+        /// The peer's private data.
+        private_data: Vec<u8>,
+        /// RDMA READs the peer allows us to have outstanding.
+        initiator_depth: u8,
+        /// RDMA READs the peer wants to have outstanding at us.
+        responder_resources: u8,
+    },
+    /// Established.
+    Established {
+        /// Which connection (its token).
+        id: usize,
+        /// The acceptor's private data.
+        private_data: Vec<u8>,
+    },
+    /// Rejected by the peer (with its private data) or unreachable.
+    Rejected {
+        /// Which connection.
+        id: usize,
+        /// The peer's private data.
+        private_data: Vec<u8>,
+    },
+    /// The connection went down.
+    Disconnected {
+        /// Which connection.
+        id: usize,
+    },
+    /// Time-wait over.
+    TimewaitExit {
+        /// Which connection.
+        id: usize,
+    },
+    /// The device went away.
+    DeviceRemoval {
+        /// Which connection.
+        id: usize,
+    },
+    /// Address or route resolution or the connection failed.
+    Unreachable {
+        /// Which connection.
+        id: usize,
+    },
+}
+
+static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
+
+fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, usize) {
+    // SAFETY: sockaddr_storage is plain data.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::sa_family_t::try_from(libc::AF_INET).unwrap_or(2),
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_in fits in sockaddr_storage.
+            unsafe { ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::sa_family_t::try_from(libc::AF_INET6).unwrap_or(10),
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_in6 fits in sockaddr_storage.
+            unsafe { ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len)
+}
+
+/// An event channel.
+pub struct CmChannel {
+    ch: NonNull<rdma_event_channel>,
+}
+
+// SAFETY: the channel is used from the control thread that owns it; the handle may move.
+unsafe impl Send for CmChannel {}
+
+impl std::fmt::Debug for CmChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ibverbs::CmChannel")
+    }
+}
+
+/// A CM ID: a listener or a connection, with the QP created on it.
+pub struct CmId {
+    id: NonNull<rdma_cm_id>,
+    token: usize,
+    has_qp: bool,
+}
+
+// SAFETY: as for the channel.
+unsafe impl Send for CmId {}
+
+impl std::fmt::Debug for CmId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ibverbs::CmId")
+            .field("token", &self.token)
+            .finish()
+    }
+}
+
+impl CmChannel {
+    /// A new, non-blocking event channel.
+    pub fn new() -> Result<CmChannel, VerbsError> {
+        // SAFETY: no preconditions.
+        let ch = NonNull::new(unsafe { rdma_create_event_channel() })
+            .ok_or_else(|| VerbsError::os("rdma_create_event_channel", errno()))?;
+        let c = CmChannel { ch };
+        let fd = c.fd();
+        // SAFETY: fcntl on the channel's own fd.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) };
+        check("fcntl", rc.min(0))?;
+        Ok(c)
+    }
+
+    /// The channel's fd (poll it with mio).
+    pub fn fd(&self) -> RawFd {
+        // SAFETY: live channel.
+        unsafe { (*self.ch.as_ptr()).fd }
+    }
+
+    fn create_id(&self) -> Result<CmId, VerbsError> {
+        let mut id = ptr::null_mut();
+        let token = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: live channel; the context is an opaque token, never dereferenced.
+        check("rdma_create_id", unsafe {
+            rdma_create_id(
+                self.ch.as_ptr(),
+                &mut id,
+                token as *mut _,
+                rdma_port_space::RDMA_PS_TCP,
+            )
+        })?;
+        let id = NonNull::new(id).ok_or_else(|| VerbsError::os("rdma_create_id", libc::ENOMEM))?;
+        Ok(CmId {
+            id,
+            token,
+            has_qp: false,
+        })
+    }
+
+    /// Listens on `addr` (an RDMA device's address).
+    pub fn listen(&self, addr: SocketAddr, backlog: i32) -> Result<CmId, VerbsError> {
+        let id = self.create_id()?;
+        let (mut ss, _) = sockaddr(addr);
+        // SAFETY: live ID, a valid sockaddr.
+        check("rdma_bind_addr", unsafe {
+            rdma_bind_addr(
+                id.id.as_ptr(),
+                (&mut ss as *mut libc::sockaddr_storage).cast(),
+            )
+        })?;
+        // SAFETY: live, bound ID.
+        check("rdma_listen", unsafe {
+            rdma_listen(id.id.as_ptr(), backlog)
+        })?;
+        Ok(id)
+    }
+
+    /// Resolves `addr` and a route to it (waiting up to `timeout`), on a private channel so
+    /// that other connections' events are not consumed, then moves the ID to this channel.
+    pub fn resolve(&self, addr: SocketAddr, timeout: Duration) -> Result<CmId, VerbsError> {
+        let private = CmChannel::new()?;
+        let id = private.create_id()?;
+        let (mut ss, _) = sockaddr(addr);
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: live ID, valid destination address.
+        check("rdma_resolve_addr", unsafe {
+            rdma_resolve_addr(
+                id.id.as_ptr(),
+                ptr::null_mut(),
+                (&mut ss as *mut libc::sockaddr_storage).cast(),
+                ms,
+            )
+        })?;
+        private.wait_for(rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, timeout)?;
+        // SAFETY: live ID with a resolved address.
+        check("rdma_resolve_route", unsafe {
+            rdma_resolve_route(id.id.as_ptr(), ms)
+        })?;
+        private.wait_for(rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)?;
+        // SAFETY: live ID and channels.
+        check("rdma_migrate_id", unsafe {
+            rdma_migrate_id(id.id.as_ptr(), self.ch.as_ptr())
+        })?;
+        Ok(id)
+    }
+
+    fn wait_for(&self, want: u32, timeout: Duration) -> Result<(), VerbsError> {
+        let end = Instant::now() + timeout;
+        loop {
+            let mut ev = ptr::null_mut();
+            // SAFETY: live channel (non-blocking).
+            if unsafe { rdma_get_cm_event(self.ch.as_ptr(), &mut ev) } == 0 {
+                // SAFETY: a valid event until acked.
+                let (kind, status) = unsafe { ((*ev).event, (*ev).status) };
+                // SAFETY: acked once.
+                unsafe { rdma_ack_cm_event(ev) };
+                if kind == want {
+                    return Ok(());
+                }
+                return Err(VerbsError::os(
+                    "rdma_resolve",
+                    if status < 0 {
+                        -status
+                    } else {
+                        libc::EHOSTUNREACH
+                    },
+                ));
+            }
+            if Instant::now() >= end {
+                return Err(VerbsError::os("rdma_resolve", libc::ETIMEDOUT));
+            }
+            let mut p = libc::pollfd {
+                fd: self.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, 10) };
+        }
+    }
+
+    /// The next event, without blocking.
+    pub fn next_event(&self) -> Option<CmEvent> {
+        let mut ev = ptr::null_mut();
+        // SAFETY: live, non-blocking channel.
+        if unsafe { rdma_get_cm_event(self.ch.as_ptr(), &mut ev) } != 0 {
+            return None;
+        }
+        // SAFETY: a valid event until acked; its id lives at least as long.
+        let (kind, id, pd) = unsafe {
+            let e = &*ev;
+            let pd = if e.param.conn.private_data.is_null() {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(
+                    e.param.conn.private_data.cast::<u8>(),
+                    usize::from(e.param.conn.private_data_len),
+                )
+                .to_vec()
+            };
+            (e.event, e.id, pd)
+        };
+        // SAFETY: reading the token we stored as the ID's context.
+        let token = |id: *mut rdma_cm_id| unsafe { (*id).context as usize };
+        let out = match kind {
+            rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST => {
+                let t = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: the new ID is ours from this event on; store its token; read the
+                // peer's RDMA READ depths.
+                let (ir, rr) = unsafe {
+                    (*id).context = t as *mut _;
+                    (
+                        (*ev).param.conn.initiator_depth,
+                        (*ev).param.conn.responder_resources,
+                    )
+                };
+                NonNull::new(id).map(|id| CmEvent::ConnectRequest {
+                    id: CmId {
+                        id,
+                        token: t,
+                        has_qp: false,
+                    },
+                    private_data: pd,
+                    initiator_depth: ir,
+                    responder_resources: rr,
+                })
+            }
+            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED => Some(CmEvent::Established {
+                id: token(id),
+                private_data: pd,
+            }),
+            rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => Some(CmEvent::Rejected {
+                id: token(id),
+                private_data: pd,
+            }),
+            rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED => {
+                Some(CmEvent::Disconnected { id: token(id) })
+            }
+            rdma_cm_event_type::RDMA_CM_EVENT_TIMEWAIT_EXIT => {
+                Some(CmEvent::TimewaitExit { id: token(id) })
+            }
+            rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL => {
+                Some(CmEvent::DeviceRemoval { id: token(id) })
+            }
+            rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE
+            | rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR
+            | rdma_cm_event_type::RDMA_CM_EVENT_ADDR_ERROR
+            | rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_ERROR => {
+                Some(CmEvent::Unreachable { id: token(id) })
+            }
+            _ => None,
+        };
+        // SAFETY: acked once, after its data was copied.
+        unsafe { rdma_ack_cm_event(ev) };
+        out.or_else(|| self.next_event())
+    }
+}
+
+impl Drop for CmChannel {
+    fn drop(&mut self) {
+        // SAFETY: IDs on the channel are destroyed by their owners first.
+        unsafe { rdma_destroy_event_channel(self.ch.as_ptr()) };
+    }
+}
+
+impl CmId {
+    /// The token events name this connection by.
+    pub fn token(&self) -> usize {
+        self.token
+    }
+
+    /// The device the ID is bound to (after bind, resolve or a connect request).
+    pub fn device(&self) -> Result<Device, VerbsError> {
+        // SAFETY: live ID.
+        Device::borrowed(unsafe { (*self.id.as_ptr()).verbs })
+    }
+
+    /// Creates the connection's RC QP on `cq`, taking receives from `srq`.
+    pub fn create_qp(
+        &mut self,
+        pd: &Pd,
+        cq: &Cq,
+        srq: &Srq,
+        caps: QpCaps,
+    ) -> Result<u32, VerbsError> {
+        // SAFETY: plain data.
+        let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        a.send_cq = cq.cq.as_ptr();
+        a.recv_cq = cq.cq.as_ptr();
+        a.srq = srq.srq.as_ptr();
+        a.cap.max_send_wr = caps.max_send_wr;
+        a.cap.max_send_sge = caps.max_send_sge;
+        a.cap.max_inline_data = caps.max_inline_data;
+        a.qp_type = ibv_qp_type::IBV_QPT_RC;
+        // SAFETY: live ID, PD, CQ and SRQ of the ID's device.
+        check("rdma_create_qp", unsafe {
+            rdma_create_qp(self.id.as_ptr(), pd.inner.pd.as_ptr(), &mut a)
+        })?;
+        self.has_qp = true;
+        self.qpn()
+            .ok_or(VerbsError::os("rdma_create_qp", libc::EIO))
+    }
+
+    fn qp(&self) -> Option<*mut ibv_qp> {
+        // SAFETY: live ID.
+        let qp = unsafe { (*self.id.as_ptr()).qp };
+        (!qp.is_null()).then_some(qp)
+    }
+
+    /// The QP number.
+    pub fn qpn(&self) -> Option<u32> {
+        // SAFETY: a live QP.
+        self.qp().map(|q| unsafe { (*q).qp_num })
+    }
+
+    fn conn_param(private_data: &[u8]) -> rdma_conn_param {
+        // SAFETY: plain data.
+        let mut p: rdma_conn_param = unsafe { std::mem::zeroed() };
+        p.private_data = private_data.as_ptr().cast();
+        p.private_data_len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);
+        p.responder_resources = 16;
+        p.initiator_depth = 16;
+        p.retry_count = 7;
+        p.rnr_retry_count = 7; // retry forever when the peer's SRQ is empty
+        p
+    }
+
+    /// Connects (after `resolve` and `create_qp`); the answer comes as an event.
+    pub fn connect(&self, private_data: &[u8]) -> Result<(), VerbsError> {
+        let mut p = Self::conn_param(private_data);
+        // SAFETY: live ID with a QP; the private data outlives the call (it is copied).
+        check("rdma_connect", unsafe {
+            rdma_connect(self.id.as_ptr(), &mut p)
+        })
+    }
+
+    /// Accepts a connect request (after `create_qp`).
+    pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
+        let mut p = Self::conn_param(private_data);
+        // SAFETY: as for connect.
+        check("rdma_accept", unsafe {
+            rdma_accept(self.id.as_ptr(), &mut p)
+        })
+    }
+
+    /// Rejects a connect request.
+    pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
+        let len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);
+        // SAFETY: live ID; the data is copied.
+        check("rdma_reject", unsafe {
+            rdma_reject(self.id.as_ptr(), private_data.as_ptr().cast(), len)
+        })
+    }
+
+    /// Disconnects (the QP goes to ERR; both sides get DISCONNECTED).
+    pub fn disconnect(&self) -> Result<(), VerbsError> {
+        // SAFETY: live ID.
+        check("rdma_disconnect", unsafe {
+            rdma_disconnect(self.id.as_ptr())
+        })
+    }
+
+    /// Posts a chain of send work requests on the connection's QP.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        let qp = self.qp().ok_or(VerbsError::Invalid {
+            op: "post_send",
+            why: "no QP",
+        })?;
+        post_send(qp, wrs)
+    }
+
+    /// Moves the QP to ERR.
+    pub fn to_error(&self) -> Result<(), VerbsError> {
+        let qp = self.qp().ok_or(VerbsError::Invalid {
+            op: "modify_qp",
+            why: "no QP",
+        })?;
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        // SAFETY: live QP; IBV_QP_STATE = 1.
+        check("modify_qp", unsafe { ibv_modify_qp(qp, &mut a, 1) })
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        // SAFETY: the QP (if any) then the ID, once each.
+        unsafe {
+            if self.has_qp {
+                rdma_destroy_qp(self.id.as_ptr());
+            }
+            rdma_destroy_id(self.id.as_ptr());
+        }
+    }
+}

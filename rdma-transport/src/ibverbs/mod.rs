@@ -1,0 +1,712 @@
+//! The `ibverbs` provider: rdma-core's libibverbs and librdmacm through rdma-sys, behind the
+//! same API as the soft provider.
+//!
+//! Every handle is owned by a type that destroys it (in dependency order: the borrow and
+//! `Arc` structure keeps a PD alive while its MRs, SRQs and QPs live). errno becomes
+//! [`VerbsError`]. The provider operations that rdma-sys's inline wrappers call through
+//! `Option::unwrap` (post_send, post_recv, post_srq_recv, poll_cq, req_notify_cq) are checked
+//! once when a device is opened. The hot path (post, poll) builds work requests on the stack:
+//! no allocation, no lock.
+
+pub mod cm;
+
+use std::ffi::CStr;
+use std::os::fd::RawFd;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+use crate::types::*;
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+/// Turns a C return code (0 or -1/errno) into a result.
+fn check(op: &'static str, rc: i32) -> Result<(), VerbsError> {
+    match rc {
+        0 => Ok(()),
+        rc if rc > 0 => Err(VerbsError::os(op, rc)),
+        _ => Err(VerbsError::os(op, errno())),
+    }
+}
+
+/// Device limits, from `ibv_query_device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceAttr {
+    /// Largest QP depth.
+    pub max_qp_wr: u32,
+    /// Largest SRQ depth.
+    pub max_srq_wr: u32,
+    /// SGEs per WR.
+    pub max_sge: u32,
+    /// SGEs per SRQ receive.
+    pub max_srq_sge: u32,
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// RDMA READs outstanding as responder.
+    pub max_qp_rd_atom: u32,
+    /// RDMA READs outstanding as initiator.
+    pub max_qp_init_rd_atom: u32,
+}
+
+/// The names of the RDMA devices present.
+pub fn device_names() -> Vec<String> {
+    let mut n = 0i32;
+    // SAFETY: ibv_get_device_list writes the count and returns a list freed below.
+    let list = unsafe { ibv_get_device_list(&mut n) };
+    let mut out = Vec::new();
+    if list.is_null() {
+        return out;
+    }
+    for i in 0..usize::try_from(n).unwrap_or(0) {
+        // SAFETY: i < n entries of the list; each device has a NUL-terminated name.
+        let name = unsafe { CStr::from_ptr(ibv_get_device_name(*list.add(i))) };
+        out.push(name.to_string_lossy().into_owned());
+    }
+    // SAFETY: the list came from ibv_get_device_list and is not used after.
+    unsafe { ibv_free_device_list(list) };
+    out
+}
+
+pub(crate) struct Ctx {
+    pub(crate) ctx: NonNull<ibv_context>,
+    /// Owned (closed on drop) when opened by name; borrowed from an rdma_cm ID otherwise.
+    owned: bool,
+}
+
+// SAFETY: an ibv_context is thread-safe (libibverbs locks internally where it must).
+unsafe impl Send for Ctx {}
+// SAFETY: as above.
+unsafe impl Sync for Ctx {}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: opened by ibv_open_device; every child object holds an Arc<Ctx>, so none
+            // is alive now.
+            unsafe { ibv_close_device(self.ctx.as_ptr()) };
+        }
+    }
+}
+
+/// An open device.
+#[derive(Clone)]
+pub struct Device {
+    pub(crate) ctx: Arc<Ctx>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ibverbs::Device")
+    }
+}
+
+/// Checks the provider operations rdma-sys's inline wrappers unwrap.
+fn check_ops(ctx: *mut ibv_context) -> Result<(), VerbsError> {
+    // SAFETY: ctx is a live context; reading its ops table.
+    let ops = unsafe { &(*ctx).ops };
+    let missing = [
+        ("post_send", ops.post_send.is_none()),
+        ("post_recv", ops.post_recv.is_none()),
+        ("post_srq_recv", ops.post_srq_recv.is_none()),
+        ("poll_cq", ops.poll_cq.is_none()),
+        ("req_notify_cq", ops.req_notify_cq.is_none()),
+    ];
+    match missing.iter().find(|(_, m)| *m) {
+        Some((name, _)) => Err(VerbsError::Invalid {
+            op: "open_device",
+            why: provider_missing(name),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn provider_missing(name: &str) -> &'static str {
+    match name {
+        "post_send" => "the provider has no post_send",
+        "post_recv" => "the provider has no post_recv",
+        "post_srq_recv" => "the provider has no post_srq_recv (no SRQ support)",
+        "poll_cq" => "the provider has no poll_cq",
+        _ => "the provider has no req_notify_cq",
+    }
+}
+
+impl Device {
+    /// Opens the device named `name`, or the first one.
+    pub fn open(name: Option<&str>) -> Result<Device, VerbsError> {
+        let mut n = 0i32;
+        // SAFETY: as in device_names.
+        let list = unsafe { ibv_get_device_list(&mut n) };
+        if list.is_null() || n == 0 {
+            return Err(VerbsError::Invalid {
+                op: "open_device",
+                why: "no RDMA device",
+            });
+        }
+        let mut chosen = ptr::null_mut();
+        for i in 0..usize::try_from(n).unwrap_or(0) {
+            // SAFETY: i < n.
+            let d = unsafe { *list.add(i) };
+            // SAFETY: device names are NUL-terminated.
+            let dn = unsafe { CStr::from_ptr(ibv_get_device_name(d)) };
+            if name.is_none_or(|w| dn.to_bytes() == w.as_bytes()) {
+                chosen = d;
+                break;
+            }
+        }
+        let ctx = if chosen.is_null() {
+            ptr::null_mut()
+        } else {
+            // SAFETY: a device of the live list.
+            unsafe { ibv_open_device(chosen) }
+        };
+        // SAFETY: the list is not used after this.
+        unsafe { ibv_free_device_list(list) };
+        let ctx = NonNull::new(ctx).ok_or(VerbsError::Invalid {
+            op: "open_device",
+            why: "no such device, or it cannot be opened",
+        })?;
+        let dev = Device {
+            ctx: Arc::new(Ctx { ctx, owned: true }),
+        };
+        check_ops(ctx.as_ptr())?;
+        dev.set_async_nonblocking()?;
+        Ok(dev)
+    }
+
+    /// A device for the context of an rdma_cm ID (not closed by this handle).
+    pub(crate) fn borrowed(ctx: *mut ibv_context) -> Result<Device, VerbsError> {
+        let ctx = NonNull::new(ctx).ok_or(VerbsError::Invalid {
+            op: "cm_device",
+            why: "the CM ID has no device yet",
+        })?;
+        check_ops(ctx.as_ptr())?;
+        let d = Device {
+            ctx: Arc::new(Ctx { ctx, owned: false }),
+        };
+        d.set_async_nonblocking()?;
+        Ok(d)
+    }
+
+    fn set_async_nonblocking(&self) -> Result<(), VerbsError> {
+        let fd = self.async_fd();
+        // SAFETY: fcntl on the context's own async fd.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) };
+        check("fcntl", rc.min(0))
+    }
+
+    /// Limits.
+    pub fn attr(&self) -> Result<DeviceAttr, VerbsError> {
+        // SAFETY: ibv_device_attr is plain data; zero is a valid value to be overwritten.
+        let mut a: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        check("query_device", unsafe {
+            ibv_query_device(self.ctx.ctx.as_ptr(), &mut a)
+        })?;
+        let u = |v: i32| u32::try_from(v).unwrap_or(0);
+        Ok(DeviceAttr {
+            max_qp_wr: u(a.max_qp_wr),
+            max_srq_wr: u(a.max_srq_wr),
+            max_sge: u(a.max_sge),
+            max_srq_sge: u(a.max_srq_sge),
+            max_cqe: u(a.max_cqe),
+            max_qp_rd_atom: u(a.max_qp_rd_atom),
+            max_qp_init_rd_atom: u(a.max_qp_init_rd_atom),
+        })
+    }
+
+    /// The async event fd (non-blocking; poll it with mio).
+    pub fn async_fd(&self) -> RawFd {
+        // SAFETY: reading a field of the live context.
+        unsafe { (*self.ctx.ctx.as_ptr()).async_fd }
+    }
+
+    /// The next async event, without blocking.
+    pub fn next_event(&self) -> Option<AsyncEvent> {
+        // SAFETY: zeroed is a valid initial value for this plain struct.
+        let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+        // SAFETY: live context; the fd is non-blocking, so this returns at once.
+        if unsafe { ibv_get_async_event(self.ctx.ctx.as_ptr(), &mut ev) } != 0 {
+            return None;
+        }
+        // The event type is read as an integer: a value this build does not know must not be
+        // turned into a Rust enum.
+        // SAFETY: the field is a C enum, 4 bytes.
+        let kind = unsafe { ptr::read((&ev.event_type as *const ibv_event_type).cast::<u32>()) };
+        // SAFETY: the union member matching the kind is read below; all are pointers or int.
+        let el = &ev.element;
+        // SAFETY: each arm reads the member the event type says is valid.
+        let e = unsafe {
+            match kind {
+                1 => Some(AsyncEvent::QpFatal((*el.qp).qp_num)),
+                2 => Some(AsyncEvent::QpReqErr((*el.qp).qp_num)),
+                3 => Some(AsyncEvent::QpAccessErr((*el.qp).qp_num)),
+                0 => Some(AsyncEvent::CqErr(0)),
+                16 => Some(AsyncEvent::QpLastWqeReached((*el.qp).qp_num)),
+                15 => Some(AsyncEvent::SrqLimitReached((*el.srq).handle)),
+                14 => Some(AsyncEvent::SrqErr((*el.srq).handle)),
+                9 => Some(AsyncEvent::PortActive(
+                    u8::try_from(el.port_num).unwrap_or(0),
+                )),
+                10 => Some(AsyncEvent::PortErr(u8::try_from(el.port_num).unwrap_or(0))),
+                8 => Some(AsyncEvent::DeviceFatal),
+                _ => None,
+            }
+        };
+        // SAFETY: every event got is acked once.
+        unsafe { ibv_ack_async_event(&mut ev) };
+        e.or_else(|| self.next_event())
+    }
+
+    /// A protection domain.
+    pub fn alloc_pd(&self) -> Result<Pd, VerbsError> {
+        // SAFETY: live context.
+        let pd = NonNull::new(unsafe { ibv_alloc_pd(self.ctx.ctx.as_ptr()) })
+            .ok_or_else(|| VerbsError::os("alloc_pd", errno()))?;
+        Ok(Pd {
+            inner: Arc::new(PdInner {
+                pd,
+                _ctx: Arc::clone(&self.ctx),
+            }),
+        })
+    }
+
+    /// A CQ of `cqe` entries with its own completion channel.
+    pub fn create_cq(&self, cqe: u32) -> Result<Cq, VerbsError> {
+        // SAFETY: live context.
+        let ch = NonNull::new(unsafe { ibv_create_comp_channel(self.ctx.ctx.as_ptr()) })
+            .ok_or_else(|| VerbsError::os("create_comp_channel", errno()))?;
+        let n = i32::try_from(cqe).map_err(|_| VerbsError::os("create_cq", libc::EINVAL))?;
+        // SAFETY: live context and channel.
+        let cq =
+            unsafe { ibv_create_cq(self.ctx.ctx.as_ptr(), n, ptr::null_mut(), ch.as_ptr(), 0) };
+        let Some(cq) = NonNull::new(cq) else {
+            let e = errno();
+            // SAFETY: the channel has no CQ.
+            unsafe { ibv_destroy_comp_channel(ch.as_ptr()) };
+            return Err(VerbsError::os("create_cq", e));
+        };
+        Ok(Cq {
+            cq,
+            channel: ch,
+            _ctx: Arc::clone(&self.ctx),
+        })
+    }
+}
+
+pub(crate) struct PdInner {
+    pub(crate) pd: NonNull<ibv_pd>,
+    _ctx: Arc<Ctx>,
+}
+
+// SAFETY: verbs objects may be used from any thread.
+unsafe impl Send for PdInner {}
+// SAFETY: as above.
+unsafe impl Sync for PdInner {}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        // SAFETY: every MR, SRQ and QP holds an Arc<PdInner>: none is alive.
+        unsafe { ibv_dealloc_pd(self.pd.as_ptr()) };
+    }
+}
+
+/// A protection domain.
+#[derive(Clone)]
+pub struct Pd {
+    pub(crate) inner: Arc<PdInner>,
+}
+
+impl std::fmt::Debug for Pd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ibverbs::Pd")
+    }
+}
+
+/// A registered memory region.
+pub struct Mr {
+    mr: NonNull<ibv_mr>,
+    owned: Option<Box<[u8]>>,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: an MR handle may move between threads.
+unsafe impl Send for Mr {}
+// SAFETY: only its keys and address are read through &self.
+unsafe impl Sync for Mr {}
+
+impl std::fmt::Debug for Mr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ibverbs::Mr")
+            .field("lkey", &self.lkey())
+            .finish()
+    }
+}
+
+impl Pd {
+    /// Registers `len` bytes at `addr`.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay mapped until the `Mr` is dropped; the NIC reads and writes it at
+    /// any time (shared memory: no references held across accesses it does not order).
+    pub unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Mr, VerbsError> {
+        let flags = i32::try_from(access.0).unwrap_or(0);
+        // SAFETY: the caller keeps the memory mapped; the PD is live.
+        let mr = unsafe { ibv_reg_mr(self.inner.pd.as_ptr(), addr.cast(), len, flags) };
+        let mr = NonNull::new(mr).ok_or_else(|| VerbsError::os("reg_mr", errno()))?;
+        Ok(Mr {
+            mr,
+            owned: None,
+            _pd: Arc::clone(&self.inner),
+        })
+    }
+
+    /// Allocates `len` zeroed bytes and registers them.
+    pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
+        let mut mem = vec![0u8; len.max(1)].into_boxed_slice();
+        // SAFETY: the memory is owned by the returned Mr, freed after deregistration.
+        let mut mr = unsafe { self.reg_mr(mem.as_mut_ptr(), len, access)? };
+        mr.owned = Some(mem);
+        Ok(mr)
+    }
+
+    /// A shared receive queue.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq, VerbsError> {
+        // SAFETY: plain data.
+        let mut init: ibv_srq_init_attr = unsafe { std::mem::zeroed() };
+        init.attr.max_wr = max_wr;
+        init.attr.max_sge = max_sge;
+        // SAFETY: live PD, valid attributes.
+        let srq = unsafe { ibv_create_srq(self.inner.pd.as_ptr(), &mut init) };
+        let srq = NonNull::new(srq).ok_or_else(|| VerbsError::os("create_srq", errno()))?;
+        Ok(Srq {
+            srq,
+            _pd: Arc::clone(&self.inner),
+        })
+    }
+}
+
+impl Mr {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: live MR.
+        unsafe { (*self.mr.as_ptr()).lkey }
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: live MR.
+        unsafe { (*self.mr.as_ptr()).rkey }
+    }
+    /// Address.
+    pub fn addr(&self) -> u64 {
+        // SAFETY: live MR.
+        unsafe { (*self.mr.as_ptr()).addr as u64 }
+    }
+    /// Length.
+    pub fn len(&self) -> usize {
+        // SAFETY: live MR.
+        unsafe { (*self.mr.as_ptr()).length }
+    }
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// An SGE for `len` bytes at `offset`.
+    pub fn sge(&self, offset: usize, len: u32) -> Sge {
+        Sge {
+            addr: self.addr() + offset as u64,
+            length: len,
+            lkey: self.lkey(),
+        }
+    }
+    /// Copies bytes out of the region.
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        assert!(offset + out.len() <= self.len(), "read past the region");
+        // SAFETY: in bounds of registered, mapped memory; raw copy of shared memory.
+        unsafe {
+            ptr::copy(
+                (self.addr() as *const u8).add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+    }
+    /// Copies bytes into the region.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.len(), "write past the region");
+        // SAFETY: as in `read`.
+        unsafe {
+            ptr::copy(
+                data.as_ptr(),
+                (self.addr() as *mut u8).add(offset),
+                data.len(),
+            )
+        };
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: live MR, deregistered once; the owned memory is freed after this.
+        unsafe { ibv_dereg_mr(self.mr.as_ptr()) };
+    }
+}
+
+/// A completion queue with its completion channel.
+pub struct Cq {
+    pub(crate) cq: NonNull<ibv_cq>,
+    channel: NonNull<ibv_comp_channel>,
+    _ctx: Arc<Ctx>,
+}
+
+// SAFETY: a CQ may be polled from the thread that owns it; the handle may move.
+unsafe impl Send for Cq {}
+
+impl std::fmt::Debug for Cq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ibverbs::Cq")
+    }
+}
+
+/// Most completions one `poll` call reads.
+pub const POLL_BATCH: usize = 32;
+
+fn wc_status(s: u32) -> WcStatus {
+    match s {
+        0 => WcStatus::Success,
+        1 => WcStatus::LocLenErr,
+        2 => WcStatus::LocQpOpErr,
+        4 => WcStatus::LocProtErr,
+        5 => WcStatus::WrFlushErr,
+        9 => WcStatus::RemInvReqErr,
+        10 => WcStatus::RemAccessErr,
+        11 => WcStatus::RemOpErr,
+        12 => WcStatus::RetryExcErr,
+        13 => WcStatus::RnrRetryExcErr,
+        _ => WcStatus::GeneralErr,
+    }
+}
+
+impl Cq {
+    /// Polls up to `out.len()` (at most [`POLL_BATCH`]) completions.
+    pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
+        // SAFETY: ibv_wc is plain data (a union of integers included).
+        let mut raw: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
+        let n = i32::try_from(out.len().min(POLL_BATCH)).unwrap_or(0);
+        // SAFETY: live CQ; `raw` holds n entries; poll_cq was checked at open.
+        let got = unsafe { ibv_poll_cq(self.cq.as_ptr(), n, raw.as_mut_ptr()) };
+        if got < 0 {
+            return Err(VerbsError::os("poll_cq", -got));
+        }
+        let got = usize::try_from(got).unwrap_or(0);
+        for (o, w) in out.iter_mut().zip(&raw[..got]) {
+            // SAFETY: status and opcode are C enums read as integers.
+            let status =
+                unsafe { ptr::read((&w.status as *const ibv_wc_status::Type).cast::<u32>()) };
+            // SAFETY: as above.
+            let opcode =
+                unsafe { ptr::read((&w.opcode as *const ibv_wc_opcode::Type).cast::<u32>()) };
+            let with_inv = w.wc_flags & 8 != 0; // IBV_WC_WITH_INV
+            *o = Wc {
+                wr_id: w.wr_id,
+                status: wc_status(status),
+                opcode: match opcode {
+                    0 => WcOpcode::Send,
+                    1 => WcOpcode::RdmaWrite,
+                    2 => WcOpcode::RdmaRead,
+                    _ => WcOpcode::Recv,
+                },
+                byte_len: w.byte_len,
+                qp_num: w.qp_num,
+                // SAFETY: the union holds the invalidated rkey when WITH_INV is set.
+                invalidated_rkey: with_inv
+                    .then_some(unsafe { w.imm_data_invalidated_rkey_union.invalidated_rkey }),
+            };
+        }
+        Ok(got)
+    }
+
+    /// The completion channel's fd.
+    pub fn channel_fd(&self) -> RawFd {
+        // SAFETY: live channel.
+        unsafe { (*self.channel.as_ptr()).fd }
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        // SAFETY: QPs using this CQ are destroyed first (they are dropped before the CQ by
+        // their owners, as the daemon's reactor orders them); then the channel.
+        unsafe {
+            ibv_destroy_cq(self.cq.as_ptr());
+            ibv_destroy_comp_channel(self.channel.as_ptr());
+        }
+    }
+}
+
+/// SRQ attributes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrqAttr {
+    /// Depth.
+    pub max_wr: u32,
+    /// SGEs per receive.
+    pub max_sge: u32,
+    /// Armed limit (0 after the event fired, until re-armed).
+    pub srq_limit: u32,
+}
+
+/// A shared receive queue.
+pub struct Srq {
+    pub(crate) srq: NonNull<ibv_srq>,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: posting to an SRQ is thread-safe in libibverbs; the handle may move.
+unsafe impl Send for Srq {}
+
+impl std::fmt::Debug for Srq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ibverbs::Srq")
+    }
+}
+
+/// Most receives one `post_recv` call posts, and most SGEs per receive.
+pub const RECV_BATCH: usize = 32;
+
+impl Srq {
+    /// Posts receives (a chain built on the stack; at most [`RECV_BATCH`]).
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        if wrs.len() > RECV_BATCH {
+            return Err(VerbsError::os("post_srq_recv", libc::EINVAL));
+        }
+        // SAFETY: plain data.
+        let mut raw: [ibv_recv_wr; RECV_BATCH] = unsafe { std::mem::zeroed() };
+        let n = wrs.len();
+        for i in 0..n {
+            raw[i].wr_id = wrs[i].wr_id;
+            // Sge is repr(C) like ibv_sge; the NIC only reads the list during the call.
+            raw[i].sg_list = wrs[i].sges.as_ptr().cast_mut().cast();
+            raw[i].num_sge = i32::try_from(wrs[i].sges.len()).unwrap_or(i32::MAX);
+            raw[i].next = if i + 1 < n {
+                &mut raw[i + 1]
+            } else {
+                ptr::null_mut()
+            };
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: a well-formed chain on the stack, live SRQ; post_srq_recv checked at open.
+        check("post_srq_recv", unsafe {
+            ibv_post_srq_recv(self.srq.as_ptr(), raw.as_mut_ptr(), &mut bad)
+        })
+    }
+
+    /// Arms the SRQ limit.
+    pub fn arm_limit(&self, limit: u32) -> Result<(), VerbsError> {
+        // SAFETY: plain data.
+        let mut a: ibv_srq_attr = unsafe { std::mem::zeroed() };
+        a.srq_limit = limit;
+        // SAFETY: live SRQ; IBV_SRQ_LIMIT = 2.
+        check("modify_srq", unsafe {
+            ibv_modify_srq(self.srq.as_ptr(), &mut a, 2)
+        })
+    }
+
+    /// Attributes.
+    pub fn query(&self) -> Result<SrqAttr, VerbsError> {
+        // SAFETY: plain data.
+        let mut a: ibv_srq_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live SRQ.
+        check("query_srq", unsafe {
+            ibv_query_srq(self.srq.as_ptr(), &mut a)
+        })?;
+        Ok(SrqAttr {
+            max_wr: a.max_wr,
+            max_sge: a.max_sge,
+            srq_limit: a.srq_limit,
+        })
+    }
+
+    /// The handle async events name the SRQ by.
+    pub fn id(&self) -> u32 {
+        // SAFETY: live SRQ.
+        unsafe { (*self.srq.as_ptr()).handle }
+    }
+}
+
+impl Drop for Srq {
+    fn drop(&mut self) {
+        // SAFETY: the QPs attached to it are destroyed first by their owners.
+        unsafe { ibv_destroy_srq(self.srq.as_ptr()) };
+    }
+}
+
+/// Most work requests in one `post_send` chain, and most SGEs per request.
+pub const SEND_BATCH: usize = 16;
+
+/// Posts a chain of send WRs to `qp` (built on the stack).
+pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+    if wrs.len() > SEND_BATCH {
+        return Err(VerbsError::os("post_send", libc::EINVAL));
+    }
+    if wrs.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: plain data (unions of integers and pointers).
+    let mut raw: [ibv_send_wr; SEND_BATCH] = unsafe { std::mem::zeroed() };
+    let n = wrs.len();
+    for i in 0..n {
+        let w = &wrs[i];
+        let r = &mut raw[i];
+        r.wr_id = w.wr_id;
+        r.sg_list = w.sges.as_ptr().cast_mut().cast();
+        r.num_sge = i32::try_from(w.sges.len()).unwrap_or(i32::MAX);
+        let mut flags = 0u32;
+        if w.signaled {
+            flags |= 2; // IBV_SEND_SIGNALED
+        }
+        if w.inline {
+            flags |= 8; // IBV_SEND_INLINE
+        }
+        r.send_flags = flags;
+        match w.op {
+            SendOp::Send => r.opcode = ibv_wr_opcode::IBV_WR_SEND,
+            SendOp::SendWithInvalidate { rkey } => {
+                r.opcode = ibv_wr_opcode::IBV_WR_SEND_WITH_INV;
+                r.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
+            }
+            SendOp::RdmaWrite { remote_addr, rkey } => {
+                r.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                r.wr.rdma = rdma_t { remote_addr, rkey };
+            }
+            SendOp::RdmaRead { remote_addr, rkey } => {
+                r.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+                r.wr.rdma = rdma_t { remote_addr, rkey };
+            }
+        }
+    }
+    for i in 0..n - 1 {
+        let next: *mut ibv_send_wr = &mut raw[i + 1];
+        raw[i].next = next;
+    }
+    let mut bad = ptr::null_mut();
+    // SAFETY: a well-formed chain on the stack whose SGE lists outlive the call (inline data
+    // is copied during it); live QP; post_send checked at open.
+    check("post_send", unsafe {
+        ibv_post_send(qp, raw.as_mut_ptr(), &mut bad)
+    })
+}
