@@ -446,6 +446,38 @@ impl CmId {
         post_send(qp, wrs)
     }
 
+    fn query(&self) -> Option<(QpState, u32)> {
+        let qp = self.qp()?;
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: plain data.
+        let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live QP; IBV_QP_STATE | IBV_QP_CAP.
+        if unsafe { ibv_query_qp(qp, &mut a, 1 | (1 << 19), &mut init) } != 0 {
+            return None;
+        }
+        // SAFETY: a C enum read as an integer.
+        let st = unsafe { ptr::read((&a.qp_state as *const ibv_qp_state::Type).cast::<u32>()) };
+        let state = match st {
+            0 => QpState::Reset,
+            1 => QpState::Init,
+            2 => QpState::Rtr,
+            3 => QpState::Rts,
+            _ => QpState::Err,
+        };
+        Some((state, a.cap.max_inline_data))
+    }
+
+    /// The QP's state.
+    pub fn qp_state(&self) -> Option<QpState> {
+        self.query().map(|q| q.0)
+    }
+
+    /// The largest inline send the QP really takes (providers may round the request up).
+    pub fn max_inline(&self) -> Option<u32> {
+        self.query().map(|q| q.1)
+    }
+
     /// Moves the QP to ERR.
     pub fn to_error(&self) -> Result<(), VerbsError> {
         let qp = self.qp().ok_or(VerbsError::Invalid {

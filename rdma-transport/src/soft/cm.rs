@@ -1,63 +1,86 @@
-//! The soft connection manager: rdma_cm's model (listen, connect with private data, accept or
-//! reject with private data, disconnect) with events on a pollable channel.
+//! The soft connection manager, shaped like rdma_cm and like the ibverbs provider's `cm`
+//! module: listen, resolve, a QP created on the CM ID, connect or accept with private data,
+//! reject with private data, disconnect, typed events on a pollable channel.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::{link, EventFd, Fabric, Qp};
-use crate::types::VerbsError;
+use super::{link, Cq, Device, EventFd, Fabric, Pd, Qp, Srq};
+use crate::types::*;
 
-/// A connection manager event.
+static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
+
+/// A connection manager event (the same set as the ibverbs provider's).
 #[derive(Debug)]
 pub enum CmEvent {
-    /// A peer asks to connect: accept or reject `id`.
+    /// A peer asks to connect: create a QP on `id`, then accept or reject.
     ConnectRequest {
-        /// The new connection's ID.
+        /// The new connection.
         id: CmId,
         /// The peer's private data.
         private_data: Vec<u8>,
+        /// RDMA READs the peer allows us to have outstanding.
+        initiator_depth: u8,
+        /// RDMA READs the peer wants to have outstanding at us.
+        responder_resources: u8,
     },
-    /// The connection is up.
+    /// Established.
     Established {
-        /// Which connection.
-        id: u32,
-        /// The accepting side's private data (on the connecting side).
+        /// Which connection (its token).
+        id: usize,
+        /// The acceptor's private data (on the connecting side).
         private_data: Vec<u8>,
     },
-    /// The peer refused the connection, or nobody listens.
+    /// Rejected by the peer, with its private data.
     Rejected {
         /// Which connection.
-        id: u32,
-        /// The refusing side's private data (empty when nobody listens).
+        id: usize,
+        /// The peer's private data.
         private_data: Vec<u8>,
     },
     /// The connection went down.
     Disconnected {
         /// Which connection.
-        id: u32,
+        id: usize,
     },
-    /// The connection's time-wait is over: its QP may be reused.
+    /// Time-wait over.
     TimewaitExit {
         /// Which connection.
-        id: u32,
+        id: usize,
+    },
+    /// The device went away.
+    DeviceRemoval {
+        /// Which connection.
+        id: usize,
+    },
+    /// Nobody listens at the address, or the connection failed.
+    Unreachable {
+        /// Which connection.
+        id: usize,
     },
 }
 
 enum Ev {
     Request { id: u32, private_data: Vec<u8> },
-    Established { id: u32, private_data: Vec<u8> },
-    Rejected { id: u32, private_data: Vec<u8> },
-    Disconnected { id: u32 },
-    TimewaitExit { id: u32 },
+    Established { token: usize, private_data: Vec<u8> },
+    Rejected { token: usize, private_data: Vec<u8> },
+    Disconnected { token: usize },
+    TimewaitExit { token: usize },
+    Unreachable { token: usize },
 }
 
 struct IdState {
     channel: u32,
-    qp: Option<u32>,
+    token: usize,
+    dst: Option<SocketAddr>,
     peer: Option<u32>,
+    qp: Option<u32>,
     connected: bool,
+    private_data: Vec<u8>,
 }
 
 struct ChannelState {
@@ -68,7 +91,7 @@ struct ChannelState {
 /// The CM's part of a fabric's state.
 #[derive(Default)]
 pub(crate) struct CmState {
-    listeners: HashMap<SocketAddr, (u32, u32)>,
+    listeners: HashMap<SocketAddr, u32>,
     ids: HashMap<u32, IdState>,
     channels: HashMap<u32, ChannelState>,
 }
@@ -82,7 +105,7 @@ impl CmState {
     }
 }
 
-/// An event channel: the pollable source of CM events.
+/// An event channel.
 #[derive(Debug)]
 pub struct CmChannel {
     fabric: Fabric,
@@ -90,28 +113,25 @@ pub struct CmChannel {
     fd: Arc<EventFd>,
 }
 
-/// A listening endpoint.
-#[derive(Debug)]
-pub struct Listener {
-    fabric: Fabric,
-    addr: SocketAddr,
-}
-
-/// One connection (or connection attempt).
+/// A CM ID: a listener or a connection, owning the QP created on it.
 #[derive(Debug)]
 pub struct CmId {
     fabric: Fabric,
     id: u32,
+    token: usize,
+    listen_addr: Option<SocketAddr>,
+    device: Option<Device>,
+    qp: Option<Qp>,
 }
 
-impl Fabric {
-    /// A new CM event channel.
-    pub fn cm_channel(&self) -> Result<CmChannel, VerbsError> {
+impl CmChannel {
+    /// A new event channel on `fabric`.
+    pub fn new(fabric: &Fabric) -> Result<CmChannel, VerbsError> {
         let fd = Arc::new(
             EventFd::new()
                 .map_err(|e| VerbsError::os("eventfd", e.raw_os_error().unwrap_or(libc::EIO)))?,
         );
-        let mut s = self.lock();
+        let mut s = fabric.lock();
         let id = s.alloc_id();
         s.cm.channels.insert(
             id,
@@ -121,90 +141,71 @@ impl Fabric {
             },
         );
         Ok(CmChannel {
-            fabric: self.clone(),
+            fabric: fabric.clone(),
             id,
             fd,
         })
     }
-}
 
-impl CmChannel {
     /// The fd that turns readable when an event is queued.
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
 
-    /// Listens on `addr`; a second listener on the same address is refused (EADDRINUSE).
-    pub fn listen(&self, addr: SocketAddr) -> Result<Listener, VerbsError> {
+    fn new_id(&self, dst: Option<SocketAddr>) -> CmId {
+        let mut s = self.fabric.lock();
+        let id = s.alloc_id();
+        let token = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
+        s.cm.ids.insert(
+            id,
+            IdState {
+                channel: self.id,
+                token,
+                dst,
+                peer: None,
+                qp: None,
+                connected: false,
+                private_data: Vec::new(),
+            },
+        );
+        CmId {
+            fabric: self.fabric.clone(),
+            id,
+            token,
+            listen_addr: None,
+            device: None,
+            qp: None,
+        }
+    }
+
+    /// Listens on `addr`, which must be a device's address; a second listener on it is
+    /// refused (EADDRINUSE).
+    pub fn listen(&self, addr: SocketAddr, _backlog: i32) -> Result<CmId, VerbsError> {
+        let device = self
+            .fabric
+            .device_for(addr.ip())
+            .ok_or(VerbsError::os("rdma_bind_addr", libc::EADDRNOTAVAIL))?;
+        let mut id = self.new_id(None);
         let mut s = self.fabric.lock();
         if s.cm.listeners.contains_key(&addr) {
             return Err(VerbsError::os("rdma_listen", libc::EADDRINUSE));
         }
-        let lid = s.alloc_id();
-        s.cm.listeners.insert(addr, (self.id, lid));
-        Ok(Listener {
-            fabric: self.fabric.clone(),
-            addr,
-        })
+        s.cm.listeners.insert(addr, id.id);
+        drop(s);
+        id.listen_addr = Some(addr);
+        id.device = Some(device);
+        Ok(id)
     }
 
-    /// Connects `qp` to whoever listens on `addr`, with `private_data`; the answer comes as
-    /// `Established` or `Rejected` on this channel.
-    pub fn connect(
-        &self,
-        addr: SocketAddr,
-        qp: &Qp,
-        private_data: &[u8],
-    ) -> Result<CmId, VerbsError> {
-        if private_data.len() > 56 {
-            return Err(VerbsError::os("rdma_connect", libc::EINVAL));
-        }
-        let mut s = self.fabric.lock();
-        let cid = s.alloc_id();
-        s.cm.ids.insert(
-            cid,
-            IdState {
-                channel: self.id,
-                qp: Some(qp.qpn),
-                peer: None,
-                connected: false,
-            },
-        );
-        match s.cm.listeners.get(&addr).copied() {
-            Some((lchan, _)) => {
-                let sid = s.alloc_id();
-                s.cm.ids.insert(
-                    sid,
-                    IdState {
-                        channel: lchan,
-                        qp: None,
-                        peer: Some(cid),
-                        connected: false,
-                    },
-                );
-                if let Some(c) = s.cm.ids.get_mut(&cid) {
-                    c.peer = Some(sid);
-                }
-                s.cm.push(
-                    lchan,
-                    Ev::Request {
-                        id: sid,
-                        private_data: private_data.to_vec(),
-                    },
-                );
-            }
-            None => s.cm.push(
-                self.id,
-                Ev::Rejected {
-                    id: cid,
-                    private_data: Vec::new(),
-                },
-            ),
-        }
-        Ok(CmId {
-            fabric: self.fabric.clone(),
-            id: cid,
-        })
+    /// Resolves `addr` (the route is the fabric): the ID's device is the one a QP is made on.
+    pub fn resolve(&self, addr: SocketAddr, _timeout: Duration) -> Result<CmId, VerbsError> {
+        let device = self
+            .fabric
+            .device_for(addr.ip())
+            .ok_or(VerbsError::os("rdma_resolve_addr", libc::EHOSTUNREACH))?;
+        let mut id = self.new_id(Some(addr));
+        id.device = Some(device);
+        Ok(id)
     }
 
     /// The next event, without blocking.
@@ -215,19 +216,49 @@ impl CmChannel {
         if c.events.is_empty() {
             c.fd.clear();
         }
-        drop(s);
-        Some(match ev? {
-            Ev::Request { id, private_data } => CmEvent::ConnectRequest {
-                id: CmId {
-                    fabric: self.fabric.clone(),
-                    id,
-                },
+        let ev = ev?;
+        Some(match ev {
+            Ev::Request { id, private_data } => {
+                let token = s.cm.ids.get(&id).map_or(0, |i| i.token);
+                let listen =
+                    s.cm.ids
+                        .get(&id)
+                        .and_then(|i| i.peer)
+                        .and_then(|p| s.cm.ids.get(&p))
+                        .and_then(|p| p.dst);
+                drop(s);
+                let device = listen.and_then(|a| self.fabric.device_for(a.ip()));
+                CmEvent::ConnectRequest {
+                    id: CmId {
+                        fabric: self.fabric.clone(),
+                        id,
+                        token,
+                        listen_addr: None,
+                        device,
+                        qp: None,
+                    },
+                    private_data,
+                    initiator_depth: 16,
+                    responder_resources: 16,
+                }
+            }
+            Ev::Established {
+                token,
+                private_data,
+            } => CmEvent::Established {
+                id: token,
                 private_data,
             },
-            Ev::Established { id, private_data } => CmEvent::Established { id, private_data },
-            Ev::Rejected { id, private_data } => CmEvent::Rejected { id, private_data },
-            Ev::Disconnected { id } => CmEvent::Disconnected { id },
-            Ev::TimewaitExit { id } => CmEvent::TimewaitExit { id },
+            Ev::Rejected {
+                token,
+                private_data,
+            } => CmEvent::Rejected {
+                id: token,
+                private_data,
+            },
+            Ev::Disconnected { token } => CmEvent::Disconnected { id: token },
+            Ev::TimewaitExit { token } => CmEvent::TimewaitExit { id: token },
+            Ev::Unreachable { token } => CmEvent::Unreachable { id: token },
         })
     }
 }
@@ -238,112 +269,251 @@ impl Drop for CmChannel {
     }
 }
 
-impl Drop for Listener {
-    fn drop(&mut self) {
-        self.fabric.lock().cm.listeners.remove(&self.addr);
-    }
-}
-
 impl CmId {
-    /// The connection's ID, as events name it.
-    pub fn id(&self) -> u32 {
-        self.id
+    /// The token events name this connection by.
+    pub fn token(&self) -> usize {
+        self.token
     }
 
-    /// Accepts a connect request with `qp` and `private_data`: both QPs go to RTS, both sides
-    /// see `Established`.
-    pub fn accept(&self, qp: &Qp, private_data: &[u8]) -> Result<(), VerbsError> {
+    /// The device the ID is bound to.
+    pub fn device(&self) -> Result<Device, VerbsError> {
+        self.device.clone().ok_or(VerbsError::Invalid {
+            op: "cm_device",
+            why: "the CM ID has no device yet",
+        })
+    }
+
+    /// Creates the connection's RC QP on `cq`, taking receives from `srq`.
+    pub fn create_qp(
+        &mut self,
+        pd: &Pd,
+        cq: &Cq,
+        srq: &Srq,
+        caps: QpCaps,
+    ) -> Result<u32, VerbsError> {
+        if self.qp.is_some() {
+            return Err(VerbsError::os("rdma_create_qp", libc::EEXIST));
+        }
+        let qp = pd.create_qp(cq, cq, srq, caps)?;
+        let qpn = qp.qpn();
+        if let Some(i) = self.fabric.lock().cm.ids.get_mut(&self.id) {
+            i.qp = Some(qpn);
+        }
+        self.qp = Some(qp);
+        Ok(qpn)
+    }
+
+    /// The QP number.
+    pub fn qpn(&self) -> Option<u32> {
+        self.qp.as_ref().map(Qp::qpn)
+    }
+
+    /// The QP's state.
+    pub fn qp_state(&self) -> Option<QpState> {
+        self.qp.as_ref().map(Qp::state)
+    }
+
+    /// The largest inline send the QP takes.
+    pub fn max_inline(&self) -> Option<u32> {
+        let qpn = self.qpn()?;
+        self.fabric
+            .lock()
+            .qps
+            .get(&qpn)
+            .map(|q| q.caps.max_inline_data)
+    }
+
+    /// Connects to the resolved address (after `create_qp`); the answer comes as an event.
+    pub fn connect(&self, private_data: &[u8]) -> Result<(), VerbsError> {
+        if private_data.len() > 56 {
+            return Err(VerbsError::os("rdma_connect", libc::EINVAL));
+        }
+        let mut s = self.fabric.lock();
+        let Some(me) = s.cm.ids.get(&self.id) else {
+            return Err(VerbsError::os("rdma_connect", libc::EINVAL));
+        };
+        let (dst, chan, token) = (me.dst, me.channel, me.token);
+        if me.qp.is_none() {
+            return Err(VerbsError::Invalid {
+                op: "rdma_connect",
+                why: "no QP",
+            });
+        }
+        let listener = dst.and_then(|d| s.cm.listeners.get(&d).copied());
+        let Some(lid) = listener else {
+            s.cm.push(chan, Ev::Unreachable { token });
+            return Ok(());
+        };
+        let Some(lchan) = s.cm.ids.get(&lid).map(|l| l.channel) else {
+            s.cm.push(chan, Ev::Unreachable { token });
+            return Ok(());
+        };
+        let sid = s.alloc_id();
+        let stoken = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
+        s.cm.ids.insert(
+            sid,
+            IdState {
+                channel: lchan,
+                token: stoken,
+                dst: None,
+                peer: Some(self.id),
+                qp: None,
+                connected: false,
+                private_data: Vec::new(),
+            },
+        );
+        if let Some(me) = s.cm.ids.get_mut(&self.id) {
+            me.peer = Some(sid);
+        }
+        s.cm.push(
+            lchan,
+            Ev::Request {
+                id: sid,
+                private_data: private_data.to_vec(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Accepts a connect request (after `create_qp`): both QPs go to RTS; both sides see
+    /// `Established`.
+    pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         if private_data.len() > 196 {
             return Err(VerbsError::os("rdma_accept", libc::EINVAL));
         }
         let mut s = self.fabric.lock();
-        let (chan, peer) = match s.cm.ids.get(&self.id) {
-            Some(i) if !i.connected => (i.channel, i.peer),
-            _ => return Err(VerbsError::os("rdma_accept", libc::EINVAL)),
+        let Some(me) = s.cm.ids.get(&self.id) else {
+            return Err(VerbsError::os("rdma_accept", libc::EINVAL));
+        };
+        let (chan, token, peer, qp) = (me.channel, me.token, me.peer, me.qp);
+        let Some(qp) = qp else {
+            return Err(VerbsError::Invalid {
+                op: "rdma_accept",
+                why: "no QP",
+            });
         };
         let Some(peer) = peer else {
             return Err(VerbsError::os("rdma_accept", libc::EINVAL));
         };
-        let Some((pchan, Some(pqp))) = s.cm.ids.get(&peer).map(|p| (p.channel, p.qp)) else {
+        let Some((pchan, ptoken, Some(pqp))) =
+            s.cm.ids.get(&peer).map(|p| (p.channel, p.token, p.qp))
+        else {
             return Err(VerbsError::os("rdma_accept", libc::ECONNREFUSED));
         };
-        link(&mut s, qp.qpn, pqp);
-        for (id, q) in [(self.id, Some(qp.qpn)), (peer, Some(pqp))] {
+        link(&mut s, qp, pqp);
+        for id in [self.id, peer] {
             if let Some(i) = s.cm.ids.get_mut(&id) {
                 i.connected = true;
-                i.qp = q;
             }
+        }
+        if let Some(i) = s.cm.ids.get_mut(&self.id) {
+            i.private_data = private_data.to_vec();
         }
         s.cm.push(
             pchan,
             Ev::Established {
-                id: peer,
+                token: ptoken,
                 private_data: private_data.to_vec(),
             },
         );
         s.cm.push(
             chan,
             Ev::Established {
-                id: self.id,
+                token,
                 private_data: Vec::new(),
             },
         );
         Ok(())
     }
 
-    /// Refuses a connect request with `private_data`.
+    /// Rejects a connect request with `private_data`.
     pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
         let peer = s.cm.ids.get(&self.id).and_then(|i| i.peer);
-        if let Some(p) = peer {
-            if let Some(pchan) = s.cm.ids.get(&p).map(|i| i.channel) {
-                s.cm.push(
-                    pchan,
-                    Ev::Rejected {
-                        id: p,
-                        private_data: private_data.to_vec(),
-                    },
-                );
-            }
+        if let Some((pchan, ptoken)) = peer
+            .and_then(|p| s.cm.ids.get(&p))
+            .map(|i| (i.channel, i.token))
+        {
+            s.cm.push(
+                pchan,
+                Ev::Rejected {
+                    token: ptoken,
+                    private_data: private_data.to_vec(),
+                },
+            );
         }
-        s.cm.ids.remove(&self.id);
         Ok(())
     }
 
-    /// Disconnects: both QPs go to ERR (their work requests flush), both sides see
-    /// `Disconnected` and then `TimewaitExit`.
+    /// Disconnects: the QP goes to ERR; the peer sees `Disconnected` (and answers with its own
+    /// disconnect, as with rdma_cm); each side sees `Disconnected` then `TimewaitExit`.
     pub fn disconnect(&self) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
-        let Some(i) = s.cm.ids.get(&self.id) else {
+        let Some(me) = s.cm.ids.get_mut(&self.id) else {
             return Ok(());
         };
-        if !i.connected {
+        if !me.connected {
             return Ok(());
         }
-        let peer = i.peer;
-        let mut ends = vec![self.id];
-        ends.extend(peer);
-        for id in &ends {
-            let (qp, chan) = match s.cm.ids.get_mut(id) {
-                Some(i) if i.connected => {
-                    i.connected = false;
-                    (i.qp, i.channel)
-                }
-                _ => continue,
-            };
-            if let Some(q) = qp {
-                s.qp_error(q);
-            }
-            s.cm.push(chan, Ev::Disconnected { id: *id });
-            s.cm.push(chan, Ev::TimewaitExit { id: *id });
+        me.connected = false;
+        let (chan, token, qp, peer) = (me.channel, me.token, me.qp, me.peer);
+        if let Some(q) = qp {
+            s.qp_error(q);
+        }
+        s.cm.push(chan, Ev::Disconnected { token });
+        s.cm.push(chan, Ev::TimewaitExit { token });
+        if let Some(p) = peer
+            .and_then(|p| s.cm.ids.get(&p))
+            .filter(|p| p.connected)
+            .map(|p| (p.channel, p.token))
+        {
+            s.cm.push(p.0, Ev::Disconnected { token: p.1 });
         }
         Ok(())
+    }
+
+    /// Posts a chain of send work requests on the connection's QP.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        self.qp
+            .as_ref()
+            .ok_or(VerbsError::Invalid {
+                op: "post_send",
+                why: "no QP",
+            })?
+            .post_send(wrs)
+    }
+
+    /// Moves the QP to ERR.
+    pub fn to_error(&self) -> Result<(), VerbsError> {
+        self.qp
+            .as_ref()
+            .ok_or(VerbsError::Invalid {
+                op: "modify_qp",
+                why: "no QP",
+            })?
+            .to_error();
+        Ok(())
+    }
+
+    /// Sets how often a SEND meeting an empty receive queue is retried (7: forever).
+    pub fn set_rnr_retry(&self, n: u8) {
+        if let Some(q) = &self.qp {
+            q.set_rnr_retry(n);
+        }
     }
 }
 
 impl Drop for CmId {
     fn drop(&mut self) {
         let _ = self.disconnect();
-        self.fabric.lock().cm.ids.remove(&self.id);
+        let mut s = self.fabric.lock();
+        if let Some(a) = self.listen_addr {
+            s.cm.listeners.remove(&a);
+        }
+        s.cm.ids.remove(&self.id);
+        drop(s);
+        // The QP (if any) is destroyed after the ID's state, as rdma_destroy_qp then
+        // rdma_destroy_id would.
+        self.qp.take();
     }
 }

@@ -98,14 +98,14 @@ struct Pending {
     invalidate: Option<u32>,
 }
 
-struct QpState_ {
+pub(crate) struct QpState_ {
     dev: u32,
     pd: u32,
     state: QpState,
     send_cq: u32,
     recv_cq: u32,
     srq: Option<u32>,
-    caps: QpCaps,
+    pub(crate) caps: QpCaps,
     peer: Option<u32>,
     rnr_retry: u8,
     /// Unsignaled WRs completed since the last signaled completion: they hold SQ slots.
@@ -120,6 +120,7 @@ struct QpState_ {
 struct DevState {
     events: VecDeque<AsyncEvent>,
     async_fd: Arc<EventFd>,
+    addr: std::net::IpAddr,
 }
 
 #[derive(Default)]
@@ -129,7 +130,7 @@ pub(crate) struct State {
     mrs: HashMap<u32, MrEntry>,
     cqs: HashMap<u32, CqState>,
     srqs: HashMap<u32, SrqState>,
-    qps: HashMap<u32, QpState_>,
+    pub(crate) qps: HashMap<u32, QpState_>,
     pub(crate) cm: cm::CmState,
     faults: Faults,
 }
@@ -161,8 +162,9 @@ impl Fabric {
         self.lock().faults = f;
     }
 
-    /// Opens a new device on this fabric.
-    pub fn open_device(&self) -> Result<Device, VerbsError> {
+    /// Adds a device with IP address `addr` to this fabric (the address CM listeners bind to
+    /// and connections resolve).
+    pub fn add_device(&self, addr: std::net::IpAddr) -> Result<Device, VerbsError> {
         let fd = Arc::new(
             EventFd::new()
                 .map_err(|e| VerbsError::os("eventfd", e.raw_os_error().unwrap_or(libc::EIO)))?,
@@ -174,12 +176,37 @@ impl Fabric {
             DevState {
                 events: VecDeque::new(),
                 async_fd: Arc::clone(&fd),
+                addr,
             },
         );
+        drop(s);
         Ok(Device {
-            fabric: self.clone(),
-            id,
-            async_fd: fd,
+            inner: Arc::new(DevInner {
+                fabric: self.clone(),
+                id,
+                async_fd: fd,
+            }),
+        })
+    }
+
+    /// The device with address `addr`, or else the first device (an in-process fabric routes
+    /// everything).
+    pub(crate) fn device_for(&self, addr: std::net::IpAddr) -> Option<Device> {
+        let s = self.lock();
+        let (id, d) = s
+            .devs
+            .iter()
+            .find(|(_, d)| d.addr == addr)
+            .or_else(|| s.devs.iter().min_by_key(|(id, _)| **id))?;
+        let (id, fd) = (*id, Arc::clone(&d.async_fd));
+        drop(s);
+        // Devices stay in their fabric for its life (device removal is a fault to inject).
+        Some(Device {
+            inner: Arc::new(DevInner {
+                fabric: self.clone(),
+                id,
+                async_fd: fd,
+            }),
         })
     }
 }
@@ -466,34 +493,45 @@ fn gather(sges: &[Sge]) -> Vec<u8> {
     out
 }
 
-/// A device: the parent of PDs and CQs, with an async event queue.
-#[derive(Debug)]
-pub struct Device {
+struct DevInner {
     fabric: Fabric,
     id: u32,
     async_fd: Arc<EventFd>,
 }
 
+/// A device: the parent of PDs and CQs, with an async event queue. Clones share it.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DevInner>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("soft::Device")
+            .field("id", &self.inner.id)
+            .finish()
+    }
+}
+
 impl Device {
-    /// Limits.
-    pub fn attr(&self) -> DeviceAttr {
-        SOFT_ATTR
+    fn fabric(&self) -> &Fabric {
+        &self.inner.fabric
     }
 
-    /// The fabric.
-    pub fn fabric(&self) -> &Fabric {
-        &self.fabric
+    /// Limits.
+    pub fn attr(&self) -> Result<DeviceAttr, VerbsError> {
+        Ok(SOFT_ATTR)
     }
 
     /// The pollable fd that turns readable when an async event is queued.
     pub fn async_fd(&self) -> RawFd {
-        self.async_fd.as_raw_fd()
+        self.inner.async_fd.as_raw_fd()
     }
 
     /// The next async event, without blocking.
     pub fn next_event(&self) -> Option<AsyncEvent> {
-        let mut s = self.fabric.lock();
-        let d = s.devs.get_mut(&self.id)?;
+        let mut s = self.fabric().lock();
+        let d = s.devs.get_mut(&self.inner.id)?;
         let e = d.events.pop_front();
         if d.events.is_empty() {
             d.async_fd.clear();
@@ -502,13 +540,13 @@ impl Device {
     }
 
     /// A protection domain.
-    pub fn alloc_pd(&self) -> Pd {
-        let id = self.fabric.lock().alloc_id();
-        Pd {
-            fabric: self.fabric.clone(),
-            dev: self.id,
+    pub fn alloc_pd(&self) -> Result<Pd, VerbsError> {
+        let id = self.fabric().lock().alloc_id();
+        Ok(Pd {
+            fabric: self.fabric().clone(),
+            dev: self.inner.id,
             id,
-        }
+        })
     }
 
     /// A completion queue of `cqe` entries, with its completion channel.
@@ -520,12 +558,12 @@ impl Device {
             EventFd::new()
                 .map_err(|e| VerbsError::os("eventfd", e.raw_os_error().unwrap_or(libc::EIO)))?,
         );
-        let mut s = self.fabric.lock();
+        let mut s = self.fabric().lock();
         let id = s.alloc_id();
         s.cqs.insert(
             id,
             CqState {
-                dev: self.id,
+                dev: self.inner.id,
                 cap: cqe as usize,
                 entries: VecDeque::new(),
                 overflowed: false,
@@ -533,16 +571,10 @@ impl Device {
             },
         );
         Ok(Cq {
-            fabric: self.fabric.clone(),
+            fabric: self.fabric().clone(),
             id,
             channel,
         })
-    }
-}
-
-impl Drop for Device {
-    fn drop(&mut self) {
-        self.fabric.lock().devs.remove(&self.id);
     }
 }
 
@@ -573,7 +605,12 @@ impl Pd {
     /// `addr..addr+len` must stay mapped and writable until the returned `Mr` is dropped.
     /// Peers read and write it at any time, as a NIC would by DMA: the owner must treat it as
     /// shared memory (no references held across accesses it does not order).
-    pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: Access) -> Mr {
+    pub unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Mr, VerbsError> {
         let mut s = self.fabric.lock();
         let key = s.alloc_id();
         s.mrs.insert(
@@ -587,23 +624,23 @@ impl Pd {
                 valid: true,
             },
         );
-        Mr {
+        Ok(Mr {
             fabric: self.fabric.clone(),
             key,
             addr: addr as u64,
             len,
             owned: None,
-        }
+        })
     }
 
     /// Allocates `len` zeroed bytes and registers them.
-    pub fn alloc_mr(&self, len: usize, access: Access) -> Mr {
+    pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
         let mut mem = vec![0u8; len.max(1)].into_boxed_slice();
         let ptr = mem.as_mut_ptr();
         // SAFETY: the memory is owned by the returned Mr and freed only after deregistration.
-        let mut mr = unsafe { self.reg_mr(ptr, len, access) };
+        let mut mr = unsafe { self.reg_mr(ptr, len, access)? };
         mr.owned = Some(mem);
-        mr
+        Ok(mr)
     }
 
     /// A shared receive queue of `max_wr` receives of up to `max_sge` SGEs each.
@@ -634,8 +671,9 @@ impl Pd {
         })
     }
 
-    /// An RC queue pair on `send_cq`/`recv_cq`, taking its receives from `srq`.
-    pub fn create_qp(
+    /// An RC queue pair on `send_cq`/`recv_cq`, taking its receives from `srq`. (Connections
+    /// create theirs on a CM ID: `cm::CmId::create_qp`.)
+    pub(crate) fn create_qp(
         &self,
         send_cq: &Cq,
         recv_cq: &Cq,
