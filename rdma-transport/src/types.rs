@@ -253,3 +253,25 @@ impl fmt::Display for QpState {
         fmt::Debug::fmt(self, f)
     }
 }
+
+/// A port's attributes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortAttr {
+    /// Whether the port is active (`IBV_PORT_ACTIVE`).
+    pub active: bool,
+    /// Active MTU in bytes.
+    pub active_mtu: u32,
+    /// Entries in the GID table.
+    pub gid_tbl_len: u32,
+    /// Link layer: 1 InfiniBand, 2 Ethernet (RoCE).
+    pub link_layer: u8,
+}
+
+/// MTU enum value (1 = 256 B ... 5 = 4096 B) in bytes.
+pub fn mtu_bytes(mtu: u32) -> u32 {
+    if (1..=5).contains(&mtu) {
+        128 << mtu
+    } else {
+        0
+    }
+}

@@ -470,6 +470,68 @@ macro_rules! suite {
             }
 
             #[test]
+            fn the_device_reports_its_port_and_gids() {
+                let Some(w) = world(4431, 1) else { return };
+                let p = w.t.dev.port_attr(1).unwrap();
+                assert!(p.active, "{p:?}");
+                assert!(p.active_mtu >= 256, "{p:?}");
+                let attr = w.t.dev.attr().unwrap();
+                assert!(attr.max_srq_sge >= 4 && attr.max_qp_wr >= 64, "{attr:?}");
+                if let std::net::IpAddr::V4(ip) = w.env.ip() {
+                    assert_eq!(
+                        w.t.dev.gid(1, 1).unwrap(),
+                        ip.to_ipv6_mapped().octets(),
+                        "GID 1 is the IPv4-mapped address"
+                    );
+                }
+            }
+
+            #[test]
+            fn the_completion_channel_fires_once_per_arming() {
+                let Some(w) = world(4432, 1) else { return };
+                let readable = |fd: i32, ms: i32| {
+                    let mut p = libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd.
+                    unsafe { libc::poll(&mut p, 1, ms) == 1 }
+                };
+                w.t.cq.req_notify().unwrap();
+                w.t.srq
+                    .post_recv(&[
+                        RecvWr {
+                            wr_id: 1,
+                            sges: &[w.t.mr.sge(0, 64)],
+                        },
+                        RecvWr {
+                            wr_id: 2,
+                            sges: &[w.t.mr.sge(64, 64)],
+                        },
+                    ])
+                    .unwrap();
+                w.hid[0]
+                    .post_send(&[send(1, &[w.h.mr.sge(0, 8)], true)])
+                    .unwrap();
+                assert!(
+                    readable(w.t.cq.channel_fd(), 5000),
+                    "armed: the channel fires"
+                );
+                assert!(w.t.cq.ack_event());
+                poll_one(&w.t.cq);
+                w.hid[0]
+                    .post_send(&[send(2, &[w.h.mr.sge(0, 8)], true)])
+                    .unwrap();
+                poll_one(&w.t.cq);
+                assert!(
+                    !readable(w.t.cq.channel_fd(), 50),
+                    "not re-armed: no second notification"
+                );
+                assert!(!w.t.cq.ack_event());
+            }
+
+            #[test]
             fn many_qps_share_one_srq_and_one_cq() {
                 let Some(w) = world(4430, 16) else { return };
                 let bufs: Vec<[Sge; 1]> = (0..32).map(|i| [w.t.mr.sge(i * 128, 128)]).collect();

@@ -221,6 +221,42 @@ impl Device {
         })
     }
 
+    /// Port `port`'s attributes.
+    pub fn port_attr(&self, port: u8) -> Result<PortAttr, VerbsError> {
+        // SAFETY: plain data.
+        let mut a: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        check("query_port", unsafe {
+            ___ibv_query_port(self.ctx.ctx.as_ptr(), port, &mut a)
+        })?;
+        // SAFETY: C enums read as integers.
+        let (state, mtu) = unsafe {
+            (
+                ptr::read((&a.state as *const ibv_port_state::Type).cast::<u32>()),
+                ptr::read((&a.active_mtu as *const ibv_mtu::Type).cast::<u32>()),
+            )
+        };
+        Ok(PortAttr {
+            active: state == 4,
+            active_mtu: mtu_bytes(mtu),
+            gid_tbl_len: u32::try_from(a.gid_tbl_len).unwrap_or(0),
+            link_layer: a.link_layer,
+        })
+    }
+
+    /// GID `index` of port `port`.
+    pub fn gid(&self, port: u8, index: u32) -> Result<[u8; 16], VerbsError> {
+        // SAFETY: plain data.
+        let mut g: ibv_gid = unsafe { std::mem::zeroed() };
+        let i = i32::try_from(index).map_err(|_| VerbsError::os("query_gid", libc::EINVAL))?;
+        // SAFETY: live context, valid out-pointer.
+        check("query_gid", unsafe {
+            ibv_query_gid(self.ctx.ctx.as_ptr(), port, i, &mut g)
+        })?;
+        // SAFETY: the raw view of the union.
+        Ok(unsafe { g.raw })
+    }
+
     /// The async event fd (non-blocking; poll it with mio).
     pub fn async_fd(&self) -> RawFd {
         // SAFETY: reading a field of the live context.
@@ -247,7 +283,7 @@ impl Device {
                 1 => Some(AsyncEvent::QpFatal((*el.qp).qp_num)),
                 2 => Some(AsyncEvent::QpReqErr((*el.qp).qp_num)),
                 3 => Some(AsyncEvent::QpAccessErr((*el.qp).qp_num)),
-                0 => Some(AsyncEvent::CqErr(0)),
+                0 => Some(AsyncEvent::CqErr((*el.cq).handle)),
                 16 => Some(AsyncEvent::QpLastWqeReached((*el.qp).qp_num)),
                 15 => Some(AsyncEvent::SrqLimitReached((*el.srq).handle)),
                 14 => Some(AsyncEvent::SrqErr((*el.srq).handle)),
@@ -292,11 +328,19 @@ impl Device {
             unsafe { ibv_destroy_comp_channel(ch.as_ptr()) };
             return Err(VerbsError::os("create_cq", e));
         };
-        Ok(Cq {
+        // SAFETY: the channel's own fd.
+        let fd = unsafe { (*ch.as_ptr()).fd };
+        // SAFETY: fcntl on an fd we own.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        let rc = unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) };
+        let cq = Cq {
             cq,
             channel: ch,
             _ctx: Arc::clone(&self.ctx),
-        })
+        };
+        check("fcntl", rc.min(0))?;
+        Ok(cq)
     }
 }
 
@@ -536,6 +580,33 @@ impl Cq {
             };
         }
         Ok(got)
+    }
+
+    /// Arms the completion channel: its fd turns readable at the next completion (once).
+    pub fn req_notify(&self) -> Result<(), VerbsError> {
+        // SAFETY: live CQ; req_notify_cq was checked at open.
+        check("req_notify_cq", unsafe {
+            ibv_req_notify_cq(self.cq.as_ptr(), 0)
+        })
+    }
+
+    /// Takes the channel's notification, if one came; true when it did.
+    pub fn ack_event(&self) -> bool {
+        let mut cq = ptr::null_mut();
+        let mut ctx = ptr::null_mut();
+        // SAFETY: live channel (non-blocking).
+        if unsafe { ibv_get_cq_event(self.channel.as_ptr(), &mut cq, &mut ctx) } != 0 {
+            return false;
+        }
+        // SAFETY: every event got is acked (before the CQ is destroyed).
+        unsafe { ibv_ack_cq_events(cq, 1) };
+        true
+    }
+
+    /// The handle async events name the CQ by.
+    pub fn id(&self) -> u32 {
+        // SAFETY: live CQ.
+        unsafe { (*self.cq.as_ptr()).handle }
     }
 
     /// The completion channel's fd.

@@ -68,6 +68,7 @@ struct MrEntry {
 }
 
 struct CqState {
+    armed: bool,
     dev: u32,
     cap: usize,
     entries: VecDeque<Wc>,
@@ -236,7 +237,11 @@ impl State {
                 }
             } else {
                 c.entries.push_back(wc);
-                c.channel.signal();
+                if c.armed {
+                    // One notification per arming, as a completion channel gives.
+                    c.armed = false;
+                    c.channel.signal();
+                }
             }
         }
         if let Some(dev) = overflow_dev {
@@ -523,6 +528,34 @@ impl Device {
         Ok(SOFT_ATTR)
     }
 
+    /// Port `port`'s attributes (one active RoCE port, MTU 1024 as on rxe).
+    pub fn port_attr(&self, port: u8) -> Result<PortAttr, VerbsError> {
+        if port != 1 {
+            return Err(VerbsError::os("query_port", libc::EINVAL));
+        }
+        Ok(PortAttr {
+            active: true,
+            active_mtu: 1024,
+            gid_tbl_len: 2,
+            link_layer: 2,
+        })
+    }
+
+    /// GID `index` of port 1: index 1 is the IPv4-mapped address, as RoCE v2 on rxe has it.
+    pub fn gid(&self, port: u8, index: u32) -> Result<[u8; 16], VerbsError> {
+        let s = self.fabric().lock();
+        let d = s
+            .devs
+            .get(&self.inner.id)
+            .ok_or(VerbsError::os("query_gid", libc::ENODEV))?;
+        match (port, index, d.addr) {
+            (1, 1, std::net::IpAddr::V4(a)) => Ok(a.to_ipv6_mapped().octets()),
+            (1, 1, std::net::IpAddr::V6(a)) => Ok(a.octets()),
+            (1, 0, _) => Ok([0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]),
+            _ => Err(VerbsError::os("query_gid", libc::EINVAL)),
+        }
+    }
+
     /// The pollable fd that turns readable when an async event is queued.
     pub fn async_fd(&self) -> RawFd {
         self.inner.async_fd.as_raw_fd()
@@ -563,6 +596,7 @@ impl Device {
         s.cqs.insert(
             id,
             CqState {
+                armed: false,
                 dev: self.inner.id,
                 cap: cqe as usize,
                 entries: VecDeque::new(),
@@ -819,13 +853,29 @@ impl Cq {
         for (slot, wc) in out.iter_mut().zip(c.entries.drain(..n)) {
             *slot = wc;
         }
-        if c.entries.is_empty() {
-            c.channel.clear();
-        }
         Ok(n)
     }
 
-    /// The completion channel's fd: readable while completions wait.
+    /// Arms the completion channel: its fd turns readable at the next completion (once).
+    pub fn req_notify(&self) -> Result<(), VerbsError> {
+        let mut s = self.fabric.lock();
+        let c = s
+            .cqs
+            .get_mut(&self.id)
+            .ok_or(VerbsError::os("req_notify_cq", libc::EINVAL))?;
+        c.armed = true;
+        Ok(())
+    }
+
+    /// Takes the channel's notification, if one came; true when it did.
+    pub fn ack_event(&self) -> bool {
+        let mut v: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from our eventfd (non-blocking).
+        let n = unsafe { libc::read(self.channel.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        n == 8
+    }
+
+    /// The completion channel's fd: readable once after `req_notify` and a completion.
     pub fn channel_fd(&self) -> RawFd {
         self.channel.as_raw_fd()
     }
