@@ -658,9 +658,114 @@ mod soft_only {
         let w = world(5002, 1).unwrap();
         w.env.fabric.set_faults(Faults {
             suppress_last_wqe: true,
+            ..Faults::default()
         });
         w.tid[0].to_error().unwrap();
         assert_eq!(w.t.dev.next_event(), None);
+    }
+
+    #[test]
+    fn an_injected_qp_fatal_is_reported_then_the_qp_flushes() {
+        let w = world(5010, 1).unwrap();
+        let qpn = w.tid[0].qpn().unwrap();
+        w.env.fabric.inject_qp_fatal(qpn);
+        assert_eq!(w.t.dev.next_event(), Some(AsyncEvent::QpFatal(qpn)));
+        assert_eq!(
+            w.t.dev.next_event(),
+            Some(AsyncEvent::QpLastWqeReached(qpn))
+        );
+        w.tid[0]
+            .post_send(&[send(1, &[w.t.mr.sge(0, 8)], false)])
+            .unwrap();
+        assert_eq!(poll_one(&w.t.cq).status, WcStatus::WrFlushErr);
+        // The other side's traffic to it now fails as on a dead peer.
+        w.hid[0]
+            .post_send(&[send(2, &[w.h.mr.sge(0, 8)], true)])
+            .unwrap();
+        assert_eq!(poll_one(&w.h.cq).status, WcStatus::RetryExcErr);
+    }
+
+    #[test]
+    fn an_srq_error_takes_down_every_qp_on_it() {
+        let w = world(5011, 16).unwrap();
+        w.env.fabric.inject_srq_error(w.t.srq.id());
+        assert_eq!(w.t.dev.next_event(), Some(AsyncEvent::SrqErr(w.t.srq.id())));
+        assert!(w.tid.iter().all(|t| t.qp_state() == Some(QpState::Err)));
+        let mut last_wqe = 0;
+        while let Some(e) = w.t.dev.next_event() {
+            last_wqe += usize::from(matches!(e, AsyncEvent::QpLastWqeReached(_)));
+        }
+        assert_eq!(last_wqe, 16);
+        assert_eq!(
+            w.t.srq
+                .post_recv(&[RecvWr {
+                    wr_id: 0,
+                    sges: &[w.t.mr.sge(0, 8)]
+                }])
+                .unwrap_err()
+                .errno(),
+            Some(libc::EIO)
+        );
+    }
+
+    #[test]
+    fn device_removal_fails_its_qps_tells_the_cm_and_comes_back() {
+        let w = world(5012, 2).unwrap();
+        w.env.fabric.remove_device(&w.t.dev);
+        assert_eq!(w.t.dev.next_event(), Some(AsyncEvent::DeviceFatal));
+        assert!(w.tid.iter().all(|t| t.qp_state() == Some(QpState::Err)));
+        let removals = std::iter::from_fn(|| w.sch.next_event())
+            .filter(|e| matches!(e, nvmfd_rdma::soft::cm::CmEvent::DeviceRemoval { .. }))
+            .count();
+        assert!(
+            removals >= 2,
+            "each connection on the device hears of it ({removals})"
+        );
+        assert_eq!(w.t.dev.alloc_pd().unwrap_err().errno(), Some(libc::ENODEV));
+        w.env.fabric.restore_device(&w.t.dev);
+        assert!(std::iter::from_fn(|| w.t.dev.next_event()).any(|e| e == AsyncEvent::PortActive(1)));
+        assert!(w.t.dev.alloc_pd().is_ok());
+    }
+
+    /// The failed work requests of a run with drops, for `seed`.
+    fn dropped_with(seed: u64) -> Vec<u64> {
+        let w = world(5013, 8).unwrap();
+        w.env.fabric.set_faults(Faults {
+            seed,
+            drop_per_million: 100_000,
+            ..Faults::default()
+        });
+        let sge = [w.t.mr.sge(0, 8)];
+        let mut failed = Vec::new();
+        for (q, t) in w.tid.iter().enumerate() {
+            for i in 0..8u64 {
+                let id = q as u64 * 100 + i;
+                let wr = SendWr {
+                    wr_id: id,
+                    op: SendOp::RdmaWrite {
+                        remote_addr: w.h.mr.addr(),
+                        rkey: w.h.mr.rkey(),
+                    },
+                    sges: &sge,
+                    signaled: true,
+                    inline: false,
+                };
+                t.post_send(&[wr]).unwrap();
+                let wc = poll_one(&w.t.cq);
+                if wc.status != WcStatus::Success {
+                    failed.push(wc.wr_id);
+                }
+            }
+        }
+        failed
+    }
+
+    #[test]
+    fn seeded_packet_drops_replay_exactly() {
+        let a = dropped_with(42);
+        assert!(!a.is_empty(), "10% drops over 64 requests dropped nothing");
+        assert_eq!(a, dropped_with(42), "the same seed replays the same faults");
+        assert_ne!(a, dropped_with(7), "another seed gives other faults");
     }
 
     #[test]

@@ -71,6 +71,7 @@ enum Ev {
     Disconnected { token: usize },
     TimewaitExit { token: usize },
     Unreachable { token: usize },
+    DeviceRemoval { token: usize },
 }
 
 struct IdState {
@@ -97,6 +98,19 @@ pub(crate) struct CmState {
 }
 
 impl CmState {
+    /// IDs whose QP is on a removed device see `DeviceRemoval`.
+    pub(crate) fn device_removed(&mut self, qpns: &[u32]) {
+        let hit: Vec<(u32, usize)> = self
+            .ids
+            .values()
+            .filter(|i| i.qp.is_some_and(|q| qpns.contains(&q)))
+            .map(|i| (i.channel, i.token))
+            .collect();
+        for (chan, token) in hit {
+            self.push(chan, Ev::DeviceRemoval { token });
+        }
+    }
+
     fn push(&mut self, channel: u32, ev: Ev) {
         if let Some(c) = self.channels.get_mut(&channel) {
             c.events.push_back(ev);
@@ -259,6 +273,7 @@ impl CmChannel {
             Ev::Disconnected { token } => CmEvent::Disconnected { id: token },
             Ev::TimewaitExit { token } => CmEvent::TimewaitExit { id: token },
             Ev::Unreachable { token } => CmEvent::Unreachable { id: token },
+            Ev::DeviceRemoval { token } => CmEvent::DeviceRemoval { id: token },
         })
     }
 }

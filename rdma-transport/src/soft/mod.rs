@@ -56,6 +56,13 @@ pub const SOFT_ATTR: DeviceAttr = DeviceAttr {
 pub struct Faults {
     /// Never send `LAST_WQE_REACHED` (behave as rxe and iWARP do).
     pub suppress_last_wqe: bool,
+    /// Seed of the fabric's random faults: the same seed and the same operations give the
+    /// same faults, so a failing run replays.
+    pub seed: u64,
+    /// Chance, per million, that a send work request's packets are lost beyond the
+    /// transport's retries: it completes with `RetryExcErr` and its QP goes to ERR, as on a
+    /// failed link.
+    pub drop_per_million: u32,
 }
 
 struct MrEntry {
@@ -134,6 +141,9 @@ pub(crate) struct State {
     pub(crate) qps: HashMap<u32, QpState_>,
     pub(crate) cm: cm::CmState,
     faults: Faults,
+    rng: u64,
+    removed: std::collections::HashSet<u32>,
+    broken_srqs: std::collections::HashSet<u32>,
 }
 
 /// One soft RDMA fabric: the devices that can reach each other in this process.
@@ -158,9 +168,67 @@ impl Fabric {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Sets the faults in force.
+    /// Sets the faults in force (and reseeds the fault generator).
     pub fn set_faults(&self, f: Faults) {
-        self.lock().faults = f;
+        let mut s = self.lock();
+        s.rng = f.seed | 1;
+        s.faults = f;
+    }
+
+    /// Forces QP `qpn` into a fatal error: `QpFatal`, then the error path (flush,
+    /// `LAST_WQE_REACHED`).
+    pub fn inject_qp_fatal(&self, qpn: u32) {
+        let mut s = self.lock();
+        if let Some(dev) = s.qps.get(&qpn).map(|q| q.dev) {
+            s.event(dev, AsyncEvent::QpFatal(qpn));
+            s.qp_error(qpn);
+        }
+    }
+
+    /// Breaks SRQ `srq`: `SrqErr`, every QP on it goes to ERR, and posting to it fails.
+    pub fn inject_srq_error(&self, srq: u32) {
+        let mut s = self.lock();
+        let Some(dev) = s.srqs.get(&srq).map(|q| q.dev) else {
+            return;
+        };
+        s.broken_srqs.insert(srq);
+        s.event(dev, AsyncEvent::SrqErr(srq));
+        let qpns: Vec<u32> = s
+            .qps
+            .iter()
+            .filter(|(_, q)| q.srq == Some(srq))
+            .map(|(n, _)| *n)
+            .collect();
+        for q in qpns {
+            s.qp_error(q);
+        }
+    }
+
+    /// Removes a device as a hot-unplug would: `DeviceFatal`, every QP on it goes to ERR, CM
+    /// IDs on it see `DeviceRemoval`, and nothing new can be created on it until
+    /// [`Fabric::restore_device`].
+    pub fn remove_device(&self, dev: &Device) {
+        let mut s = self.lock();
+        let id = dev.inner.id;
+        s.removed.insert(id);
+        s.event(id, AsyncEvent::DeviceFatal);
+        let qpns: Vec<u32> = s
+            .qps
+            .iter()
+            .filter(|(_, q)| q.dev == id)
+            .map(|(n, _)| *n)
+            .collect();
+        for q in &qpns {
+            s.qp_error(*q);
+        }
+        s.cm.device_removed(&qpns);
+    }
+
+    /// Brings a removed device back (its port turns active again).
+    pub fn restore_device(&self, dev: &Device) {
+        let mut s = self.lock();
+        s.removed.remove(&dev.inner.id);
+        s.event(dev.inner.id, AsyncEvent::PortActive(1));
     }
 
     /// Adds a device with IP address `addr` to this fabric (the address CM listeners bind to
@@ -574,6 +642,9 @@ impl Device {
 
     /// A protection domain.
     pub fn alloc_pd(&self) -> Result<Pd, VerbsError> {
+        if self.fabric().lock().removed.contains(&self.inner.id) {
+            return Err(VerbsError::os("alloc_pd", libc::ENODEV));
+        }
         let id = self.fabric().lock().alloc_id();
         Ok(Pd {
             fabric: self.fabric().clone(),
@@ -592,6 +663,9 @@ impl Device {
                 .map_err(|e| VerbsError::os("eventfd", e.raw_os_error().unwrap_or(libc::EIO)))?,
         );
         let mut s = self.fabric().lock();
+        if s.removed.contains(&self.inner.id) {
+            return Err(VerbsError::os("create_cq", libc::ENODEV));
+        }
         let id = s.alloc_id();
         s.cqs.insert(
             id,
@@ -914,6 +988,9 @@ impl Srq {
     /// Posts receives; fails whole when one has too many SGEs or the SRQ would overflow.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
+        if s.broken_srqs.contains(&self.id) {
+            return Err(VerbsError::os("post_srq_recv", libc::EIO));
+        }
         let q = s
             .srqs
             .get_mut(&self.id)
@@ -1083,6 +1160,15 @@ fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
     };
     if !local_ok {
         return fail(s, WcStatus::LocProtErr);
+    }
+    if s.faults.drop_per_million > 0 {
+        // xorshift64: the fabric's seeded fault generator.
+        s.rng ^= s.rng << 13;
+        s.rng ^= s.rng >> 7;
+        s.rng ^= s.rng << 17;
+        if s.rng % 1_000_000 < u64::from(s.faults.drop_per_million) {
+            return fail(s, WcStatus::RetryExcErr);
+        }
     }
     let Some(peer) = peer.filter(|p| {
         s.qps
