@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use rdma_sys::*;
 
-use super::{check, errno, post_send, Cq, Device, Pd, Srq};
+use std::sync::Arc;
+
+use super::{check, errno, post_send, Cq, CqOwner, Device, Pd, PdInner, Srq, SrqOwner};
 use crate::types::*;
 
 /// A connection manager event.
@@ -119,6 +121,8 @@ pub struct CmId {
     id: NonNull<rdma_cm_id>,
     token: usize,
     has_qp: bool,
+    /// What the QP uses, kept alive until the QP is destroyed (fields drop after `drop`).
+    _uses: Option<(Arc<PdInner>, Arc<CqOwner>, Arc<SrqOwner>)>,
 }
 
 // SAFETY: as for the channel.
@@ -171,6 +175,7 @@ impl CmChannel {
             id,
             token,
             has_qp: false,
+            _uses: None,
         })
     }
 
@@ -296,6 +301,7 @@ impl CmChannel {
                         id,
                         token: t,
                         has_qp: false,
+                        _uses: None,
                     },
                     private_data: pd,
                     initiator_depth: ir,
@@ -374,6 +380,11 @@ impl CmId {
             rdma_create_qp(self.id.as_ptr(), pd.inner.pd.as_ptr(), &mut a)
         })?;
         self.has_qp = true;
+        self._uses = Some((
+            Arc::clone(&pd.inner),
+            Arc::clone(&cq.owner),
+            Arc::clone(&srq.owner),
+        ));
         self.qpn()
             .ok_or(VerbsError::os("rdma_create_qp", libc::EIO))
     }

@@ -337,7 +337,11 @@ impl Device {
         let cq = Cq {
             cq,
             channel: ch,
-            _ctx: Arc::clone(&self.ctx),
+            owner: Arc::new(CqOwner {
+                cq,
+                channel: ch,
+                _ctx: Arc::clone(&self.ctx),
+            }),
         };
         check("fcntl", rc.min(0))?;
         Ok(cq)
@@ -437,7 +441,10 @@ impl Pd {
         let srq = NonNull::new(srq).ok_or_else(|| VerbsError::os("create_srq", errno()))?;
         Ok(Srq {
             srq,
-            _pd: Arc::clone(&self.inner),
+            owner: Arc::new(SrqOwner {
+                srq,
+                _pd: Arc::clone(&self.inner),
+            }),
         })
     }
 }
@@ -508,14 +515,37 @@ impl Drop for Mr {
     }
 }
 
-/// A completion queue with its completion channel.
-pub struct Cq {
-    pub(crate) cq: NonNull<ibv_cq>,
+/// Owns a CQ and its channel: destroyed when the last holder (the `Cq`, or a CM ID whose QP
+/// uses it) goes.
+pub(crate) struct CqOwner {
+    cq: NonNull<ibv_cq>,
     channel: NonNull<ibv_comp_channel>,
     _ctx: Arc<Ctx>,
 }
 
-// SAFETY: a CQ may be polled from the thread that owns it; the handle may move.
+// SAFETY: destroyed once, from whichever thread drops the last holder.
+unsafe impl Send for CqOwner {}
+// SAFETY: holders only keep it alive; nothing is accessed through &CqOwner.
+unsafe impl Sync for CqOwner {}
+
+impl Drop for CqOwner {
+    fn drop(&mut self) {
+        // SAFETY: no QP uses the CQ any more (each holds this owner); then its channel.
+        unsafe {
+            ibv_destroy_cq(self.cq.as_ptr());
+            ibv_destroy_comp_channel(self.channel.as_ptr());
+        }
+    }
+}
+
+/// A completion queue with its completion channel.
+pub struct Cq {
+    pub(crate) cq: NonNull<ibv_cq>,
+    channel: NonNull<ibv_comp_channel>,
+    pub(crate) owner: Arc<CqOwner>,
+}
+
+// SAFETY: a CQ is polled by the thread that owns the handle; the handle may move.
 unsafe impl Send for Cq {}
 
 impl std::fmt::Debug for Cq {
@@ -616,17 +646,6 @@ impl Cq {
     }
 }
 
-impl Drop for Cq {
-    fn drop(&mut self) {
-        // SAFETY: QPs using this CQ are destroyed first (they are dropped before the CQ by
-        // their owners, as the daemon's reactor orders them); then the channel.
-        unsafe {
-            ibv_destroy_cq(self.cq.as_ptr());
-            ibv_destroy_comp_channel(self.channel.as_ptr());
-        }
-    }
-}
-
 /// SRQ attributes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SrqAttr {
@@ -638,10 +657,28 @@ pub struct SrqAttr {
     pub srq_limit: u32,
 }
 
+/// Owns an SRQ: destroyed when the last holder (the `Srq`, or a CM ID whose QP uses it) goes.
+pub(crate) struct SrqOwner {
+    srq: NonNull<ibv_srq>,
+    _pd: Arc<PdInner>,
+}
+
+// SAFETY: as for CqOwner.
+unsafe impl Send for SrqOwner {}
+// SAFETY: as for CqOwner.
+unsafe impl Sync for SrqOwner {}
+
+impl Drop for SrqOwner {
+    fn drop(&mut self) {
+        // SAFETY: no QP uses it any more (each holds this owner).
+        unsafe { ibv_destroy_srq(self.srq.as_ptr()) };
+    }
+}
+
 /// A shared receive queue.
 pub struct Srq {
     pub(crate) srq: NonNull<ibv_srq>,
-    _pd: Arc<PdInner>,
+    pub(crate) owner: Arc<SrqOwner>,
 }
 
 // SAFETY: posting to an SRQ is thread-safe in libibverbs; the handle may move.
@@ -716,13 +753,6 @@ impl Srq {
     pub fn id(&self) -> u32 {
         // SAFETY: live SRQ.
         unsafe { (*self.srq.as_ptr()).handle }
-    }
-}
-
-impl Drop for Srq {
-    fn drop(&mut self) {
-        // SAFETY: the QPs attached to it are destroyed first by their owners.
-        unsafe { ibv_destroy_srq(self.srq.as_ptr()) };
     }
 }
 
