@@ -101,7 +101,7 @@ macro_rules! suite {
 
             pub(crate) fn world(port: u16, n: usize) -> Option<World> {
                 let env = <$env>::new()?;
-                let addr = SocketAddr::new(env.ip(), port);
+                let addr = env.addr(port);
                 let sch = env.channel();
                 let listener = sch.listen(addr, 64).unwrap();
                 let t = side(listener.device().unwrap());
@@ -426,7 +426,7 @@ macro_rules! suite {
             #[test]
             fn cm_reject_carries_private_data() {
                 let Some(env) = <$env>::new() else { return };
-                let addr = SocketAddr::new(env.ip(), 4428);
+                let addr = env.addr(4428);
                 let sch = env.channel();
                 let _l = sch.listen(addr, 4).unwrap();
                 let cch = env.channel();
@@ -574,12 +574,52 @@ impl SoftEnv {
     fn ip(&self) -> std::net::IpAddr {
         "10.0.0.1".parse().unwrap()
     }
+    fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(self.ip(), port)
+    }
     fn channel(&self) -> nvmfd_rdma::soft::cm::CmChannel {
         nvmfd_rdma::soft::cm::CmChannel::new(&self.fabric).unwrap()
     }
 }
 
 suite!(on_soft, soft, SoftEnv);
+
+/// The soft provider between two fabrics over TCP on loopback, as between two processes: the
+/// first channel asked for (the listening side) is on fabric A, the next on fabric B, and so on.
+struct SoftTcpEnv {
+    a: nvmfd_rdma::soft::Fabric,
+    b: nvmfd_rdma::soft::Fabric,
+    n: std::cell::Cell<u32>,
+}
+
+impl SoftTcpEnv {
+    fn new() -> Option<SoftTcpEnv> {
+        let a = nvmfd_rdma::soft::Fabric::networked();
+        a.add_device("127.0.0.1".parse().unwrap()).unwrap();
+        let b = nvmfd_rdma::soft::Fabric::networked();
+        b.add_device("127.0.0.2".parse().unwrap()).unwrap();
+        Some(SoftTcpEnv {
+            a,
+            b,
+            n: std::cell::Cell::new(0),
+        })
+    }
+    fn ip(&self) -> std::net::IpAddr {
+        "127.0.0.1".parse().unwrap()
+    }
+    /// Ports well away from the others' (these are real TCP ports).
+    fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(self.ip(), port + 21000)
+    }
+    fn channel(&self) -> nvmfd_rdma::soft::cm::CmChannel {
+        let n = self.n.get();
+        self.n.set(n + 1);
+        let f = if n % 2 == 0 { &self.a } else { &self.b };
+        nvmfd_rdma::soft::cm::CmChannel::new(f).unwrap()
+    }
+}
+
+suite!(on_soft_tcp, soft, SoftTcpEnv);
 
 /// The ibverbs provider: the device whose address `RDMA_IP` names.
 #[cfg(feature = "ibverbs")]
@@ -602,6 +642,9 @@ impl VerbsEnv {
     }
     fn ip(&self) -> std::net::IpAddr {
         self.ip
+    }
+    fn addr(&self, port: u16) -> SocketAddr {
+        SocketAddr::new(self.ip, port)
     }
     fn channel(&self) -> nvmfd_rdma::ibverbs::cm::CmChannel {
         nvmfd_rdma::ibverbs::cm::CmChannel::new().unwrap()
@@ -769,6 +812,48 @@ mod soft_only {
     }
 
     #[test]
+    fn garbage_on_the_tcp_wire_is_dropped_and_others_still_connect() {
+        use std::io::Write;
+        let env = SoftTcpEnv::new().unwrap();
+        let addr = env.addr(5020);
+        let sch = env.channel();
+        let _l = sch.listen(addr, 4).unwrap();
+        // A peer that speaks nonsense, then one that claims a 4 GiB frame.
+        let mut junk = std::net::TcpStream::connect(addr).unwrap();
+        junk.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let mut huge = std::net::TcpStream::connect(addr).unwrap();
+        huge.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        drop((junk, huge));
+        // A real connection still works.
+        let cch = env.channel();
+        let mut c = cch.resolve(addr, Duration::from_secs(3)).unwrap();
+        let h = on_soft_tcp::side(c.device().unwrap());
+        c.create_qp(&h.pd, &h.cq, &h.srq, CAPS).unwrap();
+        c.connect(b"hello").unwrap();
+        let id = wait("CONNECT_REQUEST after garbage", || match sch.next_event() {
+            Some(nvmfd_rdma::soft::cm::CmEvent::ConnectRequest {
+                id, private_data, ..
+            }) => Some((id, private_data)),
+            _ => None,
+        });
+        assert_eq!(id.1, b"hello");
+    }
+
+    #[test]
+    fn a_peer_that_goes_away_fails_the_qp_and_is_a_disconnect() {
+        let w = on_soft_tcp::world(5021, 1).unwrap();
+        // The host side goes away: its CM IDs and QPs are dropped.
+        drop(w.hid);
+        wait("DISCONNECTED after the peer vanished", || {
+            match w.sch.next_event() {
+                Some(nvmfd_rdma::soft::cm::CmEvent::Disconnected { .. }) => Some(()),
+                _ => None,
+            }
+        });
+        assert_eq!(w.tid[0].qp_state(), Some(QpState::Err));
+    }
+
+    #[test]
     fn connecting_where_nobody_listens_is_unreachable() {
         let f = Fabric::new();
         f.add_device("10.0.0.1".parse().unwrap()).unwrap();
@@ -833,7 +918,7 @@ mod soft_only {
         let srq = w.t.pd.create_srq(4, 1).unwrap();
         let ch = w.env.channel();
         let mut c = ch
-            .resolve(SocketAddr::new(w.env.ip(), 5004), Duration::from_secs(1))
+            .resolve(w.env.addr(5004), Duration::from_secs(1))
             .unwrap();
         c.create_qp(&w.t.pd, &small, &srq, CAPS).unwrap();
         c.connect(b"").unwrap();
@@ -899,14 +984,14 @@ mod soft_only {
         let other_pd = w.t.dev.alloc_pd().unwrap();
         let ch = w.env.channel();
         let mut c = ch
-            .resolve(SocketAddr::new(w.env.ip(), 5005), Duration::from_secs(1))
+            .resolve(w.env.addr(5005), Duration::from_secs(1))
             .unwrap();
         assert!(
             c.create_qp(&other_pd, &w.t.cq, &w.t.srq, CAPS).is_err(),
             "an SRQ of another PD"
         );
         let fresh = ch
-            .resolve(SocketAddr::new(w.env.ip(), 5005), Duration::from_secs(1))
+            .resolve(w.env.addr(5005), Duration::from_secs(1))
             .unwrap();
         assert!(
             fresh.post_send(&[send(1, &one, true)]).is_err(),

@@ -75,6 +75,8 @@ enum Ev {
 }
 
 struct IdState {
+    /// The TCP link, for a connection to another process.
+    link: Option<u32>,
     channel: u32,
     token: usize,
     dst: Option<SocketAddr>,
@@ -92,12 +94,49 @@ struct ChannelState {
 /// The CM's part of a fabric's state.
 #[derive(Default)]
 pub(crate) struct CmState {
+    remote_ids: u32,
+    remote_listener: HashMap<u32, u32>,
     listeners: HashMap<SocketAddr, u32>,
     ids: HashMap<u32, IdState>,
     channels: HashMap<u32, ChannelState>,
 }
 
 impl CmState {
+    /// Whether listener ID `id` still listens.
+    pub(crate) fn listening(&self, id: u32) -> bool {
+        self.ids.contains_key(&id) && self.listeners.values().any(|&l| l == id)
+    }
+
+    /// A connect request arrived over TCP for listener `listener`: a new ID on its channel.
+    pub(crate) fn remote_request(
+        &mut self,
+        link: u32,
+        listener: u32,
+        private_data: Vec<u8>,
+    ) -> Option<u32> {
+        let chan = self.ids.get(&listener)?.channel;
+        self.remote_ids += 1;
+        // Kept apart from the fabric's IDs: the high bit marks IDs made by a TCP acceptor.
+        let id = 0x8000_0000 | self.remote_ids;
+        let token = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
+        self.ids.insert(
+            id,
+            IdState {
+                link: Some(link),
+                channel: chan,
+                token,
+                dst: None,
+                peer: None,
+                qp: None,
+                connected: false,
+                private_data: Vec::new(),
+            },
+        );
+        self.remote_listener.insert(id, listener);
+        self.push(chan, Ev::Request { id, private_data });
+        Some(id)
+    }
+
     /// IDs whose QP is on a removed device see `DeviceRemoval`.
     pub(crate) fn device_removed(&mut self, qpns: &[u32]) {
         let hit: Vec<(u32, usize)> = self
@@ -173,6 +212,7 @@ impl CmChannel {
         s.cm.ids.insert(
             id,
             IdState {
+                link: None,
                 channel: self.id,
                 token,
                 dst,
@@ -205,7 +245,13 @@ impl CmChannel {
             return Err(VerbsError::os("rdma_listen", libc::EADDRINUSE));
         }
         s.cm.listeners.insert(addr, id.id);
+        let tcp = s.tcp;
         drop(s);
+        if tcp {
+            super::tcp::start_acceptor(&self.fabric, addr, id.id).map_err(|e| {
+                VerbsError::os("rdma_listen", e.raw_os_error().unwrap_or(libc::EADDRINUSE))
+            })?;
+        }
         id.listen_addr = Some(addr);
         id.device = Some(device);
         Ok(id)
@@ -239,7 +285,14 @@ impl CmChannel {
                         .get(&id)
                         .and_then(|i| i.peer)
                         .and_then(|p| s.cm.ids.get(&p))
-                        .and_then(|p| p.dst);
+                        .and_then(|p| p.dst)
+                        .or_else(|| {
+                            let l = s.cm.remote_listener.get(&id)?;
+                            s.cm.listeners
+                                .iter()
+                                .find(|(_, v)| *v == l)
+                                .map(|(a, _)| *a)
+                        });
                 drop(s);
                 let device = listen.and_then(|a| self.fabric.device_for(a.ip()));
                 CmEvent::ConnectRequest {
@@ -356,7 +409,31 @@ impl CmId {
         }
         let listener = dst.and_then(|d| s.cm.listeners.get(&d).copied());
         let Some(lid) = listener else {
-            s.cm.push(chan, Ev::Unreachable { token });
+            let (Some(dst), true) = (dst, s.tcp) else {
+                s.cm.push(chan, Ev::Unreachable { token });
+                return Ok(());
+            };
+            // Another process: connect over TCP; its accept or reject comes back as a frame.
+            drop(s);
+            let Ok(stream) = std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(3))
+            else {
+                self.fabric.lock().cm.push(chan, Ev::Unreachable { token });
+                return Ok(());
+            };
+            let link =
+                super::tcp::start_link(&self.fabric, stream, Some(self.id)).map_err(|e| {
+                    VerbsError::os("rdma_connect", e.raw_os_error().unwrap_or(libc::EIO))
+                })?;
+            let mut s = self.fabric.lock();
+            if let Some(me) = s.cm.ids.get_mut(&self.id) {
+                me.link = Some(link);
+            }
+            s.send_frame(
+                link,
+                super::tcp::Frame::Connect {
+                    private_data: private_data.to_vec(),
+                },
+            );
             return Ok(());
         };
         let Some(lchan) = s.cm.ids.get(&lid).map(|l| l.channel) else {
@@ -368,6 +445,7 @@ impl CmId {
         s.cm.ids.insert(
             sid,
             IdState {
+                link: None,
                 channel: lchan,
                 token: stoken,
                 dst: None,
@@ -407,6 +485,26 @@ impl CmId {
                 why: "no QP",
             });
         };
+        if let Some(link) = s.cm.ids.get(&self.id).and_then(|i| i.link) {
+            s.bind_remote(qp, link);
+            if let Some(i) = s.cm.ids.get_mut(&self.id) {
+                i.connected = true;
+            }
+            s.send_frame(
+                link,
+                super::tcp::Frame::Accept {
+                    private_data: private_data.to_vec(),
+                },
+            );
+            s.cm.push(
+                chan,
+                Ev::Established {
+                    token,
+                    private_data: Vec::new(),
+                },
+            );
+            return Ok(());
+        }
         let Some(peer) = peer else {
             return Err(VerbsError::os("rdma_accept", libc::EINVAL));
         };
@@ -444,6 +542,15 @@ impl CmId {
     /// Rejects a connect request with `private_data`.
     pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
+        if let Some(link) = s.cm.ids.get(&self.id).and_then(|i| i.link) {
+            s.send_frame(
+                link,
+                super::tcp::Frame::Reject {
+                    private_data: private_data.to_vec(),
+                },
+            );
+            return Ok(());
+        }
         let peer = s.cm.ids.get(&self.id).and_then(|i| i.peer);
         if let Some((pchan, ptoken)) = peer
             .and_then(|p| s.cm.ids.get(&p))
@@ -477,6 +584,9 @@ impl CmId {
         }
         s.cm.push(chan, Ev::Disconnected { token });
         s.cm.push(chan, Ev::TimewaitExit { token });
+        if let Some(link) = s.cm.ids.get(&self.id).and_then(|i| i.link) {
+            s.send_frame(link, super::tcp::Frame::Disconnect);
+        }
         if let Some(p) = peer
             .and_then(|p| s.cm.ids.get(&p))
             .filter(|p| p.connected)
@@ -530,5 +640,75 @@ impl Drop for CmId {
         // The QP (if any) is destroyed after the ID's state, as rdma_destroy_qp then
         // rdma_destroy_id would.
         self.qp.take();
+    }
+}
+
+impl super::State {
+    /// Binds local QP `qp` to the TCP `link` and moves it to RTS.
+    pub(crate) fn bind_remote(&mut self, qp: u32, link: u32) {
+        if let Some(q) = self.qps.get_mut(&qp) {
+            q.remote = Some(link);
+            q.state = QpState::Rts;
+        }
+        if let Some(l) = self.links.get_mut(&link) {
+            l.qp = Some(qp);
+        }
+    }
+
+    fn link_id(&self, link: u32) -> Option<u32> {
+        self.links.get(&link).and_then(|l| l.cm_id)
+    }
+
+    /// The peer process accepted our connect request.
+    pub(crate) fn cm_remote_accepted(&mut self, link: u32, private_data: Vec<u8>) {
+        let Some(id) = self.link_id(link) else { return };
+        let Some((chan, token, qp)) = self.cm.ids.get(&id).map(|i| (i.channel, i.token, i.qp))
+        else {
+            return;
+        };
+        if let Some(q) = qp {
+            self.bind_remote(q, link);
+        }
+        if let Some(i) = self.cm.ids.get_mut(&id) {
+            i.connected = true;
+        }
+        self.cm.push(
+            chan,
+            Ev::Established {
+                token,
+                private_data,
+            },
+        );
+    }
+
+    /// The peer process rejected our connect request.
+    pub(crate) fn cm_remote_rejected(&mut self, link: u32, private_data: Vec<u8>) {
+        let Some(id) = self.link_id(link) else { return };
+        if let Some((chan, token)) = self.cm.ids.get(&id).map(|i| (i.channel, i.token)) {
+            self.cm.push(
+                chan,
+                Ev::Rejected {
+                    token,
+                    private_data,
+                },
+            );
+        }
+    }
+
+    /// The peer process disconnected (or its connection broke).
+    pub(crate) fn cm_remote_disconnected(&mut self, link: u32) {
+        let Some(id) = self.link_id(link) else { return };
+        let Some(i) = self.cm.ids.get_mut(&id) else {
+            return;
+        };
+        if !i.connected {
+            return;
+        }
+        i.connected = false;
+        let (chan, token, qp) = (i.channel, i.token, i.qp);
+        if let Some(q) = qp {
+            self.qp_error(q);
+        }
+        self.cm.push(chan, Ev::Disconnected { token });
     }
 }

@@ -12,6 +12,7 @@
 
 pub mod cm;
 mod event;
+mod tcp;
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsRawFd, RawFd};
@@ -104,6 +105,17 @@ struct Pending {
     signaled: bool,
     data: Vec<u8>,
     invalidate: Option<u32>,
+    /// A SEND from a peer over TCP: (link, sequence) to acknowledge when it lands.
+    remote: Option<(u32, u64)>,
+}
+
+/// A work request waiting for the responder's answer over TCP.
+struct RemoteWr {
+    wr_id: u64,
+    signaled: bool,
+    opcode: WcOpcode,
+    /// Where an RDMA READ's data goes.
+    read_sges: Vec<Sge>,
 }
 
 pub(crate) struct QpState_ {
@@ -123,6 +135,10 @@ pub(crate) struct QpState_ {
     /// Messages for this QP waiting for a receive.
     inbound: VecDeque<Pending>,
     last_wqe_sent: bool,
+    /// The TCP link to the peer, when the peer is in another process.
+    remote: Option<u32>,
+    remote_pending: HashMap<u64, RemoteWr>,
+    next_seq: u64,
 }
 
 struct DevState {
@@ -142,6 +158,8 @@ pub(crate) struct State {
     pub(crate) cm: cm::CmState,
     faults: Faults,
     rng: u64,
+    tcp: bool,
+    links: HashMap<u32, tcp::LinkState>,
     removed: std::collections::HashSet<u32>,
     broken_srqs: std::collections::HashSet<u32>,
 }
@@ -159,9 +177,17 @@ impl std::fmt::Debug for Fabric {
 }
 
 impl Fabric {
-    /// A new, empty fabric.
+    /// A new, empty fabric (in-process only).
     pub fn new() -> Fabric {
         Fabric::default()
+    }
+
+    /// A new fabric whose listeners also accept TCP connections and whose connections to
+    /// addresses not in it go over TCP: the wire between processes.
+    pub fn networked() -> Fabric {
+        let f = Fabric::default();
+        f.lock().tcp = true;
+        f
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -398,11 +424,38 @@ impl State {
                 },
             );
         }
+        let remote: Vec<RemoteWr> = self
+            .qps
+            .get_mut(&qpn)
+            .map(|q| q.remote_pending.drain().map(|(_, w)| w).collect())
+            .unwrap_or_default();
+        for w in remote {
+            self.push_wc(
+                send_cq,
+                Wc {
+                    wr_id: w.wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: w.opcode,
+                    qp_num: qpn,
+                    ..Wc::default()
+                },
+            );
+        }
         if let Some(q) = self.qps.get_mut(&qpn) {
             q.deferred = 0;
         }
         // Messages from the peer waiting for our receives: the peer's SENDs fail.
         for m in inbound {
+            if let Some((link, seq)) = m.remote {
+                self.send_frame(
+                    link,
+                    tcp::Frame::Ack {
+                        seq,
+                        status: tcp::status_code(WcStatus::RetryExcErr),
+                    },
+                );
+                continue;
+            }
             self.complete_send(
                 m.from_qpn,
                 m.wr_id,
@@ -518,6 +571,15 @@ impl State {
                             q.inbound.push_front(m);
                         }
                         break;
+                    }
+                    Some(r) if m.remote.is_some() => {
+                        let (link, seq) = m.remote.unwrap_or_default();
+                        let status = if r.is_ok() {
+                            0
+                        } else {
+                            tcp::status_code(WcStatus::RemInvReqErr)
+                        };
+                        self.send_frame(link, tcp::Frame::Ack { seq, status });
                     }
                     Some(r) => {
                         if let Some(src) = self.qps.get_mut(&m.from_qpn) {
@@ -825,6 +887,9 @@ impl Pd {
                 deferred: 0,
                 inbound: VecDeque::new(),
                 last_wqe_sent: false,
+                remote: None,
+                remote_pending: HashMap::new(),
+                next_seq: 0,
             },
         );
         Ok(Qp {
@@ -1170,6 +1235,55 @@ fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
             return fail(s, WcStatus::RetryExcErr);
         }
     }
+    if let Some(link) = s.qps.get(&qpn).and_then(|q| q.remote) {
+        let Some(q) = s.qps.get_mut(&qpn) else { return };
+        q.next_seq += 1;
+        let seq = q.next_seq;
+        q.deferred += 1;
+        let read_sges = if matches!(w.op, SendOp::RdmaRead { .. }) {
+            w.sges.to_vec()
+        } else {
+            Vec::new()
+        };
+        q.remote_pending.insert(
+            seq,
+            RemoteWr {
+                wr_id: w.wr_id,
+                signaled: w.signaled,
+                opcode,
+                read_sges,
+            },
+        );
+        let frame = match w.op {
+            SendOp::Send => tcp::Frame::Send {
+                seq,
+                invalidate: None,
+                data: gather(w.sges),
+            },
+            SendOp::SendWithInvalidate { rkey } => tcp::Frame::Send {
+                seq,
+                invalidate: Some(rkey),
+                data: gather(w.sges),
+            },
+            SendOp::RdmaWrite { remote_addr, rkey } => tcp::Frame::Write {
+                seq,
+                addr: remote_addr,
+                rkey,
+                data: gather(w.sges),
+            },
+            SendOp::RdmaRead { remote_addr, rkey } => {
+                let len: u32 = w.sges.iter().map(|g| g.length).sum();
+                tcp::Frame::Read {
+                    seq,
+                    addr: remote_addr,
+                    rkey,
+                    len,
+                }
+            }
+        };
+        s.send_frame(link, frame);
+        return;
+    }
     let Some(peer) = peer.filter(|p| {
         s.qps
             .get(p)
@@ -1225,6 +1339,7 @@ fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
                 signaled: w.signaled,
                 data: gather(w.sges),
                 invalidate,
+                remote: None,
             };
             let waiting = s.qps.get(&peer).is_some_and(|q| !q.inbound.is_empty());
             let r = if waiting { None } else { s.deliver(peer, &m) };

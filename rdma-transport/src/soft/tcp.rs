@@ -1,0 +1,469 @@
+//! The soft provider's TCP wire: RC connections between fabrics in different processes.
+//!
+//! Each connection is one TCP stream with a reader thread (which applies what arrives to its
+//! fabric under the fabric lock) and a writer thread (fed by a channel, so nothing blocks on
+//! the network while holding the lock). Frames are length-prefixed: `[u32 len][u8 kind]
+//! [payload]`. SEND, RDMA WRITE and RDMA READ complete at the requester when the responder's
+//! answer arrives, with the responder's verdict (access error, RNR waits), as on a real wire.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
+
+use super::{Fabric, Pending, State};
+use crate::types::*;
+
+/// Largest frame accepted from a peer (a frame is at most one message).
+const MAX_FRAME: usize = 16 << 20;
+
+/// What crosses the wire.
+#[derive(Debug)]
+pub(crate) enum Frame {
+    Connect {
+        private_data: Vec<u8>,
+    },
+    Accept {
+        private_data: Vec<u8>,
+    },
+    Reject {
+        private_data: Vec<u8>,
+    },
+    Disconnect,
+    Send {
+        seq: u64,
+        invalidate: Option<u32>,
+        data: Vec<u8>,
+    },
+    Write {
+        seq: u64,
+        addr: u64,
+        rkey: u32,
+        data: Vec<u8>,
+    },
+    Read {
+        seq: u64,
+        addr: u64,
+        rkey: u32,
+        len: u32,
+    },
+    Ack {
+        seq: u64,
+        status: u8,
+    },
+    ReadResp {
+        seq: u64,
+        status: u8,
+        data: Vec<u8>,
+    },
+}
+
+pub(crate) fn status_code(s: WcStatus) -> u8 {
+    match s {
+        WcStatus::Success => 0,
+        WcStatus::RemAccessErr => 1,
+        WcStatus::RemInvReqErr => 2,
+        WcStatus::RetryExcErr => 3,
+        _ => 4,
+    }
+}
+
+pub(crate) fn code_status(c: u8) -> WcStatus {
+    match c {
+        0 => WcStatus::Success,
+        1 => WcStatus::RemAccessErr,
+        2 => WcStatus::RemInvReqErr,
+        3 => WcStatus::RetryExcErr,
+        _ => WcStatus::RemOpErr,
+    }
+}
+
+impl Frame {
+    fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; 4];
+        let mut put = |x: &[u8]| b.extend_from_slice(x);
+        match self {
+            Frame::Connect { private_data } => {
+                put(&[1]);
+                put(private_data);
+            }
+            Frame::Accept { private_data } => {
+                put(&[2]);
+                put(private_data);
+            }
+            Frame::Reject { private_data } => {
+                put(&[3]);
+                put(private_data);
+            }
+            Frame::Disconnect => put(&[4]),
+            Frame::Send {
+                seq,
+                invalidate,
+                data,
+            } => {
+                put(&[5]);
+                put(&seq.to_le_bytes());
+                put(&[u8::from(invalidate.is_some())]);
+                put(&invalidate.unwrap_or(0).to_le_bytes());
+                put(data);
+            }
+            Frame::Write {
+                seq,
+                addr,
+                rkey,
+                data,
+            } => {
+                put(&[6]);
+                put(&seq.to_le_bytes());
+                put(&addr.to_le_bytes());
+                put(&rkey.to_le_bytes());
+                put(data);
+            }
+            Frame::Read {
+                seq,
+                addr,
+                rkey,
+                len,
+            } => {
+                put(&[7]);
+                put(&seq.to_le_bytes());
+                put(&addr.to_le_bytes());
+                put(&rkey.to_le_bytes());
+                put(&len.to_le_bytes());
+            }
+            Frame::Ack { seq, status } => {
+                put(&[8]);
+                put(&seq.to_le_bytes());
+                put(&[*status]);
+            }
+            Frame::ReadResp { seq, status, data } => {
+                put(&[9]);
+                put(&seq.to_le_bytes());
+                put(&[*status]);
+                put(data);
+            }
+        }
+        let len = u32::try_from(b.len() - 4).unwrap_or(u32::MAX);
+        b[..4].copy_from_slice(&len.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Frame> {
+        let (&kind, p) = b.split_first()?;
+        let u64_at = |o: usize| {
+            p.get(o..o + 8)
+                .map(|x| u64::from_le_bytes(x.try_into().unwrap_or([0; 8])))
+        };
+        let u32_at = |o: usize| {
+            p.get(o..o + 4)
+                .map(|x| u32::from_le_bytes(x.try_into().unwrap_or([0; 4])))
+        };
+        Some(match kind {
+            1 => Frame::Connect {
+                private_data: p.to_vec(),
+            },
+            2 => Frame::Accept {
+                private_data: p.to_vec(),
+            },
+            3 => Frame::Reject {
+                private_data: p.to_vec(),
+            },
+            4 => Frame::Disconnect,
+            5 => Frame::Send {
+                seq: u64_at(0)?,
+                invalidate: (*p.get(8)? == 1).then_some(u32_at(9)?),
+                data: p.get(13..)?.to_vec(),
+            },
+            6 => Frame::Write {
+                seq: u64_at(0)?,
+                addr: u64_at(8)?,
+                rkey: u32_at(16)?,
+                data: p.get(20..)?.to_vec(),
+            },
+            7 => Frame::Read {
+                seq: u64_at(0)?,
+                addr: u64_at(8)?,
+                rkey: u32_at(16)?,
+                len: u32_at(20)?,
+            },
+            8 => Frame::Ack {
+                seq: u64_at(0)?,
+                status: *p.get(8)?,
+            },
+            9 => Frame::ReadResp {
+                seq: u64_at(0)?,
+                status: *p.get(8)?,
+                data: p.get(9..)?.to_vec(),
+            },
+            _ => return None,
+        })
+    }
+}
+
+fn read_frame(s: &mut TcpStream) -> io::Result<Frame> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len == 0 || len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "bad frame length",
+        ));
+    }
+    let mut b = vec![0u8; len];
+    s.read_exact(&mut b)?;
+    Frame::decode(&b).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad frame"))
+}
+
+/// A connection's sending side, kept in the fabric state.
+pub(crate) struct LinkState {
+    pub tx: mpsc::Sender<Frame>,
+    /// The local CM ID the connection belongs to.
+    pub cm_id: Option<u32>,
+    /// The local QP bound to it, once connected.
+    pub qp: Option<u32>,
+}
+
+/// Starts the reader and writer threads of a TCP connection and registers it; returns the
+/// link's ID. `first` is a frame the reader has to handle before reading more (the Connect of
+/// an accepted connection, read by the acceptor).
+pub(crate) fn start_link(
+    fabric: &Fabric,
+    stream: TcpStream,
+    cm_id: Option<u32>,
+) -> io::Result<u32> {
+    stream.set_nodelay(true)?;
+    let mut reader = stream.try_clone()?;
+    let mut writer = stream;
+    let (tx, rx) = mpsc::channel::<Frame>();
+    let link = {
+        let mut s = fabric.lock();
+        let id = s.alloc_id();
+        s.links.insert(
+            id,
+            LinkState {
+                tx,
+                cm_id,
+                qp: None,
+            },
+        );
+        id
+    };
+    std::thread::Builder::new()
+        .name(format!("soft-tx-{link:x}"))
+        .spawn(move || {
+            while let Ok(f) = rx.recv() {
+                let last = matches!(f, Frame::Disconnect | Frame::Reject { .. });
+                if writer.write_all(&f.encode()).is_err() || last {
+                    break;
+                }
+            }
+            let _ = writer.shutdown(std::net::Shutdown::Write);
+        })?;
+    let f = fabric.clone();
+    std::thread::Builder::new()
+        .name(format!("soft-rx-{link:x}"))
+        .spawn(move || {
+            while let Ok(frame) = read_frame(&mut reader) {
+                f.lock().on_frame(&f, link, frame);
+            }
+            f.lock().link_lost(link);
+        })?;
+    Ok(link)
+}
+
+/// Accepts TCP connections for a listening address until the listener is closed.
+pub(crate) fn start_acceptor(
+    fabric: &Fabric,
+    addr: SocketAddr,
+    listener_id: u32,
+) -> io::Result<SocketAddr> {
+    let l = TcpListener::bind(addr)?;
+    let local = l.local_addr()?;
+    let f = fabric.clone();
+    std::thread::Builder::new()
+        .name(format!("soft-accept-{}", local.port()))
+        .spawn(move || {
+            for conn in l.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                if !f.lock().cm.listening(listener_id) {
+                    break;
+                }
+                // The first frame is the connect request.
+                let Ok(Frame::Connect { private_data }) = read_frame(&mut conn) else {
+                    continue;
+                };
+                let Ok(link) = start_link(&f, conn, None) else {
+                    continue;
+                };
+                let mut s = f.lock();
+                let id = s.cm.remote_request(link, listener_id, private_data);
+                if let Some(l) = s.links.get_mut(&link) {
+                    l.cm_id = id;
+                }
+            }
+        })?;
+    Ok(local)
+}
+
+impl State {
+    pub(crate) fn send_frame(&self, link: u32, f: Frame) {
+        if let Some(l) = self.links.get(&link) {
+            let _ = l.tx.send(f);
+        }
+    }
+
+    fn link_qp(&self, link: u32) -> Option<u32> {
+        self.links.get(&link).and_then(|l| l.qp)
+    }
+
+    /// Applies a frame from the peer.
+    pub(crate) fn on_frame(&mut self, _fabric: &Fabric, link: u32, frame: Frame) {
+        match frame {
+            Frame::Connect { .. } => {}
+            Frame::Accept { private_data } => self.cm_remote_accepted(link, private_data),
+            Frame::Reject { private_data } => self.cm_remote_rejected(link, private_data),
+            Frame::Disconnect => self.cm_remote_disconnected(link),
+            Frame::Send {
+                seq,
+                invalidate,
+                data,
+            } => {
+                let Some(dst) = self.link_qp(link) else {
+                    return self.send_frame(
+                        link,
+                        Frame::Ack {
+                            seq,
+                            status: status_code(WcStatus::RetryExcErr),
+                        },
+                    );
+                };
+                let m = Pending {
+                    from_qpn: 0,
+                    wr_id: 0,
+                    signaled: false,
+                    data,
+                    invalidate,
+                    remote: Some((link, seq)),
+                };
+                let waiting = self.qps.get(&dst).is_some_and(|q| !q.inbound.is_empty());
+                match if waiting { None } else { self.deliver(dst, &m) } {
+                    Some(Ok(())) => self.send_frame(link, Frame::Ack { seq, status: 0 }),
+                    Some(Err(())) => self.send_frame(
+                        link,
+                        Frame::Ack {
+                            seq,
+                            status: status_code(WcStatus::RemInvReqErr),
+                        },
+                    ),
+                    None => {
+                        // Receiver not ready: the message waits (rnr_retry 7 at the sender).
+                        if let Some(q) = self.qps.get_mut(&dst) {
+                            q.inbound.push_back(m);
+                        }
+                    }
+                }
+            }
+            Frame::Write {
+                seq,
+                addr,
+                rkey,
+                data,
+            } => {
+                let ok = self
+                    .link_qp(link)
+                    .and_then(|q| self.qps.get(&q).map(|q| (q.dev, q.pd)))
+                    .is_some_and(|(dev, pd)| {
+                        self.check_remote(
+                            dev,
+                            pd,
+                            addr,
+                            data.len() as u64,
+                            rkey,
+                            Access::REMOTE_WRITE,
+                        )
+                    });
+                if ok {
+                    super::scatter(
+                        &[Sge {
+                            addr,
+                            length: u32::try_from(data.len()).unwrap_or(u32::MAX),
+                            lkey: 0,
+                        }],
+                        &data,
+                    );
+                }
+                let status = if ok {
+                    0
+                } else {
+                    status_code(WcStatus::RemAccessErr)
+                };
+                self.send_frame(link, Frame::Ack { seq, status });
+            }
+            Frame::Read {
+                seq,
+                addr,
+                rkey,
+                len,
+            } => {
+                let ok = self
+                    .link_qp(link)
+                    .and_then(|q| self.qps.get(&q).map(|q| (q.dev, q.pd)))
+                    .is_some_and(|(dev, pd)| {
+                        self.check_remote(dev, pd, addr, u64::from(len), rkey, Access::REMOTE_READ)
+                    });
+                let resp = if ok {
+                    Frame::ReadResp {
+                        seq,
+                        status: 0,
+                        data: super::gather(&[Sge {
+                            addr,
+                            length: len,
+                            lkey: 0,
+                        }]),
+                    }
+                } else {
+                    Frame::ReadResp {
+                        seq,
+                        status: status_code(WcStatus::RemAccessErr),
+                        data: Vec::new(),
+                    }
+                };
+                self.send_frame(link, resp);
+            }
+            Frame::Ack { seq, status } => self.remote_done(link, seq, code_status(status), None),
+            Frame::ReadResp { seq, status, data } => {
+                self.remote_done(link, seq, code_status(status), Some(data))
+            }
+        }
+    }
+
+    /// The responder answered a request of ours.
+    fn remote_done(&mut self, link: u32, seq: u64, status: WcStatus, read: Option<Vec<u8>>) {
+        let Some(qpn) = self.link_qp(link) else {
+            return;
+        };
+        let Some(q) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        let Some(wr) = q.remote_pending.remove(&seq) else {
+            return;
+        };
+        q.deferred = q.deferred.saturating_sub(1);
+        if let (WcStatus::Success, Some(data)) = (status, read) {
+            super::scatter(&wr.read_sges, &data);
+        }
+        self.complete_send(qpn, wr.wr_id, wr.signaled, status, wr.opcode);
+        if status != WcStatus::Success {
+            self.qp_error(qpn);
+        }
+    }
+
+    /// The TCP connection broke: its QP fails, its CM ID hears `Disconnected`.
+    pub(crate) fn link_lost(&mut self, link: u32) {
+        if let Some(q) = self.link_qp(link) {
+            self.qp_error(q);
+        }
+        self.cm_remote_disconnected(link);
+        self.links.remove(&link);
+    }
+}
