@@ -64,6 +64,21 @@ pub struct Faults {
     /// transport's retries: it completes with `RetryExcErr` and its QP goes to ERR, as on a
     /// failed link.
     pub drop_per_million: u32,
+    /// Chance, per million, that a send work request is held up on the wire: it and every
+    /// later one of its QP (RC keeps order) run only at the fabric's next operation (a post or
+    /// a poll anywhere on it).
+    pub delay_per_million: u32,
+}
+
+/// A send work request held up by an injected delay (its data captured, as the wire has it).
+struct DelayedWr {
+    wr_id: u64,
+    op: SendOp,
+    sges: Vec<Sge>,
+    signaled: bool,
+    /// Inline data, copied at post time as inline data is.
+    inline: Option<Vec<u8>>,
+    opcode: WcOpcode,
 }
 
 struct MrEntry {
@@ -139,6 +154,8 @@ pub(crate) struct QpState_ {
     remote: Option<u32>,
     remote_pending: HashMap<u64, RemoteWr>,
     next_seq: u64,
+    /// Send work requests held up by an injected delay, in order.
+    delayed: VecDeque<DelayedWr>,
 }
 
 struct DevState {
@@ -158,6 +175,8 @@ pub(crate) struct State {
     pub(crate) cm: cm::CmState,
     faults: Faults,
     rng: u64,
+    /// Set while delayed work runs, so that it is not delayed again.
+    releasing: bool,
     tcp: bool,
     links: HashMap<u32, tcp::LinkState>,
     removed: std::collections::HashSet<u32>,
@@ -307,6 +326,60 @@ impl Fabric {
 }
 
 impl State {
+    /// The fabric's seeded fault generator (xorshift64): a number below a million.
+    fn draw(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng % 1_000_000
+    }
+
+    /// Runs the work held up by injected delays, in order per QP.
+    fn release_delayed(&mut self) {
+        if self.releasing {
+            return;
+        }
+        let qpns: Vec<u32> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| !q.delayed.is_empty())
+            .map(|(n, _)| *n)
+            .collect();
+        self.releasing = true;
+        for qpn in qpns {
+            while let Some(d) = self.qps.get_mut(&qpn).and_then(|q| q.delayed.pop_front()) {
+                if let Some(q) = self.qps.get_mut(&qpn) {
+                    q.deferred = q.deferred.saturating_sub(1);
+                }
+                let inline_sge;
+                let sges: &[Sge] = match &d.inline {
+                    Some(data) => {
+                        inline_sge = [Sge {
+                            addr: data.as_ptr() as u64,
+                            length: u32::try_from(data.len()).unwrap_or(u32::MAX),
+                            lkey: 0,
+                        }];
+                        &inline_sge
+                    }
+                    None => &d.sges,
+                };
+                let w = SendWr {
+                    wr_id: d.wr_id,
+                    op: d.op,
+                    sges,
+                    signaled: d.signaled,
+                    inline: d.inline.is_some(),
+                };
+                if self.qps.get(&qpn).is_some_and(|q| q.state == QpState::Err) {
+                    self.complete_send(qpn, d.wr_id, d.signaled, WcStatus::WrFlushErr, d.opcode);
+                } else {
+                    execute(self, qpn, &w, d.opcode);
+                }
+            }
+        }
+        self.releasing = false;
+    }
+
     fn alloc_id(&mut self) -> u32 {
         self.next_id += 1;
         // Keys, QP numbers and IDs share one space: (counter << 8) | 0x5f makes them look
@@ -436,6 +509,23 @@ impl State {
                     wr_id: w.wr_id,
                     status: WcStatus::WrFlushErr,
                     opcode: w.opcode,
+                    qp_num: qpn,
+                    ..Wc::default()
+                },
+            );
+        }
+        let delayed: Vec<DelayedWr> = self
+            .qps
+            .get_mut(&qpn)
+            .map(|q| q.delayed.drain(..).collect())
+            .unwrap_or_default();
+        for d in delayed {
+            self.push_wc(
+                send_cq,
+                Wc {
+                    wr_id: d.wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: d.opcode,
                     qp_num: qpn,
                     ..Wc::default()
                 },
@@ -890,6 +980,7 @@ impl Pd {
                 remote: None,
                 remote_pending: HashMap::new(),
                 next_seq: 0,
+                delayed: VecDeque::new(),
             },
         );
         Ok(Qp {
@@ -981,6 +1072,7 @@ impl Cq {
     /// Polls up to `out.len()` completions; an overflowed CQ is an error.
     pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
         let mut s = self.fabric.lock();
+        s.release_delayed();
         let c = s
             .cqs
             .get_mut(&self.id)
@@ -1163,6 +1255,7 @@ impl Qp {
     /// counting unsignaled work requests not yet retired, SGE count, inline size).
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
+        s.release_delayed();
         let q = s
             .qps
             .get(&self.qpn)
@@ -1226,12 +1319,27 @@ fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
     if !local_ok {
         return fail(s, WcStatus::LocProtErr);
     }
+    let held = s.qps.get(&qpn).is_some_and(|q| !q.delayed.is_empty());
+    if !s.releasing
+        && (held
+            || (s.faults.delay_per_million > 0 && s.draw() < u64::from(s.faults.delay_per_million)))
+    {
+        let inline = w.inline.then(|| gather(w.sges));
+        if let Some(q) = s.qps.get_mut(&qpn) {
+            q.deferred += 1;
+            q.delayed.push_back(DelayedWr {
+                wr_id: w.wr_id,
+                op: w.op,
+                sges: w.sges.to_vec(),
+                signaled: w.signaled,
+                inline,
+                opcode,
+            });
+        }
+        return;
+    }
     if s.faults.drop_per_million > 0 {
-        // xorshift64: the fabric's seeded fault generator.
-        s.rng ^= s.rng << 13;
-        s.rng ^= s.rng >> 7;
-        s.rng ^= s.rng << 17;
-        if s.rng % 1_000_000 < u64::from(s.faults.drop_per_million) {
+        if s.draw() < u64::from(s.faults.drop_per_million) {
             return fail(s, WcStatus::RetryExcErr);
         }
     }
