@@ -1338,10 +1338,8 @@ fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
         }
         return;
     }
-    if s.faults.drop_per_million > 0 {
-        if s.draw() < u64::from(s.faults.drop_per_million) {
-            return fail(s, WcStatus::RetryExcErr);
-        }
+    if s.faults.drop_per_million > 0 && s.draw() < u64::from(s.faults.drop_per_million) {
+        return fail(s, WcStatus::RetryExcErr);
     }
     if let Some(link) = s.qps.get(&qpn).and_then(|q| q.remote) {
         let Some(q) = s.qps.get_mut(&qpn) else { return };
