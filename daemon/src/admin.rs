@@ -302,6 +302,12 @@ impl AdminServer {
                     c.last_active = Instant::now();
                     c.input.extend_from_slice(&buf[..n]);
                     self.answer_lines(c, handle);
+                    // Write answers as they are made; a client whose unread answers pass the
+                    // bound is dropped now, before it can make the daemon read (and buffer)
+                    // any more of its requests.
+                    if !self.flush(c) {
+                        return false;
+                    }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
