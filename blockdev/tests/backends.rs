@@ -18,14 +18,16 @@ const SIZE: u64 = 8 << 20;
 /// which the test script prints at the end (cargo hides a passing test's output).
 fn skip(test: &str, why: &str) {
     use std::io::Write;
-    eprintln!("SKIPPED {test}: {why}");
+    let line = format!("SKIPPED {test}: {why}\n");
+    eprint!("{line}");
     let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
     if let Ok(mut f) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
     {
-        let _ = writeln!(f, "SKIPPED {test}: {why}");
+        // One write per line: tests run in parallel and append to the same file.
+        let _ = f.write_all(line.as_bytes());
     }
 }
 

@@ -24,14 +24,17 @@ const CAPS: QpCaps = QpCaps {
 
 fn skip(why: &str) {
     use std::io::Write;
-    eprintln!("SKIPPED ibverbs conformance: {why}");
+    let test = std::thread::current().name().unwrap_or("a test").to_owned();
+    let line = format!("SKIPPED {test}: {why}\n");
+    eprint!("{line}");
     let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
     if let Ok(mut f) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
     {
-        let _ = writeln!(f, "SKIPPED ibverbs conformance: {why}");
+        // One write per line: tests run in parallel and append to the same file.
+        let _ = f.write_all(line.as_bytes());
     }
 }
 
