@@ -275,3 +275,72 @@ pub fn mtu_bytes(mtu: u32) -> u32 {
         0
     }
 }
+
+/// Device limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceAttr {
+    /// Largest QP depth.
+    pub max_qp_wr: u32,
+    /// Largest SRQ depth.
+    pub max_srq_wr: u32,
+    /// SGEs per send or receive WR.
+    pub max_sge: u32,
+    /// SGEs per SRQ receive WR.
+    pub max_srq_sge: u32,
+    /// Largest CQ.
+    pub max_cqe: u32,
+    /// RDMA READs a QP may have outstanding as responder.
+    pub max_qp_rd_atom: u32,
+    /// RDMA READs a QP may have outstanding as initiator.
+    pub max_qp_init_rd_atom: u32,
+}
+
+/// A connection manager event, the same for every provider (`Id` is the provider's CM ID).
+#[derive(Debug)]
+pub enum CmEvent<Id> {
+    /// A peer asks to connect: create a QP on `id`, then accept or reject.
+    ConnectRequest {
+        /// The new connection.
+        id: Id,
+        /// The peer's private data.
+        private_data: Vec<u8>,
+        /// RDMA READs the peer allows us to have outstanding.
+        initiator_depth: u8,
+        /// RDMA READs the peer wants to have outstanding at us.
+        responder_resources: u8,
+    },
+    /// Established.
+    Established {
+        /// Which connection (its token).
+        id: usize,
+        /// The acceptor's private data (on the connecting side).
+        private_data: Vec<u8>,
+    },
+    /// Rejected by the peer, with its private data.
+    Rejected {
+        /// Which connection.
+        id: usize,
+        /// The peer's private data.
+        private_data: Vec<u8>,
+    },
+    /// The connection went down.
+    Disconnected {
+        /// Which connection.
+        id: usize,
+    },
+    /// Time-wait over: the QP may be reused.
+    TimewaitExit {
+        /// Which connection.
+        id: usize,
+    },
+    /// The device went away.
+    DeviceRemoval {
+        /// Which connection.
+        id: usize,
+    },
+    /// Address or route resolution or the connection failed, or nobody listens.
+    Unreachable {
+        /// Which connection.
+        id: usize,
+    },
+}

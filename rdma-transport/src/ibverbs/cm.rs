@@ -16,54 +16,7 @@ use super::{check, errno, post_send, Cq, CqOwner, Device, Pd, PdInner, Srq, SrqO
 use crate::types::*;
 
 /// A connection manager event.
-#[derive(Debug)]
-pub enum CmEvent {
-    /// A peer asks to connect.
-    ConnectRequest {
-        /// The new connection.
-        id: CmId,
-        /// The peer's private data.
-        private_data: Vec<u8>,
-        /// RDMA READs the peer allows us to have outstanding.
-        initiator_depth: u8,
-        /// RDMA READs the peer wants to have outstanding at us.
-        responder_resources: u8,
-    },
-    /// Established.
-    Established {
-        /// Which connection (its token).
-        id: usize,
-        /// The acceptor's private data.
-        private_data: Vec<u8>,
-    },
-    /// Rejected by the peer (with its private data) or unreachable.
-    Rejected {
-        /// Which connection.
-        id: usize,
-        /// The peer's private data.
-        private_data: Vec<u8>,
-    },
-    /// The connection went down.
-    Disconnected {
-        /// Which connection.
-        id: usize,
-    },
-    /// Time-wait over.
-    TimewaitExit {
-        /// Which connection.
-        id: usize,
-    },
-    /// The device went away.
-    DeviceRemoval {
-        /// Which connection.
-        id: usize,
-    },
-    /// Address or route resolution or the connection failed.
-    Unreachable {
-        /// Which connection.
-        id: usize,
-    },
-}
+pub type CmEvent = crate::types::CmEvent<CmId>;
 
 static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
 

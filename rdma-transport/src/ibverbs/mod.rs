@@ -34,25 +34,6 @@ fn check(op: &'static str, rc: i32) -> Result<(), VerbsError> {
     }
 }
 
-/// Device limits, from `ibv_query_device`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceAttr {
-    /// Largest QP depth.
-    pub max_qp_wr: u32,
-    /// Largest SRQ depth.
-    pub max_srq_wr: u32,
-    /// SGEs per WR.
-    pub max_sge: u32,
-    /// SGEs per SRQ receive.
-    pub max_srq_sge: u32,
-    /// Largest CQ.
-    pub max_cqe: u32,
-    /// RDMA READs outstanding as responder.
-    pub max_qp_rd_atom: u32,
-    /// RDMA READs outstanding as initiator.
-    pub max_qp_init_rd_atom: u32,
-}
-
 /// The names of the RDMA devices present.
 pub fn device_names() -> Vec<String> {
     let mut n = 0i32;

@@ -14,55 +14,8 @@ use crate::types::*;
 
 static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
 
-/// A connection manager event (the same set as the ibverbs provider's).
-#[derive(Debug)]
-pub enum CmEvent {
-    /// A peer asks to connect: create a QP on `id`, then accept or reject.
-    ConnectRequest {
-        /// The new connection.
-        id: CmId,
-        /// The peer's private data.
-        private_data: Vec<u8>,
-        /// RDMA READs the peer allows us to have outstanding.
-        initiator_depth: u8,
-        /// RDMA READs the peer wants to have outstanding at us.
-        responder_resources: u8,
-    },
-    /// Established.
-    Established {
-        /// Which connection (its token).
-        id: usize,
-        /// The acceptor's private data (on the connecting side).
-        private_data: Vec<u8>,
-    },
-    /// Rejected by the peer, with its private data.
-    Rejected {
-        /// Which connection.
-        id: usize,
-        /// The peer's private data.
-        private_data: Vec<u8>,
-    },
-    /// The connection went down.
-    Disconnected {
-        /// Which connection.
-        id: usize,
-    },
-    /// Time-wait over.
-    TimewaitExit {
-        /// Which connection.
-        id: usize,
-    },
-    /// The device went away.
-    DeviceRemoval {
-        /// Which connection.
-        id: usize,
-    },
-    /// Nobody listens at the address, or the connection failed.
-    Unreachable {
-        /// Which connection.
-        id: usize,
-    },
-}
+/// A connection manager event.
+pub type CmEvent = crate::types::CmEvent<CmId>;
 
 enum Ev {
     Request { id: u32, private_data: Vec<u8> },

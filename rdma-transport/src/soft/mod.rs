@@ -22,25 +22,6 @@ pub use event::EventFd;
 
 use crate::types::*;
 
-/// Device limits of the soft provider.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceAttr {
-    /// Largest QP depth.
-    pub max_qp_wr: u32,
-    /// Largest SRQ depth.
-    pub max_srq_wr: u32,
-    /// SGEs per send or receive WR.
-    pub max_sge: u32,
-    /// SGEs per SRQ receive WR.
-    pub max_srq_sge: u32,
-    /// Largest CQ.
-    pub max_cqe: u32,
-    /// RDMA READs a QP may have outstanding as responder / initiator.
-    pub max_qp_rd_atom: u32,
-    /// Largest inline send.
-    pub max_inline_data: u32,
-}
-
 /// The soft provider's limits (rxe's, where they matter).
 pub const SOFT_ATTR: DeviceAttr = DeviceAttr {
     max_qp_wr: 16384,
@@ -49,8 +30,11 @@ pub const SOFT_ATTR: DeviceAttr = DeviceAttr {
     max_srq_sge: 27,
     max_cqe: 32767,
     max_qp_rd_atom: 128,
-    max_inline_data: 256,
+    max_qp_init_rd_atom: 128,
 };
+
+/// Largest inline send of the soft provider.
+pub const SOFT_MAX_INLINE: u32 = 256;
 
 /// What fault injection changes (seeded faults come with the fault-injection work).
 #[derive(Clone, Copy, Debug, Default)]
@@ -955,7 +939,7 @@ impl Pd {
         if caps.max_send_wr == 0
             || caps.max_send_wr > SOFT_ATTR.max_qp_wr
             || caps.max_send_sge > SOFT_ATTR.max_sge
-            || caps.max_inline_data > SOFT_ATTR.max_inline_data
+            || caps.max_inline_data > SOFT_MAX_INLINE
         {
             return Err(VerbsError::os("create_qp", libc::EINVAL));
         }
