@@ -1,7 +1,7 @@
 //! The soft provider's TCP wire between two processes: this test and `examples/soft-peer`.
 
 // Sizes and counters in this file are small and known: casts cannot truncate.
-#![allow(clippy::cast_possible_truncation)]
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
