@@ -191,7 +191,7 @@ impl Daemon {
             .iter()
             .map(|l| {
                 let reason = format!(
-                    "the {} RDMA transport is not part of this build",
+                    "serving NVMe-oF over the {} provider is not part of this build yet: the data path is not built",
                     l.provider
                 );
                 warn!(self.log, "listener not serving"; "address" => %l.address, "port" => l.port,
