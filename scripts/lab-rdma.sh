@@ -16,7 +16,7 @@ for l in sys.stdin:
 [ -n "$bin" ] || { echo "lab-rdma: the test binary did not build" >&2; exit 1; }
 log=$(mktemp)
 set +e
-"$LAB/run-in-vm.sh" "$bin on_ibverbs --nocapture --test-threads=1" 2>&1 | tee "$log"
+"$LAB/run-in-vm.sh" "$bin ibverbs --nocapture --test-threads=1" 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ] || grep -q "SKIPPED" "$log" || ! grep -qE "test result: ok\. [1-9][0-9]* passed" "$log"; then

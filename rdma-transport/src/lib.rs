@@ -5,6 +5,7 @@
 //! TCP wire and seeded fault injection of the soft provider, the elastic SRQ and QP recovery.
 //! Nothing in the daemon uses this crate yet.
 
+pub mod any;
 pub mod soft;
 pub mod types;
 

@@ -344,3 +344,14 @@ pub enum CmEvent<Id> {
         id: usize,
     },
 }
+
+/// SRQ attributes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SrqAttr {
+    /// Depth.
+    pub max_wr: u32,
+    /// SGEs per receive.
+    pub max_sge: u32,
+    /// Armed limit (0: not armed; reads 0 after the event fired, until re-armed).
+    pub srq_limit: u32,
+}

@@ -624,6 +624,54 @@ impl SoftTcpEnv {
 
 suite!(on_soft_tcp, soft, SoftTcpEnv);
 
+/// The soft provider through the provider-neutral `any` types (what the daemon uses).
+struct AnySoftEnv {
+    inner: SoftEnv,
+}
+
+impl AnySoftEnv {
+    fn new() -> Option<AnySoftEnv> {
+        SoftEnv::new().map(|inner| AnySoftEnv { inner })
+    }
+    fn ip(&self) -> std::net::IpAddr {
+        self.inner.ip()
+    }
+    fn addr(&self, port: u16) -> SocketAddr {
+        self.inner.addr(port)
+    }
+    fn channel(&self) -> nvmfd_rdma::any::cm::CmChannel {
+        nvmfd_rdma::any::cm::CmChannel::Soft(self.inner.channel())
+    }
+}
+
+suite!(on_any_soft, any, AnySoftEnv);
+
+/// The ibverbs provider through the `any` types.
+#[cfg(feature = "ibverbs")]
+struct AnyVerbsEnv {
+    inner: VerbsEnv,
+}
+
+#[cfg(feature = "ibverbs")]
+impl AnyVerbsEnv {
+    fn new() -> Option<AnyVerbsEnv> {
+        VerbsEnv::new().map(|inner| AnyVerbsEnv { inner })
+    }
+    fn ip(&self) -> std::net::IpAddr {
+        self.inner.ip()
+    }
+    fn addr(&self, port: u16) -> SocketAddr {
+        // Apart from the direct suite's ports: both run in the same lab process.
+        self.inner.addr(port + 100)
+    }
+    fn channel(&self) -> nvmfd_rdma::any::cm::CmChannel {
+        nvmfd_rdma::any::cm::CmChannel::Verbs(self.inner.channel())
+    }
+}
+
+#[cfg(feature = "ibverbs")]
+suite!(on_any_ibverbs, any, AnyVerbsEnv);
+
 /// The ibverbs provider: the device whose address `RDMA_IP` names.
 #[cfg(feature = "ibverbs")]
 struct VerbsEnv {

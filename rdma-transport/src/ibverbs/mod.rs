@@ -627,17 +627,6 @@ impl Cq {
     }
 }
 
-/// SRQ attributes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SrqAttr {
-    /// Depth.
-    pub max_wr: u32,
-    /// SGEs per receive.
-    pub max_sge: u32,
-    /// Armed limit (0 after the event fired, until re-armed).
-    pub srq_limit: u32,
-}
-
 /// Owns an SRQ: destroyed when the last holder (the `Srq`, or a CM ID whose QP uses it) goes.
 pub(crate) struct SrqOwner {
     srq: NonNull<ibv_srq>,

@@ -1107,17 +1107,6 @@ impl Drop for Cq {
     }
 }
 
-/// SRQ attributes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SrqAttr {
-    /// Depth.
-    pub max_wr: u32,
-    /// SGEs per receive.
-    pub max_sge: u32,
-    /// Armed limit (0: not armed; reads 0 after the event until re-armed).
-    pub srq_limit: u32,
-}
-
 /// A shared receive queue.
 #[derive(Debug)]
 pub struct Srq {

@@ -1,0 +1,390 @@
+//! One set of verbs types over both providers, so that the daemon's data path is written once:
+//! each type is an enum of the soft and the ibverbs object, and each call goes to whichever it
+//! holds (one predictable branch per call). Objects of different providers cannot be mixed:
+//! doing so is an error, not a panic.
+
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+#[cfg(feature = "ibverbs")]
+use crate::ibverbs;
+use crate::soft;
+use crate::types::*;
+
+#[cfg(feature = "ibverbs")]
+fn mixed(op: &'static str) -> VerbsError {
+    VerbsError::Invalid {
+        op,
+        why: "objects of different providers",
+    }
+}
+
+/// Forwards a call to whichever provider's object `self` holds.
+macro_rules! forward {
+    ($self:expr, $x:ident => $e:expr) => {
+        match $self {
+            Self::Soft($x) => $e,
+            #[cfg(feature = "ibverbs")]
+            Self::Verbs($x) => $e,
+        }
+    };
+}
+
+/// A device.
+#[derive(Debug, Clone)]
+pub enum Device {
+    /// Soft provider.
+    Soft(soft::Device),
+    /// ibverbs provider.
+    #[cfg(feature = "ibverbs")]
+    Verbs(ibverbs::Device),
+}
+
+/// A protection domain.
+#[derive(Debug)]
+pub enum Pd {
+    /// Soft provider.
+    Soft(soft::Pd),
+    /// ibverbs provider.
+    #[cfg(feature = "ibverbs")]
+    Verbs(ibverbs::Pd),
+}
+
+/// A memory region.
+#[derive(Debug)]
+pub enum Mr {
+    /// Soft provider.
+    Soft(soft::Mr),
+    /// ibverbs provider.
+    #[cfg(feature = "ibverbs")]
+    Verbs(ibverbs::Mr),
+}
+
+/// A completion queue.
+#[derive(Debug)]
+pub enum Cq {
+    /// Soft provider.
+    Soft(soft::Cq),
+    /// ibverbs provider.
+    #[cfg(feature = "ibverbs")]
+    Verbs(ibverbs::Cq),
+}
+
+/// A shared receive queue.
+#[derive(Debug)]
+pub enum Srq {
+    /// Soft provider.
+    Soft(soft::Srq),
+    /// ibverbs provider.
+    #[cfg(feature = "ibverbs")]
+    Verbs(ibverbs::Srq),
+}
+
+impl Device {
+    /// Limits.
+    pub fn attr(&self) -> Result<DeviceAttr, VerbsError> {
+        forward!(self, d => d.attr())
+    }
+    /// The async event fd.
+    pub fn async_fd(&self) -> RawFd {
+        forward!(self, d => d.async_fd())
+    }
+    /// The next async event, without blocking.
+    pub fn next_event(&self) -> Option<AsyncEvent> {
+        forward!(self, d => d.next_event())
+    }
+    /// Port attributes.
+    pub fn port_attr(&self, port: u8) -> Result<PortAttr, VerbsError> {
+        forward!(self, d => d.port_attr(port))
+    }
+    /// A GID.
+    pub fn gid(&self, port: u8, index: u32) -> Result<[u8; 16], VerbsError> {
+        forward!(self, d => d.gid(port, index))
+    }
+    /// A protection domain.
+    pub fn alloc_pd(&self) -> Result<Pd, VerbsError> {
+        match self {
+            Self::Soft(d) => d.alloc_pd().map(Pd::Soft),
+            #[cfg(feature = "ibverbs")]
+            Self::Verbs(d) => d.alloc_pd().map(Pd::Verbs),
+        }
+    }
+    /// A CQ with its completion channel.
+    pub fn create_cq(&self, cqe: u32) -> Result<Cq, VerbsError> {
+        match self {
+            Self::Soft(d) => d.create_cq(cqe).map(Cq::Soft),
+            #[cfg(feature = "ibverbs")]
+            Self::Verbs(d) => d.create_cq(cqe).map(Cq::Verbs),
+        }
+    }
+}
+
+impl Pd {
+    /// Registers caller memory.
+    ///
+    /// # Safety
+    ///
+    /// As for the providers' `reg_mr`: the memory stays mapped until the `Mr` is dropped and is
+    /// treated as shared with the NIC.
+    pub unsafe fn reg_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Mr, VerbsError> {
+        match self {
+            // SAFETY: the caller upholds the contract, which is the same.
+            Self::Soft(p) => unsafe { p.reg_mr(addr, len, access) }.map(Mr::Soft),
+            #[cfg(feature = "ibverbs")]
+            // SAFETY: as above.
+            Self::Verbs(p) => unsafe { p.reg_mr(addr, len, access) }.map(Mr::Verbs),
+        }
+    }
+    /// Allocates and registers memory.
+    pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
+        match self {
+            Self::Soft(p) => p.alloc_mr(len, access).map(Mr::Soft),
+            #[cfg(feature = "ibverbs")]
+            Self::Verbs(p) => p.alloc_mr(len, access).map(Mr::Verbs),
+        }
+    }
+    /// A shared receive queue.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq, VerbsError> {
+        match self {
+            Self::Soft(p) => p.create_srq(max_wr, max_sge).map(Srq::Soft),
+            #[cfg(feature = "ibverbs")]
+            Self::Verbs(p) => p.create_srq(max_wr, max_sge).map(Srq::Verbs),
+        }
+    }
+}
+
+impl Mr {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        forward!(self, m => m.lkey())
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        forward!(self, m => m.rkey())
+    }
+    /// Address.
+    pub fn addr(&self) -> u64 {
+        forward!(self, m => m.addr())
+    }
+    /// Length.
+    pub fn len(&self) -> usize {
+        forward!(self, m => m.len())
+    }
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// An SGE for `len` bytes at `offset`.
+    pub fn sge(&self, offset: usize, len: u32) -> Sge {
+        forward!(self, m => m.sge(offset, len))
+    }
+    /// Copies bytes out of the region.
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        forward!(self, m => m.read(offset, out))
+    }
+    /// Copies bytes into the region.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        forward!(self, m => m.write(offset, data))
+    }
+}
+
+impl Cq {
+    /// Polls completions.
+    pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
+        forward!(self, c => c.poll(out))
+    }
+    /// Arms the completion channel.
+    pub fn req_notify(&self) -> Result<(), VerbsError> {
+        forward!(self, c => c.req_notify())
+    }
+    /// Takes the channel's notification.
+    pub fn ack_event(&self) -> bool {
+        forward!(self, c => c.ack_event())
+    }
+    /// The completion channel's fd.
+    pub fn channel_fd(&self) -> RawFd {
+        forward!(self, c => c.channel_fd())
+    }
+    /// The handle async events name it by.
+    pub fn id(&self) -> u32 {
+        forward!(self, c => c.id())
+    }
+}
+
+impl Srq {
+    /// Posts receives.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        forward!(self, s => s.post_recv(wrs))
+    }
+    /// Arms the limit.
+    pub fn arm_limit(&self, limit: u32) -> Result<(), VerbsError> {
+        forward!(self, s => s.arm_limit(limit))
+    }
+    /// Attributes.
+    pub fn query(&self) -> Result<SrqAttr, VerbsError> {
+        forward!(self, s => s.query())
+    }
+    /// The handle async events name it by.
+    pub fn id(&self) -> u32 {
+        forward!(self, s => s.id())
+    }
+}
+
+/// The connection manager over both providers.
+pub mod cm {
+    use super::*;
+
+    /// A CM event.
+    pub type CmEvent = crate::types::CmEvent<CmId>;
+
+    /// An event channel.
+    #[derive(Debug)]
+    pub enum CmChannel {
+        /// Soft provider.
+        Soft(soft::cm::CmChannel),
+        /// ibverbs provider.
+        #[cfg(feature = "ibverbs")]
+        Verbs(ibverbs::cm::CmChannel),
+    }
+
+    /// A CM ID.
+    #[derive(Debug)]
+    pub enum CmId {
+        /// Soft provider.
+        Soft(soft::cm::CmId),
+        /// ibverbs provider.
+        #[cfg(feature = "ibverbs")]
+        Verbs(ibverbs::cm::CmId),
+    }
+
+    fn convert<I>(e: crate::types::CmEvent<I>, wrap: impl FnOnce(I) -> CmId) -> CmEvent {
+        use crate::types::CmEvent as E;
+        match e {
+            E::ConnectRequest {
+                id,
+                private_data,
+                initiator_depth,
+                responder_resources,
+            } => E::ConnectRequest {
+                id: wrap(id),
+                private_data,
+                initiator_depth,
+                responder_resources,
+            },
+            E::Established { id, private_data } => E::Established { id, private_data },
+            E::Rejected { id, private_data } => E::Rejected { id, private_data },
+            E::Disconnected { id } => E::Disconnected { id },
+            E::TimewaitExit { id } => E::TimewaitExit { id },
+            E::DeviceRemoval { id } => E::DeviceRemoval { id },
+            E::Unreachable { id } => E::Unreachable { id },
+        }
+    }
+
+    impl CmChannel {
+        /// The channel's fd.
+        pub fn fd(&self) -> RawFd {
+            forward!(self, c => c.fd())
+        }
+        /// Listens on `addr`.
+        pub fn listen(&self, addr: SocketAddr, backlog: i32) -> Result<CmId, VerbsError> {
+            match self {
+                Self::Soft(c) => c.listen(addr, backlog).map(CmId::Soft),
+                #[cfg(feature = "ibverbs")]
+                Self::Verbs(c) => c.listen(addr, backlog).map(CmId::Verbs),
+            }
+        }
+        /// Resolves `addr` and a route to it.
+        pub fn resolve(&self, addr: SocketAddr, timeout: Duration) -> Result<CmId, VerbsError> {
+            match self {
+                Self::Soft(c) => c.resolve(addr, timeout).map(CmId::Soft),
+                #[cfg(feature = "ibverbs")]
+                Self::Verbs(c) => c.resolve(addr, timeout).map(CmId::Verbs),
+            }
+        }
+        /// The next event, without blocking.
+        pub fn next_event(&self) -> Option<CmEvent> {
+            match self {
+                Self::Soft(c) => c.next_event().map(|e| convert(e, CmId::Soft)),
+                #[cfg(feature = "ibverbs")]
+                Self::Verbs(c) => c.next_event().map(|e| convert(e, CmId::Verbs)),
+            }
+        }
+    }
+
+    impl CmId {
+        /// The token events name it by.
+        pub fn token(&self) -> usize {
+            forward!(self, c => c.token())
+        }
+        /// Its device.
+        pub fn device(&self) -> Result<Device, VerbsError> {
+            match self {
+                Self::Soft(c) => c.device().map(Device::Soft),
+                #[cfg(feature = "ibverbs")]
+                Self::Verbs(c) => c.device().map(Device::Verbs),
+            }
+        }
+        /// Creates the connection's QP.
+        pub fn create_qp(
+            &mut self,
+            pd: &Pd,
+            cq: &Cq,
+            srq: &Srq,
+            caps: QpCaps,
+        ) -> Result<u32, VerbsError> {
+            match (self, pd, cq, srq) {
+                (Self::Soft(c), Pd::Soft(p), Cq::Soft(q), Srq::Soft(s)) => {
+                    c.create_qp(p, q, s, caps)
+                }
+                #[cfg(feature = "ibverbs")]
+                (Self::Verbs(c), Pd::Verbs(p), Cq::Verbs(q), Srq::Verbs(s)) => {
+                    c.create_qp(p, q, s, caps)
+                }
+                #[cfg(feature = "ibverbs")]
+                _ => Err(mixed("create_qp")),
+            }
+        }
+        /// The QP number.
+        pub fn qpn(&self) -> Option<u32> {
+            forward!(self, c => c.qpn())
+        }
+        /// The QP's state.
+        pub fn qp_state(&self) -> Option<QpState> {
+            forward!(self, c => c.qp_state())
+        }
+        /// The QP's real inline limit.
+        pub fn max_inline(&self) -> Option<u32> {
+            forward!(self, c => c.max_inline())
+        }
+        /// Connects.
+        pub fn connect(&self, private_data: &[u8]) -> Result<(), VerbsError> {
+            forward!(self, c => c.connect(private_data))
+        }
+        /// Accepts.
+        pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
+            forward!(self, c => c.accept(private_data))
+        }
+        /// Rejects.
+        pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
+            forward!(self, c => c.reject(private_data))
+        }
+        /// Disconnects.
+        pub fn disconnect(&self) -> Result<(), VerbsError> {
+            forward!(self, c => c.disconnect())
+        }
+        /// Posts a chain of send work requests.
+        pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+            forward!(self, c => c.post_send(wrs))
+        }
+        /// Moves the QP to ERR.
+        pub fn to_error(&self) -> Result<(), VerbsError> {
+            forward!(self, c => c.to_error())
+        }
+    }
+}
