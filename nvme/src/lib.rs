@@ -10,6 +10,7 @@ pub mod host;
 mod io;
 pub mod loopback;
 mod queue;
+pub mod rdma_cm;
 mod target;
 pub mod wire;
 
