@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod control;
 pub mod ctl;
+pub mod datapath;
 pub mod logging;
 pub mod notify;
 pub mod reactor;

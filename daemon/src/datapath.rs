@@ -1,0 +1,691 @@
+//! The target's RDMA data path on one reactor: capsules arrive in receives of the reactor's
+//! SRQ (a 64-byte command SGE, then page SGEs for in-capsule data), the NVMe core says what
+//! they mean, and this moves the data (RDMA READ of host data, RDMA WRITE of read data),
+//! runs the block operations on the reactor's io_uring engine, and sends the responses.
+//!
+//! One request slot per command in flight, taken from a preallocated table; data buffers come
+//! from the reactor's registered pool, which is both the RDMA memory region and the io_uring
+//! fixed buffer. Written against `nvmfd_rdma::any`, so it runs on either provider.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use nvmfd_blockdev::{BufPool, Completion, DevId, Device as BlockDevice, DmaBuf, Engine};
+use nvmfd_nvme::rdma_cm::{accept_private_data, CmRequest};
+use nvmfd_nvme::wire::Cqe;
+use nvmfd_nvme::{Action, Command, DataRef, IoOp, IoRequest, Queue, Target};
+use nvmfd_rdma::any::cm::CmId;
+use nvmfd_rdma::any::{Cq, Device, Mr, Pd, Srq};
+use nvmfd_rdma::*;
+use zerocopy::IntoBytes;
+
+/// Sizes of one reactor's data path.
+#[derive(Clone, Copy, Debug)]
+pub struct DataPathConfig {
+    /// Receives posted to the SRQ.
+    pub receives: u32,
+    /// In-capsule data per receive (a multiple of 4 KiB pages is used).
+    pub in_capsule: u32,
+    /// Data buffers, each `max_io` bytes.
+    pub buffers: u32,
+    /// Largest transfer.
+    pub max_io: u32,
+    /// Commands in flight at once.
+    pub requests: u32,
+}
+
+const PAGE: usize = 4096;
+/// Work request IDs at or above this name request slots; below, receive slots.
+const REQ_BASE: u64 = 1 << 40;
+/// A response SEND with no request slot behind it.
+const NO_REQ: u64 = u64::MAX;
+
+/// What a command in flight waits for.
+#[derive(Debug)]
+enum Stage {
+    /// RDMA READ of host data for a command the core must see (Connect data, DSM ranges).
+    FetchForCore(Command),
+    /// RDMA READ of host data for a block write.
+    FetchForWrite(IoRequest),
+    /// Block operations (`left` of them) of a command.
+    Io {
+        req: IoRequest,
+        left: u32,
+        failed: Option<nvmfd_blockdev::BlockError>,
+    },
+    /// The response (and any data before it) is being sent.
+    Responding,
+}
+
+#[derive(Debug)]
+struct Req {
+    qpn: u32,
+    stage: Stage,
+    buf: Option<DmaBuf>,
+}
+
+struct Conn {
+    id: CmId,
+    queue: Queue,
+    token: usize,
+}
+
+/// One reactor's RDMA target.
+pub struct DataPath {
+    target: Target,
+    cfg: DataPathConfig,
+    cq: Cq,
+    srq: Srq,
+    recv_mr: Mr,
+    icd_pages: usize,
+    // Field order is drop order: the MR over the pool goes before the pool's memory.
+    data_mr: Mr,
+    engine: Engine,
+    pool: BufPool,
+    pd: Pd,
+    devs: HashMap<(String, u32), DevId>,
+    conns: HashMap<u32, Conn>,
+    reqs: Vec<Option<Req>>,
+    free: Vec<usize>,
+    capsule: Vec<u8>,
+    /// Receive completions for QPs no longer known (counted, re-posted).
+    pub late_receives: u64,
+}
+
+impl std::fmt::Debug for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPath")
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+fn verr(e: VerbsError) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+impl DataPath {
+    /// Sets up the reactor's CQ, SRQ, receive buffers, data pool and engine on `dev`, with
+    /// `namespaces` (subsystem NQN, NSID, device) attached.
+    pub fn new(
+        dev: &Device,
+        target: Target,
+        namespaces: &[(String, u32, Arc<BlockDevice>)],
+        cfg: DataPathConfig,
+    ) -> std::io::Result<DataPath> {
+        let pd = dev.alloc_pd().map_err(verr)?;
+        let cq = dev.create_cq(4096).map_err(verr)?;
+        let icd_pages = (cfg.in_capsule as usize).div_ceil(PAGE);
+        let srq = pd
+            .create_srq(cfg.receives, 1 + u32::try_from(icd_pages).unwrap_or(4))
+            .map_err(verr)?;
+        let n = cfg.receives as usize;
+        let recv_mr = pd
+            .alloc_mr(n * 64 + n * icd_pages * PAGE, Access::LOCAL_WRITE)
+            .map_err(verr)?;
+        let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, false)?;
+        let iov = pool.iovec();
+        // SAFETY: the pool's region stays mapped while `pool` lives, and `data_mr` is dropped
+        // before `pool` (field order); the NIC's accesses are to buffers owned by requests.
+        let data_mr = unsafe {
+            pd.reg_mr(
+                iov.iov_base.cast(),
+                iov.iov_len,
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            )
+        }
+        .map_err(verr)?;
+        let mut engine = Engine::new(
+            cfg.requests,
+            u32::try_from(namespaces.len().max(1)).unwrap_or(1),
+            std::slice::from_ref(&pool),
+        )?;
+        let mut devs = HashMap::new();
+        for (nqn, nsid, d) in namespaces {
+            devs.insert((nqn.clone(), *nsid), engine.attach(d)?);
+        }
+        let dp = DataPath {
+            target,
+            cfg,
+            cq,
+            srq,
+            recv_mr,
+            icd_pages,
+            data_mr,
+            engine,
+            pool,
+            pd,
+            devs,
+            conns: HashMap::new(),
+            reqs: (0..cfg.requests).map(|_| None).collect(),
+            free: (0..cfg.requests as usize).rev().collect(),
+            capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
+            late_receives: 0,
+        };
+        for slot in 0..n {
+            dp.post_receive(slot).map_err(verr)?;
+        }
+        Ok(dp)
+    }
+
+    fn post_receive(&self, slot: usize) -> Result<(), VerbsError> {
+        let n = self.cfg.receives as usize;
+        let mut sges = [Sge::default(); 5];
+        sges[0] = self.recv_mr.sge(slot * 64, 64);
+        for p in 0..self.icd_pages {
+            sges[1 + p] = self
+                .recv_mr
+                .sge(n * 64 + (slot * self.icd_pages + p) * PAGE, 4096);
+        }
+        self.srq.post_recv(&[RecvWr {
+            wr_id: slot as u64,
+            sges: &sges[..1 + self.icd_pages],
+        }])
+    }
+
+    /// Takes a connection the control thread accepted the request of: its QP goes on this
+    /// reactor's CQ and SRQ, and it is accepted with the granted queue size.
+    pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<(), VerbsError> {
+        let caps = QpCaps {
+            max_send_wr: u32::from(req.crqsize()) * 3,
+            max_send_sge: 1,
+            max_recv_wr: 0,
+            max_inline_data: 64,
+        };
+        let qpn = id.create_qp(&self.pd, &self.cq, &self.srq, caps)?;
+        id.accept(&accept_private_data(req.crqsize()))?;
+        let token = id.token();
+        let queue = Queue::new(&self.target, Some(req.params));
+        self.conns.insert(qpn, Conn { id, queue, token });
+        Ok(())
+    }
+
+    /// The connection with CM token `token` went away.
+    pub fn disconnected(&mut self, token: usize) {
+        let qpns: Vec<u32> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.token == token)
+            .map(|(q, _)| *q)
+            .collect();
+        for q in qpns {
+            if let Some(c) = self.conns.remove(&q) {
+                let _ = c.id.disconnect();
+            }
+        }
+    }
+
+    /// Connections served.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// One pass: completions, block I/O; true when there was work.
+    pub fn poll(&mut self, now: Instant) -> bool {
+        let mut wc = [Wc::default(); 32];
+        let n = self.cq.poll(&mut wc).unwrap_or(0);
+        for c in &wc[..n] {
+            self.on_completion(c, now);
+        }
+        let _ = self.engine.submit();
+        let mut done: Vec<Completion> = Vec::new();
+        self.engine.reap(|c| done.push(c));
+        let worked = n > 0 || !done.is_empty();
+        for c in done {
+            self.on_block_done(c);
+        }
+        let _ = self.engine.submit();
+        // Connections whose controller ended are closed.
+        let dead: Vec<u32> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.queue.must_disconnect())
+            .map(|(q, _)| *q)
+            .collect();
+        for q in dead {
+            if let Some(c) = self.conns.remove(&q) {
+                let _ = c.id.disconnect();
+            }
+        }
+        worked
+    }
+
+    fn take_req(&mut self, qpn: u32, stage: Stage, buf: Option<DmaBuf>) -> Option<usize> {
+        let i = self.free.pop()?;
+        self.reqs[i] = Some(Req { qpn, stage, buf });
+        Some(i)
+    }
+
+    fn end_req(&mut self, i: usize) {
+        if self.reqs.get_mut(i).and_then(Option::take).is_some() {
+            self.free.push(i);
+        }
+    }
+
+    fn buffer(&self, len: u32) -> Option<DmaBuf> {
+        let mut b = self.pool.take()?;
+        b.set_len(len as usize).then_some(b)
+    }
+
+    fn sge(&self, buf: &mut DmaBuf) -> Sge {
+        Sge {
+            addr: buf.as_mut_ptr() as u64,
+            length: u32::try_from(buf.len()).unwrap_or(0),
+            lkey: self.data_mr.lkey(),
+        }
+    }
+
+    fn on_completion(&mut self, c: &Wc, now: Instant) {
+        if c.opcode == WcOpcode::Recv {
+            return self.on_receive(c, now);
+        }
+        if c.wr_id == NO_REQ || c.wr_id < REQ_BASE {
+            return;
+        }
+        let i = usize::try_from(c.wr_id - REQ_BASE).unwrap_or(usize::MAX);
+        if c.status != WcStatus::Success {
+            // The QP is in error: the request ends, its buffer returns.
+            return self.end_req(i);
+        }
+        let Some(req) = self.reqs.get_mut(i).and_then(Option::take) else {
+            return;
+        };
+        match req.stage {
+            Stage::FetchForCore(cmd) => {
+                let data = req
+                    .buf
+                    .as_ref()
+                    .map(|b| b.as_slice().to_vec())
+                    .unwrap_or_default();
+                self.free.push(i);
+                if let Some(conn) = self.conns.get_mut(&req.qpn) {
+                    let a = conn.queue.data_arrived(cmd, &data, now);
+                    self.run(req.qpn, a, now);
+                }
+            }
+            Stage::FetchForWrite(io) => {
+                self.reqs[i] = Some(Req {
+                    qpn: req.qpn,
+                    stage: Stage::Responding,
+                    buf: None,
+                });
+                self.submit_write(i, req.qpn, io, req.buf);
+            }
+            Stage::Responding | Stage::Io { .. } => {
+                drop(req.buf);
+                self.free.push(i);
+            }
+        }
+    }
+
+    fn on_receive(&mut self, c: &Wc, now: Instant) {
+        let slot = usize::try_from(c.wr_id).unwrap_or(0);
+        if c.status != WcStatus::Success {
+            // Flushed receives of a QP in error come back to the SRQ.
+            if c.status == WcStatus::WrFlushErr {
+                let _ = self.post_receive(slot);
+            }
+            return;
+        }
+        let n = self.cfg.receives as usize;
+        let len = c.byte_len as usize;
+        self.capsule.clear();
+        let mut cmd = [0u8; 64];
+        self.recv_mr.read(slot * 64, &mut cmd);
+        self.capsule.extend_from_slice(&cmd[..len.min(64)]);
+        if len > 64 {
+            let icd = len - 64;
+            let start = self.capsule.len();
+            self.capsule.resize(start + icd, 0);
+            self.recv_mr.read(
+                n * 64 + slot * self.icd_pages * PAGE,
+                &mut self.capsule[start..],
+            );
+        }
+        // The receive goes back before the response is sent.
+        let _ = self.post_receive(slot);
+        let Some(conn) = self.conns.get_mut(&c.qp_num) else {
+            self.late_receives += 1;
+            return;
+        };
+        let capsule = std::mem::take(&mut self.capsule);
+        let a = conn.queue.handle(&capsule, now);
+        self.run_with_capsule(c.qp_num, a, &capsule, now);
+        self.capsule = capsule;
+    }
+
+    fn run_with_capsule(&mut self, qpn: u32, mut a: Action, capsule: &[u8], now: Instant) {
+        loop {
+            match a {
+                Action::Fetch {
+                    cmd,
+                    from: DataRef::InCapsule { offset, len },
+                } => {
+                    let s = 64 + offset as usize;
+                    let data = capsule.get(s..s + len as usize).unwrap_or(&[]).to_vec();
+                    let Some(conn) = self.conns.get_mut(&qpn) else {
+                        return;
+                    };
+                    a = conn.queue.data_arrived(cmd, &data, now);
+                }
+                Action::Io(io) if matches!(io.data, Some(DataRef::InCapsule { .. })) => {
+                    let Some(DataRef::InCapsule { offset, len }) = io.data else {
+                        return;
+                    };
+                    let s = 64 + offset as usize;
+                    let Some(mut buf) = self.buffer(len) else {
+                        return self.fail(qpn, &io);
+                    };
+                    buf.as_mut_slice()
+                        .copy_from_slice(capsule.get(s..s + len as usize).unwrap_or(&[]));
+                    let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
+                        return self.fail(qpn, &io);
+                    };
+                    return self.submit_write(i, qpn, io, Some(buf));
+                }
+                other => return self.run(qpn, other, now),
+            }
+        }
+    }
+
+    fn run(&mut self, qpn: u32, a: Action, _now: Instant) {
+        match a {
+            Action::Respond { cqe, data } => self.respond(qpn, cqe, data, None),
+            Action::Fetch {
+                cmd,
+                from: DataRef::Keyed { addr, len, key, .. },
+            } => {
+                let Some(mut buf) = self.buffer(len) else {
+                    return;
+                };
+                let sge = [self.sge(&mut buf)];
+                let Some(i) = self.take_req(qpn, Stage::FetchForCore(cmd), None) else {
+                    return;
+                };
+                self.post(
+                    qpn,
+                    &[SendWr {
+                        wr_id: REQ_BASE + i as u64,
+                        op: SendOp::RdmaRead {
+                            remote_addr: addr,
+                            rkey: key,
+                        },
+                        sges: &sge,
+                        signaled: true,
+                        inline: false,
+                    }],
+                );
+                if let Some(r) = self.reqs[i].as_mut() {
+                    r.buf = Some(buf);
+                }
+            }
+            Action::Fetch { .. } => {}
+            Action::Io(io) => self.start_io(qpn, io),
+            Action::Hold => {}
+            Action::Disconnect { cqe, .. } => {
+                if let Some(c) = cqe {
+                    self.respond(qpn, c, None, None);
+                }
+                if let Some(c) = self.conns.remove(&qpn) {
+                    let _ = c.id.disconnect();
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, qpn: u32, io: &IoRequest) {
+        let cqe = match self.conns.get_mut(&qpn) {
+            Some(c) => c
+                .queue
+                .io_done(io, Err(nvmfd_blockdev::BlockError::QueueFull)),
+            None => return,
+        };
+        self.respond(qpn, cqe, None, None);
+    }
+
+    fn dev_of(&self, qpn: u32, nsid: u32) -> Option<DevId> {
+        let conn = self.conns.get(&qpn)?;
+        let sub = conn.queue.controller()?.subsystem?;
+        let nqn = &self.target.subsystems()[sub].nqn;
+        self.devs.get(&(nqn.clone(), nsid)).copied()
+    }
+
+    fn start_io(&mut self, qpn: u32, io: IoRequest) {
+        match (&io.op, io.data) {
+            (IoOp::Write { len, .. }, Some(DataRef::Keyed { addr, key, .. })) => {
+                let Some(mut buf) = self.buffer(*len) else {
+                    return self.fail(qpn, &io);
+                };
+                let sge = [self.sge(&mut buf)];
+                let Some(i) = self.take_req(qpn, Stage::FetchForWrite(io.clone()), None) else {
+                    return self.fail(qpn, &io);
+                };
+                self.post(
+                    qpn,
+                    &[SendWr {
+                        wr_id: REQ_BASE + i as u64,
+                        op: SendOp::RdmaRead {
+                            remote_addr: addr,
+                            rkey: key,
+                        },
+                        sges: &sge,
+                        signaled: true,
+                        inline: false,
+                    }],
+                );
+                if let Some(r) = self.reqs[i].as_mut() {
+                    r.buf = Some(buf);
+                }
+            }
+            _ => {
+                let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
+                    return self.fail(qpn, &io);
+                };
+                self.submit_block(i, qpn, io, None);
+            }
+        }
+    }
+
+    fn submit_write(&mut self, i: usize, qpn: u32, io: IoRequest, buf: Option<DmaBuf>) {
+        self.submit_block(i, qpn, io, buf);
+    }
+
+    /// Queues the block operations of `io` under request slot `i`.
+    fn submit_block(&mut self, i: usize, qpn: u32, io: IoRequest, buf: Option<DmaBuf>) {
+        let tag = i as u64;
+        let nsids: Vec<u32> = match &io.op {
+            IoOp::FlushAll { nsids } => nsids.clone(),
+            _ => vec![io.nsid],
+        };
+        let mut left = 0u32;
+        let mut failed = None;
+        let mut buf = buf;
+        for nsid in nsids {
+            let Some(dev) = self.dev_of(qpn, nsid) else {
+                failed = Some(nvmfd_blockdev::BlockError::UnknownDevice);
+                continue;
+            };
+            let r = match &io.op {
+                IoOp::Read { offset, len } => match self.buffer(*len) {
+                    Some(b) => self.engine.read(dev, *offset, b, tag).map(|_| 1),
+                    None => Err(nvmfd_blockdev::Rejected {
+                        error: nvmfd_blockdev::BlockError::QueueFull,
+                        buf: None,
+                    }),
+                },
+                IoOp::Write { offset, fua, .. } => match buf.take() {
+                    Some(b) => self.engine.write(dev, *offset, b, *fua, tag).map(|_| 1),
+                    None => Err(nvmfd_blockdev::Rejected {
+                        error: nvmfd_blockdev::BlockError::QueueFull,
+                        buf: None,
+                    }),
+                },
+                IoOp::Flush | IoOp::FlushAll { .. } => self.engine.flush(dev, tag).map(|_| 1),
+                IoOp::WriteZeroes { offset, len } => {
+                    self.engine.write_zeroes(dev, *offset, *len, tag).map(|_| 1)
+                }
+                IoOp::Deallocate { ranges } => {
+                    let mut n = 0;
+                    let mut res = Ok(0);
+                    for &(o, l) in ranges {
+                        match self.engine.deallocate(dev, o, l, tag) {
+                            Ok(()) => n += 1,
+                            Err(e) => res = Err(e),
+                        }
+                    }
+                    res.map(|_| n)
+                }
+            };
+            match r {
+                Ok(n) => left += n,
+                Err(e) => failed = Some(e.error),
+            }
+        }
+        if left == 0 {
+            let cqe = match self.conns.get_mut(&qpn) {
+                Some(c) => c.queue.io_done(&io, failed.map_or(Ok(0), Err)),
+                None => return self.end_req(i),
+            };
+            self.end_req(i);
+            return self.respond(qpn, cqe, None, None);
+        }
+        self.reqs[i] = Some(Req {
+            qpn,
+            stage: Stage::Io {
+                req: io,
+                left,
+                failed,
+            },
+            buf: None,
+        });
+    }
+
+    fn on_block_done(&mut self, c: Completion) {
+        let i = usize::try_from(c.tag).unwrap_or(usize::MAX);
+        let Some(Some(req)) = self.reqs.get_mut(i) else {
+            return;
+        };
+        let Stage::Io { left, failed, .. } = &mut req.stage else {
+            return;
+        };
+        *left -= 1;
+        if let Err(e) = &c.result {
+            *failed = Some(e.clone());
+        }
+        if c.op == nvmfd_blockdev::OpKind::Read {
+            req.buf = c.buf;
+        }
+        if *left > 0 {
+            return;
+        }
+        let Some(req) = self.reqs[i].take() else {
+            return;
+        };
+        let Stage::Io {
+            req: io, failed, ..
+        } = req.stage
+        else {
+            return;
+        };
+        let qpn = req.qpn;
+        let cqe = match self.conns.get_mut(&qpn) {
+            Some(conn) => conn.queue.io_done(&io, failed.map_or(Ok(0), Err)),
+            None => {
+                self.free.push(i);
+                return;
+            }
+        };
+        let ok = cqe.status().is_success();
+        match (ok, &io.op, io.data, req.buf) {
+            (true, IoOp::Read { .. }, Some(dest), Some(buf)) => {
+                self.reqs[i] = Some(Req {
+                    qpn,
+                    stage: Stage::Responding,
+                    buf: None,
+                });
+                self.respond(qpn, cqe, None, Some((i, buf, dest)));
+            }
+            _ => {
+                self.free.push(i);
+                self.respond(qpn, cqe, None, None);
+            }
+        }
+    }
+
+    /// Sends `cqe`, after `data` (bytes the core built) or `read` (a block read's buffer) is
+    /// written to the host: one chain, only the SEND signaled.
+    fn respond(
+        &mut self,
+        qpn: u32,
+        cqe: Cqe,
+        data: Option<(Vec<u8>, DataRef)>,
+        read: Option<(usize, DmaBuf, DataRef)>,
+    ) {
+        let resp = cqe;
+        let resp_bytes = resp.as_bytes();
+        let inline = [Sge {
+            addr: resp_bytes.as_ptr() as u64,
+            length: 16,
+            lkey: 0,
+        }];
+        let (slot, mut buf, dest) = match (data, read) {
+            (Some((bytes, dest)), _) => {
+                let n = dest
+                    .len()
+                    .min(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
+                let Some(mut b) = self.buffer(n.max(1)) else {
+                    return;
+                };
+                b.set_len(n as usize);
+                b.as_mut_slice().copy_from_slice(&bytes[..n as usize]);
+                let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
+                    return;
+                };
+                (Some(i), Some(b), Some(dest))
+            }
+            (None, Some((i, b, dest))) => (Some(i), Some(b), Some(dest)),
+            (None, None) => (None, None, None),
+        };
+        let send_op = match dest.and_then(|d| d.invalidate_key()) {
+            Some(rkey) => SendOp::SendWithInvalidate { rkey },
+            None => SendOp::Send,
+        };
+        let wr_id = slot.map_or(NO_REQ, |i| REQ_BASE + i as u64);
+        let send = SendWr {
+            wr_id,
+            op: send_op,
+            sges: &inline,
+            signaled: true,
+            inline: true,
+        };
+        match (buf.as_mut(), dest) {
+            (Some(b), Some(DataRef::Keyed { addr, key, .. })) if !b.is_empty() => {
+                let sge = [self.sge(b)];
+                let write = SendWr {
+                    wr_id,
+                    op: SendOp::RdmaWrite {
+                        remote_addr: addr,
+                        rkey: key,
+                    },
+                    sges: &sge,
+                    signaled: false,
+                    inline: false,
+                };
+                self.post(qpn, &[write, send]);
+            }
+            _ => self.post(qpn, &[send]),
+        }
+        if let (Some(i), Some(b)) = (slot, buf) {
+            if let Some(r) = self.reqs[i].as_mut() {
+                r.buf = Some(b);
+            }
+        }
+    }
+
+    fn post(&self, qpn: u32, wrs: &[SendWr<'_>]) {
+        if let Some(c) = self.conns.get(&qpn) {
+            let _ = c.id.post_send(wrs);
+        }
+    }
+}
