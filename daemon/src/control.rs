@@ -14,13 +14,20 @@ use signal_hook_mio::v1_0::Signals;
 use slog::{error, info, o, warn, Logger};
 
 use crate::admin::{AdminError, AdminServer, Request, Response};
+use crate::datapath::{DataPath, DataPathConfig, ReactorCmd, ReactorPaths};
 use crate::notify::Notifier;
-use crate::reactor::{LoopConfig, ReactorError, ReactorHandle};
+use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, WorkFactory};
 use crate::stats::{AdminStats, Stats};
+use nvmfd_nvme::rdma_cm::{check_request, reject_private_data};
+use nvmfd_nvme::Target;
+use nvmfd_rdma::any;
+use nvmfd_rdma::CmEvent;
 
 const SIGNALS: Token = Token(0);
 const ADMIN: Token = Token(1);
-const FIRST_ADMIN_CLIENT: usize = 16;
+/// Listener `i`'s CM channel has token `LISTENER_BASE + i`.
+const LISTENER_BASE: usize = 2;
+const FIRST_ADMIN_CLIENT: usize = 1 << 20;
 
 /// Environment variable that enables test-only admin requests (`debug_stall_reactor`).
 pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
@@ -40,6 +47,9 @@ pub enum DaemonError {
     /// the admin socket could not be set up
     #[error("admin socket {0}")]
     Admin(#[from] AdminError),
+    /// a namespace could not be opened
+    #[error("{0}")]
+    Namespaces(String),
 }
 
 /// One listener in `status`.
@@ -120,6 +130,12 @@ struct Daemon {
     listeners: Vec<ListenerStatus>,
     test_hooks: bool,
     stopping: bool,
+    target: Option<Target>,
+    /// Per listener: its CM channel and listening ID, when it serves.
+    cm: Vec<Option<(any::cm::CmChannel, any::cm::CmId)>>,
+    inboxes: Vec<std::sync::mpsc::Sender<ReactorCmd>>,
+    next_reactor: usize,
+    soft_fabric: Option<nvmfd_rdma::soft::Fabric>,
 }
 
 /// Runs the daemon until a termination signal: the control loop on this thread, one reactor
@@ -160,6 +176,11 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
         listeners: Vec::new(),
         test_hooks: std::env::var(TEST_HOOKS_ENV).is_ok_and(|v| v == "1"),
         stopping: false,
+        target: None,
+        cm: Vec::new(),
+        inboxes: Vec::new(),
+        next_reactor: 0,
+        soft_fabric: None,
         cfg,
     };
     if d.test_hooks {
@@ -177,34 +198,95 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
 
 impl Daemon {
     fn start(&mut self, poll: &mut Poll, loop_cfg: LoopConfig) -> Result<AdminServer, DaemonError> {
+        let (target, namespaces) =
+            crate::serve::build_target(&self.cfg).map_err(DaemonError::Namespaces)?;
+        info!(self.log, "namespaces open"; "count" => namespaces.len());
+        // Listeners first: the reactors build a data path on each listener's device.
+        let mut devices: Vec<Option<any::Device>> = Vec::new();
+        for (i, l) in self.cfg.listeners.clone().iter().enumerate() {
+            let addr = std::net::SocketAddr::new(l.address, l.port);
+            let listened = self.listen(l.provider, addr).and_then(|(ch, id)| {
+                let dev = id.device().map_err(|e| e.to_string())?;
+                let fd = ch.fd();
+                poll.registry()
+                    .register(
+                        &mut mio::unix::SourceFd(&fd),
+                        Token(LISTENER_BASE + i),
+                        mio::Interest::READABLE,
+                    )
+                    .map_err(|e| e.to_string())?;
+                Ok((ch, id, dev))
+            });
+            let status = match listened {
+                Ok((ch, id, dev)) => {
+                    info!(self.log, "listening"; "address" => %l.address, "port" => l.port, "provider" => %l.provider);
+                    self.cm.push(Some((ch, id)));
+                    devices.push(Some(dev));
+                    (true, None)
+                }
+                Err(reason) => {
+                    warn!(self.log, "listener not serving"; "address" => %l.address, "port" => l.port,
+                          "provider" => %l.provider, "reason" => &reason);
+                    self.cm.push(None);
+                    devices.push(None);
+                    (false, Some(reason))
+                }
+            };
+            self.listeners.push(ListenerStatus {
+                address: l.address.to_string(),
+                port: l.port,
+                provider: l.provider.to_string(),
+                serving: status.0,
+                reason: status.1,
+            });
+        }
+        let limits = crate::serve::limits(&self.cfg);
+        let t = &self.cfg.transport;
+        let dp_cfg = DataPathConfig {
+            receives: t.srq_initial.min(t.srq_max),
+            in_capsule: limits.in_capsule_data_size,
+            buffers: u32::from(limits.max_queue_depth).clamp(32, 256),
+            max_io: limits.max_io_size,
+            requests: 1024,
+        };
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {
-            self.reactors
-                .push(ReactorHandle::spawn(id, core, loop_cfg, &self.log)?);
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (devs, target, namespaces) = (devices.clone(), target.clone(), namespaces.clone());
+            let log = self.log.new(o!("reactor" => id));
+            let factory: WorkFactory = Box::new(move || {
+                let paths = devs
+                    .iter()
+                    .map(|d| {
+                        let d = d.as_ref()?;
+                        match DataPath::new(d, target.clone(), &namespaces, dp_cfg) {
+                            Ok(dp) => Some(dp),
+                            Err(e) => {
+                                error!(log, "cannot set up a data path"; "error" => %e);
+                                None
+                            }
+                        }
+                    })
+                    .collect();
+                Box::new(ReactorPaths {
+                    paths,
+                    inbox: rx,
+                    log,
+                })
+            });
+            self.reactors.push(ReactorHandle::spawn(
+                id,
+                core,
+                loop_cfg,
+                &self.log,
+                Some(factory),
+            )?);
+            self.inboxes.push(tx);
             self.heartbeats.push(Heartbeat {
                 last_turns: 0,
                 last_move: Instant::now(),
             });
         }
-        self.listeners = self
-            .cfg
-            .listeners
-            .iter()
-            .map(|l| {
-                let reason = format!(
-                    "serving NVMe-oF over the {} provider is not part of this build yet: the data path is not built",
-                    l.provider
-                );
-                warn!(self.log, "listener not serving"; "address" => %l.address, "port" => l.port,
-                      "provider" => %l.provider, "reason" => &reason);
-                ListenerStatus {
-                    address: l.address.to_string(),
-                    port: l.port,
-                    provider: l.provider.to_string(),
-                    serving: false,
-                    reason: Some(reason),
-                }
-            })
-            .collect();
+        self.target = Some(target);
         let admin = AdminServer::bind(
             &self.cfg.daemon.admin_socket,
             poll.registry(),
@@ -260,6 +342,11 @@ impl Daemon {
             let now = Instant::now();
             if now >= next_tick {
                 self.check_heartbeats(now);
+                if let Some(t) = &self.target {
+                    for c in t.expire_keep_alives(now) {
+                        warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);
+                    }
+                }
                 admin.sweep(poll.registry(), now);
                 next_tick = now + tick;
             }
@@ -279,6 +366,8 @@ impl Daemon {
                             info!(self.log, "termination signal"; "signal" => sig);
                         }
                     }
+                } else if (LISTENER_BASE..LISTENER_BASE + self.cm.len()).contains(&ev.token().0) {
+                    self.cm_events(ev.token().0 - LISTENER_BASE);
                 } else if admin.owns(ev.token()) {
                     admin.on_event(poll.registry(), ev.token(), &mut |req, stats| {
                         self.answer(req, stats)
@@ -299,6 +388,86 @@ impl Daemon {
         self.notifier.stopping("stopping: draining reactors");
         admin.shutdown(poll.registry());
         Ok(())
+    }
+
+    /// Opens a CM channel for `provider` and listens on `addr`.
+    fn listen(
+        &mut self,
+        provider: nvmfd_config::Provider,
+        addr: std::net::SocketAddr,
+    ) -> Result<(any::cm::CmChannel, any::cm::CmId), String> {
+        let ch = match provider {
+            nvmfd_config::Provider::Soft => {
+                let fabric = self
+                    .soft_fabric
+                    .get_or_insert_with(nvmfd_rdma::soft::Fabric::networked)
+                    .clone();
+                fabric.add_device(addr.ip()).map_err(|e| e.to_string())?;
+                any::cm::CmChannel::Soft(
+                    nvmfd_rdma::soft::cm::CmChannel::new(&fabric).map_err(|e| e.to_string())?,
+                )
+            }
+            nvmfd_config::Provider::Ibverbs => any::cm::CmChannel::Verbs(
+                nvmfd_rdma::ibverbs::cm::CmChannel::new()
+                    .map_err(|e| format!("{e} (is there an RDMA device?)"))?,
+            ),
+        };
+        let id = ch
+            .listen(addr, 128)
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        Ok((ch, id))
+    }
+
+    /// Handles the CM events of listener `i`: connect requests are checked and handed to a
+    /// reactor (round robin); the end of a connection is told to every reactor.
+    fn cm_events(&mut self, i: usize) {
+        loop {
+            let Some(Some((ch, _))) = self.cm.get(i) else {
+                return;
+            };
+            let Some(ev) = ch.next_event() else { return };
+            match ev {
+                CmEvent::ConnectRequest {
+                    id, private_data, ..
+                } => {
+                    let limits = crate::serve::limits(&self.cfg);
+                    match check_request(&private_data, &limits) {
+                        Err(st) => {
+                            warn!(self.log, "connect request refused"; "listener" => i, "status" => st);
+                            let _ = id.reject(&reject_private_data(st));
+                        }
+                        Ok(req) => {
+                            if self.inboxes.is_empty() {
+                                let _ = id.reject(&reject_private_data(
+                                    nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                                ));
+                                continue;
+                            }
+                            let r = self.next_reactor % self.inboxes.len();
+                            self.next_reactor += 1;
+                            if self.inboxes[r]
+                                .send(ReactorCmd::Adopt {
+                                    listener: i,
+                                    id,
+                                    req,
+                                })
+                                .is_ok()
+                            {
+                                self.reactors[r].shared.wake();
+                            }
+                        }
+                    }
+                }
+                CmEvent::Disconnected { id } | CmEvent::DeviceRemoval { id } => {
+                    for (r, tx) in self.inboxes.iter().enumerate() {
+                        if tx.send(ReactorCmd::Disconnected { token: id }).is_ok() {
+                            self.reactors[r].shared.wake();
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
     }
 
     /// How often heartbeats are checked: often enough to feed the watchdog twice per interval

@@ -221,6 +221,21 @@ impl DataPath {
         self.conns.len()
     }
 
+    /// The completion channel's fd (readable after `arm` and a completion).
+    pub fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.cq.channel_fd()
+    }
+
+    /// Arms the completion channel before the reactor sleeps; false when it must not sleep
+    /// (block operations in flight complete only by polling).
+    pub fn arm(&mut self) -> bool {
+        while self.cq.ack_event() {}
+        if self.engine.in_flight() > 0 {
+            return false;
+        }
+        self.cq.req_notify().is_ok()
+    }
+
     /// One pass: completions, block I/O; true when there was work.
     pub fn poll(&mut self, now: Instant) -> bool {
         let mut wc = [Wc::default(); 32];
@@ -687,5 +702,80 @@ impl DataPath {
         if let Some(c) = self.conns.get(&qpn) {
             let _ = c.id.post_send(wrs);
         }
+    }
+}
+
+/// What the control thread hands a reactor.
+#[derive(Debug)]
+pub enum ReactorCmd {
+    /// Serve this connection (its request was checked) on the data path of listener `listener`.
+    Adopt {
+        /// Which listener (and so which device's data path).
+        listener: usize,
+        /// The connection.
+        id: CmId,
+        /// Its checked request.
+        req: CmRequest,
+    },
+    /// The connection with this CM token went away.
+    Disconnected {
+        /// Its token.
+        token: usize,
+    },
+}
+
+/// A reactor's data paths (one per listener's device) and its inbox.
+#[derive(Debug)]
+pub struct ReactorPaths {
+    /// One per listener, in listener order (`None` where the listener is not serving).
+    pub paths: Vec<Option<DataPath>>,
+    /// Connections from the control thread.
+    pub inbox: std::sync::mpsc::Receiver<ReactorCmd>,
+    /// Where to report what the control thread must know (not used yet).
+    pub log: slog::Logger,
+}
+
+impl crate::reactor::ReactorWork for ReactorPaths {
+    fn poll(&mut self) -> bool {
+        let mut worked = false;
+        while let Ok(cmd) = self.inbox.try_recv() {
+            worked = true;
+            match cmd {
+                ReactorCmd::Adopt { listener, id, req } => {
+                    match self.paths.get_mut(listener).and_then(Option::as_mut) {
+                        Some(dp) => {
+                            if let Err(e) = dp.adopt(id, req) {
+                                slog::warn!(self.log, "cannot accept a connection"; "error" => %e);
+                            }
+                        }
+                        None => {
+                            slog::warn!(self.log, "a connection for a listener without a data path")
+                        }
+                    }
+                }
+                ReactorCmd::Disconnected { token } => {
+                    for dp in self.paths.iter_mut().flatten() {
+                        dp.disconnected(token);
+                    }
+                }
+            }
+        }
+        let now = Instant::now();
+        for dp in self.paths.iter_mut().flatten() {
+            worked |= dp.poll(now);
+        }
+        worked
+    }
+
+    fn wake_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.paths.iter().flatten().map(DataPath::wake_fd).collect()
+    }
+
+    fn prepare_sleep(&mut self) -> bool {
+        let mut ok = true;
+        for dp in self.paths.iter_mut().flatten() {
+            ok &= dp.arm();
+        }
+        ok
     }
 }

@@ -8,6 +8,7 @@ pub mod datapath;
 pub mod logging;
 pub mod notify;
 pub mod reactor;
+pub mod serve;
 pub mod stats;
 
 /// Facts about this machine that configuration validation needs.

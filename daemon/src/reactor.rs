@@ -2,7 +2,7 @@
 //!
 //! The loop busy-polls its work sources and, after `idle_sleep_after` without work, sleeps on a
 //! `mio::Poll` (adaptive polling) until woken or until a bounded timeout, so its heartbeat keeps
-//! moving while it is healthy. The data path adds its sources (CQs, io_uring) to `poll_once`.
+//! moving while it is healthy. The data path adds its sources through `ReactorWork`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -32,6 +32,11 @@ pub struct ReactorShared {
 }
 
 impl ReactorShared {
+    /// Wakes the reactor if it sleeps (new work in its inbox).
+    pub fn wake(&self) {
+        let _ = self.waker.wake();
+    }
+
     /// Asks the reactor to stop, and wakes it if it sleeps.
     pub fn request_stop(&self) {
         self.stop.store(true, Ordering::Release);
@@ -46,6 +51,22 @@ impl ReactorShared {
         let _ = self.waker.wake();
     }
 }
+
+/// What a reactor polls: its data path. Built on the reactor's own thread (it owns
+/// thread-bound resources such as its io_uring).
+pub trait ReactorWork {
+    /// One pass over the work sources; true when there was work.
+    fn poll(&mut self) -> bool;
+    /// Fds that turn readable when work arrives (completion channels); the reactor sleeps on
+    /// them when idle.
+    fn wake_fds(&self) -> Vec<std::os::fd::RawFd>;
+    /// Arms the wake-up sources before sleeping; false when the reactor must not sleep
+    /// (operations in flight that only polling completes).
+    fn prepare_sleep(&mut self) -> bool;
+}
+
+/// Builds a reactor's work on its thread.
+pub type WorkFactory = Box<dyn FnOnce() -> Box<dyn ReactorWork> + Send>;
 
 /// Tunables of the poll loop.
 #[derive(Clone, Copy, Debug)]
@@ -100,6 +121,7 @@ impl ReactorHandle {
         core: usize,
         cfg: LoopConfig,
         log: &Logger,
+        work: Option<WorkFactory>,
     ) -> Result<Self, ReactorError> {
         let poll = Poll::new().map_err(|source| ReactorError::Poll { id, source })?;
         let waker = Waker::new(poll.registry(), WAKE)
@@ -121,7 +143,8 @@ impl ReactorHandle {
                 let pinned = core_affinity::set_for_current(core_affinity::CoreId { id: core });
                 let _ = started_tx.send(pinned);
                 if pinned {
-                    run(&thread_shared, poll, cfg, &log);
+                    let work = work.map(|f| f());
+                    run(&thread_shared, poll, cfg, &log, work);
                 }
             })
             .map_err(|source| ReactorError::Spawn { id, source })?;
@@ -145,8 +168,26 @@ impl ReactorHandle {
 }
 
 /// The poll loop.
-fn run(shared: &ReactorShared, mut poll: Poll, cfg: LoopConfig, log: &Logger) {
+fn run(
+    shared: &ReactorShared,
+    mut poll: Poll,
+    cfg: LoopConfig,
+    log: &Logger,
+    mut work: Option<Box<dyn ReactorWork>>,
+) {
     info!(log, "reactor started");
+    if let Some(w) = &work {
+        for (i, fd) in w.wake_fds().into_iter().enumerate() {
+            let r = poll.registry().register(
+                &mut mio::unix::SourceFd(&fd),
+                Token(1 + i),
+                mio::Interest::READABLE,
+            );
+            if let Err(e) = r {
+                error!(log, "cannot watch a completion channel; polling only"; "error" => %e);
+            }
+        }
+    }
     let c = &shared.counters;
     let mut events = Events::with_capacity(16);
     let mut last_work = Instant::now();
@@ -161,12 +202,16 @@ fn run(shared: &ReactorShared, mut poll: Poll, cfg: LoopConfig, log: &Logger) {
             std::thread::sleep(Duration::from_millis(stall));
             continue;
         }
-        if poll_once() {
+        if work.as_mut().is_some_and(|w| w.poll()) {
             ReactorCounters::bump(&c.busy_turns);
             last_work = Instant::now();
             continue;
         }
-        if !cfg.idle_sleep_after.is_zero() && last_work.elapsed() >= cfg.idle_sleep_after {
+        let may_sleep = work.as_mut().is_none_or(|w| w.prepare_sleep());
+        if may_sleep
+            && !cfg.idle_sleep_after.is_zero()
+            && last_work.elapsed() >= cfg.idle_sleep_after
+        {
             ReactorCounters::bump(&c.sleeps);
             if let Err(e) = poll.poll(&mut events, Some(cfg.max_sleep)) {
                 if e.kind() != std::io::ErrorKind::Interrupted {
@@ -178,11 +223,4 @@ fn run(shared: &ReactorShared, mut poll: Poll, cfg: LoopConfig, log: &Logger) {
         }
     }
     info!(log, "reactor stopped"; "turns" => c.turns.load(Ordering::Relaxed));
-}
-
-/// One pass over the reactor's work sources; true when it found work. There are none yet: the
-/// RDMA completion queues and io_uring rings of the data path are polled here.
-#[inline]
-fn poll_once() -> bool {
-    false
 }

@@ -75,9 +75,20 @@ pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// A TCP port for a test daemon's soft listener, different for every call in this process
+/// (and, by the process ID, from other test processes).
+pub fn test_port() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 30000 + u16::try_from(std::process::id() % 300).unwrap_or(0) * 100;
+    base + NEXT.fetch_add(1, Ordering::Relaxed) % 100
+}
+
 /// A configuration for tests: one reactor on core 0, the admin socket in `dir`, a soft
-/// listener and a RAM subsystem; `extra_daemon` adds lines to `[daemon]`.
+/// listener on 127.0.0.1 (a port of its own) and a RAM subsystem; `extra_daemon` adds lines to
+/// `[daemon]`.
 pub fn test_config(dir: &Path, extra_daemon: &str) -> String {
+    let port = test_port();
     format!(
         r#"[daemon]
 reactor_cores = [0]
@@ -87,6 +98,7 @@ stall_timeout = "300ms"
 
 [[listener]]
 address = "127.0.0.1"
+port = {port}
 provider = "soft"
 
 [[subsystem]]
