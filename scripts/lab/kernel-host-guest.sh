@@ -1,0 +1,57 @@
+#!/bin/bash
+# Runs in the lab guest (see scripts/lab-kernel-host.sh): nvmfd on rxe0 with a RAM and a file
+# namespace, and the Linux kernel's NVMe/RDMA host against it.
+set -uo pipefail
+BIN=$1
+NQN=nqn.2024-01.io.nvmfd:lab
+WORK=/tmp/nvmfd-lab
+mkdir -p $WORK
+truncate -s 256M $WORK/disk.img
+cat > $WORK/nvmfd.toml <<CFG
+[daemon]
+reactor_cores = [0, 1]
+admin_socket = "$WORK/nvmfd.sock"
+log_format = "json"
+[[listener]]
+address = "$RDMA_IP"
+port = 4420
+provider = "ibverbs"
+[[subsystem]]
+nqn = "$NQN"
+allow_any_host = true
+[[subsystem.namespace]]
+nsid = 1
+backend = "malloc"
+size = "256MiB"
+[[subsystem.namespace]]
+nsid = 2
+backend = "file"
+path = "$WORK/disk.img"
+CFG
+modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
+$BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
+pid=$!
+for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+step() { echo "==> $*"; "$@" || { echo "STEP FAILED: $*"; echo "--- nvmfd log"; tail -30 $WORK/nvmfd.log; kill $pid; exit 1; }; }
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock status
+step nvme discover -t rdma -a "$RDMA_IP" -s 4420
+step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
+for i in $(seq 50); do [ -b /dev/nvme0n2 ] && break; sleep 0.1; done
+step nvme list
+step nvme id-ctrl /dev/nvme0
+step nvme id-ns /dev/nvme0n1
+for dev in /dev/nvme0n1 /dev/nvme0n2; do
+  step fio --name=verify4k --filename=$dev --rw=randwrite --bs=4k --size=32M --verify=crc32c --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
+  step fio --name=mixed --filename=$dev --rw=randwrite --bsrange=4k-1m --size=64M --verify=crc32c --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
+  step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
+done
+step nvme disconnect -n $NQN
+step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
+for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
+step fio --name=again --filename=/dev/nvme0n1 --rw=randread --bs=4k --size=32M --ioengine=libaio --direct=1 --iodepth=16 --runtime=3 --time_based --output-format=terse --minimal
+step nvme disconnect -n $NQN
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock stats
+kill -TERM $pid
+wait $pid
+echo "nvmfd exit status $?"
+echo "LAB KERNEL HOST: ALL STEPS PASSED"
