@@ -133,6 +133,8 @@ impl Subsystem {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
-        format!("{h:020x}").chars().rev().take(20).collect()
+        // 16 hex digits of the hash, then 4 of the hash of the hash.
+        let h2 = (h ^ (h >> 29)).wrapping_mul(0x0100_0000_01b3);
+        format!("{h:016x}{:04x}", h2 >> 48)
     }
 }

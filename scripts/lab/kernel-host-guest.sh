@@ -50,6 +50,10 @@ step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
 for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
 step fio --name=again --filename=/dev/nvme0n1 --rw=randread --bs=4k --size=32M --ioengine=libaio --direct=1 --iodepth=16 --runtime=3 --time_based --output-format=terse --minimal
 step nvme disconnect -n $NQN
+# nvmfd's own host tool over ibverbs, against the same daemon.
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" discover
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" identify --nqn $NQN
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock stats
 kill -TERM $pid
 wait $pid
