@@ -134,6 +134,7 @@ struct Daemon {
     /// Per listener: its CM channel and listening ID, when it serves.
     cm: Vec<Option<(any::cm::CmChannel, any::cm::CmId)>>,
     inboxes: Vec<std::sync::mpsc::Sender<ReactorCmd>>,
+    dp_counters: Vec<Arc<crate::stats::DataPathCounters>>,
     next_reactor: usize,
     soft_fabric: Option<nvmfd_rdma::soft::Fabric>,
 }
@@ -179,6 +180,7 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
         target: None,
         cm: Vec::new(),
         inboxes: Vec::new(),
+        dp_counters: Vec::new(),
         next_reactor: 0,
         soft_fabric: None,
         cfg,
@@ -252,13 +254,21 @@ impl Daemon {
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();
             let (devs, target, namespaces) = (devices.clone(), target.clone(), namespaces.clone());
+            let counters = Arc::new(crate::stats::DataPathCounters::default());
+            self.dp_counters.push(Arc::clone(&counters));
             let log = self.log.new(o!("reactor" => id));
             let factory: WorkFactory = Box::new(move || {
                 let paths = devs
                     .iter()
                     .map(|d| {
                         let d = d.as_ref()?;
-                        match DataPath::new(d, target.clone(), &namespaces, dp_cfg) {
+                        match DataPath::new(
+                            d,
+                            target.clone(),
+                            &namespaces,
+                            dp_cfg,
+                            Arc::clone(&counters),
+                        ) {
                             Ok(dp) => Some(dp),
                             Err(e) => {
                                 error!(log, "cannot set up a data path"; "error" => %e);
@@ -581,6 +591,12 @@ impl Daemon {
                 .reactors
                 .iter()
                 .map(|r| r.shared.counters.snapshot(r.shared.id, r.shared.core))
+                .collect(),
+            datapath: self
+                .dp_counters
+                .iter()
+                .enumerate()
+                .map(|(i, c)| c.snapshot(i))
                 .collect(),
             admin: admin.clone(),
         }

@@ -8,6 +8,7 @@
 //! fixed buffer. Written against `nvmfd_rdma::any`, so it runs on either provider.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -89,8 +90,7 @@ pub struct DataPath {
     reqs: Vec<Option<Req>>,
     free: Vec<usize>,
     capsule: Vec<u8>,
-    /// Receive completions for QPs no longer known (counted, re-posted).
-    pub late_receives: u64,
+    counters: Arc<crate::stats::DataPathCounters>,
 }
 
 impl std::fmt::Debug for DataPath {
@@ -113,6 +113,7 @@ impl DataPath {
         target: Target,
         namespaces: &[(String, u32, Arc<BlockDevice>)],
         cfg: DataPathConfig,
+        counters: Arc<crate::stats::DataPathCounters>,
     ) -> std::io::Result<DataPath> {
         let pd = dev.alloc_pd().map_err(verr)?;
         let cq = dev.create_cq(4096).map_err(verr)?;
@@ -161,11 +162,14 @@ impl DataPath {
             reqs: (0..cfg.requests).map(|_| None).collect(),
             free: (0..cfg.requests as usize).rev().collect(),
             capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
-            late_receives: 0,
+            counters,
         };
         for slot in 0..n {
             dp.post_receive(slot).map_err(verr)?;
         }
+        dp.counters
+            .receives_posted
+            .fetch_add(n as u64, Ordering::Relaxed);
         Ok(dp)
     }
 
@@ -198,6 +202,12 @@ impl DataPath {
         let token = id.token();
         let queue = Queue::new(&self.target, Some(req.params));
         self.conns.insert(qpn, Conn { id, queue, token });
+        self.counters
+            .connections
+            .store(self.conns.len() as u64, Ordering::Relaxed);
+        self.counters
+            .connections_accepted
+            .fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -214,6 +224,9 @@ impl DataPath {
                 let _ = c.id.disconnect();
             }
         }
+        self.counters
+            .connections
+            .store(self.conns.len() as u64, Ordering::Relaxed);
     }
 
     /// Connections served.
@@ -361,9 +374,10 @@ impl DataPath {
         // The receive goes back before the response is sent.
         let _ = self.post_receive(slot);
         let Some(conn) = self.conns.get_mut(&c.qp_num) else {
-            self.late_receives += 1;
+            self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
         };
+        self.counters.commands.fetch_add(1, Ordering::Relaxed);
         let capsule = std::mem::take(&mut self.capsule);
         let a = conn.queue.handle(&capsule, now);
         self.run_with_capsule(c.qp_num, a, &capsule, now);
@@ -431,6 +445,7 @@ impl DataPath {
                         inline: false,
                     }],
                 );
+                self.counters.rdma_reads.fetch_add(1, Ordering::Relaxed);
                 if let Some(r) = self.reqs[i].as_mut() {
                     r.buf = Some(buf);
                 }
@@ -489,6 +504,7 @@ impl DataPath {
                         inline: false,
                     }],
                 );
+                self.counters.rdma_reads.fetch_add(1, Ordering::Relaxed);
                 if let Some(r) = self.reqs[i].as_mut() {
                     r.buf = Some(buf);
                 }
@@ -612,6 +628,19 @@ impl DataPath {
             }
         };
         let ok = cqe.status().is_success();
+        if ok {
+            match io.op {
+                IoOp::Read { len, .. } => self
+                    .counters
+                    .read_bytes
+                    .fetch_add(u64::from(len), Ordering::Relaxed),
+                IoOp::Write { len, .. } => self
+                    .counters
+                    .write_bytes
+                    .fetch_add(u64::from(len), Ordering::Relaxed),
+                _ => 0,
+            };
+        }
         match (ok, &io.op, io.data, req.buf) {
             (true, IoOp::Read { .. }, Some(dest), Some(buf)) => {
                 self.reqs[i] = Some(Req {
@@ -637,6 +666,9 @@ impl DataPath {
         data: Option<(Vec<u8>, DataRef)>,
         read: Option<(usize, DmaBuf, DataRef)>,
     ) {
+        if !cqe.status().is_success() {
+            self.counters.command_errors.fetch_add(1, Ordering::Relaxed);
+        }
         let resp = cqe;
         let resp_bytes = resp.as_bytes();
         let inline = [Sge {

@@ -72,6 +72,73 @@ pub struct AdminStats {
     pub dropped_total: u64,
 }
 
+/// Counters of a reactor's data path (all its devices), written only by the reactor.
+#[derive(Debug, Default)]
+pub struct DataPathCounters {
+    /// Commands received.
+    pub commands: AtomicU64,
+    /// Commands completed with an error status.
+    pub command_errors: AtomicU64,
+    /// Bytes read by hosts.
+    pub read_bytes: AtomicU64,
+    /// Bytes written by hosts.
+    pub write_bytes: AtomicU64,
+    /// RDMA READs of host data issued.
+    pub rdma_reads: AtomicU64,
+    /// Receives currently posted to the SRQs.
+    pub receives_posted: AtomicU64,
+    /// Receive completions for QPs no longer known (re-posted).
+    pub late_receives: AtomicU64,
+    /// Connections (QPs) served now.
+    pub connections: AtomicU64,
+    /// Connections accepted since start.
+    pub connections_accepted: AtomicU64,
+}
+
+impl DataPathCounters {
+    /// A snapshot for the admin socket.
+    pub fn snapshot(&self, id: usize) -> DataPathStats {
+        let g = |a: &AtomicU64| a.load(Relaxed);
+        DataPathStats {
+            reactor: id,
+            commands_total: g(&self.commands),
+            command_errors_total: g(&self.command_errors),
+            read_bytes_total: g(&self.read_bytes),
+            write_bytes_total: g(&self.write_bytes),
+            rdma_reads_total: g(&self.rdma_reads),
+            srq_receives_posted: g(&self.receives_posted),
+            late_receives_total: g(&self.late_receives),
+            qps: g(&self.connections),
+            qps_accepted_total: g(&self.connections_accepted),
+        }
+    }
+}
+
+/// One reactor's data path in `stats`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DataPathStats {
+    /// Reactor index.
+    pub reactor: usize,
+    /// NVMe commands received.
+    pub commands_total: u64,
+    /// Commands completed with an error status.
+    pub command_errors_total: u64,
+    /// Bytes read by hosts.
+    pub read_bytes_total: u64,
+    /// Bytes written by hosts.
+    pub write_bytes_total: u64,
+    /// RDMA READs of host data.
+    pub rdma_reads_total: u64,
+    /// Receives posted to the SRQs now.
+    pub srq_receives_posted: u64,
+    /// Receive completions for QPs no longer known.
+    pub late_receives_total: u64,
+    /// Queue pairs served now.
+    pub qps: u64,
+    /// Queue pairs accepted since start.
+    pub qps_accepted_total: u64,
+}
+
 /// The answer to `stats`: the tree that the data path's counters extend.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Stats {
@@ -79,6 +146,8 @@ pub struct Stats {
     pub uptime_seconds: u64,
     /// One entry per reactor.
     pub reactors: Vec<ReactorStats>,
+    /// One entry per reactor: its data path.
+    pub datapath: Vec<DataPathStats>,
     /// The admin socket.
     pub admin: AdminStats,
 }

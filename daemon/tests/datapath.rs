@@ -98,6 +98,7 @@ fn serve(port: u16) -> Served {
             target,
             &[(SUB.into(), 1, d1), (SUB.into(), 2, d2)],
             cfg,
+            Default::default(),
         )
         .unwrap();
         ready_tx.send(()).unwrap();

@@ -109,6 +109,25 @@ fn a_host_process_writes_and_reads_nvmfd_over_soft_rdma() {
         }
         admin.transport().disconnect();
     }
+    // The admin socket counts what went through the data path.
+    let stats = d.data("stats");
+    let dp = &stats["datapath"][0];
+    let written: u64 = (0..9).map(|i| 512u64 << i).sum::<u64>() * 2;
+    assert_eq!(dp["write_bytes_total"], written, "{stats}");
+    assert_eq!(dp["read_bytes_total"], written, "{stats}");
+    assert!(dp["commands_total"].as_u64().unwrap() > 40, "{stats}");
+    assert!(
+        dp["rdma_reads_total"].as_u64().unwrap() > 0,
+        "keyed writes were pulled with RDMA READ: {stats}"
+    );
+    assert_eq!(
+        dp["qps_accepted_total"], 7,
+        "discovery, then two rounds of admin + 2 I/O queues: {stats}"
+    );
+    assert_eq!(
+        dp["srq_receives_posted"], 256,
+        "every receive went back: {stats}"
+    );
 }
 
 #[test]
