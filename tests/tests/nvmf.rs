@@ -143,3 +143,75 @@ fn a_refused_connect_request_gets_its_reject_status_over_tcp() {
         "HSQSIZE above the limit: {e}"
     );
 }
+
+#[test]
+fn several_hosts_at_once_and_a_refused_host_nqn() {
+    let allowed: Vec<String> = (0..3)
+        .map(|i| {
+            format!("nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000c0{i:02}")
+        })
+        .collect();
+    let hosts = format!(
+        "hosts = [{}]",
+        allowed
+            .iter()
+            .map(|h| format!("\"{h}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let d = Daemon::start(Options {
+        replace: vec![("allow_any_host = true".into(), hosts)],
+        ..Options::default()
+    });
+    let addr = listener(&d);
+
+    // A host NQN not in the list is refused at Connect.
+    let f = Fabric::networked();
+    f.add_device("127.0.0.2".parse().unwrap()).unwrap();
+    let stranger = HostId {
+        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000ff".into(),
+        id: [0xff; 16],
+    };
+    let refused = AdminQueue::connect(queue(&f, addr, 0, 31), &stranger, SUB, 31, 0).unwrap_err();
+    assert!(
+        refused
+            .status()
+            .is_some_and(|s| s.same_code(nvmfd_nvme::wire::status::CONNECT_INVALID_HOST)),
+        "{refused}"
+    );
+
+    // Three allowed hosts, each in its own thread with its own fabric, write and read at once.
+    let threads: Vec<_> = allowed
+        .iter()
+        .enumerate()
+        .map(|(i, nqn)| {
+            let nqn = nqn.clone();
+            std::thread::spawn(move || {
+                let f = Fabric::networked();
+                f.add_device("127.0.0.3".parse().unwrap()).unwrap();
+                let h = HostId {
+                    nqn,
+                    id: [i as u8; 16],
+                };
+                let mut admin =
+                    AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 10_000).unwrap();
+                admin.enable().unwrap();
+                admin.set_queue_count(1).unwrap();
+                let mut io =
+                    IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+                for j in 0..20u64 {
+                    let lba = (i as u64 * 10_000) + j * 16;
+                    let data = pattern(i as u64 * 1000 + j, 8192);
+                    io.write(1, lba, 16, &data, false).unwrap();
+                    let mut back = vec![0u8; 8192];
+                    io.read(1, lba, 16, &mut back).unwrap();
+                    assert!(back == data, "host {i}, write {j}");
+                }
+                admin.shutdown().unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
