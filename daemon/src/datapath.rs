@@ -91,6 +91,13 @@ pub struct DataPath {
     free: Vec<usize>,
     capsule: Vec<u8>,
     counters: Arc<crate::stats::DataPathCounters>,
+    /// Commands admitted and not finished; each holds at most one request slot and one buffer
+    /// at a time, so admitting no more than `limit` means none ever finds them all taken.
+    active: usize,
+    limit: usize,
+    /// Capsules that arrived while `limit` commands were active (their receives are already
+    /// re-posted), started in order as commands finish. Bounded by the receives posted.
+    incoming: std::collections::VecDeque<(u32, Vec<u8>)>,
 }
 
 impl std::fmt::Debug for DataPath {
@@ -163,6 +170,9 @@ impl DataPath {
             free: (0..cfg.requests as usize).rev().collect(),
             capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
             counters,
+            active: 0,
+            limit: cfg.requests.min(cfg.buffers) as usize,
+            incoming: std::collections::VecDeque::with_capacity(cfg.receives as usize),
         };
         for slot in 0..n {
             dp.post_receive(slot).map_err(verr)?;
@@ -251,6 +261,12 @@ impl DataPath {
 
     /// One pass: completions, block I/O; true when there was work.
     pub fn poll(&mut self, now: Instant) -> bool {
+        while self.active < self.limit {
+            let Some((qpn, capsule)) = self.incoming.pop_front() else {
+                break;
+            };
+            self.start_command(qpn, &capsule, now);
+        }
         let mut wc = [Wc::default(); 32];
         let n = self.cq.poll(&mut wc).unwrap_or(0);
         for c in &wc[..n] {
@@ -313,7 +329,10 @@ impl DataPath {
         }
         let i = usize::try_from(c.wr_id - REQ_BASE).unwrap_or(usize::MAX);
         if c.status != WcStatus::Success {
-            // The QP is in error: the request ends, its buffer returns.
+            // The QP is in error: the command ends, its buffer returns.
+            if self.reqs.get(i).is_some_and(Option::is_some) {
+                self.done_cmd();
+            }
             return self.end_req(i);
         }
         let Some(req) = self.reqs.get_mut(i).and_then(Option::take) else {
@@ -327,9 +346,12 @@ impl DataPath {
                     .map(|b| b.as_slice().to_vec())
                     .unwrap_or_default();
                 self.free.push(i);
-                if let Some(conn) = self.conns.get_mut(&req.qpn) {
-                    let a = conn.queue.data_arrived(cmd, &data, now);
-                    self.run(req.qpn, a, now);
+                match self.conns.get_mut(&req.qpn) {
+                    Some(conn) => {
+                        let a = conn.queue.data_arrived(cmd, &data, now);
+                        self.run(req.qpn, a, now);
+                    }
+                    None => self.done_cmd(),
                 }
             }
             Stage::FetchForWrite(io) => {
@@ -343,6 +365,7 @@ impl DataPath {
             Stage::Responding | Stage::Io { .. } => {
                 drop(req.buf);
                 self.free.push(i);
+                self.done_cmd();
             }
         }
     }
@@ -373,15 +396,37 @@ impl DataPath {
         }
         // The receive goes back before the response is sent.
         let _ = self.post_receive(slot);
-        let Some(conn) = self.conns.get_mut(&c.qp_num) else {
+        if !self.conns.contains_key(&c.qp_num) {
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
-        };
+        }
         self.counters.commands.fetch_add(1, Ordering::Relaxed);
+        if self.active >= self.limit || !self.incoming.is_empty() {
+            // Every slot or buffer may be in use: the command waits its turn.
+            self.counters
+                .commands_queued
+                .fetch_add(1, Ordering::Relaxed);
+            self.incoming.push_back((c.qp_num, self.capsule.clone()));
+            return;
+        }
         let capsule = std::mem::take(&mut self.capsule);
-        let a = conn.queue.handle(&capsule, now);
-        self.run_with_capsule(c.qp_num, a, &capsule, now);
+        self.start_command(c.qp_num, &capsule, now);
         self.capsule = capsule;
+    }
+
+    /// Admits one command and lets the core decide what it means.
+    fn start_command(&mut self, qpn: u32, capsule: &[u8], now: Instant) {
+        let Some(conn) = self.conns.get_mut(&qpn) else {
+            return;
+        };
+        self.active += 1;
+        let a = conn.queue.handle(capsule, now);
+        self.run_with_capsule(qpn, a, capsule, now);
+    }
+
+    /// A command finished (its response was sent and its resources returned, or it ended).
+    fn done_cmd(&mut self) {
+        self.active = self.active.saturating_sub(1);
     }
 
     fn run_with_capsule(&mut self, qpn: u32, mut a: Action, capsule: &[u8], now: Instant) {
@@ -450,9 +495,10 @@ impl DataPath {
                     r.buf = Some(buf);
                 }
             }
-            Action::Fetch { .. } => {}
+            Action::Fetch { .. } => self.done_cmd(),
             Action::Io(io) => self.start_io(qpn, io),
-            Action::Hold => {}
+            // An AER holds nothing while it waits.
+            Action::Hold => self.done_cmd(),
             Action::Disconnect { cqe, .. } => {
                 if let Some(c) = cqe {
                     self.respond(qpn, c, None, None);
@@ -460,6 +506,7 @@ impl DataPath {
                 if let Some(c) = self.conns.remove(&qpn) {
                     let _ = c.id.disconnect();
                 }
+                self.done_cmd();
             }
         }
     }
@@ -682,11 +729,13 @@ impl DataPath {
                     .len()
                     .min(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
                 let Some(mut b) = self.buffer(n.max(1)) else {
+                    self.done_cmd();
                     return;
                 };
                 b.set_len(n as usize);
                 b.as_mut_slice().copy_from_slice(&bytes[..n as usize]);
                 let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
+                    self.done_cmd();
                     return;
                 };
                 (Some(i), Some(b), Some(dest))
@@ -699,6 +748,9 @@ impl DataPath {
             None => SendOp::Send,
         };
         let wr_id = slot.map_or(NO_REQ, |i| REQ_BASE + i as u64);
+        if slot.is_none() {
+            self.done_cmd();
+        }
         let send = SendWr {
             wr_id,
             op: send_op,
@@ -710,7 +762,9 @@ impl DataPath {
             (Some(b), Some(DataRef::Keyed { addr, key, .. })) if !b.is_empty() => {
                 let sge = [self.sge(b)];
                 let write = SendWr {
-                    wr_id,
+                    // Unsignaled: only an error (a flush) completes it, and that must not end
+                    // the request slot, which the SEND's completion does.
+                    wr_id: NO_REQ,
                     op: SendOp::RdmaWrite {
                         remote_addr: addr,
                         rkey: key,

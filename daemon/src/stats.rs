@@ -79,6 +79,8 @@ pub struct DataPathCounters {
     pub commands: AtomicU64,
     /// Commands completed with an error status.
     pub command_errors: AtomicU64,
+    /// Commands that waited in the incoming queue for a request slot or buffer.
+    pub commands_queued: AtomicU64,
     /// Bytes read by hosts.
     pub read_bytes: AtomicU64,
     /// Bytes written by hosts.
@@ -103,6 +105,7 @@ impl DataPathCounters {
             reactor: id,
             commands_total: g(&self.commands),
             command_errors_total: g(&self.command_errors),
+            commands_queued_total: g(&self.commands_queued),
             read_bytes_total: g(&self.read_bytes),
             write_bytes_total: g(&self.write_bytes),
             rdma_reads_total: g(&self.rdma_reads),
@@ -123,6 +126,8 @@ pub struct DataPathStats {
     pub commands_total: u64,
     /// Commands completed with an error status.
     pub command_errors_total: u64,
+    /// Commands that waited for a request slot or buffer.
+    pub commands_queued_total: u64,
     /// Bytes read by hosts.
     pub read_bytes_total: u64,
     /// Bytes written by hosts.

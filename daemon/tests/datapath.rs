@@ -48,6 +48,20 @@ impl Drop for Served {
 /// A target serving a 512-byte and a 4096-byte RAM namespace on a soft fabric, its reactor and
 /// control loop on one thread.
 fn serve(port: u16) -> Served {
+    serve_with(port, None)
+}
+
+/// `serve`, with the data path's sizes overridden.
+fn serve_with(port: u16, sizes: Option<(u32, u32)>) -> Served {
+    serve_counted(port, sizes, Default::default())
+}
+
+/// `serve_with`, counting into `counters`.
+fn serve_counted(
+    port: u16,
+    sizes: Option<(u32, u32)>,
+    counters: Arc<nvmfd::stats::DataPathCounters>,
+) -> Served {
     let fabric = Fabric::new();
     fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
     let addr: SocketAddr = format!("10.0.0.1:{port}").parse().unwrap();
@@ -86,19 +100,23 @@ fn serve(port: u16) -> Served {
         );
         let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&f).unwrap());
         let listener = ch.listen(addr, 16).unwrap();
-        let cfg = DataPathConfig {
+        let mut cfg = DataPathConfig {
             receives: 64,
             in_capsule: limits.in_capsule_data_size,
             buffers: 16,
             max_io: limits.max_io_size,
             requests: 32,
         };
+        if let Some((buffers, requests)) = sizes {
+            cfg.buffers = buffers;
+            cfg.requests = requests;
+        }
         let mut dp = DataPath::new(
             &listener.device().unwrap(),
             target,
             &[(SUB.into(), 1, d1), (SUB.into(), 2, d2)],
             cfg,
-            Default::default(),
+            counters,
         )
         .unwrap();
         ready_tx.send(()).unwrap();
@@ -197,4 +215,43 @@ fn discovery_works_over_rdma_and_bad_requests_are_rejected() {
     let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
     let e = RdmaQueue::connect(ch, s.addr, 1, 4096, 4096, 128 * 1024).unwrap_err();
     assert!(e.to_string().contains("status 0x4"), "{e}");
+}
+
+#[test]
+fn commands_wait_for_buffers_instead_of_failing() {
+    // Two buffers and two request slots for six queues writing and reading at once.
+    let counters = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4422, Some((2, 2)), Arc::clone(&counters));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(6).unwrap(), 6);
+    let cntlid = admin.cntlid;
+    std::thread::scope(|sc| {
+        for q in 1..=6u16 {
+            let s = &s;
+            let h = h.clone();
+            sc.spawn(move || {
+                let mut io = IoQueue::connect(queue(s, q, 31), &h, SUB, cntlid, q, 31).unwrap();
+                for j in 0..10u64 {
+                    let lba = u64::from(q) * 4096 + j * 128;
+                    let data = pattern(u64::from(q) * 100 + j, 64 * 1024);
+                    io.write(1, lba, 128, &data, false).unwrap();
+                    let mut back = vec![0u8; 64 * 1024];
+                    io.read(1, lba, 128, &mut back).unwrap();
+                    assert!(back == data, "queue {q}, round {j}");
+                }
+            });
+        }
+    });
+    let queued = counters
+        .commands_queued
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(queued > 0, "six queues on two buffers never waited");
+    assert_eq!(
+        counters
+            .command_errors
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
 }
