@@ -41,16 +41,16 @@ step nvme list
 step nvme id-ctrl /dev/nvme0
 step nvme id-ns /dev/nvme0n1
 for dev in /dev/nvme0n1 /dev/nvme0n2; do
-  step fio --name=verify4k --filename=$dev --rw=randwrite --bs=4k --size=32M --verify=crc32c --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
-  step fio --name=mixed --filename=$dev --rw=randwrite --bsrange=4k-1m --size=64M --verify=crc32c --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
+  step fio --name=verify4k --filename=$dev --rw=randwrite --bs=4k --size=32M --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
+  step fio --name=mixed --filename=$dev --rw=randwrite --bsrange=4k-1m --size=64M --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
   # Written with verify headers, checked only after disconnect and connect again.
-  step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --do_verify=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
+  step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 done
 step nvme disconnect -n $NQN
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
 for i in $(seq 50); do [ -b /dev/nvme0n2 ] && break; sleep 0.1; done
 for dev in /dev/nvme0n1 /dev/nvme0n2; do
-  step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --verify_only --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
+  step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 done
 step fio --name=again --filename=/dev/nvme0n1 --rw=randread --bs=4k --size=32M --ioengine=libaio --direct=1 --iodepth=16 --runtime=3 --time_based --output-format=terse --minimal
 step nvme disconnect -n $NQN
