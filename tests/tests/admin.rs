@@ -283,17 +283,20 @@ fn nvmfctl_prints_tables_json_toml_and_prometheus() {
     assert!(ok);
     assert!(out.contains("turns") && out.contains("admin"), "{out}");
 
-    let (ok, out, _) = nvmfctl(&d, &["stats", "--prometheus"]);
-    assert!(ok);
-    assert!(
-        out.contains("# TYPE nvmfd_reactor_turns_total counter\n"),
-        "{out}"
-    );
-    let turns = out
-        .lines()
-        .find_map(|l| l.strip_prefix("nvmfd_reactor_turns_total{id=\"0\",core=\"0\"} "))
-        .unwrap_or_else(|| panic!("no reactor 0 series:\n{out}"));
-    assert!(turns.parse::<u64>().unwrap() > 0);
+    // The reactor is started before its first turn, so wait for the heartbeat to move.
+    let out = wait_for("reactor 0 to turn", || {
+        let (ok, out, err) = nvmfctl(&d, &["stats", "--prometheus"]);
+        assert!(ok, "{err}");
+        assert!(
+            out.contains("# TYPE nvmfd_reactor_turns_total counter\n"),
+            "{out}"
+        );
+        let turns = out
+            .lines()
+            .find_map(|l| l.strip_prefix("nvmfd_reactor_turns_total{id=\"0\",core=\"0\"} "))
+            .unwrap_or_else(|| panic!("no reactor 0 series:\n{out}"));
+        (turns.parse::<u64>().unwrap() > 0).then_some(out)
+    });
     for line in out.lines().filter(|l| !l.starts_with('#')) {
         let (name, value) = line.rsplit_once(' ').unwrap();
         assert!(name.starts_with("nvmfd_"), "{line}");
