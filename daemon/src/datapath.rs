@@ -85,7 +85,8 @@ pub struct DataPath {
     engine: Engine,
     pool: BufPool,
     pd: Pd,
-    devs: HashMap<(String, u32), DevId>,
+    /// Devices by (subsystem index in the target, NSID): no key to build per I/O.
+    devs: HashMap<(usize, u32), DevId>,
     conns: HashMap<u32, Conn>,
     reqs: Vec<Option<Req>>,
     free: Vec<usize>,
@@ -151,7 +152,10 @@ impl DataPath {
         )?;
         let mut devs = HashMap::new();
         for (nqn, nsid, d) in namespaces {
-            devs.insert((nqn.clone(), *nsid), engine.attach(d)?);
+            let dev = engine.attach(d)?;
+            if let Some(sub) = target.subsystems().iter().position(|s| s.nqn == *nqn) {
+                devs.insert((sub, *nsid), dev);
+            }
         }
         let dp = DataPath {
             target,
@@ -470,30 +474,7 @@ impl DataPath {
                 cmd,
                 from: DataRef::Keyed { addr, len, key, .. },
             } => {
-                let Some(mut buf) = self.buffer(len) else {
-                    return;
-                };
-                let sge = [self.sge(&mut buf)];
-                let Some(i) = self.take_req(qpn, Stage::FetchForCore(cmd), None) else {
-                    return;
-                };
-                self.post(
-                    qpn,
-                    &[SendWr {
-                        wr_id: REQ_BASE + i as u64,
-                        op: SendOp::RdmaRead {
-                            remote_addr: addr,
-                            rkey: key,
-                        },
-                        sges: &sge,
-                        signaled: true,
-                        inline: false,
-                    }],
-                );
-                self.counters.rdma_reads.fetch_add(1, Ordering::Relaxed);
-                if let Some(r) = self.reqs[i].as_mut() {
-                    r.buf = Some(buf);
-                }
+                self.fetch(qpn, Stage::FetchForCore(cmd), addr, key, len);
             }
             Action::Fetch { .. } => self.done_cmd(),
             Action::Io(io) => self.start_io(qpn, io),
@@ -511,6 +492,36 @@ impl DataPath {
         }
     }
 
+    /// Reads `len` bytes of host data at `addr`/`key` into a pool buffer held by a new
+    /// request in `stage`; false when no buffer or request slot is free.
+    fn fetch(&mut self, qpn: u32, stage: Stage, addr: u64, key: u32, len: u32) -> bool {
+        let Some(mut buf) = self.buffer(len) else {
+            return false;
+        };
+        let sge = [self.sge(&mut buf)];
+        let Some(i) = self.take_req(qpn, stage, None) else {
+            return false;
+        };
+        self.post(
+            qpn,
+            &[SendWr {
+                wr_id: REQ_BASE + i as u64,
+                op: SendOp::RdmaRead {
+                    remote_addr: addr,
+                    rkey: key,
+                },
+                sges: &sge,
+                signaled: true,
+                inline: false,
+            }],
+        );
+        self.counters.rdma_reads.fetch_add(1, Ordering::Relaxed);
+        if let Some(r) = self.reqs[i].as_mut() {
+            r.buf = Some(buf);
+        }
+        true
+    }
+
     fn fail(&mut self, qpn: u32, io: &IoRequest) {
         let cqe = match self.conns.get_mut(&qpn) {
             Some(c) => c
@@ -524,36 +535,14 @@ impl DataPath {
     fn dev_of(&self, qpn: u32, nsid: u32) -> Option<DevId> {
         let conn = self.conns.get(&qpn)?;
         let sub = conn.queue.controller()?.subsystem?;
-        let nqn = &self.target.subsystems()[sub].nqn;
-        self.devs.get(&(nqn.clone(), nsid)).copied()
+        self.devs.get(&(sub, nsid)).copied()
     }
 
     fn start_io(&mut self, qpn: u32, io: IoRequest) {
         match (&io.op, io.data) {
             (IoOp::Write { len, .. }, Some(DataRef::Keyed { addr, key, .. })) => {
-                let Some(mut buf) = self.buffer(*len) else {
-                    return self.fail(qpn, &io);
-                };
-                let sge = [self.sge(&mut buf)];
-                let Some(i) = self.take_req(qpn, Stage::FetchForWrite(io.clone()), None) else {
-                    return self.fail(qpn, &io);
-                };
-                self.post(
-                    qpn,
-                    &[SendWr {
-                        wr_id: REQ_BASE + i as u64,
-                        op: SendOp::RdmaRead {
-                            remote_addr: addr,
-                            rkey: key,
-                        },
-                        sges: &sge,
-                        signaled: true,
-                        inline: false,
-                    }],
-                );
-                self.counters.rdma_reads.fetch_add(1, Ordering::Relaxed);
-                if let Some(r) = self.reqs[i].as_mut() {
-                    r.buf = Some(buf);
+                if !self.fetch(qpn, Stage::FetchForWrite(io.clone()), addr, key, *len) {
+                    self.fail(qpn, &io);
                 }
             }
             _ => {
