@@ -189,6 +189,10 @@ pub struct TransportConfig {
     /// Receives added (and registered) per growth step; 1 to `srq_max`. Default 256.
     #[serde(default = "defaults::srq_grow_chunk")]
     pub srq_grow_chunk: u32,
+    /// How long the SRQ must have stayed at least a chunk above the low watermark before a
+    /// grown chunk is given back; 10ms to 1h. Default `"30s"`.
+    #[serde(default = "defaults::srq_shrink_delay")]
+    pub srq_shrink_delay: HumanDuration,
     /// Shortest keep-alive timeout granted: a host asking for less gets this. Default `"1s"`.
     #[serde(default = "defaults::keep_alive_timeout_min")]
     pub keep_alive_timeout_min: HumanDuration,
@@ -210,6 +214,7 @@ impl Default for TransportConfig {
             srq_max: defaults::srq_max(),
             srq_low_watermark: defaults::srq_low_watermark(),
             srq_grow_chunk: defaults::srq_grow_chunk(),
+            srq_shrink_delay: defaults::srq_shrink_delay(),
             keep_alive_timeout_min: defaults::keep_alive_timeout_min(),
             keep_alive_timeout_max: defaults::keep_alive_timeout_max(),
         }
@@ -352,6 +357,10 @@ pub mod defaults {
     /// `transport.srq_grow_chunk`
     pub fn srq_grow_chunk() -> u32 {
         256
+    }
+    /// `transport.srq_shrink_delay`
+    pub fn srq_shrink_delay() -> HumanDuration {
+        HumanDuration::secs(30)
     }
     /// `transport.keep_alive_timeout_min`
     pub fn keep_alive_timeout_min() -> HumanDuration {

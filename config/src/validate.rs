@@ -283,6 +283,13 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
             ),
         );
     }
+    let d = t.srq_shrink_delay.0;
+    if d < std::time::Duration::from_millis(10) || d > std::time::Duration::from_secs(3600) {
+        c.fail(
+            p.key("srq_shrink_delay"),
+            format!("{} is outside 10ms..=1h", t.srq_shrink_delay),
+        );
+    }
     if t.keep_alive_timeout_min.0.is_zero() {
         c.fail(p.key("keep_alive_timeout_min"), "must be longer than zero");
     }

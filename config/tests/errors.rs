@@ -336,6 +336,14 @@ error_case!(
     "outside 1..=1048576"
 );
 error_case!(
+    srq_shrink_delay_too_short,
+    with_listener("[transport]\nsrq_shrink_delay = \"1ms\"\n"),
+    "transport.srq_shrink_delay",
+    5,
+    1,
+    "outside 10ms..=1h"
+);
+error_case!(
     srq_grow_chunk_zero,
     with_listener("[transport]\nsrq_grow_chunk = 0\n"),
     "transport.srq_grow_chunk",

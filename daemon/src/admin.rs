@@ -35,7 +35,8 @@ pub enum Request {
     Stats {},
     /// The configuration in force, with every default filled in.
     Config {},
-    /// Test hook (only with `NVMFD_TEST_HOOKS=1`): block reactor `reactor` for `ms`.
+    /// Test hook (only with `NVMFD_TEST_HOOKS=1`): block reactor `reactor` for `ms`; `ms = 0`
+    /// ends a stall in progress.
     DebugStallReactor {
         /// Reactor index.
         reactor: usize,

@@ -28,6 +28,8 @@ const ADMIN: Token = Token(1);
 /// Listener `i`'s CM channel has token `LISTENER_BASE + i`.
 const LISTENER_BASE: usize = 2;
 const FIRST_ADMIN_CLIENT: usize = 1 << 20;
+/// Device `i`'s async event fd has token `ASYNC_BASE + i`.
+const ASYNC_BASE: usize = 1 << 19;
 
 /// Environment variable that enables test-only admin requests (`debug_stall_reactor`).
 pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
@@ -133,6 +135,8 @@ struct Daemon {
     target: Option<Target>,
     /// Per listener: its CM channel and listening ID, when it serves.
     cm: Vec<Option<(any::cm::CmChannel, any::cm::CmId)>>,
+    /// The listeners' devices, one per async event fd.
+    async_devs: Vec<any::Device>,
     inboxes: Vec<std::sync::mpsc::Sender<ReactorCmd>>,
     dp_counters: Vec<Arc<crate::stats::DataPathCounters>>,
     next_reactor: usize,
@@ -179,6 +183,7 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
         stopping: false,
         target: None,
         cm: Vec::new(),
+        async_devs: Vec::new(),
         inboxes: Vec::new(),
         dp_counters: Vec::new(),
         next_reactor: 0,
@@ -242,10 +247,32 @@ impl Daemon {
                 reason: status.1,
             });
         }
+        // Async events (SRQ limit, QP and device errors) are read here and routed to reactors.
+        for dev in devices.iter().flatten() {
+            let fd = dev.async_fd();
+            if self.async_devs.iter().any(|d| d.async_fd() == fd) {
+                continue;
+            }
+            poll.registry()
+                .register(
+                    &mut mio::unix::SourceFd(&fd),
+                    Token(ASYNC_BASE + self.async_devs.len()),
+                    mio::Interest::READABLE,
+                )
+                .map_err(DaemonError::Setup)?;
+            self.async_devs.push(dev.clone());
+        }
+        let registrar = crate::srq::Registrar::spawn().map_err(DaemonError::Setup)?;
         let limits = crate::serve::limits(&self.cfg);
         let t = &self.cfg.transport;
         let dp_cfg = DataPathConfig {
-            receives: t.srq_initial.min(t.srq_max),
+            srq: crate::srq::SrqConfig {
+                initial: t.srq_initial.min(t.srq_max),
+                max: t.srq_max,
+                low_watermark: t.srq_low_watermark,
+                chunk: t.srq_grow_chunk,
+                shrink_delay: t.srq_shrink_delay.0,
+            },
             in_capsule: limits.in_capsule_data_size,
             buffers: u32::from(limits.max_queue_depth).clamp(32, 256),
             max_io: limits.max_io_size,
@@ -256,6 +283,7 @@ impl Daemon {
             let (devs, target, namespaces) = (devices.clone(), target.clone(), namespaces.clone());
             let counters = Arc::new(crate::stats::DataPathCounters::default());
             self.dp_counters.push(Arc::clone(&counters));
+            let registrar = registrar.clone();
             let log = self.log.new(o!("reactor" => id));
             let factory: WorkFactory = Box::new(move || {
                 let paths = devs
@@ -267,6 +295,7 @@ impl Daemon {
                             target.clone(),
                             &namespaces,
                             dp_cfg,
+                            registrar.clone(),
                             Arc::clone(&counters),
                         ) {
                             Ok(dp) => Some(dp),
@@ -378,6 +407,8 @@ impl Daemon {
                     }
                 } else if (LISTENER_BASE..LISTENER_BASE + self.cm.len()).contains(&ev.token().0) {
                     self.cm_events(ev.token().0 - LISTENER_BASE);
+                } else if (ASYNC_BASE..ASYNC_BASE + self.async_devs.len()).contains(&ev.token().0) {
+                    self.async_events(ev.token().0 - ASYNC_BASE);
                 } else if admin.owns(ev.token()) {
                     admin.on_event(poll.registry(), ev.token(), &mut |req, stats| {
                         self.answer(req, stats)
@@ -476,6 +507,34 @@ impl Daemon {
                     }
                 }
                 _ => {}
+            }
+        }
+    }
+
+    /// Reads the async events of device `i` and hands each to every reactor: the one whose
+    /// SRQ or QP it names acts on it.
+    fn async_events(&mut self, i: usize) {
+        let Some(dev) = self.async_devs.get(i) else {
+            return;
+        };
+        let fd = dev.async_fd();
+        while let Some(event) = dev.next_event() {
+            match event {
+                nvmfd_rdma::AsyncEvent::SrqLimitReached(srq) => {
+                    info!(self.log, "SRQ limit reached"; "srq" => srq)
+                }
+                _ => warn!(self.log, "async event"; "event" => ?event),
+            }
+            for (r, tx) in self.inboxes.iter().enumerate() {
+                if tx
+                    .send(ReactorCmd::DeviceEvent {
+                        async_fd: fd,
+                        event,
+                    })
+                    .is_ok()
+                {
+                    self.reactors[r].shared.wake();
+                }
             }
         }
     }

@@ -17,15 +17,17 @@ use nvmfd_nvme::rdma_cm::{accept_private_data, CmRequest};
 use nvmfd_nvme::wire::Cqe;
 use nvmfd_nvme::{Action, Command, DataRef, IoOp, IoRequest, Queue, Target};
 use nvmfd_rdma::any::cm::CmId;
-use nvmfd_rdma::any::{Cq, Device, Mr, Pd, Srq};
+use nvmfd_rdma::any::{Cq, Device, Mr, Pd};
 use nvmfd_rdma::*;
 use zerocopy::IntoBytes;
+
+use crate::srq::{Change, ElasticSrq, Registrar, SrqConfig};
 
 /// Sizes of one reactor's data path.
 #[derive(Clone, Copy, Debug)]
 pub struct DataPathConfig {
-    /// Receives posted to the SRQ.
-    pub receives: u32,
+    /// The elastic SRQ's sizes.
+    pub srq: SrqConfig,
     /// In-capsule data per receive (a multiple of 4 KiB pages is used).
     pub in_capsule: u32,
     /// Data buffers, each `max_io` bytes.
@@ -36,7 +38,6 @@ pub struct DataPathConfig {
     pub requests: u32,
 }
 
-const PAGE: usize = 4096;
 /// Work request IDs at or above this name request slots; below, receive slots.
 const REQ_BASE: u64 = 1 << 40;
 /// A response SEND with no request slot behind it.
@@ -75,11 +76,10 @@ struct Conn {
 /// One reactor's RDMA target.
 pub struct DataPath {
     target: Target,
-    cfg: DataPathConfig,
     cq: Cq,
-    srq: Srq,
-    recv_mr: Mr,
-    icd_pages: usize,
+    /// The device's async fd: events arriving on it name this data path's objects.
+    async_fd: std::os::fd::RawFd,
+    srq: ElasticSrq,
     // Field order is drop order: the MR over the pool goes before the pool's memory.
     data_mr: Mr,
     engine: Engine,
@@ -121,18 +121,24 @@ impl DataPath {
         target: Target,
         namespaces: &[(String, u32, Arc<BlockDevice>)],
         cfg: DataPathConfig,
+        registrar: Registrar,
         counters: Arc<crate::stats::DataPathCounters>,
     ) -> std::io::Result<DataPath> {
         let pd = dev.alloc_pd().map_err(verr)?;
-        let cq = dev.create_cq(4096).map_err(verr)?;
-        let icd_pages = (cfg.in_capsule as usize).div_ceil(PAGE);
-        let srq = pd
-            .create_srq(cfg.receives, 1 + u32::try_from(icd_pages).unwrap_or(4))
+        let attr = dev.attr().map_err(verr)?;
+        let cq = dev
+            .create_cq(attr.max_cqe.min(cfg.srq.max.saturating_mul(2).max(4096)))
             .map_err(verr)?;
-        let n = cfg.receives as usize;
-        let recv_mr = pd
-            .alloc_mr(n * 64 + n * icd_pages * PAGE, Access::LOCAL_WRITE)
-            .map_err(verr)?;
+        let srq = ElasticSrq::new(
+            &pd,
+            attr.max_srq_wr,
+            cfg.srq,
+            cfg.in_capsule,
+            registrar,
+            Arc::clone(&counters),
+            Instant::now(),
+        )
+        .map_err(verr)?;
         let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, false)?;
         let iov = pool.iovec();
         // SAFETY: the pool's region stays mapped while `pool` lives, and `data_mr` is dropped
@@ -159,11 +165,9 @@ impl DataPath {
         }
         let dp = DataPath {
             target,
-            cfg,
             cq,
+            async_fd: dev.async_fd(),
             srq,
-            recv_mr,
-            icd_pages,
             data_mr,
             engine,
             pool,
@@ -176,30 +180,33 @@ impl DataPath {
             counters,
             active: 0,
             limit: cfg.requests.min(cfg.buffers) as usize,
-            incoming: std::collections::VecDeque::with_capacity(cfg.receives as usize),
+            incoming: std::collections::VecDeque::with_capacity(cfg.srq.max as usize),
         };
-        for slot in 0..n {
-            dp.post_receive(slot).map_err(verr)?;
-        }
-        dp.counters
-            .receives_posted
-            .fetch_add(n as u64, Ordering::Relaxed);
         Ok(dp)
     }
 
-    fn post_receive(&self, slot: usize) -> Result<(), VerbsError> {
-        let n = self.cfg.receives as usize;
-        let mut sges = [Sge::default(); 5];
-        sges[0] = self.recv_mr.sge(slot * 64, 64);
-        for p in 0..self.icd_pages {
-            sges[1 + p] = self
-                .recv_mr
-                .sge(n * 64 + (slot * self.icd_pages + p) * PAGE, 4096);
+    /// The device's async event fd, which the control thread watches.
+    pub fn async_fd(&self) -> std::os::fd::RawFd {
+        self.async_fd
+    }
+
+    /// An async event of this data path's device (`async_fd`); events for objects of
+    /// another data path on the same device are ignored.
+    pub fn on_event(&mut self, ev: &AsyncEvent, now: Instant) -> Change {
+        match ev {
+            AsyncEvent::SrqLimitReached(id) if self.srq.is(*id) => self.srq.limit_reached(now),
+            _ => Change::None,
         }
-        self.srq.post_recv(&[RecvWr {
-            wr_id: slot as u64,
-            sges: &sges[..1 + self.icd_pages],
-        }])
+    }
+
+    /// The SRQ's ID, as async events name it.
+    pub fn srq_id(&self) -> u32 {
+        self.srq.srq().id()
+    }
+
+    /// The SRQ: receives registered and posted now.
+    pub fn srq_size(&self) -> (u32, u32) {
+        (self.srq.registered(), self.srq.posted())
     }
 
     /// Takes a connection the control thread accepted the request of: its QP goes on this
@@ -211,7 +218,7 @@ impl DataPath {
             max_recv_wr: 0,
             max_inline_data: 64,
         };
-        let qpn = id.create_qp(&self.pd, &self.cq, &self.srq, caps)?;
+        let qpn = id.create_qp(&self.pd, &self.cq, self.srq.srq(), caps)?;
         id.accept(&accept_private_data(req.crqsize()))?;
         let token = id.token();
         let queue = Queue::new(&self.target, Some(req.params));
@@ -257,7 +264,7 @@ impl DataPath {
     /// (block operations in flight complete only by polling).
     pub fn arm(&mut self) -> bool {
         while self.cq.ack_event() {}
-        if self.engine.in_flight() > 0 {
+        if self.engine.in_flight() > 0 || self.srq.busy() {
             return false;
         }
         self.cq.req_notify().is_ok()
@@ -273,6 +280,9 @@ impl DataPath {
         }
         let mut wc = [Wc::default(); 32];
         let n = self.cq.poll(&mut wc).unwrap_or(0);
+        let receives = wc[..n].iter().filter(|c| c.wr_id < REQ_BASE).count();
+        self.srq
+            .consumed(u32::try_from(receives).unwrap_or(u32::MAX));
         for c in &wc[..n] {
             self.on_completion(c, now);
         }
@@ -284,6 +294,7 @@ impl DataPath {
             self.on_block_done(c);
         }
         let _ = self.engine.submit();
+        self.srq.tick(now);
         // Connections whose controller ended are closed.
         let dead: Vec<u32> = self
             .conns
@@ -325,10 +336,11 @@ impl DataPath {
     }
 
     fn on_completion(&mut self, c: &Wc, now: Instant) {
-        if c.opcode == WcOpcode::Recv {
+        // The ID tells receives from sends: an error completion's opcode is undefined.
+        if c.wr_id < REQ_BASE {
             return self.on_receive(c, now);
         }
-        if c.wr_id == NO_REQ || c.wr_id < REQ_BASE {
+        if c.wr_id == NO_REQ {
             return;
         }
         let i = usize::try_from(c.wr_id - REQ_BASE).unwrap_or(usize::MAX);
@@ -375,31 +387,15 @@ impl DataPath {
     }
 
     fn on_receive(&mut self, c: &Wc, now: Instant) {
-        let slot = usize::try_from(c.wr_id).unwrap_or(0);
         if c.status != WcStatus::Success {
             // Flushed receives of a QP in error come back to the SRQ.
-            if c.status == WcStatus::WrFlushErr {
-                let _ = self.post_receive(slot);
-            }
+            self.srq.completed(c.wr_id, now);
             return;
         }
-        let n = self.cfg.receives as usize;
-        let len = c.byte_len as usize;
-        self.capsule.clear();
-        let mut cmd = [0u8; 64];
-        self.recv_mr.read(slot * 64, &mut cmd);
-        self.capsule.extend_from_slice(&cmd[..len.min(64)]);
-        if len > 64 {
-            let icd = len - 64;
-            let start = self.capsule.len();
-            self.capsule.resize(start + icd, 0);
-            self.recv_mr.read(
-                n * 64 + slot * self.icd_pages * PAGE,
-                &mut self.capsule[start..],
-            );
-        }
+        self.srq
+            .capsule(c.wr_id, c.byte_len as usize, &mut self.capsule);
         // The receive goes back before the response is sent.
-        let _ = self.post_receive(slot);
+        self.srq.completed(c.wr_id, now);
         if !self.conns.contains_key(&c.qp_num) {
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
@@ -797,6 +793,13 @@ pub enum ReactorCmd {
         /// Its token.
         token: usize,
     },
+    /// An async event of the device whose async fd is `async_fd`.
+    DeviceEvent {
+        /// Which device.
+        async_fd: std::os::fd::RawFd,
+        /// What happened.
+        event: AsyncEvent,
+    },
 }
 
 /// A reactor's data paths (one per listener's device) and its inbox.
@@ -831,6 +834,23 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                 ReactorCmd::Disconnected { token } => {
                     for dp in self.paths.iter_mut().flatten() {
                         dp.disconnected(token);
+                    }
+                }
+                ReactorCmd::DeviceEvent { async_fd, event } => {
+                    let now = Instant::now();
+                    for dp in self.paths.iter_mut().flatten() {
+                        if dp.async_fd() != async_fd {
+                            continue;
+                        }
+                        match dp.on_event(&event, now) {
+                            Change::Grew(n) => {
+                                slog::info!(self.log, "SRQ grew"; "receives" => n)
+                            }
+                            Change::CannotGrow => {
+                                slog::warn!(self.log, "SRQ limit reached and it cannot grow (at srq_max, or registering its next chunk failed); hosts RNR-retry while it is empty")
+                            }
+                            _ => {}
+                        }
                     }
                 }
             }

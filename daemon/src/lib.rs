@@ -9,6 +9,7 @@ pub mod logging;
 pub mod notify;
 pub mod reactor;
 pub mod serve;
+pub mod srq;
 pub mod stats;
 
 /// Facts about this machine that configuration validation needs.

@@ -28,6 +28,8 @@ pub struct ReactorShared {
     stop: AtomicBool,
     /// Test hook: milliseconds the reactor must stall for at its next turn.
     stall_ms: AtomicU64,
+    /// Test hook: ends a stall early.
+    stall_release: AtomicBool,
     waker: Waker,
 }
 
@@ -46,7 +48,11 @@ impl ReactorShared {
     /// Makes the reactor block for `ms` milliseconds in its next turn, as a stuck data path
     /// would (tests of the watchdog only; the admin socket exposes it only with
     /// `NVMFD_TEST_HOOKS=1`).
+    /// `ms = 0` ends a stall in progress.
     pub fn stall_for(&self, ms: u64) {
+        if ms == 0 {
+            self.stall_release.store(true, Ordering::Relaxed);
+        }
         self.stall_ms.store(ms, Ordering::Relaxed);
         let _ = self.waker.wake();
     }
@@ -132,6 +138,7 @@ impl ReactorHandle {
             counters: ReactorCounters::default(),
             stop: AtomicBool::new(false),
             stall_ms: AtomicU64::new(0),
+            stall_release: AtomicBool::new(false),
             waker,
         });
         let log = log.new(o!("reactor" => id, "core" => core));
@@ -198,8 +205,13 @@ fn run(
         }
         let stall = shared.stall_ms.swap(0, Ordering::Relaxed);
         if stall > 0 {
+            shared.stall_release.store(false, Ordering::Relaxed);
             error!(log, "test hook: reactor stalling"; "ms" => stall);
-            std::thread::sleep(Duration::from_millis(stall));
+            let end = Instant::now() + Duration::from_millis(stall);
+            while Instant::now() < end && !shared.stall_release.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            info!(log, "test hook: reactor stall over");
             continue;
         }
         if work.as_mut().is_some_and(|w| w.poll()) {

@@ -89,6 +89,20 @@ pub struct DataPathCounters {
     pub rdma_reads: AtomicU64,
     /// Receives currently posted to the SRQs.
     pub receives_posted: AtomicU64,
+    /// Receives registered to the SRQs now (posted or not).
+    pub srq_receives_registered: AtomicU64,
+    /// `IBV_EVENT_SRQ_LIMIT_REACHED` events taken.
+    pub srq_limit_events: AtomicU64,
+    /// Times an SRQ grew by a chunk.
+    pub srq_grows: AtomicU64,
+    /// Chunks given back after the load stayed low.
+    pub srq_shrinks: AtomicU64,
+    /// Limit events at `srq_max`, where the SRQ could not grow.
+    pub srq_at_max: AtomicU64,
+    /// Times the last posted receive was consumed: hosts then RNR-retry until one is posted.
+    pub srq_empty: AtomicU64,
+    /// Failures to post, arm or register receives.
+    pub srq_errors: AtomicU64,
     /// Receive completions for QPs no longer known (re-posted).
     pub late_receives: AtomicU64,
     /// Connections (QPs) served now.
@@ -110,6 +124,13 @@ impl DataPathCounters {
             write_bytes_total: g(&self.write_bytes),
             rdma_reads_total: g(&self.rdma_reads),
             srq_receives_posted: g(&self.receives_posted),
+            srq_receives_registered: g(&self.srq_receives_registered),
+            srq_limit_events_total: g(&self.srq_limit_events),
+            srq_grows_total: g(&self.srq_grows),
+            srq_shrinks_total: g(&self.srq_shrinks),
+            srq_at_max_total: g(&self.srq_at_max),
+            srq_empty_total: g(&self.srq_empty),
+            srq_errors_total: g(&self.srq_errors),
             late_receives_total: g(&self.late_receives),
             qps: g(&self.connections),
             qps_accepted_total: g(&self.connections_accepted),
@@ -136,6 +157,20 @@ pub struct DataPathStats {
     pub rdma_reads_total: u64,
     /// Receives posted to the SRQs now.
     pub srq_receives_posted: u64,
+    /// Receives registered to the SRQs now.
+    pub srq_receives_registered: u64,
+    /// SRQ limit events.
+    pub srq_limit_events_total: u64,
+    /// Chunks the SRQs grew by.
+    pub srq_grows_total: u64,
+    /// Chunks given back.
+    pub srq_shrinks_total: u64,
+    /// Limit events at `srq_max`.
+    pub srq_at_max_total: u64,
+    /// Times an SRQ ran out of posted receives (hosts RNR-retried).
+    pub srq_empty_total: u64,
+    /// Failures to post, arm or register receives.
+    pub srq_errors_total: u64,
     /// Receive completions for QPs no longer known.
     pub late_receives_total: u64,
     /// Queue pairs served now.

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use nvmf_host::RdmaQueue;
 use nvmfd::datapath::{DataPath, DataPathConfig};
+use nvmfd::srq::{Registrar, SrqConfig};
 use nvmfd_blockdev::{Device, DeviceSpec, Kind};
 use nvmfd_nvme::host::{AdminQueue, HostId, IoQueue};
 use nvmfd_nvme::rdma_cm::{check_request, reject_private_data};
@@ -31,6 +32,13 @@ fn host() -> HostId {
 
 struct Served {
     stop: Arc<AtomicBool>,
+    /// While set, the loop takes CM and async events but does not poll the data path: the
+    /// reactor is "busy", and capsules pile up in the SRQ.
+    paused: Arc<AtomicBool>,
+    /// While set, async events are read but held back (delivered once it clears).
+    hold_events: Arc<AtomicBool>,
+    /// The data path's SRQ.
+    srq_id: u32,
     thread: Option<std::thread::JoinHandle<()>>,
     fabric: Fabric,
     addr: SocketAddr,
@@ -62,11 +70,37 @@ fn serve_counted(
     sizes: Option<(u32, u32)>,
     counters: Arc<nvmfd::stats::DataPathCounters>,
 ) -> Served {
+    serve_full(port, sizes, None, counters)
+}
+
+/// The fixed SRQ the other tests use (64 receives, no growth).
+const FIXED_SRQ: SrqConfig = SrqConfig {
+    initial: 64,
+    max: 64,
+    low_watermark: 16,
+    chunk: 16,
+    shrink_delay: Duration::from_secs(60),
+};
+
+/// `serve_counted`, with an SRQ of `srq` (default `FIXED_SRQ`).
+fn serve_full(
+    port: u16,
+    sizes: Option<(u32, u32)>,
+    srq: Option<SrqConfig>,
+    counters: Arc<nvmfd::stats::DataPathCounters>,
+) -> Served {
     let fabric = Fabric::new();
     fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
     let addr: SocketAddr = format!("10.0.0.1:{port}").parse().unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    let (f, s) = (fabric.clone(), Arc::clone(&stop));
+    let paused = Arc::new(AtomicBool::new(false));
+    let hold_events = Arc::new(AtomicBool::new(false));
+    let (f, s, p, he) = (
+        fabric.clone(),
+        Arc::clone(&stop),
+        Arc::clone(&paused),
+        Arc::clone(&hold_events),
+    );
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::spawn(move || {
         let mk = |bs: u32| {
@@ -101,7 +135,7 @@ fn serve_counted(
         let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&f).unwrap());
         let listener = ch.listen(addr, 16).unwrap();
         let mut cfg = DataPathConfig {
-            receives: 64,
+            srq: srq.unwrap_or(FIXED_SRQ),
             in_capsule: limits.in_capsule_data_size,
             buffers: 16,
             max_io: limits.max_io_size,
@@ -111,15 +145,18 @@ fn serve_counted(
             cfg.buffers = buffers;
             cfg.requests = requests;
         }
+        let dev = listener.device().unwrap();
         let mut dp = DataPath::new(
-            &listener.device().unwrap(),
+            &dev,
             target,
             &[(SUB.into(), 1, d1), (SUB.into(), 2, d2)],
             cfg,
+            Registrar::spawn().unwrap(),
             counters,
         )
         .unwrap();
-        ready_tx.send(()).unwrap();
+        ready_tx.send(dp.srq_id()).unwrap();
+        let mut held = Vec::new();
         while !s.load(Ordering::Relaxed) {
             match ch.next_event() {
                 Some(CmEvent::ConnectRequest {
@@ -131,15 +168,25 @@ fn serve_counted(
                 Some(CmEvent::Disconnected { id }) => dp.disconnected(id),
                 _ => {}
             }
-            if !dp.poll(Instant::now()) {
+            // What the control thread does: async events go to the data path.
+            held.extend(std::iter::from_fn(|| dev.next_event()));
+            if !he.load(Ordering::Relaxed) {
+                for ev in held.drain(..) {
+                    dp.on_event(&ev, Instant::now());
+                }
+            }
+            if p.load(Ordering::Relaxed) || !dp.poll(Instant::now()) {
                 std::thread::yield_now();
             }
         }
         drop(listener);
     });
-    ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let srq_id = ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
     Served {
         stop,
+        paused,
+        hold_events,
+        srq_id,
         thread: Some(thread),
         fabric,
         addr,
@@ -253,5 +300,113 @@ fn commands_wait_for_buffers_instead_of_failing() {
             .command_errors
             .load(std::sync::atomic::Ordering::Relaxed),
         0
+    );
+}
+
+/// Waits (bounded) until `cond` holds.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn the_srq_grows_under_a_burst_and_shrinks_back_when_the_load_stays_low() {
+    use std::sync::atomic::Ordering::Relaxed;
+    const QUEUES: u16 = 24;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 16,
+        max: 96,
+        low_watermark: 4,
+        chunk: 16,
+        shrink_delay: Duration::from_millis(100),
+    };
+    let s = serve_full(4423, Some((64, 64)), Some(srq), Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(QUEUES).unwrap(), QUEUES);
+    let cntlid = admin.cntlid;
+    let mut ios: Vec<_> = (1..=QUEUES)
+        .map(|q| IoQueue::connect(queue(&s, q, 31), &h, SUB, cntlid, q, 31).unwrap())
+        .collect();
+    assert_eq!(c.srq_receives_registered.load(Relaxed), 16);
+    assert_eq!(c.srq_limit_events.load(Relaxed), 0);
+    // The reactor stops polling and the limit event is held back; each of the 24 queues
+    // sends an in-capsule write, so the 16 posted receives run out and 8 SENDs wait (RNR).
+    s.paused.store(true, Relaxed);
+    s.hold_events.store(true, Relaxed);
+    let written: Vec<Vec<u8>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = ios
+            .iter_mut()
+            .enumerate()
+            .map(|(q, io)| {
+                sc.spawn(move || {
+                    let mut all = Vec::new();
+                    for round in 0..8u64 {
+                        let data = pattern(q as u64 * 1000 + round, 4096);
+                        io.write(1, (q as u64 * 8 + round) * 8, 8, &data, false)
+                            .unwrap();
+                        all.extend_from_slice(&data);
+                    }
+                    all
+                })
+            })
+            .collect();
+        wait_until("16 receives are consumed and 8 SENDs wait", || {
+            s.fabric.srq_backlog(s.srq_id) == Some((0, usize::from(QUEUES) - 16))
+        });
+        // The event reaches the data path, which grows the SRQ: the waiting SENDs land.
+        s.hold_events.store(false, Relaxed);
+        wait_until("the SRQ grew and the waiting SENDs landed", || {
+            c.srq_grows.load(Relaxed) >= 1 && s.fabric.srq_backlog(s.srq_id).unwrap().1 == 0
+        });
+        assert_eq!(c.srq_limit_events.load(Relaxed), 1, "once per arming");
+        s.paused.store(false, Relaxed);
+        handles.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert!(c.srq_grows.load(Relaxed) >= 1, "the SRQ never grew");
+    let grown = c.srq_receives_registered.load(Relaxed);
+    assert!(grown > 16, "registered {grown}");
+    assert_eq!(c.command_errors.load(Relaxed), 0, "a command failed");
+    // Nothing was lost: every queue reads back what it wrote.
+    for (q, io) in ios.iter_mut().enumerate() {
+        let mut back = vec![0u8; 8 * 4096];
+        io.read(1, q as u64 * 64, 64, &mut back).unwrap();
+        assert!(back == written[q], "queue {q}: data differs");
+    }
+    // Light load: one command at a time never comes near the watermark, so after
+    // `shrink_delay` the grown chunks drain and go back.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut n = 0u64;
+    while c.srq_receives_registered.load(Relaxed) > 16 {
+        assert!(
+            Instant::now() < deadline,
+            "the SRQ never shrank back: {grown} registered"
+        );
+        let mut b = vec![0u8; 512];
+        ios[(n % 24) as usize].read(1, n % 64, 1, &mut b).unwrap();
+        n += 1;
+    }
+    assert!(c.srq_shrinks.load(Relaxed) >= 1);
+    assert_eq!(
+        c.receives_posted.load(Relaxed),
+        16,
+        "every receive went back"
+    );
+    assert_eq!(c.command_errors.load(Relaxed), 0);
+    eprintln!(
+        "srq: limit events {}, grows {}, shrinks {}, registered {} -> {} -> {}, empty {}, {} light commands",
+        c.srq_limit_events.load(Relaxed),
+        c.srq_grows.load(Relaxed),
+        c.srq_shrinks.load(Relaxed),
+        16,
+        grown,
+        c.srq_receives_registered.load(Relaxed),
+        c.srq_empty.load(Relaxed),
+        n
     );
 }

@@ -41,8 +41,8 @@ pub enum Device {
     Verbs(ibverbs::Device),
 }
 
-/// A protection domain.
-#[derive(Debug)]
+/// A protection domain (clones name the same domain).
+#[derive(Debug, Clone)]
 pub enum Pd {
     /// Soft provider.
     Soft(soft::Pd),

@@ -215,3 +215,98 @@ fn several_hosts_at_once_and_a_refused_host_nqn() {
         t.join().unwrap();
     }
 }
+
+#[test]
+fn a_burst_grows_the_srq_and_the_stats_show_it() {
+    // A small SRQ: 8 receives, the limit at 2, growing by 8.
+    let d = Daemon::start(Options {
+        test_hooks: true,
+        replace: vec![(
+            "[[subsystem]]".into(),
+            "[transport]\nsrq_initial = 8\nsrq_low_watermark = 2\nsrq_grow_chunk = 8\n\
+             srq_max = 64\nsrq_shrink_delay = \"100ms\"\n\n[[subsystem]]"
+                .into(),
+        )],
+        ..Options::default()
+    });
+    let addr = listener(&d);
+    let f = Fabric::networked();
+    f.add_device("127.0.0.2".parse().unwrap()).unwrap();
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    const QUEUES: u16 = 16;
+    assert_eq!(admin.set_queue_count(QUEUES).unwrap(), QUEUES);
+    let mut ios: Vec<_> = (1..=QUEUES)
+        .map(|q| IoQueue::connect(queue(&f, addr, q, 31), &h, SUB, admin.cntlid, q, 31).unwrap())
+        .collect();
+    let before = d.data("stats");
+    assert_eq!(
+        before["datapath"][0]["srq_receives_registered"], 8,
+        "{before}"
+    );
+    // The reactor stalls; 16 queues each send an in-capsule write into the 8 receives.
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":60000}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    nvmfd_tests::wait_for("the reactor to stall", || {
+        d.log()
+            .contains("test hook: reactor stalling")
+            .then_some(())
+    });
+    let written: Vec<Vec<u8>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = ios
+            .iter_mut()
+            .enumerate()
+            .map(|(q, io)| {
+                sc.spawn(move || {
+                    let mut all = Vec::new();
+                    for round in 0..4u64 {
+                        let data = pattern(q as u64 * 100 + round, 4096);
+                        io.write(1, (q as u64 * 4 + round) * 8, 8, &data, false)
+                            .unwrap_or_else(|e| panic!("queue {q}: {e}"));
+                        all.extend_from_slice(&data);
+                    }
+                    all
+                })
+            })
+            .collect();
+        // The limit event reaches the control thread while the reactor is stalled.
+        nvmfd_tests::wait_for("the SRQ limit event", || {
+            d.log().contains("SRQ limit reached").then_some(())
+        });
+        let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":0}"#);
+        assert_eq!(v["ok"], true, "{v}");
+        handles.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for (q, io) in ios.iter_mut().enumerate() {
+        let mut back = vec![0u8; 4 * 4096];
+        io.read(1, q as u64 * 32, 32, &mut back).unwrap();
+        assert!(back == written[q], "queue {q}: data differs");
+    }
+    let stats = d.data("stats");
+    let dp = &stats["datapath"][0];
+    eprintln!("{dp:#}");
+    assert!(dp["srq_limit_events_total"].as_u64().unwrap() >= 1, "{dp}");
+    assert!(dp["srq_grows_total"].as_u64().unwrap() >= 1, "{dp}");
+    assert_eq!(dp["command_errors_total"], 0, "{dp}");
+    assert_eq!(dp["srq_errors_total"], 0, "{dp}");
+    assert!(d.log().contains("SRQ grew"), "{}", d.log());
+    // Light load: the grown chunks go back.
+    let mut n = 0u64;
+    nvmfd_tests::wait_for("the SRQ to shrink back to 8", || {
+        let mut b = vec![0u8; 512];
+        ios[(n % 16) as usize].read(1, n % 64, 1, &mut b).unwrap();
+        n += 1;
+        let s = d.data("stats");
+        (s["datapath"][0]["srq_receives_registered"] == 8).then_some(s)
+    });
+    let after = d.data("stats");
+    let dp = &after["datapath"][0];
+    assert!(dp["srq_shrinks_total"].as_u64().unwrap() >= 1, "{dp}");
+    assert_eq!(dp["srq_receives_posted"], 8, "{dp}");
+    eprintln!("after light load: {dp:#}");
+    for mut io in ios {
+        io.transport().disconnect();
+    }
+    admin.transport().disconnect();
+}

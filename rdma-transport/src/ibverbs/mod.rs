@@ -404,9 +404,13 @@ impl Pd {
 
     /// Allocates `len` zeroed bytes and registers them.
     pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
-        let mut mem = vec![0u8; len.max(1)].into_boxed_slice();
+        // Page-aligned: a page-sized receive SGE then never straddles two pages.
+        let mut mem = vec![0u8; len + 4096].into_boxed_slice();
+        let off = mem.as_ptr().align_offset(4096);
+        // SAFETY: `off` < 4096, so `off + len` is within the allocation.
+        let ptr = unsafe { mem.as_mut_ptr().add(off) };
         // SAFETY: the memory is owned by the returned Mr, freed after deregistration.
-        let mut mr = unsafe { self.reg_mr(mem.as_mut_ptr(), len, access)? };
+        let mut mr = unsafe { self.reg_mr(ptr, len, access)? };
         mr.owned = Some(mem);
         Ok(mr)
     }

@@ -260,6 +260,20 @@ impl Fabric {
         s.event(dev.inner.id, AsyncEvent::PortActive(1));
     }
 
+    /// SRQ `srq` as a test sees it: receives posted, and SENDs to its QPs waiting for one
+    /// (RNR); `None` for an unknown SRQ.
+    pub fn srq_backlog(&self, srq: u32) -> Option<(usize, usize)> {
+        let s = self.lock();
+        let posted = s.srqs.get(&srq)?.recvs.len();
+        let waiting = s
+            .qps
+            .values()
+            .filter(|q| q.srq == Some(srq))
+            .map(|q| q.inbound.len())
+            .sum();
+        Some((posted, waiting))
+    }
+
     /// Adds a device with IP address `addr` to this fabric (the address CM listeners bind to
     /// and connections resolve).
     pub fn add_device(&self, addr: std::net::IpAddr) -> Result<Device, VerbsError> {
@@ -822,8 +836,8 @@ impl Device {
     }
 }
 
-/// A protection domain.
-#[derive(Debug)]
+/// A protection domain (clones name the same domain).
+#[derive(Clone, Debug)]
 pub struct Pd {
     fabric: Fabric,
     dev: u32,
@@ -879,8 +893,11 @@ impl Pd {
 
     /// Allocates `len` zeroed bytes and registers them.
     pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
-        let mut mem = vec![0u8; len.max(1)].into_boxed_slice();
-        let ptr = mem.as_mut_ptr();
+        // Page-aligned: a page-sized receive SGE then never straddles two pages.
+        let mut mem = vec![0u8; len + 4096].into_boxed_slice();
+        let off = mem.as_ptr().align_offset(4096);
+        // SAFETY: `off` < 4096, so `off + len` is within the allocation.
+        let ptr = unsafe { mem.as_mut_ptr().add(off) };
         // SAFETY: the memory is owned by the returned Mr and freed only after deregistration.
         let mut mr = unsafe { self.reg_mr(ptr, len, access)? };
         mr.owned = Some(mem);

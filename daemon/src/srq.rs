@@ -1,0 +1,513 @@
+//! The elastic SRQ: one shared receive queue per reactor per device, sized to the load.
+//!
+//! Receives live in chunks, each one registered memory region: a 64-byte command area per
+//! receive, then its in-capsule pages (page-aligned). The first chunk holds `initial`
+//! receives and stays for the SRQ's life. The SRQ limit is armed at the low watermark; when
+//! `IBV_EVENT_SRQ_LIMIT_REACHED` arrives (once per arming) the reactor posts the receives of a
+//! spare chunk, registered in advance by the [`Registrar`] thread so that growth never
+//! registers memory on the reactor, asks for the next spare and re-arms the limit.
+//!
+//! When the SRQ has stayed at least one chunk above the watermark for `shrink_delay`, the
+//! newest grown chunk starts draining: its receives are not re-posted as they complete, and
+//! once none of them is posted the chunk goes back to the registrar to be deregistered. An
+//! SRQ cannot withdraw a posted receive, so a draining chunk leaves as traffic consumes it; if
+//! the load climbs again first, its receives are posted again instead of a new chunk.
+
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use nvmfd_rdma::any::{Mr, Pd, Srq};
+use nvmfd_rdma::{Access, RecvWr, Sge, VerbsError};
+
+use crate::stats::DataPathCounters;
+
+/// Bytes of one in-capsule page SGE.
+pub const PAGE: usize = 4096;
+const PAGE_U32: u32 = 4096;
+/// Most in-capsule pages per receive (16 KiB, the largest in-capsule size).
+pub const MAX_ICD_PAGES: usize = 4;
+/// A receive's work request ID: chunk index above this many bits, slot below.
+const SLOT_BITS: u32 = 24;
+
+/// Sizes of an elastic SRQ.
+#[derive(Clone, Copy, Debug)]
+pub struct SrqConfig {
+    /// Receives posted at start (the chunk that never leaves).
+    pub initial: u32,
+    /// Most receives registered at once.
+    pub max: u32,
+    /// The SRQ limit: fewer posted receives than this and the SRQ grows.
+    pub low_watermark: u32,
+    /// Receives per grown chunk.
+    pub chunk: u32,
+    /// How long the SRQ must stay a chunk above the watermark before a chunk goes back.
+    pub shrink_delay: Duration,
+}
+
+enum Job {
+    Register {
+        pd: Pd,
+        len: usize,
+        reply: mpsc::Sender<Result<Mr, VerbsError>>,
+    },
+    Release(Mr),
+}
+
+/// Registers and deregisters receive chunks on its own thread, so that neither costs a
+/// reactor a system call. The thread ends when the last handle is dropped.
+#[derive(Clone)]
+pub struct Registrar {
+    tx: mpsc::Sender<Job>,
+}
+
+impl std::fmt::Debug for Registrar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Registrar")
+    }
+}
+
+impl Registrar {
+    /// Starts the registrar thread.
+    pub fn spawn() -> std::io::Result<Registrar> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("nvmfd-registrar".into())
+            .spawn(move || {
+                for job in rx {
+                    match job {
+                        Job::Register { pd, len, reply } => {
+                            let _ = reply.send(pd.alloc_mr(len, Access::LOCAL_WRITE));
+                        }
+                        Job::Release(mr) => drop(mr),
+                    }
+                }
+            })?;
+        Ok(Registrar { tx })
+    }
+
+    fn register(&self, pd: &Pd, len: usize, reply: &mpsc::Sender<Result<Mr, VerbsError>>) {
+        let _ = self.tx.send(Job::Register {
+            pd: pd.clone(),
+            len,
+            reply: reply.clone(),
+        });
+    }
+
+    fn release(&self, mr: Mr) {
+        // If the thread is gone, the region is deregistered here instead.
+        if let Err(mpsc::SendError(Job::Release(mr))) = self.tx.send(Job::Release(mr)) {
+            drop(mr);
+        }
+    }
+}
+
+struct Chunk {
+    mr: Mr,
+    /// Receives in the chunk.
+    slots: u32,
+    /// Of them, posted to the SRQ now.
+    posted: u32,
+    /// Which are posted (sized when the chunk is made, never in the loop).
+    is_posted: Vec<bool>,
+    /// Receives completing are not re-posted; the chunk leaves when none is posted.
+    draining: bool,
+}
+
+/// What the SRQ did, for the caller's log.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Nothing.
+    None,
+    /// Grew to this many receives.
+    Grew(u32),
+    /// Shrank to this many receives.
+    Shrank(u32),
+    /// At `max`, or its spare chunk could not be registered: the limit event did not grow it.
+    CannotGrow,
+}
+
+/// One reactor's SRQ on one device, with its receive chunks.
+pub struct ElasticSrq {
+    srq: Srq,
+    pd: Pd,
+    cfg: SrqConfig,
+    icd_pages: usize,
+    chunks: Vec<Option<Chunk>>,
+    /// Receives posted now (by this side's count: posted minus completions seen).
+    posted: u32,
+    /// Receives registered, draining chunks included.
+    registered: u32,
+    registrar: Registrar,
+    spare_tx: mpsc::Sender<Result<Mr, VerbsError>>,
+    spare_rx: mpsc::Receiver<Result<Mr, VerbsError>>,
+    spare: Option<Mr>,
+    spare_requested: bool,
+    /// A limit event came while no spare was ready: grow when one arrives.
+    want_grow: bool,
+    /// The lowest `posted` since `window_start`.
+    window_min: u32,
+    window_start: Instant,
+    counters: Arc<DataPathCounters>,
+}
+
+impl std::fmt::Debug for ElasticSrq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElasticSrq")
+            .field("posted", &self.posted)
+            .field("registered", &self.registered)
+            .finish()
+    }
+}
+
+fn chunk_len(slots: u32, icd_pages: usize) -> usize {
+    let slots = slots as usize;
+    (slots * 64).next_multiple_of(PAGE) + slots * icd_pages * PAGE
+}
+
+impl ElasticSrq {
+    /// Creates the SRQ on `pd` (deep enough for `max`), posts the first chunk, arms the limit
+    /// and asks the registrar for a spare.
+    pub fn new(
+        pd: &Pd,
+        max_srq_wr: u32,
+        cfg: SrqConfig,
+        in_capsule: u32,
+        registrar: Registrar,
+        counters: Arc<DataPathCounters>,
+        now: Instant,
+    ) -> Result<ElasticSrq, VerbsError> {
+        let icd_pages = (in_capsule as usize).div_ceil(PAGE).min(MAX_ICD_PAGES);
+        let max = cfg.max.min(max_srq_wr).max(1);
+        let cfg = SrqConfig {
+            max,
+            initial: cfg.initial.clamp(1, max),
+            chunk: cfg.chunk.clamp(1, max),
+            ..cfg
+        };
+        let srq = pd.create_srq(max, 1 + MAX_ICD_PAGES.min(icd_pages).try_into().unwrap_or(4u32))?;
+        let mr = pd.alloc_mr(chunk_len(cfg.initial, icd_pages), Access::LOCAL_WRITE)?;
+        let (spare_tx, spare_rx) = mpsc::channel();
+        let mut s = ElasticSrq {
+            srq,
+            pd: pd.clone(),
+            cfg,
+            icd_pages,
+            chunks: Vec::with_capacity((max / cfg.chunk) as usize + 2),
+            posted: 0,
+            registered: 0,
+            registrar,
+            spare_tx,
+            spare_rx,
+            spare: None,
+            spare_requested: false,
+            want_grow: false,
+            window_min: 0,
+            window_start: now,
+            counters,
+        };
+        s.add_chunk(mr, cfg.initial)?;
+        s.window_min = s.posted;
+        s.arm();
+        s.request_spare();
+        Ok(s)
+    }
+
+    /// The SRQ, for QPs to take receives from.
+    pub fn srq(&self) -> &Srq {
+        &self.srq
+    }
+
+    /// Whether `id` names this SRQ (in an async event).
+    pub fn is(&self, id: u32) -> bool {
+        self.srq.id() == id
+    }
+
+    /// Receives posted now.
+    pub fn posted(&self) -> u32 {
+        self.posted
+    }
+
+    /// Receives registered now.
+    pub fn registered(&self) -> u32 {
+        self.registered
+    }
+
+    /// True while the reactor must keep polling: a growth waits for its spare chunk.
+    pub fn busy(&self) -> bool {
+        self.want_grow
+    }
+
+    fn arm(&self) {
+        if self.srq.arm_limit(self.cfg.low_watermark.max(1)).is_err() {
+            // The SRQ keeps its receives; it just no longer grows.
+            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn request_spare(&mut self) {
+        if self.spare.is_none()
+            && !self.spare_requested
+            && self.registered + self.cfg.chunk <= self.cfg.max
+        {
+            self.registrar.register(
+                &self.pd,
+                chunk_len(self.cfg.chunk, self.icd_pages),
+                &self.spare_tx,
+            );
+            self.spare_requested = true;
+        }
+    }
+
+    fn add_chunk(&mut self, mr: Mr, slots: u32) -> Result<(), VerbsError> {
+        let idx = match self.chunks.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.chunks.push(None);
+                self.chunks.len() - 1
+            }
+        };
+        self.chunks[idx] = Some(Chunk {
+            mr,
+            slots,
+            posted: 0,
+            is_posted: vec![false; slots as usize],
+            draining: false,
+        });
+        self.registered += slots;
+        for slot in 0..slots {
+            self.post(idx, slot)?;
+        }
+        self.counters
+            .srq_receives_registered
+            .store(u64::from(self.registered), Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn post(&mut self, idx: usize, slot: u32) -> Result<(), VerbsError> {
+        let Some(c) = self.chunks.get_mut(idx).and_then(Option::as_mut) else {
+            return Ok(());
+        };
+        let slots = c.slots as usize;
+        let s = slot as usize;
+        if c.is_posted.get(s).copied().unwrap_or(true) {
+            return Ok(());
+        }
+        let mut sges = [Sge::default(); 1 + MAX_ICD_PAGES];
+        sges[0] = c.mr.sge(s * 64, 64);
+        let data = (slots * 64).next_multiple_of(PAGE) + s * self.icd_pages * PAGE;
+        for p in 0..self.icd_pages {
+            sges[1 + p] = c.mr.sge(data + p * PAGE, PAGE_U32);
+        }
+        self.srq.post_recv(&[RecvWr {
+            wr_id: ((idx as u64) << SLOT_BITS) | u64::from(slot),
+            sges: &sges[..1 + self.icd_pages],
+        }])?;
+        c.is_posted[s] = true;
+        c.posted += 1;
+        self.posted += 1;
+        self.counters
+            .receives_posted
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn split(wr_id: u64) -> (usize, u32) {
+        (
+            usize::try_from(wr_id >> SLOT_BITS).unwrap_or(usize::MAX),
+            u32::try_from(wr_id & ((1 << SLOT_BITS) - 1)).unwrap_or(0),
+        )
+    }
+
+    /// Copies the capsule of completed receive `wr_id` (`len` bytes) to `out`.
+    pub fn capsule(&self, wr_id: u64, len: usize, out: &mut Vec<u8>) {
+        out.clear();
+        let (idx, slot) = Self::split(wr_id);
+        let Some(c) = self.chunks.get(idx).and_then(Option::as_ref) else {
+            return;
+        };
+        if slot >= c.slots {
+            return;
+        }
+        let s = slot as usize;
+        let cmd = len.min(64);
+        out.resize(cmd, 0);
+        c.mr.read(s * 64, out);
+        if len > 64 {
+            let icd = (len - 64).min(self.icd_pages * PAGE);
+            out.resize(64 + icd, 0);
+            let data = (c.slots as usize * 64).next_multiple_of(PAGE) + s * self.icd_pages * PAGE;
+            c.mr.read(data, &mut out[64..]);
+        }
+    }
+
+    /// A poll found `n` receive completions: before any is re-posted, that many fewer
+    /// receives were posted, which is the low point the shrink decision and the empty count
+    /// look at.
+    pub fn consumed(&mut self, n: u32) {
+        let low = self.posted.saturating_sub(n);
+        if low == 0 && n > 0 {
+            // Hosts met an empty SRQ and RNR-retried.
+            self.counters.srq_empty.fetch_add(1, Ordering::Relaxed);
+        }
+        self.window_min = self.window_min.min(low);
+    }
+
+    /// Receive `wr_id` completed (or was flushed): re-posts it, unless its chunk is draining,
+    /// in which case the chunk leaves once none of its receives is posted.
+    pub fn completed(&mut self, wr_id: u64, now: Instant) -> Change {
+        let (idx, slot) = Self::split(wr_id);
+        let Some(c) = self.chunks.get_mut(idx).and_then(Option::as_mut) else {
+            return Change::None;
+        };
+        if !c.is_posted.get(slot as usize).copied().unwrap_or(false) {
+            return Change::None;
+        }
+        c.is_posted[slot as usize] = false;
+        c.posted -= 1;
+        self.posted -= 1;
+        self.counters
+            .receives_posted
+            .fetch_sub(1, Ordering::Relaxed);
+        let draining = c.draining;
+        let gone = draining && c.posted == 0;
+        if !draining {
+            if self.post(idx, slot).is_err() {
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            return Change::None;
+        }
+        if gone {
+            if let Some(c) = self.chunks[idx].take() {
+                self.registered -= c.slots;
+                self.registrar.release(c.mr);
+            }
+            self.counters.srq_shrinks.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .srq_receives_registered
+                .store(u64::from(self.registered), Ordering::Relaxed);
+            self.window_start = now;
+            self.window_min = self.posted;
+            self.request_spare();
+            return Change::Shrank(self.registered);
+        }
+        Change::None
+    }
+
+    /// `IBV_EVENT_SRQ_LIMIT_REACHED` for this SRQ.
+    pub fn limit_reached(&mut self, now: Instant) -> Change {
+        self.counters
+            .srq_limit_events
+            .fetch_add(1, Ordering::Relaxed);
+        self.want_grow = true;
+        self.grow(now)
+    }
+
+    fn grow(&mut self, now: Instant) -> Change {
+        // A draining chunk is cheaper than a new one: post its receives again.
+        let draining = self
+            .chunks
+            .iter()
+            .rposition(|c| c.as_ref().is_some_and(|c| c.draining));
+        if let Some(idx) = draining {
+            let slots = match self.chunks[idx].as_mut() {
+                Some(c) => {
+                    c.draining = false;
+                    c.slots
+                }
+                None => 0,
+            };
+            for slot in 0..slots {
+                // `post` skips the receives still posted.
+                if self.post(idx, slot).is_err() {
+                    self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+            }
+            return self.grown(now);
+        }
+        if self.registered + self.cfg.chunk > self.cfg.max {
+            self.want_grow = false;
+            self.counters.srq_at_max.fetch_add(1, Ordering::Relaxed);
+            // Not re-armed: at the maximum, each arming would fire again at once. The next
+            // shrink re-arms.
+            return Change::CannotGrow;
+        }
+        let mr = match self.spare.take() {
+            Some(mr) => mr,
+            None => match self.spare_rx.try_recv() {
+                Ok(Ok(mr)) => {
+                    self.spare_requested = false;
+                    mr
+                }
+                Ok(Err(_)) => {
+                    self.spare_requested = false;
+                    self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                    self.request_spare();
+                    return Change::CannotGrow;
+                }
+                // `tick` grows when it arrives; the reactor keeps polling meanwhile.
+                Err(_) => return Change::None,
+            },
+        };
+        if self.add_chunk(mr, self.cfg.chunk).is_err() {
+            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        self.request_spare();
+        self.grown(now)
+    }
+
+    fn grown(&mut self, now: Instant) -> Change {
+        self.want_grow = false;
+        self.counters.srq_grows.fetch_add(1, Ordering::Relaxed);
+        self.arm();
+        self.window_start = now;
+        self.window_min = self.posted;
+        Change::Grew(self.registered)
+    }
+
+    /// Once per loop turn: takes a spare that arrived, grows if a limit event waits for one,
+    /// and starts draining a chunk when the load has stayed low for `shrink_delay`.
+    pub fn tick(&mut self, now: Instant) -> Change {
+        if self.spare.is_none() && self.spare_requested {
+            match self.spare_rx.try_recv() {
+                Ok(Ok(mr)) => {
+                    self.spare = Some(mr);
+                    self.spare_requested = false;
+                }
+                Ok(Err(_)) => {
+                    self.spare_requested = false;
+                    self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => {}
+            }
+        }
+        if self.want_grow && self.spare.is_some() {
+            return self.grow(now);
+        }
+        if now.duration_since(self.window_start) < self.cfg.shrink_delay {
+            return Change::None;
+        }
+        // Newest grown chunk not yet draining, if the SRQ could have done without it.
+        let victim = self
+            .chunks
+            .iter()
+            .enumerate()
+            .skip(1)
+            .rev()
+            .find(|(_, c)| c.as_ref().is_some_and(|c| !c.draining))
+            .map(|(i, c)| (i, c.as_ref().map_or(0, |c| c.slots)));
+        if let Some((idx, slots)) = victim {
+            if self.window_min >= slots + self.cfg.low_watermark {
+                if let Some(c) = self.chunks[idx].as_mut() {
+                    c.draining = true;
+                }
+                // At the maximum the limit was left disarmed; there is room again.
+                self.arm();
+            }
+        }
+        self.window_start = now;
+        self.window_min = self.posted;
+        Change::None
+    }
+}
