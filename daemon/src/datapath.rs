@@ -40,6 +40,8 @@ pub struct DataPathConfig {
 
 /// Work request IDs at or above this name request slots; below, receive slots.
 const REQ_BASE: u64 = 1 << 40;
+/// The RNR NAK timer QPs advertise: 0.16 ms (InfiniBand encoding 8).
+const MIN_RNR_TIMER: u8 = 8;
 /// A response SEND with no request slot behind it.
 const NO_REQ: u64 = u64::MAX;
 
@@ -220,6 +222,11 @@ impl DataPath {
         };
         let qpn = id.create_qp(&self.pd, &self.cq, self.srq.srq(), caps)?;
         id.accept(&accept_private_data(req.crqsize()))?;
+        // A host whose SEND meets an empty SRQ retries after this timer; rdma_cm's default is
+        // 655 ms, which starves a queue (a keep-alive) while the SRQ grows.
+        if id.set_min_rnr_timer(MIN_RNR_TIMER).is_err() {
+            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+        }
         let token = id.token();
         let queue = Queue::new(&self.target, Some(req.params));
         self.conns.insert(qpn, Conn { id, queue, token });

@@ -185,7 +185,10 @@ impl ElasticSrq {
             chunk: cfg.chunk.clamp(1, max),
             ..cfg
         };
-        let srq = pd.create_srq(max, 1 + MAX_ICD_PAGES.min(icd_pages).try_into().unwrap_or(4u32))?;
+        let srq = pd.create_srq(
+            max,
+            1 + MAX_ICD_PAGES.min(icd_pages).try_into().unwrap_or(4u32),
+        )?;
         let mr = pd.alloc_mr(chunk_len(cfg.initial, icd_pages), Access::LOCAL_WRITE)?;
         let (spare_tx, spare_rx) = mpsc::channel();
         let mut s = ElasticSrq {

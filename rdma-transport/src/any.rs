@@ -386,5 +386,9 @@ pub mod cm {
         pub fn to_error(&self) -> Result<(), VerbsError> {
             forward!(self, c => c.to_error())
         }
+        /// Sets the RNR NAK timer the QP advertises (InfiniBand encoding).
+        pub fn set_min_rnr_timer(&self, code: u8) -> Result<(), VerbsError> {
+            forward!(self, c => c.set_min_rnr_timer(code))
+        }
     }
 }

@@ -16,6 +16,13 @@ log_format = "json"
 address = "$RDMA_IP"
 port = 4420
 provider = "ibverbs"
+[transport]
+# A small SRQ, so that the burst below makes it grow on real verbs.
+srq_initial = 32
+srq_low_watermark = 8
+srq_grow_chunk = 32
+srq_max = 1024
+srq_shrink_delay = "2s"
 [[subsystem]]
 nqn = "$NQN"
 allow_any_host = true
@@ -32,7 +39,17 @@ modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
 for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
-step() { echo "==> $*"; "$@" || { echo "STEP FAILED: $*"; echo "--- nvmfd log"; tail -30 $WORK/nvmfd.log; kill $pid; exit 1; }; }
+# Every step is bounded: a hang fails the step and dumps what explains it.
+step() {
+  echo "==> $*"
+  if [ "$(type -t "$1")" = function ]; then "$@"; else timeout 300 "$@"; fi || {
+    echo "STEP FAILED: $*"
+    echo "--- kernel log"; dmesg | tail -40
+    echo "--- nvmfd stats"; timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json stats
+    echo "--- nvmfd log"; tail -40 $WORK/nvmfd.log
+    kill $pid; exit 1
+  }
+}
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock status
 step nvme discover -t rdma -a "$RDMA_IP" -s 4420
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
@@ -46,6 +63,16 @@ for dev in /dev/nvme0n1 /dev/nvme0n2; do
   # Written with verify headers, checked only after disconnect and connect again.
   step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 done
+# A burst of 512 in-capsule writes in flight across the queues: the SRQs grow.
+step fio --name=burst --filename=/dev/nvme0n1 --rw=randwrite --bs=4k --size=16M --offset=128M --offset_increment=16M --numjobs=4 --iodepth=128 --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --group_reporting --output-format=terse --minimal
+stat_sum() { $BIN/nvmfctl --socket $WORK/nvmfd.sock --json stats | grep -o "\"$1\": *[0-9]*" | grep -o "[0-9]*$" | awk '{s+=$1} END {print s+0}'; }
+srq_check() {
+  local ev grows
+  ev=$(stat_sum srq_limit_events_total); grows=$(stat_sum srq_grows_total)
+  echo "SRQ after the burst: limit events $ev, grows $grows, registered $(stat_sum srq_receives_registered), errors $(stat_sum srq_errors_total)"
+  [ "$ev" -gt 0 ] && [ "$grows" -gt 0 ] && [ "$(stat_sum srq_errors_total)" -eq 0 ]
+}
+step srq_check
 step nvme disconnect -n $NQN
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
 for i in $(seq 50); do [ -b /dev/nvme0n2 ] && break; sleep 0.1; done
@@ -59,6 +86,9 @@ step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" discover
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" identify --nqn $NQN
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock stats
+# No controller may have ended for a missed keep-alive: the host kept up through every burst.
+no_keep_alive_timeouts() { ! grep "keep-alive timeout" $WORK/nvmfd.log; }
+step no_keep_alive_timeouts
 kill -TERM $pid
 wait $pid
 echo "nvmfd exit status $?"

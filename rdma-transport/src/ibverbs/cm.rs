@@ -384,6 +384,22 @@ impl CmId {
         })
     }
 
+    /// Sets the RNR NAK timer this side's QP advertises (`code` as in the InfiniBand table:
+    /// 1 = 0.01 ms ... 12 = 0.64 ms ... 0 = 655.36 ms): how long a peer whose SEND found no
+    /// receive waits before retrying. rdma_cm leaves it at 0, the longest; a target that lets
+    /// its SRQ run low needs it short. Legal once the QP is in RTR or RTS.
+    pub fn set_min_rnr_timer(&self, code: u8) -> Result<(), VerbsError> {
+        let qp = self.qp().ok_or(VerbsError::Invalid {
+            op: "modify_qp",
+            why: "no QP",
+        })?;
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.min_rnr_timer = code & 31;
+        // SAFETY: live QP; IBV_QP_MIN_RNR_TIMER = 1 << 15.
+        check("modify_qp", unsafe { ibv_modify_qp(qp, &mut a, 1 << 15) })
+    }
+
     /// Rejects a connect request.
     pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);

@@ -561,6 +561,12 @@ impl CmId {
             .post_send(wrs)
     }
 
+    /// The RNR NAK timer: the soft provider retries a SEND as soon as a receive is posted,
+    /// so there is nothing to set.
+    pub fn set_min_rnr_timer(&self, _code: u8) -> Result<(), VerbsError> {
+        Ok(())
+    }
+
     /// Moves the QP to ERR.
     pub fn to_error(&self) -> Result<(), VerbsError> {
         self.qp
