@@ -281,6 +281,7 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.lpa = 1 << 2; // extended Get Log Page (offsets, NUMDU)
     id.elpe = 0;
     id.kas = U16::new(1); // keep-alive granularity: 100 ms
+    id.ctratt = U32::new(1 << 6); // TBKAS: any command restarts the keep-alive timer
     id.sqes = 0x66;
     id.cqes = 0x44;
     id.maxcmd = U16::new(limits.max_queue_depth);

@@ -315,6 +315,7 @@ impl Queue {
         if !ctrl.ready.load(Ordering::Acquire) {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
         }
+        ctrl.traffic.store(true, Ordering::Relaxed);
         if self.qid == Some(0) {
             admin::handle(self, &ctrl, cmd, icd_len, now)
         } else {
@@ -572,6 +573,7 @@ impl Queue {
                 dead: false.into(),
                 end_reason: std::sync::Mutex::new(None),
                 ready: false.into(),
+                traffic: false.into(),
                 epoch: 0.into(),
                 host_reads: 0.into(),
                 host_writes: 0.into(),

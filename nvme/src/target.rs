@@ -142,6 +142,9 @@ pub struct Controller {
     pub(crate) end_reason: Mutex<Option<EndReason>>,
     /// Fast check for I/O: CC.EN and CSTS.RDY both set.
     pub(crate) ready: AtomicBool,
+    /// A command arrived on one of its queues since the last keep-alive check: traffic
+    /// counts as keep-alive (TBKAS, advertised in CTRATT), as a busy host may skip them.
+    pub(crate) traffic: AtomicBool,
     /// Bumped by a reset: I/O queues connected before it must disconnect.
     pub(crate) epoch: AtomicU32,
     /// SMART counters.
@@ -264,7 +267,10 @@ impl Target {
         let mut ended = Vec::new();
         let mut map = self.ctrls();
         map.retain(|_, c| {
-            let st = c.lock();
+            let mut st = c.lock();
+            if c.traffic.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                st.last_keep_alive = now;
+            }
             let expired =
                 !st.kato.is_zero() && now.saturating_duration_since(st.last_keep_alive) > st.kato;
             drop(st);

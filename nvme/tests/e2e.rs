@@ -605,17 +605,22 @@ fn keep_alive_expiry_ends_the_controller_and_its_queues() {
     let t0 = Instant::now();
     a.keep_alive().unwrap();
     let kato = Duration::from_millis(5000);
-    assert!(w
-        .target
-        .expire_keep_alives(t0 + kato - Duration::from_millis(100))
-        .is_empty());
+    // The check sees the traffic since the last one and restarts the timer (TBKAS) ...
+    let t1 = t0 + kato - Duration::from_millis(100);
+    assert!(w.target.expire_keep_alives(t1).is_empty());
+    // ... I/O alone keeps the controller alive ...
+    let mut buf = vec![0u8; 512];
+    ios[0].read(1, 0, 1, &mut buf).unwrap();
+    let t2 = t1 + kato - Duration::from_millis(100);
+    assert!(w.target.expire_keep_alives(t2).is_empty(), "I/O is traffic");
+    // ... and a whole timeout with no command at all ends it.
+    assert!(w.target.expire_keep_alives(t2 + kato / 2).is_empty());
     let ended = w
         .target
-        .expire_keep_alives(t0 + kato + Duration::from_secs(1));
+        .expire_keep_alives(t2 + kato + Duration::from_secs(1));
     assert_eq!(ended.len(), 1);
     assert_eq!(ended[0].end_reason(), Some(EndReason::KeepAliveExpired));
     assert!(ios[0].transport().queue().must_disconnect());
-    let mut buf = vec![0u8; 512];
     assert!(matches!(
         ios[0].read(1, 0, 1, &mut buf),
         Err(HostError::Transport(_))
