@@ -778,7 +778,9 @@ impl DataPath {
 
     fn post(&self, qpn: u32, wrs: &[SendWr<'_>]) {
         if let Some(c) = self.conns.get(&qpn) {
-            let _ = c.id.post_send(wrs);
+            if c.id.post_send(wrs).is_err() {
+                self.counters.post_errors.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }

@@ -105,6 +105,8 @@ pub struct DataPathCounters {
     pub srq_errors: AtomicU64,
     /// Receive completions for QPs no longer known (re-posted).
     pub late_receives: AtomicU64,
+    /// Send work requests the provider refused to post.
+    pub post_errors: AtomicU64,
     /// Connections (QPs) served now.
     pub connections: AtomicU64,
     /// Connections accepted since start.
@@ -132,6 +134,7 @@ impl DataPathCounters {
             srq_empty_total: g(&self.srq_empty),
             srq_errors_total: g(&self.srq_errors),
             late_receives_total: g(&self.late_receives),
+            post_errors_total: g(&self.post_errors),
             qps: g(&self.connections),
             qps_accepted_total: g(&self.connections_accepted),
         }
@@ -173,6 +176,8 @@ pub struct DataPathStats {
     pub srq_errors_total: u64,
     /// Receive completions for QPs no longer known.
     pub late_receives_total: u64,
+    /// Send work requests the provider refused to post.
+    pub post_errors_total: u64,
     /// Queue pairs served now.
     pub qps: u64,
     /// Queue pairs accepted since start.
