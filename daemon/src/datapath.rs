@@ -206,11 +206,6 @@ impl DataPath {
         self.srq.srq().id()
     }
 
-    /// The SRQ: receives registered and posted now.
-    pub fn srq_size(&self) -> (u32, u32) {
-        (self.srq.registered(), self.srq.posted())
-    }
-
     /// Takes a connection the control thread accepted the request of: its QP goes on this
     /// reactor's CQ and SRQ, and it is accepted with the granted queue size.
     pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<(), VerbsError> {
