@@ -193,6 +193,12 @@ pub struct TransportConfig {
     /// grown chunk is given back; 10ms to 1h. Default `"30s"`.
     #[serde(default = "defaults::srq_shrink_delay")]
     pub srq_shrink_delay: HumanDuration,
+    /// Keep at least as many receives registered and posted as the connected queues can have
+    /// commands outstanding (each queue's depth, up to `srq_max`), grown before a connection
+    /// is accepted, so that a host never meets an empty SRQ. `false` sizes the SRQ by load
+    /// alone and relies on the hosts' RNR retries while it grows. Default `true`.
+    #[serde(default = "defaults::srq_cover_queues")]
+    pub srq_cover_queues: bool,
     /// Shortest keep-alive timeout granted: a host asking for less gets this. Default `"1s"`.
     #[serde(default = "defaults::keep_alive_timeout_min")]
     pub keep_alive_timeout_min: HumanDuration,
@@ -215,6 +221,7 @@ impl Default for TransportConfig {
             srq_low_watermark: defaults::srq_low_watermark(),
             srq_grow_chunk: defaults::srq_grow_chunk(),
             srq_shrink_delay: defaults::srq_shrink_delay(),
+            srq_cover_queues: defaults::srq_cover_queues(),
             keep_alive_timeout_min: defaults::keep_alive_timeout_min(),
             keep_alive_timeout_max: defaults::keep_alive_timeout_max(),
         }
@@ -361,6 +368,10 @@ pub mod defaults {
     /// `transport.srq_shrink_delay`
     pub fn srq_shrink_delay() -> HumanDuration {
         HumanDuration::secs(30)
+    }
+    /// `transport.srq_cover_queues`
+    pub fn srq_cover_queues() -> bool {
+        true
     }
     /// `transport.keep_alive_timeout_min`
     pub fn keep_alive_timeout_min() -> HumanDuration {

@@ -272,6 +272,7 @@ impl Daemon {
                 low_watermark: t.srq_low_watermark,
                 chunk: t.srq_grow_chunk,
                 shrink_delay: t.srq_shrink_delay.0,
+                cover_queues: t.srq_cover_queues,
             },
             in_capsule: limits.in_capsule_data_size,
             buffers: u32::from(limits.max_queue_depth).clamp(32, 256),

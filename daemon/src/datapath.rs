@@ -73,6 +73,8 @@ struct Conn {
     id: CmId,
     queue: Queue,
     token: usize,
+    /// Receives reserved for it in the SRQ (its queue depth).
+    depth: u32,
 }
 
 /// One reactor's RDMA target.
@@ -101,6 +103,8 @@ pub struct DataPath {
     /// Capsules that arrived while `limit` commands were active (their receives are already
     /// re-posted), started in order as commands finish. Bounded by the receives posted.
     incoming: std::collections::VecDeque<(u32, Vec<u8>)>,
+    /// Signaled send WRs posted and not completed.
+    sends_in_flight: usize,
 }
 
 impl std::fmt::Debug for DataPath {
@@ -183,6 +187,7 @@ impl DataPath {
             active: 0,
             limit: cfg.requests.min(cfg.buffers) as usize,
             incoming: std::collections::VecDeque::with_capacity(cfg.srq.max as usize),
+            sends_in_flight: 0,
         };
         Ok(dp)
     }
@@ -208,15 +213,35 @@ impl DataPath {
 
     /// Takes a connection the control thread accepted the request of: its QP goes on this
     /// reactor's CQ and SRQ, and it is accepted with the granted queue size.
-    pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<(), VerbsError> {
+    pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<Change, VerbsError> {
+        let depth = u32::from(req.crqsize());
+        let change = match self.srq.reserve(depth, Instant::now()) {
+            Ok(c) => c,
+            Err(e) => {
+                self.srq.unreserve(depth);
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
+                    nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                ));
+                return Err(e);
+            }
+        };
         let caps = QpCaps {
             max_send_wr: u32::from(req.crqsize()) * 3,
             max_send_sge: 1,
             max_recv_wr: 0,
             max_inline_data: 64,
         };
-        let qpn = id.create_qp(&self.pd, &self.cq, self.srq.srq(), caps)?;
-        id.accept(&accept_private_data(req.crqsize()))?;
+        let qpn = match id
+            .create_qp(&self.pd, &self.cq, self.srq.srq(), caps)
+            .and_then(|q| id.accept(&accept_private_data(req.crqsize())).map(|()| q))
+        {
+            Ok(q) => q,
+            Err(e) => {
+                self.srq.unreserve(depth);
+                return Err(e);
+            }
+        };
         // A host whose SEND meets an empty SRQ retries after this timer; rdma_cm's default is
         // 655 ms, which starves a queue (a keep-alive) while the SRQ grows.
         if id.set_min_rnr_timer(MIN_RNR_TIMER).is_err() {
@@ -224,14 +249,33 @@ impl DataPath {
         }
         let token = id.token();
         let queue = Queue::new(&self.target, Some(req.params));
-        self.conns.insert(qpn, Conn { id, queue, token });
+        self.conns.insert(
+            qpn,
+            Conn {
+                id,
+                queue,
+                token,
+                depth,
+            },
+        );
         self.counters
             .connections
             .store(self.conns.len() as u64, Ordering::Relaxed);
         self.counters
             .connections_accepted
             .fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(change)
+    }
+
+    /// Ends connection `qpn`: disconnects it and gives back its SRQ reservation.
+    fn close(&mut self, qpn: u32) {
+        if let Some(c) = self.conns.remove(&qpn) {
+            let _ = c.id.disconnect();
+            self.srq.unreserve(c.depth);
+        }
+        self.counters
+            .connections
+            .store(self.conns.len() as u64, Ordering::Relaxed);
     }
 
     /// The connection with CM token `token` went away.
@@ -243,13 +287,8 @@ impl DataPath {
             .map(|(q, _)| *q)
             .collect();
         for q in qpns {
-            if let Some(c) = self.conns.remove(&q) {
-                let _ = c.id.disconnect();
-            }
+            self.close(q);
         }
-        self.counters
-            .connections
-            .store(self.conns.len() as u64, Ordering::Relaxed);
     }
 
     /// Connections served.
@@ -297,6 +336,7 @@ impl DataPath {
         }
         let _ = self.engine.submit();
         self.srq.tick(now);
+        self.gauges();
         // Connections whose controller ended are closed.
         let dead: Vec<u32> = self
             .conns
@@ -305,11 +345,23 @@ impl DataPath {
             .map(|(q, _)| *q)
             .collect();
         for q in dead {
-            if let Some(c) = self.conns.remove(&q) {
-                let _ = c.id.disconnect();
-            }
+            self.close(q);
         }
         worked
+    }
+
+    /// Stores the pools' levels for `stats` (relaxed stores, no syscall).
+    fn gauges(&self) {
+        let c = &self.counters;
+        let set = |a: &std::sync::atomic::AtomicU64, v: usize| a.store(v as u64, Ordering::Relaxed);
+        set(&c.requests_active, self.active);
+        set(&c.requests_waiting, self.incoming.len());
+        set(&c.request_slots_free, self.free.len());
+        set(&c.request_slots, self.reqs.len());
+        set(&c.buffers_free, self.pool.free_count());
+        set(&c.buffers, self.pool.count());
+        set(&c.block_ops_in_flight, self.engine.in_flight());
+        set(&c.sends_in_flight, self.sends_in_flight);
     }
 
     fn take_req(&mut self, qpn: u32, stage: Stage, buf: Option<DmaBuf>) -> Option<usize> {
@@ -342,6 +394,8 @@ impl DataPath {
         if c.wr_id < REQ_BASE {
             return self.on_receive(c, now);
         }
+        // (A flushed unsignaled WRITE completes too: saturate rather than wrap.)
+        self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
         if c.wr_id == NO_REQ {
             return;
         }
@@ -482,9 +536,7 @@ impl DataPath {
                 if let Some(c) = cqe {
                     self.respond(qpn, c, None, None);
                 }
-                if let Some(c) = self.conns.remove(&qpn) {
-                    let _ = c.id.disconnect();
-                }
+                self.close(qpn);
                 self.done_cmd();
             }
         }
@@ -771,10 +823,12 @@ impl DataPath {
         }
     }
 
-    fn post(&self, qpn: u32, wrs: &[SendWr<'_>]) {
+    fn post(&mut self, qpn: u32, wrs: &[SendWr<'_>]) {
         if let Some(c) = self.conns.get(&qpn) {
             if c.id.post_send(wrs).is_err() {
                 self.counters.post_errors.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.sends_in_flight += wrs.iter().filter(|w| w.signaled).count();
             }
         }
     }
@@ -825,11 +879,15 @@ impl crate::reactor::ReactorWork for ReactorPaths {
             match cmd {
                 ReactorCmd::Adopt { listener, id, req } => {
                     match self.paths.get_mut(listener).and_then(Option::as_mut) {
-                        Some(dp) => {
-                            if let Err(e) = dp.adopt(id, req) {
-                                slog::warn!(self.log, "cannot accept a connection"; "error" => %e);
+                        Some(dp) => match dp.adopt(id, req) {
+                            Ok(Change::Grew(n)) => {
+                                slog::info!(self.log, "SRQ grew to cover the connected queues"; "receives" => n)
                             }
-                        }
+                            Ok(_) => {}
+                            Err(e) => {
+                                slog::warn!(self.log, "cannot accept a connection"; "error" => %e)
+                            }
+                        },
                         None => {
                             slog::warn!(self.log, "a connection for a listener without a data path")
                         }

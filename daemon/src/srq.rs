@@ -43,6 +43,9 @@ pub struct SrqConfig {
     pub chunk: u32,
     /// How long the SRQ must stay a chunk above the watermark before a chunk goes back.
     pub shrink_delay: Duration,
+    /// Keep as many receives as the connected queues can have commands outstanding
+    /// ([`ElasticSrq::reserve`]), so that no host meets an empty SRQ.
+    pub cover_queues: bool,
 }
 
 enum Job {
@@ -138,6 +141,8 @@ pub struct ElasticSrq {
     posted: u32,
     /// Receives registered, draining chunks included.
     registered: u32,
+    /// Receives the connected queues can consume at once (their depths), when covering them.
+    committed: u32,
     registrar: Registrar,
     spare_tx: mpsc::Sender<Result<Mr, VerbsError>>,
     spare_rx: mpsc::Receiver<Result<Mr, VerbsError>>,
@@ -199,6 +204,7 @@ impl ElasticSrq {
             chunks: Vec::with_capacity((max / cfg.chunk) as usize + 2),
             posted: 0,
             registered: 0,
+            committed: 0,
             registrar,
             spare_tx,
             spare_rx,
@@ -397,6 +403,84 @@ impl ElasticSrq {
         Change::None
     }
 
+    /// A queue of `depth` entries is about to be connected: with `cover_queues`, the SRQ grows
+    /// now (before the connection is accepted) until its receives cover every connected
+    /// queue's depth, up to `max`. This registers memory on the calling thread when no spare
+    /// chunk is ready: a connection-time cost, like creating the QP. On rxe an RNR NAK stalls
+    /// the host's queue pair, and on any device an empty SRQ costs the host an RNR timer.
+    pub fn reserve(&mut self, depth: u32, now: Instant) -> Result<Change, VerbsError> {
+        if !self.cfg.cover_queues {
+            return Ok(Change::None);
+        }
+        self.committed = self.committed.saturating_add(depth);
+        let need = self.committed.min(self.cfg.max);
+        let before = self.registered;
+        // Draining chunks first: their memory is still registered.
+        while self.registered_live() < need {
+            let Some(idx) = self
+                .chunks
+                .iter()
+                .rposition(|c| c.as_ref().is_some_and(|c| c.draining))
+            else {
+                break;
+            };
+            self.undrain(idx)?;
+        }
+        while self.registered < need {
+            let slots = self.cfg.chunk.min(self.cfg.max - self.registered);
+            let mr = match self.spare.take() {
+                Some(mr) if slots == self.cfg.chunk => mr,
+                spare => {
+                    self.spare = spare;
+                    self.pd
+                        .alloc_mr(chunk_len(slots, self.icd_pages), Access::LOCAL_WRITE)?
+                }
+            };
+            self.add_chunk(mr, slots)?;
+            self.counters.srq_grows.fetch_add(1, Ordering::Relaxed);
+        }
+        self.request_spare();
+        if self.registered == before {
+            return Ok(Change::None);
+        }
+        self.window_start = now;
+        self.window_min = self.posted;
+        Ok(Change::Grew(self.registered))
+    }
+
+    /// A queue of `depth` entries (given to `reserve`) is gone.
+    pub fn unreserve(&mut self, depth: u32) {
+        if self.cfg.cover_queues {
+            self.committed = self.committed.saturating_sub(depth);
+        }
+    }
+
+    /// Receives registered in chunks that are not draining.
+    fn registered_live(&self) -> u32 {
+        self.chunks
+            .iter()
+            .flatten()
+            .filter(|c| !c.draining)
+            .map(|c| c.slots)
+            .sum()
+    }
+
+    /// Posts again the receives of draining chunk `idx`.
+    fn undrain(&mut self, idx: usize) -> Result<(), VerbsError> {
+        let slots = match self.chunks[idx].as_mut() {
+            Some(c) => {
+                c.draining = false;
+                c.slots
+            }
+            None => 0,
+        };
+        for slot in 0..slots {
+            // `post` skips the receives still posted.
+            self.post(idx, slot)?;
+        }
+        Ok(())
+    }
+
     /// `IBV_EVENT_SRQ_LIMIT_REACHED` for this SRQ.
     pub fn limit_reached(&mut self, now: Instant) -> Change {
         self.counters
@@ -413,19 +497,8 @@ impl ElasticSrq {
             .iter()
             .rposition(|c| c.as_ref().is_some_and(|c| c.draining));
         if let Some(idx) = draining {
-            let slots = match self.chunks[idx].as_mut() {
-                Some(c) => {
-                    c.draining = false;
-                    c.slots
-                }
-                None => 0,
-            };
-            for slot in 0..slots {
-                // `post` skips the receives still posted.
-                if self.post(idx, slot).is_err() {
-                    self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
-                    break;
-                }
+            if self.undrain(idx).is_err() {
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
             }
             return self.grown(now);
         }
@@ -501,7 +574,11 @@ impl ElasticSrq {
             .find(|(_, c)| c.as_ref().is_some_and(|c| !c.draining))
             .map(|(i, c)| (i, c.as_ref().map_or(0, |c| c.slots)));
         if let Some((idx, slots)) = victim {
-            if self.window_min >= slots + self.cfg.low_watermark {
+            // Never below what the connected queues can consume at once.
+            let floor = self.committed.min(self.cfg.max);
+            if self.window_min >= slots + self.cfg.low_watermark
+                && self.registered_live().saturating_sub(slots) >= floor
+            {
                 if let Some(c) = self.chunks[idx].as_mut() {
                     c.draining = true;
                 }

@@ -111,6 +111,22 @@ pub struct DataPathCounters {
     pub connections: AtomicU64,
     /// Connections accepted since start.
     pub connections_accepted: AtomicU64,
+    /// Gauges, stored at the end of every poll: commands admitted and not finished.
+    pub requests_active: AtomicU64,
+    /// Commands waiting in the incoming queue.
+    pub requests_waiting: AtomicU64,
+    /// Request slots free (of `requests_total_slots`).
+    pub request_slots_free: AtomicU64,
+    /// Request slots in all.
+    pub request_slots: AtomicU64,
+    /// Data buffers free (of `buffers`).
+    pub buffers_free: AtomicU64,
+    /// Data buffers in all.
+    pub buffers: AtomicU64,
+    /// Block operations submitted and not reaped.
+    pub block_ops_in_flight: AtomicU64,
+    /// Signaled send work requests (SEND, RDMA READ) posted and not completed.
+    pub sends_in_flight: AtomicU64,
 }
 
 impl DataPathCounters {
@@ -137,6 +153,14 @@ impl DataPathCounters {
             post_errors_total: g(&self.post_errors),
             qps: g(&self.connections),
             qps_accepted_total: g(&self.connections_accepted),
+            requests_active: g(&self.requests_active),
+            requests_waiting: g(&self.requests_waiting),
+            request_slots_free: g(&self.request_slots_free),
+            request_slots: g(&self.request_slots),
+            buffers_free: g(&self.buffers_free),
+            buffers: g(&self.buffers),
+            block_ops_in_flight: g(&self.block_ops_in_flight),
+            sends_in_flight: g(&self.sends_in_flight),
         }
     }
 }
@@ -182,6 +206,22 @@ pub struct DataPathStats {
     pub qps: u64,
     /// Queue pairs accepted since start.
     pub qps_accepted_total: u64,
+    /// Commands admitted and not finished.
+    pub requests_active: u64,
+    /// Commands waiting for a request slot or buffer.
+    pub requests_waiting: u64,
+    /// Request slots free now.
+    pub request_slots_free: u64,
+    /// Request slots in all.
+    pub request_slots: u64,
+    /// Data buffers free now.
+    pub buffers_free: u64,
+    /// Data buffers in all.
+    pub buffers: u64,
+    /// Block operations in flight.
+    pub block_ops_in_flight: u64,
+    /// Signaled send work requests not completed.
+    pub sends_in_flight: u64,
 }
 
 /// The answer to `stats`: the tree that the data path's counters extend.

@@ -80,6 +80,7 @@ const FIXED_SRQ: SrqConfig = SrqConfig {
     low_watermark: 16,
     chunk: 16,
     shrink_delay: Duration::from_secs(60),
+    cover_queues: false,
 };
 
 /// `serve_counted`, with an SRQ of `srq` (default `FIXED_SRQ`).
@@ -162,7 +163,9 @@ fn serve_full(
                 Some(CmEvent::ConnectRequest {
                     id, private_data, ..
                 }) => match check_request(&private_data, &limits) {
-                    Ok(req) => dp.adopt(id, req).unwrap(),
+                    Ok(req) => {
+                        let _ = dp.adopt(id, req).unwrap();
+                    }
                     Err(st) => id.reject(&reject_private_data(st)).unwrap(),
                 },
                 Some(CmEvent::Disconnected { id }) => dp.disconnected(id),
@@ -323,6 +326,7 @@ fn the_srq_grows_under_a_burst_and_shrinks_back_when_the_load_stays_low() {
         low_watermark: 4,
         chunk: 16,
         shrink_delay: Duration::from_millis(100),
+        cover_queues: false,
     };
     let s = serve_full(4423, Some((64, 64)), Some(srq), Arc::clone(&c));
     let h = host();
@@ -409,4 +413,73 @@ fn the_srq_grows_under_a_burst_and_shrinks_back_when_the_load_stays_low() {
         c.srq_empty.load(Relaxed),
         n
     );
+}
+
+#[test]
+fn covering_the_queues_grows_the_srq_at_connect_so_no_send_meets_an_empty_srq() {
+    use std::sync::atomic::Ordering::Relaxed;
+    const QUEUES: u16 = 24;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 16,
+        max: 512,
+        low_watermark: 4,
+        chunk: 16,
+        shrink_delay: Duration::from_millis(50),
+        cover_queues: true,
+    };
+    let s = serve_full(4427, Some((64, 64)), Some(srq), Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(QUEUES).unwrap(), QUEUES);
+    let cntlid = admin.cntlid;
+    let mut ios: Vec<_> = (1..=QUEUES)
+        .map(|q| IoQueue::connect(queue(&s, q, 7), &h, SUB, cntlid, q, 7).unwrap())
+        .collect();
+    // Admin queue 32 deep, 24 queues 8 deep: 224 receives, registered before each accept.
+    let covered = 32 + u64::from(QUEUES) * 8;
+    assert!(
+        c.srq_receives_registered.load(Relaxed) >= covered,
+        "registered {}",
+        c.srq_receives_registered.load(Relaxed)
+    );
+    // The reactor stops polling; 24 in-capsule writes arrive at once, more than the 16
+    // initial receives (the same burst makes 8 SENDs wait in the load-only test above).
+    s.paused.store(true, Relaxed);
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = ios
+            .iter_mut()
+            .enumerate()
+            .map(|(q, io)| {
+                sc.spawn(move || {
+                    let data = pattern(q as u64, 4096);
+                    io.write(1, q as u64 * 8, 8, &data, false).unwrap();
+                })
+            })
+            .collect();
+        wait_until("the 24 SENDs landed without waiting", || {
+            s.fabric
+                .srq_backlog(s.srq_id)
+                .is_some_and(|(posted, waiting)| {
+                    waiting == 0 && posted as u64 == c.srq_receives_registered.load(Relaxed) - 24
+                })
+        });
+        s.paused.store(false, Relaxed);
+        for t in handles {
+            t.join().unwrap();
+        }
+    });
+    assert_eq!(c.srq_limit_events.load(Relaxed), 0);
+    assert_eq!(c.command_errors.load(Relaxed), 0);
+    // Light load for many shrink delays: the SRQ never gives back what the queues need.
+    let until = Instant::now() + Duration::from_millis(400);
+    let mut n = 0u64;
+    while Instant::now() < until {
+        let mut b = vec![0u8; 512];
+        ios[(n % 24) as usize].read(1, n % 64, 1, &mut b).unwrap();
+        n += 1;
+    }
+    assert!(c.srq_receives_registered.load(Relaxed) >= covered);
+    assert!(c.receives_posted.load(Relaxed) >= covered);
 }

@@ -17,7 +17,8 @@ address = "$RDMA_IP"
 port = 4420
 provider = "ibverbs"
 [transport]
-# A small SRQ, so that the burst below makes it grow on real verbs.
+# A small SRQ, so that connecting and the burst below make it grow on real verbs
+# (srq_cover_queues, the default, grows it to cover the queues before each is accepted).
 srq_initial = 32
 srq_low_watermark = 8
 srq_grow_chunk = 32
@@ -44,7 +45,7 @@ step() {
   echo "==> $*"
   if [ "$(type -t "$1")" = function ]; then "$@"; else timeout 300 "$@"; fi || {
     echo "STEP FAILED: $*"
-    echo "--- kernel log"; dmesg | tail -40
+    echo "--- kernel log"; dmesg | tail -40 | sed 's/^/kernel: /'
     echo "--- nvmfd stats"; timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json stats
     echo "--- nvmfd log"; tail -40 $WORK/nvmfd.log
     kill $pid; exit 1
@@ -63,14 +64,17 @@ for dev in /dev/nvme0n1 /dev/nvme0n2; do
   # Written with verify headers, checked only after disconnect and connect again.
   step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 done
-# A burst of 512 in-capsule writes in flight across the queues: the SRQs grow.
+# A burst of 512 in-capsule writes in flight across the queues: no host meets an empty SRQ.
 step fio --name=burst --filename=/dev/nvme0n1 --rw=randwrite --bs=4k --size=16M --offset=128M --offset_increment=16M --numjobs=4 --iodepth=128 --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --group_reporting --output-format=terse --minimal
 stat_sum() { $BIN/nvmfctl --socket $WORK/nvmfd.sock --json stats | grep -o "\"$1\": *[0-9]*" | grep -o "[0-9]*$" | awk '{s+=$1} END {print s+0}'; }
+# rxe counts the RNR NAKs its responders sent: every one would be a host meeting an empty SRQ
+# (and on rxe an RNR NAK stalls the host's queue pair).
+rnr_naks() { cat /sys/class/infiniband/rxe0/ports/1/hw_counters/send_rnr_err 2>/dev/null || echo 0; }
 srq_check() {
-  local ev grows
-  ev=$(stat_sum srq_limit_events_total); grows=$(stat_sum srq_grows_total)
-  echo "SRQ after the burst: limit events $ev, grows $grows, registered $(stat_sum srq_receives_registered), errors $(stat_sum srq_errors_total)"
-  [ "$ev" -gt 0 ] && [ "$grows" -gt 0 ] && [ "$(stat_sum srq_errors_total)" -eq 0 ]
+  local ev grows rnr
+  ev=$(stat_sum srq_limit_events_total); grows=$(stat_sum srq_grows_total); rnr=$(rnr_naks)
+  echo "SRQ after the burst: limit events $ev, grows $grows, registered $(stat_sum srq_receives_registered), errors $(stat_sum srq_errors_total), RNR NAKs sent $rnr"
+  [ "$grows" -gt 0 ] && [ "$(stat_sum srq_errors_total)" -eq 0 ] && [ "$rnr" -eq 0 ]
 }
 step srq_check
 step nvme disconnect -n $NQN

@@ -224,7 +224,7 @@ fn a_burst_grows_the_srq_and_the_stats_show_it() {
         replace: vec![(
             "[[subsystem]]".into(),
             "[transport]\nsrq_initial = 8\nsrq_low_watermark = 2\nsrq_grow_chunk = 8\n\
-             srq_max = 64\nsrq_shrink_delay = \"100ms\"\n\n[[subsystem]]"
+             srq_max = 64\nsrq_shrink_delay = \"100ms\"\nsrq_cover_queues = false\n\n[[subsystem]]"
                 .into(),
         )],
         ..Options::default()
