@@ -299,7 +299,10 @@ impl Daemon {
                             registrar.clone(),
                             Arc::clone(&counters),
                         ) {
-                            Ok(dp) => Some(dp),
+                            Ok(mut dp) => {
+                                dp.set_log(log.clone());
+                                Some(dp)
+                            }
                             Err(e) => {
                                 error!(log, "cannot set up a data path"; "error" => %e);
                                 None

@@ -44,6 +44,40 @@ const REQ_BASE: u64 = 1 << 40;
 const MIN_RNR_TIMER: u8 = 8;
 /// A response SEND with no request slot behind it.
 const NO_REQ: u64 = u64::MAX;
+/// The drain marker of a QP being torn down: `DRAIN_BASE + qpn`, a zero-length SEND posted
+/// after the QP went to ERR, so its flush completion comes after every earlier send's.
+const DRAIN_BASE: u64 = 1 << 48;
+/// The longest a torn-down QP waits for its work to drain before it is destroyed anyway.
+pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Why a queue pair was torn down; `stats` counts each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// The host disconnected (CM DISCONNECTED).
+    Disconnect,
+    /// `QP_FATAL`, `QP_REQ_ERR`, `QP_ACCESS_ERR`, or a completion in error on a live QP.
+    QpError,
+    /// Its controller ended (keep-alive expiry, admin queue lost, reset) or the host broke the
+    /// protocol.
+    Controller,
+    /// The device, its SRQ or its CQ failed, or the device was removed.
+    Device,
+    /// The daemon is stopping.
+    Shutdown,
+}
+
+/// A QP torn down and not yet destroyed: its work drains first.
+struct Drain {
+    /// Kept alive (and so the QP) until the drain ends.
+    id: CmId,
+    depth: u32,
+    since: Instant,
+    cause: Cause,
+    /// `IBV_EVENT_QP_LAST_WQE_REACHED` arrived: no receive completion of it is still to come.
+    last_wqe: bool,
+    /// The drain marker completed (or could not be posted): every send of it has completed.
+    flushed: bool,
+}
 
 /// What a command in flight waits for.
 #[derive(Debug)]
@@ -96,15 +130,21 @@ pub struct DataPath {
     free: Vec<usize>,
     capsule: Vec<u8>,
     counters: Arc<crate::stats::DataPathCounters>,
-    /// Commands admitted and not finished; each holds at most one request slot and one buffer
-    /// at a time, so admitting no more than `limit` means none ever finds them all taken.
-    active: usize,
+    /// Commands admitted at once: each holds at most one request slot and one buffer between
+    /// two events, so admitting a command only while fewer than `limit` slots are taken means
+    /// none ever finds them all taken.
     limit: usize,
     /// Capsules that arrived while `limit` commands were active (their receives are already
     /// re-posted), started in order as commands finish. Bounded by the receives posted.
     incoming: std::collections::VecDeque<(u32, Vec<u8>)>,
     /// Signaled send WRs posted and not completed.
     sends_in_flight: usize,
+    /// QPs torn down, draining before they are destroyed.
+    draining: HashMap<u32, Drain>,
+    /// Whether the device sends LAST_WQE_REACHED (rxe and iWARP do not: the drain marker
+    /// alone ends a drain there).
+    wait_last_wqe: bool,
+    log: slog::Logger,
 }
 
 impl std::fmt::Debug for DataPath {
@@ -184,12 +224,19 @@ impl DataPath {
             free: (0..cfg.requests as usize).rev().collect(),
             capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
             counters,
-            active: 0,
             limit: cfg.requests.min(cfg.buffers) as usize,
             incoming: std::collections::VecDeque::with_capacity(cfg.srq.max as usize),
             sends_in_flight: 0,
+            draining: HashMap::new(),
+            wait_last_wqe: dev.sends_last_wqe(),
+            log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         Ok(dp)
+    }
+
+    /// Where teardowns and drains are logged.
+    pub fn set_log(&mut self, log: slog::Logger) {
+        self.log = log;
     }
 
     /// The device's async event fd, which the control thread watches.
@@ -200,10 +247,47 @@ impl DataPath {
     /// An async event of this data path's device (`async_fd`); events for objects of
     /// another data path on the same device are ignored.
     pub fn on_event(&mut self, ev: &AsyncEvent, now: Instant) -> Change {
-        match ev {
-            AsyncEvent::SrqLimitReached(id) if self.srq.is(*id) => self.srq.limit_reached(now),
-            _ => Change::None,
+        let c = &self.counters;
+        match *ev {
+            AsyncEvent::SrqLimitReached(id) if self.srq.is(id) => {
+                return self.srq.limit_reached(now)
+            }
+            AsyncEvent::QpFatal(q) | AsyncEvent::QpReqErr(q) | AsyncEvent::QpAccessErr(q)
+                if self.conns.contains_key(&q) || self.draining.contains_key(&q) =>
+            {
+                c.qp_events.fetch_add(1, Ordering::Relaxed);
+                self.teardown(q, Cause::QpError, now);
+            }
+            AsyncEvent::QpLastWqeReached(q)
+                if self.conns.contains_key(&q) || self.draining.contains_key(&q) =>
+            {
+                c.last_wqe_events.fetch_add(1, Ordering::Relaxed);
+                // Only a QP in error sends it: one still thought live is broken.
+                self.teardown(q, Cause::QpError, now);
+                if let Some(d) = self.draining.get_mut(&q) {
+                    d.last_wqe = true;
+                }
+            }
+            AsyncEvent::SrqErr(id) if self.srq.is(id) => {
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                self.teardown_all(Cause::Device, now);
+            }
+            AsyncEvent::CqErr(id) if self.cq.id() == id => {
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+                self.teardown_all(Cause::Device, now);
+            }
+            AsyncEvent::DeviceFatal => {
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+                self.teardown_all(Cause::Device, now);
+            }
+            AsyncEvent::PortErr(_) | AsyncEvent::PortActive(_) => {
+                // rdma_cm reports the connections a port loss breaks; nothing to do here.
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
         }
+        Change::None
     }
 
     /// The SRQ's ID, as async events name it.
@@ -267,15 +351,102 @@ impl DataPath {
         Ok(change)
     }
 
-    /// Ends connection `qpn`: disconnects it and gives back its SRQ reservation.
-    fn close(&mut self, qpn: u32) {
-        if let Some(c) = self.conns.remove(&qpn) {
-            let _ = c.id.disconnect();
-            self.srq.unreserve(c.depth);
-        }
+    /// The one teardown path, for every cause: the QP goes to ERR (and the host is told, by
+    /// rdma_cm), a drain marker is posted behind its sends, and the QP waits in `draining`
+    /// until its sends and block operations are done, its flushed receives are back and
+    /// (where the device sends it) LAST_WQE_REACHED came; `reap_drained` then destroys it.
+    /// Its commands end without a response; their slots and buffers return as they finish.
+    pub fn teardown(&mut self, qpn: u32, cause: Cause, now: Instant) {
+        let Some(c) = self.conns.remove(&qpn) else {
+            return;
+        };
+        let _ = c.id.disconnect();
+        let marker = [SendWr {
+            wr_id: DRAIN_BASE + u64::from(qpn),
+            op: SendOp::Send,
+            sges: &[],
+            signaled: true,
+            inline: false,
+        }];
+        let flushed = c.id.post_send(&marker).is_err();
+        let counter = match cause {
+            Cause::Disconnect => &self.counters.teardowns_disconnect,
+            Cause::QpError => &self.counters.teardowns_qp_error,
+            Cause::Controller => &self.counters.teardowns_controller,
+            Cause::Device => &self.counters.teardowns_device,
+            Cause::Shutdown => &self.counters.teardowns_shutdown,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        slog::debug!(self.log, "QP torn down"; "qpn" => qpn, "cause" => ?cause);
+        self.draining.insert(
+            qpn,
+            Drain {
+                id: c.id,
+                depth: c.depth,
+                since: now,
+                cause,
+                last_wqe: false,
+                flushed,
+            },
+        );
         self.counters
             .connections
             .store(self.conns.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Tears down every QP (the SRQ, CQ or device failed, or the daemon stops).
+    pub fn teardown_all(&mut self, cause: Cause, now: Instant) {
+        let qpns: Vec<u32> = self.conns.keys().copied().collect();
+        for q in qpns {
+            self.teardown(q, cause, now);
+        }
+    }
+
+    /// QPs torn down and not yet destroyed.
+    pub fn draining(&self) -> usize {
+        self.draining.len()
+    }
+
+    /// Destroys the torn-down QPs whose drain is over, or which waited `DRAIN_TIMEOUT` (logged
+    /// with what they still waited for; their request slots still waiting for the network are
+    /// ended, and a completion that comes later for them is ignored).
+    fn reap_drained(&mut self, now: Instant) {
+        if self.draining.is_empty() {
+            return;
+        }
+        let mut gone = Vec::new();
+        for (&qpn, d) in &self.draining {
+            let requests = self.reqs.iter().flatten().filter(|r| r.qpn == qpn).count();
+            let done = requests == 0 && d.flushed && (d.last_wqe || !self.wait_last_wqe);
+            let late = now.duration_since(d.since) >= DRAIN_TIMEOUT;
+            if done || late {
+                gone.push((qpn, !done, requests));
+            }
+        }
+        for (qpn, timed_out, requests) in gone {
+            let Some(d) = self.draining.remove(&qpn) else {
+                continue;
+            };
+            if timed_out {
+                self.counters.drain_timeouts.fetch_add(1, Ordering::Relaxed);
+                slog::warn!(self.log, "QP drain timed out; destroying it";
+                    "qpn" => qpn, "cause" => ?d.cause, "requests" => requests,
+                    "sends_flushed" => d.flushed, "last_wqe" => d.last_wqe,
+                    "state" => ?d.id.qp_state());
+                // Slots waiting for an RDMA completion end now; those with a block operation
+                // in flight end when it completes (the engine holds their buffer until then).
+                for i in 0..self.reqs.len() {
+                    let waits_on_network = self.reqs[i].as_ref().is_some_and(|r| {
+                        r.qpn == qpn && !matches!(r.stage, Stage::Io { .. })
+                    });
+                    if waits_on_network {
+                        self.end_req(i);
+                    }
+                }
+            }
+            self.srq.unreserve(d.depth);
+            drop(d.id);
+        }
     }
 
     /// The connection with CM token `token` went away.
@@ -286,8 +457,9 @@ impl DataPath {
             .filter(|(_, c)| c.token == token)
             .map(|(q, _)| *q)
             .collect();
+        let now = Instant::now();
         for q in qpns {
-            self.close(q);
+            self.teardown(q, Cause::Disconnect, now);
         }
     }
 
@@ -305,7 +477,8 @@ impl DataPath {
     /// (block operations in flight complete only by polling).
     pub fn arm(&mut self) -> bool {
         while self.cq.ack_event() {}
-        if self.engine.in_flight() > 0 || self.srq.busy() {
+        // Block operations complete only by polling; drains end (or time out) only by polling.
+        if self.engine.in_flight() > 0 || self.srq.busy() || !self.draining.is_empty() {
             return false;
         }
         self.cq.req_notify().is_ok()
@@ -313,7 +486,7 @@ impl DataPath {
 
     /// One pass: completions, block I/O; true when there was work.
     pub fn poll(&mut self, now: Instant) -> bool {
-        while self.active < self.limit {
+        while self.in_use() < self.limit {
             let Some((qpn, capsule)) = self.incoming.pop_front() else {
                 break;
             };
@@ -345,8 +518,9 @@ impl DataPath {
             .map(|(q, _)| *q)
             .collect();
         for q in dead {
-            self.close(q);
+            self.teardown(q, Cause::Controller, now);
         }
+        self.reap_drained(now);
         worked
     }
 
@@ -354,7 +528,7 @@ impl DataPath {
     fn gauges(&self) {
         let c = &self.counters;
         let set = |a: &std::sync::atomic::AtomicU64, v: usize| a.store(v as u64, Ordering::Relaxed);
-        set(&c.requests_active, self.active);
+        set(&c.requests_active, self.in_use());
         set(&c.requests_waiting, self.incoming.len());
         set(&c.request_slots_free, self.free.len());
         set(&c.request_slots, self.reqs.len());
@@ -362,6 +536,7 @@ impl DataPath {
         set(&c.buffers, self.pool.count());
         set(&c.block_ops_in_flight, self.engine.in_flight());
         set(&c.sends_in_flight, self.sends_in_flight);
+        set(&c.qps_draining, self.draining.len());
     }
 
     fn take_req(&mut self, qpn: u32, stage: Stage, buf: Option<DmaBuf>) -> Option<usize> {
@@ -396,15 +571,31 @@ impl DataPath {
         }
         // (A flushed unsignaled WRITE completes too: saturate rather than wrap.)
         self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
+        if c.status != WcStatus::Success && self.conns.contains_key(&c.qp_num) {
+            // A live QP's work failed (remote access error, retries exhausted, or flushed
+            // because the QP went to ERR before any event said so): it is torn down.
+            slog::warn!(self.log, "completion in error; tearing the QP down";
+                "qpn" => c.qp_num, "status" => ?c.status);
+            self.teardown(c.qp_num, Cause::QpError, now);
+        }
         if c.wr_id == NO_REQ {
             return;
         }
+        if c.wr_id >= DRAIN_BASE {
+            let qpn = u32::try_from(c.wr_id - DRAIN_BASE).unwrap_or(u32::MAX);
+            if let Some(d) = self.draining.get_mut(&qpn) {
+                d.flushed = true;
+            }
+            return;
+        }
         let i = usize::try_from(c.wr_id - REQ_BASE).unwrap_or(usize::MAX);
+        // A completion for a slot since given to another QP's command (its QP was destroyed
+        // after a drain timed out) is stale.
+        if self.reqs.get(i).and_then(Option::as_ref).is_none_or(|r| r.qpn != c.qp_num) {
+            return;
+        }
         if c.status != WcStatus::Success {
             // The QP is in error: the command ends, its buffer returns.
-            if self.reqs.get(i).is_some_and(Option::is_some) {
-                self.done_cmd();
-            }
             return self.end_req(i);
         }
         let Some(req) = self.reqs.get_mut(i).and_then(Option::take) else {
@@ -423,7 +614,7 @@ impl DataPath {
                         let a = conn.queue.data_arrived(cmd, &data, now);
                         self.run(req.qpn, a, now);
                     }
-                    None => self.done_cmd(),
+                    None => {}
                 }
             }
             Stage::FetchForWrite(io) => {
@@ -437,7 +628,6 @@ impl DataPath {
             Stage::Responding | Stage::Io { .. } => {
                 drop(req.buf);
                 self.free.push(i);
-                self.done_cmd();
             }
         }
     }
@@ -457,7 +647,7 @@ impl DataPath {
             return;
         }
         self.counters.commands.fetch_add(1, Ordering::Relaxed);
-        if self.active >= self.limit || !self.incoming.is_empty() {
+        if self.in_use() >= self.limit || !self.incoming.is_empty() {
             // Every slot or buffer may be in use: the command waits its turn.
             self.counters
                 .commands_queued
@@ -475,14 +665,13 @@ impl DataPath {
         let Some(conn) = self.conns.get_mut(&qpn) else {
             return;
         };
-        self.active += 1;
         let a = conn.queue.handle(capsule, now);
         self.run_with_capsule(qpn, a, capsule, now);
     }
 
-    /// A command finished (its response was sent and its resources returned, or it ended).
-    fn done_cmd(&mut self) {
-        self.active = self.active.saturating_sub(1);
+    /// Request slots taken: the commands in flight.
+    fn in_use(&self) -> usize {
+        self.reqs.len() - self.free.len()
     }
 
     fn run_with_capsule(&mut self, qpn: u32, mut a: Action, capsule: &[u8], now: Instant) {
@@ -519,7 +708,7 @@ impl DataPath {
         }
     }
 
-    fn run(&mut self, qpn: u32, a: Action, _now: Instant) {
+    fn run(&mut self, qpn: u32, a: Action, now: Instant) {
         match a {
             Action::Respond { cqe, data } => self.respond(qpn, cqe, data, None),
             Action::Fetch {
@@ -528,16 +717,15 @@ impl DataPath {
             } => {
                 self.fetch(qpn, Stage::FetchForCore(cmd), addr, key, len);
             }
-            Action::Fetch { .. } => self.done_cmd(),
+            Action::Fetch { .. } => {}
             Action::Io(io) => self.start_io(qpn, io),
             // An AER holds nothing while it waits.
-            Action::Hold => self.done_cmd(),
+            Action::Hold => {}
             Action::Disconnect { cqe, .. } => {
                 if let Some(c) = cqe {
                     self.respond(qpn, c, None, None);
                 }
-                self.close(qpn);
-                self.done_cmd();
+                self.teardown(qpn, Cause::Controller, now);
             }
         }
     }
@@ -552,7 +740,7 @@ impl DataPath {
         let Some(i) = self.take_req(qpn, stage, None) else {
             return false;
         };
-        self.post(
+        let posted = self.post(
             qpn,
             &[SendWr {
                 wr_id: REQ_BASE + i as u64,
@@ -565,6 +753,11 @@ impl DataPath {
                 inline: false,
             }],
         );
+        if !posted {
+            // The QP is gone or was torn down: the command ends with it.
+            self.end_req(i);
+            return true;
+        }
         self.counters.rdma_reads.fetch_add(1, Ordering::Relaxed);
         if let Some(r) = self.reqs[i].as_mut() {
             r.buf = Some(buf);
@@ -768,13 +961,11 @@ impl DataPath {
                     .len()
                     .min(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
                 let Some(mut b) = self.buffer(n.max(1)) else {
-                    self.done_cmd();
                     return;
                 };
                 b.set_len(n as usize);
                 b.as_mut_slice().copy_from_slice(&bytes[..n as usize]);
                 let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
-                    self.done_cmd();
                     return;
                 };
                 (Some(i), Some(b), Some(dest))
@@ -787,9 +978,6 @@ impl DataPath {
             None => SendOp::Send,
         };
         let wr_id = slot.map_or(NO_REQ, |i| REQ_BASE + i as u64);
-        if slot.is_none() {
-            self.done_cmd();
-        }
         let send = SendWr {
             wr_id,
             op: send_op,
@@ -797,7 +985,7 @@ impl DataPath {
             signaled: true,
             inline: true,
         };
-        match (buf.as_mut(), dest) {
+        let posted = match (buf.as_mut(), dest) {
             (Some(b), Some(DataRef::Keyed { addr, key, .. })) if !b.is_empty() => {
                 let sge = [self.sge(b)];
                 let write = SendWr {
@@ -812,25 +1000,37 @@ impl DataPath {
                     signaled: false,
                     inline: false,
                 };
-                self.post(qpn, &[write, send]);
+                self.post(qpn, &[write, send])
             }
             _ => self.post(qpn, &[send]),
-        }
-        if let (Some(i), Some(b)) = (slot, buf) {
-            if let Some(r) = self.reqs[i].as_mut() {
-                r.buf = Some(b);
+        };
+        match (slot, buf) {
+            // Not posted (the QP is gone or broken): no completion will end the slot.
+            (Some(i), _) if !posted => self.end_req(i),
+            (Some(i), Some(b)) => {
+                if let Some(r) = self.reqs[i].as_mut() {
+                    r.buf = Some(b);
+                }
             }
+            _ => {}
         }
     }
 
-    fn post(&mut self, qpn: u32, wrs: &[SendWr<'_>]) {
-        if let Some(c) = self.conns.get(&qpn) {
-            if c.id.post_send(wrs).is_err() {
-                self.counters.post_errors.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.sends_in_flight += wrs.iter().filter(|w| w.signaled).count();
-            }
+    /// Posts `wrs` on live connection `qpn`; false when nothing was posted.
+    fn post(&mut self, qpn: u32, wrs: &[SendWr<'_>]) -> bool {
+        let Some(c) = self.conns.get(&qpn) else {
+            return false;
+        };
+        if let Err(e) = c.id.post_send(wrs) {
+            // A send queue that refuses work is broken (or overflowed, which is the same to
+            // its host): the QP goes, so that its host reconnects instead of waiting.
+            self.counters.post_errors.fetch_add(1, Ordering::Relaxed);
+            slog::warn!(self.log, "cannot post a send; tearing the QP down"; "qpn" => qpn, "error" => %e);
+            self.teardown(qpn, Cause::QpError, Instant::now());
+            return false;
         }
+        self.sends_in_flight += wrs.iter().filter(|w| w.signaled).count();
+        true
     }
 }
 

@@ -127,6 +127,26 @@ pub struct DataPathCounters {
     pub block_ops_in_flight: AtomicU64,
     /// Signaled send work requests (SEND, RDMA READ) posted and not completed.
     pub sends_in_flight: AtomicU64,
+    /// QPs torn down because the host disconnected.
+    pub teardowns_disconnect: AtomicU64,
+    /// QPs torn down for a QP error (async event or completion in error).
+    pub teardowns_qp_error: AtomicU64,
+    /// QPs torn down because their controller ended or their host broke the protocol.
+    pub teardowns_controller: AtomicU64,
+    /// QPs torn down because their device, SRQ or CQ failed.
+    pub teardowns_device: AtomicU64,
+    /// QPs torn down because the daemon stopped.
+    pub teardowns_shutdown: AtomicU64,
+    /// Torn-down QPs destroyed after `DRAIN_TIMEOUT` with work still outstanding.
+    pub drain_timeouts: AtomicU64,
+    /// QP async events (fatal, request and access errors).
+    pub qp_events: AtomicU64,
+    /// LAST_WQE_REACHED events.
+    pub last_wqe_events: AtomicU64,
+    /// Device, port, SRQ and CQ events.
+    pub device_events: AtomicU64,
+    /// QPs torn down and still draining.
+    pub qps_draining: AtomicU64,
 }
 
 impl DataPathCounters {
@@ -161,6 +181,16 @@ impl DataPathCounters {
             buffers: g(&self.buffers),
             block_ops_in_flight: g(&self.block_ops_in_flight),
             sends_in_flight: g(&self.sends_in_flight),
+            teardowns_disconnect_total: g(&self.teardowns_disconnect),
+            teardowns_qp_error_total: g(&self.teardowns_qp_error),
+            teardowns_controller_total: g(&self.teardowns_controller),
+            teardowns_device_total: g(&self.teardowns_device),
+            teardowns_shutdown_total: g(&self.teardowns_shutdown),
+            drain_timeouts_total: g(&self.drain_timeouts),
+            qp_events_total: g(&self.qp_events),
+            last_wqe_events_total: g(&self.last_wqe_events),
+            device_events_total: g(&self.device_events),
+            qps_draining: g(&self.qps_draining),
         }
     }
 }
@@ -222,6 +252,26 @@ pub struct DataPathStats {
     pub block_ops_in_flight: u64,
     /// Signaled send work requests not completed.
     pub sends_in_flight: u64,
+    /// QPs torn down: the host disconnected.
+    pub teardowns_disconnect_total: u64,
+    /// QPs torn down: QP error.
+    pub teardowns_qp_error_total: u64,
+    /// QPs torn down: controller ended or protocol error.
+    pub teardowns_controller_total: u64,
+    /// QPs torn down: device, SRQ or CQ failure.
+    pub teardowns_device_total: u64,
+    /// QPs torn down: daemon stopping.
+    pub teardowns_shutdown_total: u64,
+    /// Drains that timed out.
+    pub drain_timeouts_total: u64,
+    /// QP async events.
+    pub qp_events_total: u64,
+    /// LAST_WQE_REACHED events.
+    pub last_wqe_events_total: u64,
+    /// Device, port, SRQ and CQ events.
+    pub device_events_total: u64,
+    /// QPs torn down and still draining.
+    pub qps_draining: u64,
 }
 
 /// The answer to `stats`: the tree that the data path's counters extend.

@@ -90,6 +90,10 @@ impl Device {
     pub fn async_fd(&self) -> RawFd {
         forward!(self, d => d.async_fd())
     }
+    /// Whether the device sends `QpLastWqeReached` for SRQ-attached QPs in error.
+    pub fn sends_last_wqe(&self) -> bool {
+        forward!(self, d => d.sends_last_wqe())
+    }
     /// The next async event, without blocking.
     pub fn next_event(&self) -> Option<AsyncEvent> {
         forward!(self, d => d.next_event())

@@ -202,6 +202,24 @@ impl Device {
         })
     }
 
+    /// Whether the device sends `IBV_EVENT_QP_LAST_WQE_REACHED` when an SRQ-attached QP goes
+    /// to ERR: iWARP devices and the software providers rxe and siw never do.
+    pub fn sends_last_wqe(&self) -> bool {
+        // SAFETY: a live context's device outlives it; its name is NUL-terminated.
+        let (name, transport) = unsafe {
+            let dev = &*(*self.ctx.ctx.as_ptr()).device;
+            (
+                std::ffi::CStr::from_ptr(dev.name.as_ptr())
+                    .to_string_lossy()
+                    .into_owned(),
+                dev.transport_type,
+            )
+        };
+        transport != ibv_transport_type::IBV_TRANSPORT_IWARP
+            && !name.starts_with("rxe")
+            && !name.starts_with("siw")
+    }
+
     /// Port `port`'s attributes.
     pub fn port_attr(&self, port: u8) -> Result<PortAttr, VerbsError> {
         // SAFETY: plain data.

@@ -746,6 +746,12 @@ impl Device {
         Ok(SOFT_ATTR)
     }
 
+    /// Whether the device sends `QpLastWqeReached`: yes, unless the fabric's faults suppress
+    /// it (as rxe and iWARP devices never send it).
+    pub fn sends_last_wqe(&self) -> bool {
+        !self.fabric().lock().faults.suppress_last_wqe
+    }
+
     /// Port `port`'s attributes (one active RoCE port, MTU 1024 as on rxe).
     pub fn port_attr(&self, port: u8) -> Result<PortAttr, VerbsError> {
         if port != 1 {
