@@ -436,9 +436,9 @@ impl DataPath {
                 // Slots waiting for an RDMA completion end now; those with a block operation
                 // in flight end when it completes (the engine holds their buffer until then).
                 for i in 0..self.reqs.len() {
-                    let waits_on_network = self.reqs[i].as_ref().is_some_and(|r| {
-                        r.qpn == qpn && !matches!(r.stage, Stage::Io { .. })
-                    });
+                    let waits_on_network = self.reqs[i]
+                        .as_ref()
+                        .is_some_and(|r| r.qpn == qpn && !matches!(r.stage, Stage::Io { .. }));
                     if waits_on_network {
                         self.end_req(i);
                     }
@@ -591,7 +591,12 @@ impl DataPath {
         let i = usize::try_from(c.wr_id - REQ_BASE).unwrap_or(usize::MAX);
         // A completion for a slot since given to another QP's command (its QP was destroyed
         // after a drain timed out) is stale.
-        if self.reqs.get(i).and_then(Option::as_ref).is_none_or(|r| r.qpn != c.qp_num) {
+        if self
+            .reqs
+            .get(i)
+            .and_then(Option::as_ref)
+            .is_none_or(|r| r.qpn != c.qp_num)
+        {
             return;
         }
         if c.status != WcStatus::Success {

@@ -483,3 +483,143 @@ fn covering_the_queues_grows_the_srq_at_connect_so_no_send_meets_an_empty_srq() 
     assert!(c.srq_receives_registered.load(Relaxed) >= covered);
     assert!(c.receives_posted.load(Relaxed) >= covered);
 }
+
+/// Waits until every pool of the data path is back to its full count: no command in flight,
+/// every request slot and buffer free, no block operation or send outstanding, no QP still
+/// draining, and (unless the SRQ is broken) every registered receive posted again.
+fn wait_pools_full(c: &nvmfd::stats::DataPathCounters, receives: bool) {
+    use std::sync::atomic::Ordering::Relaxed;
+    wait_until("every pool is back to its full count", || {
+        c.requests_active.load(Relaxed) == 0
+            && c.requests_waiting.load(Relaxed) == 0
+            && c.request_slots_free.load(Relaxed) == c.request_slots.load(Relaxed)
+            && c.request_slots.load(Relaxed) > 0
+            && c.buffers_free.load(Relaxed) == c.buffers.load(Relaxed)
+            && c.block_ops_in_flight.load(Relaxed) == 0
+            && c.sends_in_flight.load(Relaxed) == 0
+            && c.qps_draining.load(Relaxed) == 0
+            && (!receives
+                || c.receives_posted.load(Relaxed) == c.srq_receives_registered.load(Relaxed))
+    });
+}
+
+/// An admin queue and `n` I/O queues of one controller, all 32 deep.
+fn controller(s: &Served, n: u16) -> (AdminQueue<RdmaQueue>, Vec<IoQueue<RdmaQueue>>) {
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(n).unwrap(), n);
+    let cntlid = admin.cntlid;
+    let ios = (1..=n)
+        .map(|q| IoQueue::connect(queue(s, q, 31), &h, SUB, cntlid, q, 31).unwrap())
+        .collect();
+    (admin, ios)
+}
+
+/// Writes a 4 KiB pattern at block `lba` of namespace 2 and reads it back.
+fn write_verified(io: &mut IoQueue<RdmaQueue>, seed: u64, lba: u64) -> Vec<u8> {
+    let data = pattern(seed, 4096);
+    io.write(2, lba, 1, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    io.read(2, lba, 1, &mut back).unwrap();
+    assert!(back == data, "lba {lba}: read back differs");
+    data
+}
+
+#[test]
+fn a_fatal_qp_with_commands_in_flight_is_torn_down_and_the_other_queue_keeps_serving() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4428, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 2);
+    let before = write_verified(&mut ios[0], 1, 10);
+    let qpns = s.fabric.srq_qps(s.srq_id);
+    assert_eq!(qpns.len(), 3, "admin and two I/O queues");
+    let victim = qpns[2];
+    let (mut ok, mut doomed) = {
+        let mut it = ios.into_iter();
+        (it.next().unwrap(), it.next().unwrap())
+    };
+    // The reactor stops; the doomed queue's in-capsule write and a read wait in the SRQ.
+    s.paused.store(true, Relaxed);
+    let doomed_io = std::thread::spawn(move || {
+        let w = doomed.write(2, 20, 1, &pattern(2, 4096), false);
+        let mut b = vec![0u8; 4096];
+        let r = doomed.read(2, 20, 1, &mut b);
+        (w.is_err() || r.is_err(), doomed)
+    });
+    wait_until("the doomed write reached the SRQ", || {
+        s.fabric
+            .srq_backlog(s.srq_id)
+            .is_some_and(|(posted, _)| posted < 64)
+    });
+    s.fabric.inject_qp_fatal(victim);
+    s.paused.store(false, Relaxed);
+    // The other queue is served throughout.
+    for lba in 30..60 {
+        write_verified(&mut ok, lba, lba);
+    }
+    let (failed, _doomed) = doomed_io.join().unwrap();
+    assert!(failed, "the doomed queue's host saw its QP fail");
+    wait_until("the QP is torn down for its error", || {
+        c.teardowns_qp_error.load(Relaxed) >= 1 && c.connections.load(Relaxed) == 2
+    });
+    wait_pools_full(&c, true);
+    assert!(c.qp_events.load(Relaxed) >= 1);
+    assert_eq!(
+        c.drain_timeouts.load(Relaxed),
+        0,
+        "LAST_WQE and the marker both came"
+    );
+    // Data acknowledged before the fault reads back intact.
+    let mut back = vec![0u8; 4096];
+    ok.read(2, 10, 1, &mut back).unwrap();
+    assert!(back == before);
+}
+
+#[test]
+fn without_last_wqe_a_drain_ends_at_its_bound_and_releases_everything() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4429, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 2);
+    write_verified(&mut ios[1], 3, 5);
+    // The device was seen to send LAST_WQE at start; now it stops (as a broken one would).
+    s.fabric.set_faults(nvmfd_rdma::soft::Faults {
+        suppress_last_wqe: true,
+        ..Default::default()
+    });
+    let victim = s.fabric.srq_qps(s.srq_id)[2];
+    let start = Instant::now();
+    s.fabric.inject_qp_fatal(victim);
+    wait_until("the drain timed out", || {
+        c.drain_timeouts.load(Relaxed) == 1
+    });
+    let waited = start.elapsed();
+    assert!(
+        waited >= nvmfd::datapath::DRAIN_TIMEOUT,
+        "destroyed after {waited:?}, before LAST_WQE or the bound"
+    );
+    assert_eq!(c.last_wqe_events.load(Relaxed), 0);
+    wait_pools_full(&c, true);
+    write_verified(&mut ios[0], 4, 6);
+}
+
+#[test]
+fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_releases_their_requests() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4430, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 15);
+    for (q, io) in ios.iter_mut().enumerate() {
+        write_verified(io, q as u64, q as u64);
+    }
+    assert_eq!(s.fabric.srq_qps(s.srq_id).len(), 16);
+    s.fabric.inject_srq_error(s.srq_id);
+    wait_until("all 16 QPs are torn down", || {
+        c.teardowns_device.load(Relaxed) == 16 && c.connections.load(Relaxed) == 0
+    });
+    wait_pools_full(&c, false);
+    assert!(c.device_events.load(Relaxed) >= 1);
+    assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+}

@@ -223,6 +223,13 @@ impl HostTransport for RdmaQueue {
                 }
             }
             if n == 0 {
+                // The target ending the connection ends the wait (a real host starts its
+                // error recovery here rather than waiting for the command timeout).
+                if let Some(CmEvent::Disconnected { .. } | CmEvent::DeviceRemoval { .. }) =
+                    self.ch.next_event()
+                {
+                    return Err(HostError::Transport("the target disconnected".into()));
+                }
                 std::thread::yield_now();
             }
         }

@@ -260,6 +260,19 @@ impl Fabric {
         s.event(dev.inner.id, AsyncEvent::PortActive(1));
     }
 
+    /// The QPs attached to SRQ `srq`, in creation order (QP numbers only grow).
+    pub fn srq_qps(&self, srq: u32) -> Vec<u32> {
+        let s = self.lock();
+        let mut v: Vec<u32> = s
+            .qps
+            .iter()
+            .filter(|(_, q)| q.srq == Some(srq))
+            .map(|(n, _)| *n)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// SRQ `srq` as a test sees it: receives posted, and SENDs to its QPs waiting for one
     /// (RNR); `None` for an unknown SRQ.
     pub fn srq_backlog(&self, srq: u32) -> Option<(usize, usize)> {
