@@ -614,12 +614,9 @@ impl DataPath {
                     .map(|b| b.as_slice().to_vec())
                     .unwrap_or_default();
                 self.free.push(i);
-                match self.conns.get_mut(&req.qpn) {
-                    Some(conn) => {
-                        let a = conn.queue.data_arrived(cmd, &data, now);
-                        self.run(req.qpn, a, now);
-                    }
-                    None => {}
+                if let Some(conn) = self.conns.get_mut(&req.qpn) {
+                    let a = conn.queue.data_arrived(cmd, &data, now);
+                    self.run(req.qpn, a, now);
                 }
             }
             Stage::FetchForWrite(io) => {
