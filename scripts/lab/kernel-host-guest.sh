@@ -85,6 +85,51 @@ for dev in /dev/nvme0n1 /dev/nvme0n2; do
 done
 step fio --name=again --filename=/dev/nvme0n1 --rw=randread --bs=4k --size=32M --ioengine=libaio --direct=1 --iodepth=16 --runtime=3 --time_based --output-format=terse --minimal
 step nvme disconnect -n $NQN
+# Failure runs on real verbs: the host disconnects under load, resets the controller, and
+# reconnects by itself after nvmfd is killed and restarted. Data written on the file namespace
+# before verifies after each; nvmfd's pools are back to full after each teardown.
+dev_live() { for i in $(seq 300); do [ "$(cat /sys/class/nvme/nvme0/state 2>/dev/null)" = live ] && [ -b /dev/nvme0n2 ] && return 0; sleep 0.1; done; return 1; }
+pools_full() {
+  local s; for i in $(seq 100); do
+    s=$($BIN/nvmfctl --socket $WORK/nvmfd.sock --json stats)
+    [ "$(stat_sum requests_active)" -eq 0 ] && [ "$(stat_sum qps_draining)" -eq 0 ] \
+      && [ "$(stat_sum buffers_free)" -eq "$(stat_sum buffers)" ] \
+      && [ "$(stat_sum request_slots_free)" -eq "$(stat_sum request_slots)" ] && return 0
+    sleep 0.1
+  done
+  echo "pools not full: $s"; return 1
+}
+load_started() { local c0; c0=$(stat_sum commands_total); for i in $(seq 100); do [ "$(stat_sum commands_total)" -gt $((c0 + 200)) ] && return 0; sleep 0.1; done; return 1; }
+verify_base() { fio --name=base --filename=/dev/nvme0n2 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal; }
+step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN --ctrl-loss-tmo=60 --reconnect-delay=1
+step dev_live
+step fio --name=base --filename=/dev/nvme0n2 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
+# 1. Disconnect with I/O in flight (fio's errors are expected; nothing may hang or leak).
+fio --name=load --filename=/dev/nvme0n1 --rw=randrw --bs=4k --size=64M --ioengine=libaio --direct=1 --iodepth=32 --numjobs=2 --runtime=60 --time_based --output-format=terse --minimal > /dev/null 2>&1 &
+fio_pid=$!
+step load_started
+step nvme disconnect -n $NQN
+timeout 60 bash -c "while kill -0 $fio_pid 2>/dev/null; do sleep 0.1; done" || { echo "STEP FAILED: fio did not end after the disconnect"; kill $pid; exit 1; }
+step pools_full
+step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN --ctrl-loss-tmo=60 --reconnect-delay=1
+step dev_live
+step verify_base
+# 2. Controller reset.
+step nvme reset /dev/nvme0
+step dev_live
+step verify_base
+# 3. nvmfd killed and started again: the host reconnects by itself.
+kill -KILL $pid; wait $pid 2>/dev/null
+$BIN/nvmfd --config $WORK/nvmfd.toml 2>> $WORK/nvmfd.log &
+pid=$!
+for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+reconnected() { for i in $(seq 600); do [ "$(stat_sum qps)" -gt 0 ] && dev_live && return 0; sleep 0.1; done; return 1; }
+step reconnected
+step verify_base
+step nvme disconnect -n $NQN
+step pools_full
+teardowns() { echo "teardowns: disconnect $(stat_sum teardowns_disconnect_total), controller $(stat_sum teardowns_controller_total), QP error $(stat_sum teardowns_qp_error_total), drain timeouts $(stat_sum drain_timeouts_total)"; [ "$(stat_sum drain_timeouts_total)" -eq 0 ]; }
+step teardowns
 # nvmfd's own host tool over ibverbs, against the same daemon.
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" discover
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" identify --nqn $NQN
