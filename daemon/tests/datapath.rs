@@ -623,3 +623,52 @@ fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_releases_their_requests() {
     assert!(c.device_events.load(Relaxed) >= 1);
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
 }
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn a_thousand_connect_disconnect_cycles_leak_no_memory_no_fds_and_no_pool_entries() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4431, None, Arc::clone(&c));
+    let h = host();
+    let cycle = |n: u64| {
+        let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+        admin.enable().unwrap();
+        admin.keep_alive().unwrap();
+        admin.transport().disconnect();
+        wait_until("the target tore the queue down", || {
+            c.teardowns_disconnect.load(Relaxed) + c.teardowns_controller.load(Relaxed) >= n
+                && c.qps_draining.load(Relaxed) == 0
+                && c.connections.load(Relaxed) == 0
+        });
+    };
+    for n in 1..=50 {
+        cycle(n);
+    }
+    let (fds, rss) = (open_fds(), rss_kib());
+    for n in 51..=1000 {
+        cycle(n);
+    }
+    wait_pools_full(&c, true);
+    let (fds_after, rss_after) = (open_fds(), rss_kib());
+    eprintln!("1000 cycles: fds {fds} -> {fds_after}, RSS {rss} KiB -> {rss_after} KiB");
+    assert_eq!(fds_after, fds, "file descriptors leaked");
+    assert!(
+        rss_after < rss + 8 * 1024,
+        "RSS grew from {rss} KiB to {rss_after} KiB over 950 cycles"
+    );
+    assert_eq!(c.connections_accepted.load(Relaxed), 1000);
+    assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+}

@@ -310,3 +310,92 @@ fn a_burst_grows_the_srq_and_the_stats_show_it() {
     }
     admin.transport().disconnect();
 }
+
+/// The host process of `a_host_killed_with_io_in_flight_leaves_nothing_behind`: writes and
+/// reads at the address in `NVMFD_CHILD_HOST` until it is killed.
+#[test]
+#[ignore = "a host process that the SIGKILL test starts and kills; not a test on its own"]
+fn host_process_until_killed() {
+    let Ok(addr) = std::env::var("NVMFD_CHILD_HOST") else {
+        panic!("run by a_host_killed_with_io_in_flight_leaves_nothing_behind only");
+    };
+    let addr: SocketAddr = addr.parse().unwrap();
+    let f = Fabric::networked();
+    f.add_device("127.0.0.4".parse().unwrap()).unwrap();
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(2).unwrap();
+    let mut ios: Vec<_> = (1..=2)
+        .map(|q| IoQueue::connect(queue(&f, addr, q, 31), &h, SUB, admin.cntlid, q, 31).unwrap())
+        .collect();
+    for n in 0u64.. {
+        let io = &mut ios[(n % 2) as usize];
+        let data = pattern(n, 65536);
+        io.write(1, (n % 64) * 128, 128, &data, false).unwrap();
+        let mut back = vec![0u8; 65536];
+        io.read(1, (n % 64) * 128, 128, &mut back).unwrap();
+    }
+}
+
+#[test]
+fn a_host_killed_with_io_in_flight_leaves_nothing_behind() {
+    let d = Daemon::start(Options::default());
+    let addr = listener(&d);
+    let sum = |s: &serde_json::Value, k: &str| -> u64 {
+        s["datapath"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r[k].as_u64().unwrap())
+            .sum()
+    };
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "host_process_until_killed"])
+        .env("NVMFD_CHILD_HOST", addr.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    nvmfd_tests::wait_for("the host process's I/O to flow", || {
+        (sum(&d.data("stats"), "commands_total") > 200).then_some(())
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let stats = nvmfd_tests::wait_for("its QPs torn down and every pool full again", || {
+        let s = d.data("stats");
+        (sum(&s, "qps") == 0
+            && sum(&s, "qps_draining") == 0
+            && sum(&s, "requests_active") == 0
+            && sum(&s, "buffers_free") == sum(&s, "buffers")
+            && sum(&s, "request_slots_free") == sum(&s, "request_slots")
+            && sum(&s, "sends_in_flight") == 0
+            && sum(&s, "srq_receives_posted") == sum(&s, "srq_receives_registered"))
+        .then_some(s)
+    });
+    assert_eq!(sum(&stats, "qps_accepted_total"), 3, "{stats}");
+    // The lost link flushes the QPs (QP error, LAST_WQE) or its CM event arrives first.
+    let torn: u64 = [
+        "teardowns_disconnect_total",
+        "teardowns_qp_error_total",
+        "teardowns_controller_total",
+    ]
+    .iter()
+    .map(|k| sum(&stats, k))
+    .sum();
+    assert_eq!(torn, 3, "{stats}");
+    assert_eq!(sum(&stats, "drain_timeouts_total"), 0, "{stats}");
+    // The daemon serves the next host as before.
+    let f = Fabric::networked();
+    f.add_device("127.0.0.5".parse().unwrap()).unwrap();
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let mut io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let data = pattern(7, 4096);
+    io.write(1, 9000, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    io.read(1, 9000, 8, &mut back).unwrap();
+    assert!(back == data);
+}
