@@ -640,6 +640,23 @@ fn rss_kib() -> u64 {
 #[test]
 fn a_thousand_connect_disconnect_cycles_leak_no_memory_no_fds_and_no_pool_entries() {
     use std::sync::atomic::Ordering::Relaxed;
+    // File descriptors and RSS are the process's: measured in a process of this test alone.
+    if std::env::var_os("NVMFD_TEST_ALONE").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_thousand_connect_disconnect_cycles_leak_no_memory_no_fds_and_no_pool_entries",
+                "--nocapture",
+            ])
+            .env("NVMFD_TEST_ALONE", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        eprintln!("{text}");
+        assert!(out.status.success(), "the test failed in its own process");
+        assert!(text.contains("1000 cycles:"), "the test did not run in its own process");
+        return;
+    }
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4431, None, Arc::clone(&c));
     let h = host();
