@@ -654,7 +654,10 @@ fn a_thousand_connect_disconnect_cycles_leak_no_memory_no_fds_and_no_pool_entrie
         let text = String::from_utf8_lossy(&out.stderr);
         eprintln!("{text}");
         assert!(out.status.success(), "the test failed in its own process");
-        assert!(text.contains("1000 cycles:"), "the test did not run in its own process");
+        assert!(
+            text.contains("1000 cycles:"),
+            "the test did not run in its own process"
+        );
         return;
     }
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
