@@ -141,6 +141,10 @@ pub struct DataPath {
     sends_in_flight: usize,
     /// QPs torn down, draining before they are destroyed.
     draining: HashMap<u32, Drain>,
+    /// Block completions of one turn (kept, so that no turn allocates).
+    reaped: Vec<Completion>,
+    /// QP numbers of one turn's ended connections (kept likewise).
+    scratch_qpns: Vec<u32>,
     /// Whether the device sends LAST_WQE_REACHED (rxe and iWARP do not: the drain marker
     /// alone ends a drain there).
     wait_last_wqe: bool,
@@ -228,6 +232,8 @@ impl DataPath {
             incoming: std::collections::VecDeque::with_capacity(cfg.srq.max as usize),
             sends_in_flight: 0,
             draining: HashMap::new(),
+            reaped: Vec::with_capacity(2 * cfg.requests as usize),
+            scratch_qpns: Vec::with_capacity(64),
             wait_last_wqe: dev.sends_last_wqe(),
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
@@ -402,6 +408,13 @@ impl DataPath {
         }
     }
 
+    /// The daemon stops: every QP is torn down. The SRQ goes with the data path, and async
+    /// events are no longer routed, so the drains do not wait for LAST_WQE.
+    pub fn shutdown(&mut self, now: Instant) {
+        self.wait_last_wqe = false;
+        self.teardown_all(Cause::Shutdown, now);
+    }
+
     /// QPs torn down and not yet destroyed.
     pub fn draining(&self) -> usize {
         self.draining.len()
@@ -501,25 +514,29 @@ impl DataPath {
             self.on_completion(c, now);
         }
         let _ = self.engine.submit();
-        let mut done: Vec<Completion> = Vec::new();
+        // Reused vectors (taken and put back): nothing is allocated per turn.
+        let mut done = std::mem::take(&mut self.reaped);
         self.engine.reap(|c| done.push(c));
         let worked = n > 0 || !done.is_empty();
-        for c in done {
+        for c in done.drain(..) {
             self.on_block_done(c);
         }
+        self.reaped = done;
         let _ = self.engine.submit();
         self.srq.tick(now);
         self.gauges();
         // Connections whose controller ended are closed.
-        let dead: Vec<u32> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.queue.must_disconnect())
-            .map(|(q, _)| *q)
-            .collect();
-        for q in dead {
+        let mut dead = std::mem::take(&mut self.scratch_qpns);
+        dead.extend(
+            self.conns
+                .iter()
+                .filter(|(_, c)| c.queue.must_disconnect())
+                .map(|(q, _)| *q),
+        );
+        for q in dead.drain(..) {
             self.teardown(q, Cause::Controller, now);
         }
+        self.scratch_qpns = dead;
         self.reap_drained(now);
         worked
     }
@@ -636,8 +653,14 @@ impl DataPath {
 
     fn on_receive(&mut self, c: &Wc, now: Instant) {
         if c.status != WcStatus::Success {
-            // Flushed receives of a QP in error come back to the SRQ.
+            // Flushed receives of a QP in error come back to the SRQ; the QP, if still live,
+            // is torn down.
             self.srq.completed(c.wr_id, now);
+            if self.conns.contains_key(&c.qp_num) {
+                slog::warn!(self.log, "receive completion in error; tearing the QP down";
+                    "qpn" => c.qp_num, "status" => ?c.status);
+                self.teardown(c.qp_num, Cause::QpError, now);
+            }
             return;
         }
         self.srq
@@ -806,14 +829,15 @@ impl DataPath {
     /// Queues the block operations of `io` under request slot `i`.
     fn submit_block(&mut self, i: usize, qpn: u32, io: IoRequest, buf: Option<DmaBuf>) {
         let tag = i as u64;
-        let nsids: Vec<u32> = match &io.op {
-            IoOp::FlushAll { nsids } => nsids.clone(),
-            _ => vec![io.nsid],
+        let one = [io.nsid];
+        let nsids: &[u32] = match &io.op {
+            IoOp::FlushAll { nsids } => nsids,
+            _ => &one,
         };
         let mut left = 0u32;
         let mut failed = None;
         let mut buf = buf;
-        for nsid in nsids {
+        for &nsid in nsids {
             let Some(dev) = self.dev_of(qpn, nsid) else {
                 failed = Some(nvmfd_blockdev::BlockError::UnknownDevice);
                 continue;
@@ -1071,6 +1095,32 @@ pub struct ReactorPaths {
     pub inbox: std::sync::mpsc::Receiver<ReactorCmd>,
     /// Where to report what the control thread must know (not used yet).
     pub log: slog::Logger,
+}
+
+impl Drop for ReactorPaths {
+    /// The daemon is stopping: every QP goes through the teardown path and the reactor waits
+    /// (bounded by `DRAIN_TIMEOUT`) for the drains before its data paths are destroyed.
+    fn drop(&mut self) {
+        let now = Instant::now();
+        let mut qps = 0;
+        for dp in self.paths.iter_mut().flatten() {
+            qps += dp.connections();
+            dp.shutdown(now);
+        }
+        if qps == 0 {
+            return;
+        }
+        while self.paths.iter().flatten().any(|dp| dp.draining() > 0)
+            && now.elapsed() < DRAIN_TIMEOUT
+        {
+            for dp in self.paths.iter_mut().flatten() {
+                dp.poll(Instant::now());
+            }
+            std::thread::yield_now();
+        }
+        let left: usize = self.paths.iter().flatten().map(DataPath::draining).sum();
+        slog::info!(self.log, "QPs torn down at shutdown"; "qps" => qps, "not_drained" => left);
+    }
 }
 
 impl crate::reactor::ReactorWork for ReactorPaths {

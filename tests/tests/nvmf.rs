@@ -399,3 +399,70 @@ fn a_host_killed_with_io_in_flight_leaves_nothing_behind() {
     io.read(1, 9000, 8, &mut back).unwrap();
     assert!(back == data);
 }
+
+#[test]
+fn a_silent_host_loses_its_controller_and_all_its_queues_and_can_connect_again_at_once() {
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "[[subsystem]]".into(),
+            "[transport]\nkeep_alive_timeout_min = \"1s\"\n\n[[subsystem]]".into(),
+        )],
+        ..Options::default()
+    });
+    let addr = listener(&d);
+    let dp = |d: &Daemon| d.data("stats")["datapath"][0].clone();
+    let f = Fabric::networked();
+    f.add_device("127.0.0.6".parse().unwrap()).unwrap();
+    let h = host();
+    // Keep-alive timeout 1 s; the host then says nothing.
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 1000).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(2).unwrap();
+    let _ios: Vec<_> = (1..=2)
+        .map(|q| IoQueue::connect(queue(&f, addr, q, 31), &h, SUB, admin.cntlid, q, 31).unwrap())
+        .collect();
+    assert_eq!(dp(&d)["qps"], 3);
+    let s = nvmfd_tests::wait_for("the controller and its three queues to end", || {
+        let s = dp(&d);
+        (s["teardowns_controller_total"] == 3 && s["qps"] == 0 && s["qps_draining"] == 0)
+            .then_some(s)
+    });
+    assert_eq!(s["request_slots_free"], s["request_slots"], "{s}");
+    assert_eq!(s["buffers_free"], s["buffers"], "{s}");
+    assert!(d.log().contains("keep-alive timeout"), "{}", d.log());
+    // The same host connects again at once and is served.
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let mut io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let data = pattern(11, 4096);
+    io.write(1, 100, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    io.read(1, 100, 8, &mut back).unwrap();
+    assert!(back == data);
+}
+
+#[test]
+fn stopping_the_daemon_tears_down_every_qp_through_the_drain() {
+    let mut d = Daemon::start(Options::default());
+    let addr = listener(&d);
+    let f = Fabric::networked();
+    f.add_device("127.0.0.7".parse().unwrap()).unwrap();
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let mut io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    io.write(1, 0, 8, &pattern(5, 4096), false).unwrap();
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success(), "log:\n{}", d.log());
+    let log = d.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("QPs torn down at shutdown"))
+        .unwrap_or_else(|| panic!("no shutdown teardown in the log:\n{log}"));
+    assert!(
+        line.contains("\"qps\":2") && line.contains("\"not_drained\":0"),
+        "{line}"
+    );
+}
