@@ -39,7 +39,7 @@ pub struct DataPathConfig {
 }
 
 /// Work request IDs at or above this name request slots; below, receive slots.
-const REQ_BASE: u64 = 1 << 40;
+const REQ_BASE: u64 = crate::srq::WR_ID_END;
 /// The RNR NAK timer QPs advertise: 0.16 ms (InfiniBand encoding 8).
 const MIN_RNR_TIMER: u8 = 8;
 /// A response SEND with no request slot behind it.
@@ -141,6 +141,8 @@ pub struct DataPath {
     sends_in_flight: usize,
     /// QPs torn down, draining before they are destroyed.
     draining: HashMap<u32, Drain>,
+    /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
+    srq_broken: bool,
     /// Block completions of one turn (kept, so that no turn allocates).
     reaped: Vec<Completion>,
     /// QP numbers of one turn's ended connections (kept likewise).
@@ -232,6 +234,7 @@ impl DataPath {
             incoming: std::collections::VecDeque::with_capacity(cfg.srq.max as usize),
             sends_in_flight: 0,
             draining: HashMap::new(),
+            srq_broken: false,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
             wait_last_wqe: dev.sends_last_wqe(),
@@ -277,6 +280,9 @@ impl DataPath {
             AsyncEvent::SrqErr(id) if self.srq.is(id) => {
                 c.device_events.fetch_add(1, Ordering::Relaxed);
                 self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                slog::error!(self.log, "SRQ error: its QPs are torn down and it is rebuilt";
+                    "srq" => id, "qps" => self.conns.len());
+                self.srq_broken = true;
                 self.teardown_all(Cause::Device, now);
             }
             AsyncEvent::CqErr(id) if self.cq.id() == id => {
@@ -305,6 +311,15 @@ impl DataPath {
     /// reactor's CQ and SRQ, and it is accepted with the granted queue size.
     pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<Change, VerbsError> {
         let depth = u32::from(req.crqsize());
+        if self.srq_broken {
+            let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
+                nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+            ));
+            return Err(VerbsError::Invalid {
+                op: "accept",
+                why: "the SRQ failed and is being rebuilt",
+            });
+        }
         let change = match self.srq.reserve(depth, Instant::now()) {
             Ok(c) => c,
             Err(e) => {
@@ -538,7 +553,28 @@ impl DataPath {
         }
         self.scratch_qpns = dead;
         self.reap_drained(now);
+        if self.srq_broken && self.draining.is_empty() && self.conns.is_empty() {
+            self.rebuild_srq(now);
+        }
         worked
+    }
+
+    /// Replaces the broken SRQ by a new one of the next generation (receives of the old one
+    /// completing late name no chunk of the new one).
+    fn rebuild_srq(&mut self, now: Instant) {
+        match self.srq.rebuild(now) {
+            Ok(srq) => {
+                self.srq = srq;
+                self.srq_broken = false;
+                self.counters.srq_rebuilds.fetch_add(1, Ordering::Relaxed);
+                slog::info!(self.log, "SRQ rebuilt"; "srq" => self.srq.srq().id());
+            }
+            Err(e) => {
+                // Tried again next turn; connections are refused meanwhile.
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                slog::warn!(self.log, "cannot rebuild the SRQ"; "error" => %e);
+            }
+        }
     }
 
     /// Stores the pools' levels for `stats` (relaxed stores, no syscall).

@@ -29,6 +29,11 @@ const PAGE_U32: u32 = 4096;
 pub const MAX_ICD_PAGES: usize = 4;
 /// A receive's work request ID: chunk index above this many bits, slot below.
 const SLOT_BITS: u32 = 24;
+/// Above the chunk index, the SRQ's generation (4 bits): a completion of a receive of an
+/// SRQ since rebuilt is told apart from the new one's.
+const GEN_SHIFT: u32 = 40;
+/// Receive work request IDs are below this.
+pub const WR_ID_END: u64 = 1 << (GEN_SHIFT + 4);
 
 /// Sizes of an elastic SRQ.
 #[derive(Clone, Copy, Debug)]
@@ -143,6 +148,8 @@ pub struct ElasticSrq {
     registered: u32,
     /// Receives the connected queues can consume at once (their depths), when covering them.
     committed: u32,
+    /// Rebuilds so far, modulo 16: part of every receive's work request ID.
+    generation: u64,
     registrar: Registrar,
     spare_tx: mpsc::Sender<Result<Mr, VerbsError>>,
     spare_rx: mpsc::Receiver<Result<Mr, VerbsError>>,
@@ -190,6 +197,19 @@ impl ElasticSrq {
             chunk: cfg.chunk.clamp(1, max),
             ..cfg
         };
+        ElasticSrq::build(pd, cfg, icd_pages, registrar, counters, now, 0)
+    }
+
+    fn build(
+        pd: &Pd,
+        cfg: SrqConfig,
+        icd_pages: usize,
+        registrar: Registrar,
+        counters: Arc<DataPathCounters>,
+        now: Instant,
+        generation: u64,
+    ) -> Result<ElasticSrq, VerbsError> {
+        let max = cfg.max;
         let srq = pd.create_srq(
             max,
             1 + MAX_ICD_PAGES.min(icd_pages).try_into().unwrap_or(4u32),
@@ -214,6 +234,7 @@ impl ElasticSrq {
             window_min: 0,
             window_start: now,
             counters,
+            generation,
         };
         s.add_chunk(mr, cfg.initial)?;
         s.window_min = s.posted;
@@ -309,7 +330,7 @@ impl ElasticSrq {
             sges[1 + p] = c.mr.sge(data + p * PAGE, PAGE_U32);
         }
         self.srq.post_recv(&[RecvWr {
-            wr_id: ((idx as u64) << SLOT_BITS) | u64::from(slot),
+            wr_id: (self.generation << GEN_SHIFT) | ((idx as u64) << SLOT_BITS) | u64::from(slot),
             sges: &sges[..1 + self.icd_pages],
         }])?;
         c.is_posted[s] = true;
@@ -321,17 +342,40 @@ impl ElasticSrq {
         Ok(())
     }
 
-    fn split(wr_id: u64) -> (usize, u32) {
+    /// A receive's chunk and slot; a receive of another generation names no chunk.
+    fn split(&self, wr_id: u64) -> (usize, u32) {
+        if (wr_id >> GEN_SHIFT) & 0xf != self.generation {
+            return (usize::MAX, 0);
+        }
         (
-            usize::try_from(wr_id >> SLOT_BITS).unwrap_or(usize::MAX),
+            usize::try_from((wr_id & ((1 << GEN_SHIFT) - 1)) >> SLOT_BITS).unwrap_or(usize::MAX),
             u32::try_from(wr_id & ((1 << SLOT_BITS) - 1)).unwrap_or(0),
         )
+    }
+
+    /// A new SRQ with the same sizes (the next generation), after this one broke
+    /// (`SRQ_ERR`): created, its first chunk posted and its limit armed, as at start. Every QP
+    /// on this one must be destroyed first. This one's receives leave the counters.
+    pub fn rebuild(&self, now: Instant) -> Result<ElasticSrq, VerbsError> {
+        let next = ElasticSrq::build(
+            &self.pd,
+            self.cfg,
+            self.icd_pages,
+            self.registrar.clone(),
+            Arc::clone(&self.counters),
+            now,
+            (self.generation + 1) & 0xf,
+        )?;
+        self.counters
+            .receives_posted
+            .fetch_sub(u64::from(self.posted), Ordering::Relaxed);
+        Ok(next)
     }
 
     /// Copies the capsule of completed receive `wr_id` (`len` bytes) to `out`.
     pub fn capsule(&self, wr_id: u64, len: usize, out: &mut Vec<u8>) {
         out.clear();
-        let (idx, slot) = Self::split(wr_id);
+        let (idx, slot) = self.split(wr_id);
         let Some(c) = self.chunks.get(idx).and_then(Option::as_ref) else {
             return;
         };
@@ -365,7 +409,7 @@ impl ElasticSrq {
     /// Receive `wr_id` completed (or was flushed): re-posts it, unless its chunk is draining,
     /// in which case the chunk leaves once none of its receives is posted.
     pub fn completed(&mut self, wr_id: u64, now: Instant) -> Change {
-        let (idx, slot) = Self::split(wr_id);
+        let (idx, slot) = self.split(wr_id);
         let Some(c) = self.chunks.get_mut(idx).and_then(Option::as_mut) else {
             return Change::None;
         };

@@ -147,6 +147,8 @@ pub struct DataPathCounters {
     pub device_events: AtomicU64,
     /// QPs torn down and still draining.
     pub qps_draining: AtomicU64,
+    /// SRQs rebuilt after an SRQ error.
+    pub srq_rebuilds: AtomicU64,
 }
 
 impl DataPathCounters {
@@ -191,6 +193,7 @@ impl DataPathCounters {
             last_wqe_events_total: g(&self.last_wqe_events),
             device_events_total: g(&self.device_events),
             qps_draining: g(&self.qps_draining),
+            srq_rebuilds_total: g(&self.srq_rebuilds),
         }
     }
 }
@@ -272,6 +275,8 @@ pub struct DataPathStats {
     pub device_events_total: u64,
     /// QPs torn down and still draining.
     pub qps_draining: u64,
+    /// SRQs rebuilt after an SRQ error.
+    pub srq_rebuilds_total: u64,
 }
 
 /// The answer to `stats`: the tree that the data path's counters extend.

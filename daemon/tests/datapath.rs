@@ -606,7 +606,7 @@ fn without_last_wqe_a_drain_ends_at_its_bound_and_releases_everything() {
 }
 
 #[test]
-fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_releases_their_requests() {
+fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_the_rebuilt_srq_serves_again() {
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4430, None, Arc::clone(&c));
@@ -622,6 +622,15 @@ fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_releases_their_requests() {
     wait_pools_full(&c, false);
     assert!(c.device_events.load(Relaxed) >= 1);
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+    // Once every QP on it is gone the SRQ is rebuilt, and hosts are served again.
+    wait_until("the SRQ is rebuilt", || c.srq_rebuilds.load(Relaxed) == 1);
+    drop(ios);
+    let (_admin, mut ios) = controller(&s, 2);
+    for (q, io) in ios.iter_mut().enumerate() {
+        write_verified(io, 100 + q as u64, 200 + q as u64);
+    }
+    wait_pools_full(&c, true);
+    assert_eq!(c.srq_rebuilds.load(Relaxed), 1);
 }
 
 fn open_fds() -> usize {
