@@ -329,14 +329,7 @@ fn the_srq_grows_under_a_burst_and_shrinks_back_when_the_load_stays_low() {
         cover_queues: false,
     };
     let s = serve_full(4423, Some((64, 64)), Some(srq), Arc::clone(&c));
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(QUEUES).unwrap(), QUEUES);
-    let cntlid = admin.cntlid;
-    let mut ios: Vec<_> = (1..=QUEUES)
-        .map(|q| IoQueue::connect(queue(&s, q, 31), &h, SUB, cntlid, q, 31).unwrap())
-        .collect();
+    let (_admin, mut ios) = controller(&s, QUEUES);
     assert_eq!(c.srq_receives_registered.load(Relaxed), 16);
     assert_eq!(c.srq_limit_events.load(Relaxed), 0);
     // The reactor stops polling and the limit event is held back; each of the 24 queues
@@ -429,14 +422,7 @@ fn covering_the_queues_grows_the_srq_at_connect_so_no_send_meets_an_empty_srq() 
         cover_queues: true,
     };
     let s = serve_full(4427, Some((64, 64)), Some(srq), Arc::clone(&c));
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(QUEUES).unwrap(), QUEUES);
-    let cntlid = admin.cntlid;
-    let mut ios: Vec<_> = (1..=QUEUES)
-        .map(|q| IoQueue::connect(queue(&s, q, 7), &h, SUB, cntlid, q, 7).unwrap())
-        .collect();
+    let (_admin, mut ios) = controller_with(&s, QUEUES, 7);
     // Admin queue 32 deep, 24 queues 8 deep: 224 receives, registered before each accept.
     let covered = 32 + u64::from(QUEUES) * 8;
     assert!(
@@ -505,13 +491,22 @@ fn wait_pools_full(c: &nvmfd::stats::DataPathCounters, receives: bool) {
 
 /// An admin queue and `n` I/O queues of one controller, all 32 deep.
 fn controller(s: &Served, n: u16) -> (AdminQueue<RdmaQueue>, Vec<IoQueue<RdmaQueue>>) {
+    controller_with(s, n, 31)
+}
+
+/// An admin queue (32 deep) and `n` I/O queues of `sqsize + 1` entries, of one controller.
+fn controller_with(
+    s: &Served,
+    n: u16,
+    sqsize: u16,
+) -> (AdminQueue<RdmaQueue>, Vec<IoQueue<RdmaQueue>>) {
     let h = host();
     let mut admin = AdminQueue::connect(queue(s, 0, 31), &h, SUB, 31, 0).unwrap();
     admin.enable().unwrap();
     assert_eq!(admin.set_queue_count(n).unwrap(), n);
     let cntlid = admin.cntlid;
     let ios = (1..=n)
-        .map(|q| IoQueue::connect(queue(s, q, 31), &h, SUB, cntlid, q, 31).unwrap())
+        .map(|q| IoQueue::connect(queue(s, q, sqsize), &h, SUB, cntlid, q, sqsize).unwrap())
         .collect();
     (admin, ios)
 }

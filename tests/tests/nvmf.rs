@@ -54,6 +54,22 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// A new host (its own fabric on `ip`) connects, writes 4 KiB at `lba` and reads it back.
+fn a_new_host_is_served(addr: SocketAddr, ip: &str, lba: u64, seed: u64) {
+    let f = Fabric::networked();
+    f.add_device(ip.parse().unwrap()).unwrap();
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let mut io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let data = pattern(seed, 4096);
+    io.write(1, lba, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    io.read(1, lba, 8, &mut back).unwrap();
+    assert!(back == data, "read back differs");
+}
+
 #[test]
 fn a_host_process_writes_and_reads_nvmfd_over_soft_rdma() {
     let d = Daemon::start(Options::default());
@@ -386,18 +402,7 @@ fn a_host_killed_with_io_in_flight_leaves_nothing_behind() {
     assert_eq!(torn, 3, "{stats}");
     assert_eq!(sum(&stats, "drain_timeouts_total"), 0, "{stats}");
     // The daemon serves the next host as before.
-    let f = Fabric::networked();
-    f.add_device("127.0.0.5".parse().unwrap()).unwrap();
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    admin.set_queue_count(1).unwrap();
-    let mut io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
-    let data = pattern(7, 4096);
-    io.write(1, 9000, 8, &data, false).unwrap();
-    let mut back = vec![0u8; 4096];
-    io.read(1, 9000, 8, &mut back).unwrap();
-    assert!(back == data);
+    a_new_host_is_served(addr, "127.0.0.5", 9000, 7);
 }
 
 #[test]
@@ -431,15 +436,7 @@ fn a_silent_host_loses_its_controller_and_all_its_queues_and_can_connect_again_a
     assert_eq!(s["buffers_free"], s["buffers"], "{s}");
     assert!(d.log().contains("keep-alive timeout"), "{}", d.log());
     // The same host connects again at once and is served.
-    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    admin.set_queue_count(1).unwrap();
-    let mut io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
-    let data = pattern(11, 4096);
-    io.write(1, 100, 8, &data, false).unwrap();
-    let mut back = vec![0u8; 4096];
-    io.read(1, 100, 8, &mut back).unwrap();
-    assert!(back == data);
+    a_new_host_is_served(addr, "127.0.0.8", 100, 11);
 }
 
 #[test]
