@@ -76,11 +76,12 @@ pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 }
 
 /// A TCP port for a test daemon's soft listener, different for every call in this process
-/// (and, by the process ID, from other test processes).
+/// (and, by the process ID, from other test processes). Below Linux's ephemeral range
+/// (32768 and up), so that no test's outgoing connection can hold it before the daemon binds.
 pub fn test_port() -> u16 {
     use std::sync::atomic::{AtomicU16, Ordering};
     static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 30000 + u16::try_from(std::process::id() % 300).unwrap_or(0) * 100;
+    let base = 10000 + u16::try_from(std::process::id() % 200).unwrap_or(0) * 100;
     base + NEXT.fetch_add(1, Ordering::Relaxed) % 100
 }
 
