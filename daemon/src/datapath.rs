@@ -442,19 +442,22 @@ impl DataPath {
         if self.draining.is_empty() {
             return;
         }
-        let mut gone = Vec::new();
-        for (&qpn, d) in &self.draining {
-            let requests = self.reqs.iter().flatten().filter(|r| r.qpn == qpn).count();
-            let done = requests == 0 && d.flushed && (d.last_wqe || !self.wait_last_wqe);
-            let late = now.duration_since(d.since) >= DRAIN_TIMEOUT;
-            if done || late {
-                gone.push((qpn, !done, requests));
-            }
-        }
-        for (qpn, timed_out, requests) in gone {
+        let requests_of =
+            |reqs: &[Option<Req>], qpn: u32| reqs.iter().flatten().filter(|r| r.qpn == qpn).count();
+        // The reused scratch vector: a turn with QPs draining allocates nothing either.
+        let mut gone = std::mem::take(&mut self.scratch_qpns);
+        gone.extend(self.draining.iter().filter_map(|(&qpn, d)| {
+            let done = requests_of(&self.reqs, qpn) == 0
+                && d.flushed
+                && (d.last_wqe || !self.wait_last_wqe);
+            (done || now.duration_since(d.since) >= DRAIN_TIMEOUT).then_some(qpn)
+        }));
+        for qpn in gone.drain(..) {
             let Some(d) = self.draining.remove(&qpn) else {
                 continue;
             };
+            let requests = requests_of(&self.reqs, qpn);
+            let timed_out = requests > 0 || !d.flushed || (!d.last_wqe && self.wait_last_wqe);
             if timed_out {
                 self.counters.drain_timeouts.fetch_add(1, Ordering::Relaxed);
                 slog::warn!(self.log, "QP drain timed out; destroying it";
@@ -475,6 +478,7 @@ impl DataPath {
             self.srq.unreserve(d.depth);
             drop(d.id);
         }
+        self.scratch_qpns = gone;
     }
 
     /// The connection with CM token `token` went away.
