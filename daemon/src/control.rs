@@ -14,8 +14,9 @@ use signal_hook_mio::v1_0::Signals;
 use slog::{error, info, o, warn, Logger};
 
 use crate::admin::{AdminError, AdminServer, Request, Response};
-use crate::datapath::{DataPath, DataPathConfig, ReactorCmd, ReactorPaths};
+use crate::datapath::{DataPath, DataPathConfig};
 use crate::notify::Notifier;
+use crate::paths::{ReactorCmd, ReactorPaths};
 use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, WorkFactory};
 use crate::stats::{AdminStats, Stats};
 use nvmfd_nvme::rdma_cm::{check_request, reject_private_data};

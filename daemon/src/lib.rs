@@ -7,6 +7,7 @@ pub mod ctl;
 pub mod datapath;
 pub mod logging;
 pub mod notify;
+pub mod paths;
 pub mod reactor;
 pub mod serve;
 pub mod srq;
