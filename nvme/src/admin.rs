@@ -17,7 +17,7 @@ pub(crate) fn handle(
     q: &mut Queue,
     ctrl: &Controller,
     cmd: Command,
-    icd_len: u32,
+    icd: &[u8],
     now: Instant,
 ) -> Action {
     let sqe = cmd.sqe;
@@ -26,8 +26,8 @@ pub(crate) fn handle(
             ctrl.lock().last_keep_alive = now;
             q.respond(&cmd, Status::SUCCESS, 0)
         }
-        op::IDENTIFY => identify(q, ctrl, cmd, icd_len),
-        op::GET_LOG_PAGE => get_log_page(q, ctrl, cmd, icd_len),
+        op::IDENTIFY => identify(q, ctrl, cmd, icd),
+        op::GET_LOG_PAGE => get_log_page(q, ctrl, cmd, icd),
         op::SET_FEATURES => set_features(q, ctrl, cmd, now),
         op::GET_FEATURES => get_features(q, ctrl, cmd),
         op::ASYNC_EVENT_REQUEST => {
@@ -131,9 +131,9 @@ pub(crate) fn property(
 }
 
 /// Responds with `data` pushed to the host buffer that the command's SGL describes.
-fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd_len: u32) -> Action {
+fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd: &[u8]) -> Action {
     let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
-    match q.data_ref(&cmd.sqe, 0, false, icd_len) {
+    match q.data_ref(&cmd.sqe, 0, false, icd) {
         Ok(DataRef::Keyed {
             addr,
             len: _,
@@ -153,6 +153,21 @@ fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd_len: u32) -> Action
                 data: Some((data, dest)),
             }
         }
+        Ok(DataRef::KeyedList {
+            offset,
+            count,
+            len: total,
+        }) => Action::Respond {
+            cqe: crate::queue::cqe(cmd, q.qid_or_zero(), Status::SUCCESS, 0),
+            data: Some((
+                data,
+                DataRef::KeyedList {
+                    offset,
+                    count,
+                    len: total.min(len),
+                },
+            )),
+        },
         Ok(_) => q.respond(cmd, status::SGL_DESCRIPTOR_TYPE_INVALID, 0),
         Err(st) => q.respond(cmd, st, 0),
     }
@@ -167,7 +182,7 @@ fn keyed_len(sqe: &wire::Sqe) -> (u32, bool) {
     }
 }
 
-fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd_len: u32) -> Action {
+fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
     let cns = cmd.sqe.cdw10.get() & 0xFF;
     let nsid = cmd.sqe.nsid.get();
     let data = match cns {
@@ -211,7 +226,7 @@ fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd_len: u32) -> Act
         }
         _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
     };
-    respond_data(q, &cmd, data, icd_len)
+    respond_data(q, &cmd, data, icd)
 }
 
 fn ns_descriptors(ns: &crate::target::Namespace) -> Vec<u8> {
@@ -291,7 +306,7 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.iorcsz = U32::new(1);
     id.icdoff = U16::new(0);
     id.fcatt = 0; // dynamic controller model
-    id.msdbd = 1;
+    id.msdbd = crate::queue::MAX_SGL_DESCRIPTORS as u8;
     id
 }
 
@@ -335,7 +350,7 @@ pub(crate) fn identify_namespace(
     id
 }
 
-fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd_len: u32) -> Action {
+fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
     let cdw10 = cmd.sqe.cdw10.get();
     let lid = (cdw10 & 0xFF) as u8;
     let rae = cdw10 & (1 << 15) != 0;
@@ -387,7 +402,7 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd_len: u32) ->
     if data.len() < want {
         data.resize(want, 0);
     }
-    respond_data(q, &cmd, data, icd_len)
+    respond_data(q, &cmd, data, icd)
 }
 
 fn smart_log(ctrl: &Controller) -> wire::SmartLog {

@@ -9,7 +9,7 @@ use crate::wire::{self, io_opcode as op, status, Status};
 /// Largest number of Dataset Management ranges (NR is 0's based, 8 bits).
 pub const DSM_MAX_RANGES: u32 = 256;
 
-pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd_len: u32) -> Action {
+pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
     let sqe = cmd.sqe;
     let nsid = sqe.nsid.get();
     let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)).cloned() else {
@@ -43,7 +43,7 @@ pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd_len: u
             let len: u32 = wire::sat(bytes);
             let offset = slba * lbs;
             let write = sqe.opcode == op::WRITE;
-            let data = match q.data_ref(&sqe, len, write, icd_len) {
+            let data = match q.data_ref(&sqe, len, write, icd) {
                 Ok(d) => d,
                 Err(st) => return q.respond(&cmd, st, 0),
             };
@@ -88,7 +88,7 @@ pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd_len: u
                 return q.respond(&cmd, status::INVALID_OPCODE, 0);
             }
             let ranges = (sqe.cdw10.get() & 0xFF) + 1;
-            match q.data_ref(&sqe, ranges * 16, true, icd_len) {
+            match q.data_ref(&sqe, ranges * 16, true, icd) {
                 Ok(from) => Action::Fetch { cmd, from },
                 Err(st) => q.respond(&cmd, st, 0),
             }

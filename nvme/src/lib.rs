@@ -16,7 +16,10 @@ pub mod wire;
 
 pub use admin::AER_LIMIT;
 pub use io::{block_error_status, DSM_MAX_RANGES};
-pub use queue::{Action, CmParams, Command, DataRef, IoOp, IoRequest, Queue, SQE_SIZE};
+pub use queue::{
+    keyed_segments, Action, CmParams, Command, DataRef, IoOp, IoRequest, Queue,
+    MAX_SGL_DESCRIPTORS, SQE_SIZE,
+};
 pub use target::{
     Controller, EndReason, Limits, Namespace, Port, Subsystem, Target, DISCOVERY_NQN, NVME_VERSION,
 };

@@ -218,11 +218,31 @@ impl Loopback {
             DataRef::Keyed { addr, len, key, .. } => {
                 self.region(addr, len, key).map(|r| r.to_vec())
             }
+            DataRef::KeyedList { offset, count, len } => {
+                let mut out = Vec::with_capacity(len as usize);
+                let icd = capsule.get(SQE_SIZE..).unwrap_or(&[]);
+                for (addr, l, key) in crate::queue::keyed_segments(icd, offset, count) {
+                    let n = l.min(len.saturating_sub(crate::wire::sat::<u32, usize>(out.len())));
+                    out.extend_from_slice(self.region(addr, n, key)?);
+                }
+                Ok(out)
+            }
         }
     }
 
-    fn push(&mut self, data: &[u8], dest: DataRef) -> Result<(), String> {
+    fn push(&mut self, capsule: &[u8], data: &[u8], dest: DataRef) -> Result<(), String> {
         match dest {
+            DataRef::KeyedList { offset, count, len } => {
+                let icd = capsule.get(SQE_SIZE..).unwrap_or(&[]);
+                let mut rest = &data[..(len as usize).min(data.len())];
+                for (addr, l, key) in crate::queue::keyed_segments(icd, offset, count) {
+                    let n = (l as usize).min(rest.len());
+                    let r = self.region(addr, crate::wire::sat(n), key)?;
+                    r.copy_from_slice(&rest[..n]);
+                    rest = &rest[n..];
+                }
+                Ok(())
+            }
             DataRef::Keyed { addr, len, key, .. } => {
                 let n = (len as usize).min(data.len());
                 let r = self.region(addr, crate::wire::sat(n), key)?;
@@ -266,7 +286,7 @@ impl Loopback {
                 .run(&subnqn, req.nsid, op, data.as_deref()),
         };
         if let (Ok(_), Some(bytes), Some(dest)) = (&result, read, req.data) {
-            self.push(&bytes, dest)?;
+            self.push(capsule, &bytes, dest)?;
         }
         Ok(self.queue.io_done(req, result))
     }
@@ -283,7 +303,7 @@ impl Loopback {
             let step: Result<Option<Action>, String> = match action {
                 Action::Respond { cqe, data } => {
                     if let Some((bytes, dest)) = data {
-                        if let Err(e) = self.push(&bytes, dest) {
+                        if let Err(e) = self.push(capsule, &bytes, dest) {
                             self.closed = Some(e.clone());
                             return Err(HostError::Transport(e));
                         }

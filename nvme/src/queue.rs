@@ -43,6 +43,17 @@ pub enum DataRef {
         /// Length.
         len: u32,
     },
+    /// Host memory in several pieces, by RDMA: `count` keyed data block descriptors in the
+    /// capsule at `offset` (a last segment descriptor pointed there; the list was checked).
+    /// The data fills them in order; [`keyed_segments`] lists them.
+    KeyedList {
+        /// Offset of the descriptor list in the in-capsule data.
+        offset: u32,
+        /// Descriptors.
+        count: u32,
+        /// Bytes to move (at most the descriptors' total).
+        len: u32,
+    },
     /// Host memory, by RDMA.
     Keyed {
         /// Host address.
@@ -60,7 +71,9 @@ impl DataRef {
     /// Length in bytes.
     pub fn len(&self) -> u32 {
         match *self {
-            DataRef::InCapsule { len, .. } | DataRef::Keyed { len, .. } => len,
+            DataRef::InCapsule { len, .. }
+            | DataRef::Keyed { len, .. }
+            | DataRef::KeyedList { len, .. } => len,
         }
     }
     /// Whether the length is zero.
@@ -78,6 +91,27 @@ impl DataRef {
             _ => None,
         }
     }
+}
+
+/// Keyed data block descriptors one command may list (MSDBD in Identify Controller).
+pub const MAX_SGL_DESCRIPTORS: u32 = 16;
+
+/// The keyed data block descriptors of a [`DataRef::KeyedList`] in `icd` (the capsule's
+/// in-capsule data): `(addr, len, key)` each, in order. Checked when the command was taken.
+pub fn keyed_segments(
+    icd: &[u8],
+    offset: u32,
+    count: u32,
+) -> impl Iterator<Item = (u64, u32, u32)> + '_ {
+    let start = offset as usize;
+    let end = start + count as usize * 16;
+    icd.get(start..end)
+        .unwrap_or(&[])
+        .chunks_exact(16)
+        .filter_map(|d| match wire::read::<wire::SglDesc>(d)?.decode() {
+            Sgl::Keyed { addr, len, key, .. } => Some((addr, len, key)),
+            _ => None,
+        })
 }
 
 /// A block-device operation for the transport to run, then report with [`Queue::io_done`].
@@ -306,8 +340,9 @@ impl Queue {
         if sqe.fuse() != 0 {
             return self.respond(&cmd, status::INVALID_FIELD, 0);
         }
+        let icd = &capsule[SQE_SIZE..];
         if sqe.opcode == wire::admin_opcode::FABRICS {
-            return self.fabrics(cmd, icd_len, now);
+            return self.fabrics(cmd, icd, now);
         }
         let Some(ctrl) = self.ctrl.clone() else {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
@@ -317,9 +352,9 @@ impl Queue {
         }
         ctrl.traffic.store(true, Ordering::Relaxed);
         if self.qid == Some(0) {
-            admin::handle(self, &ctrl, cmd, icd_len, now)
+            admin::handle(self, &ctrl, cmd, icd, now)
         } else {
-            io::handle(self, &ctrl, cmd, icd_len)
+            io::handle(self, &ctrl, cmd, icd)
         }
     }
 
@@ -330,8 +365,9 @@ impl Queue {
         sqe: &Sqe,
         len: u32,
         host_to_target: bool,
-        icd_len: u32,
+        icd: &[u8],
     ) -> Result<DataRef, Status> {
+        let icd_len = u32::try_from(icd.len()).unwrap_or(u32::MAX);
         if sqe.psdt() != 1 && sqe.psdt() != 2 {
             return Err(status::INVALID_FIELD);
         }
@@ -367,18 +403,51 @@ impl Queue {
                 }
                 Ok(DataRef::InCapsule { offset, len })
             }
+            Sgl::LastSegment { offset, len: l } => {
+                // The list lies wholly in the capsule, holds whole descriptors, at most
+                // MAX_SGL_DESCRIPTORS, all of them keyed data blocks without invalidation
+                // (one SEND cannot invalidate several keys), and they hold the data.
+                let Ok(offset) = u32::try_from(offset) else {
+                    return Err(status::SGL_OFFSET_INVALID);
+                };
+                if offset % 16 != 0 || offset >= icd_len {
+                    return Err(status::SGL_OFFSET_INVALID);
+                }
+                let count = l / 16;
+                if l % 16 != 0 || count == 0 || offset.checked_add(l).is_none_or(|e| e > icd_len) {
+                    return Err(status::DATA_SGL_LENGTH_INVALID);
+                }
+                if count > MAX_SGL_DESCRIPTORS {
+                    return Err(status::SGL_DESCRIPTOR_COUNT_INVALID);
+                }
+                let mut total = 0u64;
+                for d in icd[offset as usize..(offset + l) as usize].chunks_exact(16) {
+                    match wire::read::<wire::SglDesc>(d).map(|d| d.decode()) {
+                        Some(Sgl::Keyed {
+                            len: dl,
+                            invalidate: false,
+                            ..
+                        }) => total += u64::from(dl),
+                        _ => return Err(status::SGL_DESCRIPTOR_TYPE_INVALID),
+                    }
+                }
+                if total < u64::from(len) {
+                    return Err(status::DATA_SGL_LENGTH_INVALID);
+                }
+                Ok(DataRef::KeyedList { offset, count, len })
+            }
             Sgl::Unsupported { .. } => Err(status::SGL_DESCRIPTOR_TYPE_INVALID),
         }
     }
 
-    fn fabrics(&mut self, cmd: Command, icd_len: u32, now: Instant) -> Action {
+    fn fabrics(&mut self, cmd: Command, icd: &[u8], now: Instant) -> Action {
         let fctype = cmd.sqe.nsid.get().to_le_bytes()[0];
         match fctype {
             wire::fctype::CONNECT => {
                 if self.qid.is_some() {
                     return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
                 }
-                match self.data_ref(&cmd.sqe, 1024, true, icd_len) {
+                match self.data_ref(&cmd.sqe, 1024, true, icd) {
                     Ok(from) => Action::Fetch { cmd, from },
                     Err(st) => self.respond(&cmd, st, 0),
                 }

@@ -44,6 +44,8 @@ wire! {
 pub mod sgl {
     /// Data Block.
     pub const TYPE_DATA_BLOCK: u8 = 0x0;
+    /// Last Segment: a list of descriptors (for NVMe-oF RDMA, in the capsule at an offset).
+    pub const TYPE_LAST_SEGMENT: u8 = 0x3;
     /// Keyed Data Block (RDMA).
     pub const TYPE_KEYED_DATA_BLOCK: u8 = 0x4;
     /// Subtype: address.
@@ -75,6 +77,14 @@ pub enum Sgl {
         /// Length in bytes.
         len: u32,
     },
+    /// Last segment with the offset subtype: a list of `len / 16` descriptors inside the
+    /// capsule, at `offset` after the SQE.
+    LastSegment {
+        /// Offset from the start of the in-capsule data.
+        offset: u64,
+        /// Length of the descriptor list in bytes.
+        len: u32,
+    },
     /// Anything else (a type or subtype this target does not take).
     Unsupported {
         /// The identifier byte.
@@ -100,6 +110,10 @@ impl SglDesc {
                 offset: self.addr.get(),
                 len: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
             },
+            (sgl::TYPE_LAST_SEGMENT, sgl::SUBTYPE_OFFSET) => Sgl::LastSegment {
+                offset: self.addr.get(),
+                len: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            },
             _ => Sgl::Unsupported { id: self.id },
         }
     }
@@ -117,6 +131,16 @@ impl SglDesc {
             addr: U64::new(addr),
             body: [l[0], l[1], l[2], k[0], k[1], k[2], k[3]],
             id: (sgl::TYPE_KEYED_DATA_BLOCK << 4) | st,
+        }
+    }
+
+    /// A last segment descriptor: `count` descriptors in the capsule at `offset`.
+    pub fn last_segment(offset: u64, count: u32) -> SglDesc {
+        let l = (count * 16).to_le_bytes();
+        SglDesc {
+            addr: U64::new(offset),
+            body: [l[0], l[1], l[2], l[3], 0, 0, 0],
+            id: (sgl::TYPE_LAST_SEGMENT << 4) | sgl::SUBTYPE_OFFSET,
         }
     }
 
@@ -270,6 +294,8 @@ pub mod status {
     pub const INVALID_NAMESPACE: Status = Status::new(0, 0x0B);
     /// Generic: Command Sequence Error.
     pub const COMMAND_SEQUENCE_ERROR: Status = Status::new(0, 0x0C);
+    /// Generic: Invalid Number of SGL Descriptors.
+    pub const SGL_DESCRIPTOR_COUNT_INVALID: Status = Status::new(0, 0x0E);
     /// Generic: Data SGL Length Invalid.
     pub const DATA_SGL_LENGTH_INVALID: Status = Status::new(0, 0x0F);
     /// Generic: SGL Descriptor Type Invalid.

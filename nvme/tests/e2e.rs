@@ -263,7 +263,7 @@ fn identify_reports_what_the_linux_host_checks() {
     assert_eq!(id.maxcmd.get(), 128);
     assert_eq!(id.nn.get(), 3);
     assert_eq!(id.oncs.get() & 0b1100, 0b1100, "DSM and Write Zeroes");
-    assert_eq!(id.msdbd, 1);
+    assert_eq!(u32::from(id.msdbd), MAX_SGL_DESCRIPTORS, "keyed descriptor lists");
     let ns = a.identify_namespace(2).unwrap();
     assert_eq!(ns.nsze.get(), SIZE / 4096);
     assert_eq!(ns.lbaf[0].lbads, 12);
@@ -426,6 +426,117 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
     assert!(send(l, again, &[]).same_code(status::COMMAND_SEQUENCE_ERROR));
     let mut back = vec![0u8; 512];
     io.read(1, 0, 1, &mut back).unwrap();
+}
+
+#[test]
+fn a_list_of_keyed_descriptors_in_the_capsule_moves_data_in_pieces_and_bad_lists_are_refused() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let io = &mut ios[0];
+    let rw = |opcode: u8, dptr: SglDesc, blocks: u32| {
+        let mut s: Sqe = wire::zeroed();
+        s.opcode = opcode;
+        s.flags = 0x40;
+        s.nsid = U32::new(1);
+        s.cdw10 = U32::new(8);
+        s.cdw12 = U32::new(blocks - 1);
+        s.dptr = dptr;
+        s
+    };
+    let l = io.transport();
+    let send = |l: &mut Loopback, s: Sqe, icd: &[u8]| {
+        let mut c = s.as_bytes().to_vec();
+        c.extend_from_slice(icd);
+        l.send_capsule(&c).unwrap().unwrap().status()
+    };
+    // 4 blocks in three pieces of host memory, listed out of address order.
+    let data = pattern(7, 2048);
+    let mut pieces = Vec::new();
+    let mut list = Vec::new();
+    for (from, len) in [(0usize, 512usize), (512, 1024), (1536, 512)] {
+        let (addr, key) = l.register_host_memory(data[from..from + len].to_vec());
+        pieces.push((addr, key, len));
+        list.extend_from_slice(SglDesc::keyed(addr, len as u32, key, false).as_bytes());
+    }
+    let seg = SglDesc::last_segment(0, 3);
+    assert!(
+        send(l, rw(1, seg, 4), &list).is_success(),
+        "write from three pieces"
+    );
+    let mut back = vec![0u8; 2048];
+    io.read(1, 8, 4, &mut back).unwrap();
+    assert_eq!(back, data, "the pieces were written in list order");
+    // Read into three fresh pieces, then compare each.
+    let l = io.transport();
+    let mut list = Vec::new();
+    let mut dests = Vec::new();
+    for len in [1024usize, 512, 512] {
+        let (addr, key) = l.register_host_memory(vec![0u8; len]);
+        dests.push(key);
+        list.extend_from_slice(SglDesc::keyed(addr, len as u32, key, false).as_bytes());
+    }
+    assert!(
+        send(l, rw(2, seg, 4), &list).is_success(),
+        "read into three pieces"
+    );
+    let mut got = Vec::new();
+    for key in dests {
+        got.extend_from_slice(l.host_memory(key).unwrap());
+    }
+    assert_eq!(got, data);
+    // Bad lists: each gets its status, none moves data.
+    let (addr, key) = l.register_host_memory(vec![0u8; 2048]);
+    let one = SglDesc::keyed(addr, 2048, key, false);
+    let cases: Vec<(&str, SglDesc, Vec<u8>, Status)> = vec![
+        (
+            "list past the capsule",
+            SglDesc::last_segment(0, 2),
+            one.as_bytes().to_vec(),
+            status::DATA_SGL_LENGTH_INVALID,
+        ),
+        (
+            "unaligned offset",
+            SglDesc::last_segment(8, 1),
+            vec![0u8; 32],
+            status::SGL_OFFSET_INVALID,
+        ),
+        (
+            "offset past the capsule",
+            SglDesc::last_segment(64, 1),
+            vec![0u8; 32],
+            status::SGL_OFFSET_INVALID,
+        ),
+        (
+            "17 descriptors",
+            SglDesc::last_segment(0, 17),
+            one.as_bytes().repeat(17),
+            status::SGL_DESCRIPTOR_COUNT_INVALID,
+        ),
+        (
+            "an in-capsule descriptor in the list",
+            SglDesc::last_segment(0, 1),
+            SglDesc::in_capsule(0, 2048).as_bytes().to_vec(),
+            status::SGL_DESCRIPTOR_TYPE_INVALID,
+        ),
+        (
+            "invalidation in a list",
+            SglDesc::last_segment(0, 1),
+            SglDesc::keyed(addr, 2048, key, true).as_bytes().to_vec(),
+            status::SGL_DESCRIPTOR_TYPE_INVALID,
+        ),
+        (
+            "pieces shorter than the data",
+            SglDesc::last_segment(0, 1),
+            SglDesc::keyed(addr, 1024, key, false).as_bytes().to_vec(),
+            status::DATA_SGL_LENGTH_INVALID,
+        ),
+    ];
+    for (what, seg, icd, want) in cases {
+        assert!(send(l, rw(1, seg, 4), &icd).same_code(want), "{what}");
+    }
+    let mut back2 = vec![0u8; 2048];
+    io.read(1, 8, 4, &mut back2).unwrap();
+    assert_eq!(back2, data, "no bad list wrote anything");
 }
 
 #[test]
