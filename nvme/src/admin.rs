@@ -306,7 +306,7 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.iorcsz = U32::new(1);
     id.icdoff = U16::new(0);
     id.fcatt = 0; // dynamic controller model
-    id.msdbd = crate::queue::MAX_SGL_DESCRIPTORS as u8;
+    id.msdbd = wire::sat(crate::queue::MAX_SGL_DESCRIPTORS);
     id
 }
 
