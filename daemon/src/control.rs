@@ -474,10 +474,15 @@ impl Daemon {
             let Some(ev) = ch.next_event() else { return };
             match ev {
                 CmEvent::ConnectRequest {
-                    id, private_data, ..
+                    id,
+                    private_data,
+                    initiator_depth,
+                    ..
                 } => {
                     let limits = crate::serve::limits(&self.cfg);
-                    match check_request(&private_data, &limits) {
+                    match check_request(&private_data, &limits)
+                        .map(|r| r.with_read_depth(initiator_depth))
+                    {
                         Err(st) => {
                             warn!(self.log, "connect request refused"; "listener" => i, "status" => st);
                             let _ = id.reject(&reject_private_data(st));

@@ -17,9 +17,18 @@ pub struct CmRequest {
     pub hrqsize: u16,
     /// Controller ID (I/O queues; 0 when the host does not send it).
     pub cntlid: u16,
+    /// RDMA READs the target may have in flight on this connection: the initiator depth the
+    /// CM event reported (the host's responder resources); 16 until the transport sets it.
+    pub read_depth: u8,
 }
 
 impl CmRequest {
+    /// The request with the initiator depth its CM event reported.
+    pub fn with_read_depth(mut self, initiator_depth: u8) -> CmRequest {
+        self.read_depth = initiator_depth;
+        self
+    }
+
     /// The receive queue the target grants: one receive per SQ entry.
     pub fn crqsize(&self) -> u16 {
         self.params.hsqsize.saturating_add(1)
@@ -51,6 +60,7 @@ pub fn check_request(private_data: &[u8], limits: &Limits) -> Result<CmRequest, 
         params: CmParams { qid, hsqsize },
         hrqsize,
         cntlid: r.cntlid.get(),
+        read_depth: 16,
     })
 }
 

@@ -374,6 +374,21 @@ pub mod cm {
         pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
             forward!(self, c => c.accept(private_data))
         }
+        /// Accepts, granting this side `initiator_depth` RDMA READs in flight.
+        pub fn accept_with(
+            &self,
+            private_data: &[u8],
+            initiator_depth: u8,
+        ) -> Result<(), VerbsError> {
+            forward!(self, c => c.accept_with(private_data, initiator_depth))
+        }
+        /// Sets how many RDMA READs this side takes at once from its peer, before `connect`
+        /// (soft only; ibverbs connects with 16).
+        pub fn set_responder_resources(&self, n: u8) {
+            if let CmId::Soft(c) = self {
+                c.set_responder_resources(n);
+            }
+        }
         /// Rejects.
         pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
             forward!(self, c => c.reject(private_data))

@@ -384,6 +384,17 @@ impl CmId {
         })
     }
 
+    /// Accepts a connect request, granting this side `initiator_depth` RDMA READs in flight
+    /// (at most the initiator depth the request's event reported).
+    pub fn accept_with(&self, private_data: &[u8], initiator_depth: u8) -> Result<(), VerbsError> {
+        let mut p = Self::conn_param(private_data);
+        p.initiator_depth = initiator_depth;
+        // SAFETY: as for connect.
+        check("rdma_accept", unsafe {
+            rdma_accept(self.id.as_ptr(), &mut p)
+        })
+    }
+
     /// Sets the RNR NAK timer this side's QP advertises (`code` as in the InfiniBand table:
     /// 1 = 0.01 ms ... 12 = 0.64 ms ... 0 = 655.36 ms): how long a peer whose SEND found no
     /// receive waits before retrying. rdma_cm leaves it at 0, the longest; a target that lets

@@ -37,6 +37,9 @@ struct IdState {
     qp: Option<u32>,
     connected: bool,
     private_data: Vec<u8>,
+    /// RDMA READs this side takes at once from its peer (what rdma_cm calls the responder
+    /// resources); the peer's connect request event reports it as its initiator depth.
+    responder_resources: u8,
 }
 
 struct ChannelState {
@@ -83,6 +86,7 @@ impl CmState {
                 qp: None,
                 connected: false,
                 private_data: Vec::new(),
+                responder_resources: 16,
             },
         );
         self.remote_listener.insert(id, listener);
@@ -173,6 +177,7 @@ impl CmChannel {
                 qp: None,
                 connected: false,
                 private_data: Vec::new(),
+                responder_resources: 16,
             },
         );
         CmId {
@@ -233,6 +238,13 @@ impl CmChannel {
         Some(match ev {
             Ev::Request { id, private_data } => {
                 let token = s.cm.ids.get(&id).map_or(0, |i| i.token);
+                // The READs this side may have in flight: what the connecting side takes.
+                let initiator_depth =
+                    s.cm.ids
+                        .get(&id)
+                        .and_then(|i| i.peer)
+                        .and_then(|p| s.cm.ids.get(&p))
+                        .map_or(16, |p| p.responder_resources);
                 let listen =
                     s.cm.ids
                         .get(&id)
@@ -258,7 +270,7 @@ impl CmChannel {
                         qp: None,
                     },
                     private_data,
-                    initiator_depth: 16,
+                    initiator_depth,
                     responder_resources: 16,
                 }
             }
@@ -406,6 +418,7 @@ impl CmId {
                 qp: None,
                 connected: false,
                 private_data: Vec::new(),
+                responder_resources: 16,
             },
         );
         if let Some(me) = s.cm.ids.get_mut(&self.id) {
@@ -492,7 +505,25 @@ impl CmId {
         Ok(())
     }
 
-    /// Rejects a connect request with `private_data`.
+    /// Accepts, granting this side `initiator_depth` RDMA READs in flight (at most what the
+    /// request's event reported).
+    pub fn accept_with(&self, private_data: &[u8], initiator_depth: u8) -> Result<(), VerbsError> {
+        self.accept(private_data)?;
+        if let Some(qp) = self.fabric.lock().cm.ids.get(&self.id).and_then(|i| i.qp) {
+            self.fabric.set_read_depth(qp, u32::from(initiator_depth));
+        }
+        Ok(())
+    }
+
+    /// Sets how many RDMA READs this side takes at once from its peer, before `connect`
+    /// (rdma_cm's responder resources; 16 unless set).
+    pub fn set_responder_resources(&self, n: u8) {
+        if let Some(i) = self.fabric.lock().cm.ids.get_mut(&self.id) {
+            i.responder_resources = n;
+        }
+    }
+
+    /// Rejects a connect request with private data.
     pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
         if let Some(link) = s.cm.ids.get(&self.id).and_then(|i| i.link) {

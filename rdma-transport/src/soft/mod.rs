@@ -140,6 +140,13 @@ pub(crate) struct QpState_ {
     next_seq: u64,
     /// Send work requests held up by an injected delay, in order.
     delayed: VecDeque<DelayedWr>,
+    /// RDMA READs this QP may have outstanding (the initiator depth its connection granted;
+    /// 0 when not set). Exceeding it is counted, not refused: hardware queues the excess.
+    read_depth: u32,
+    /// Signaled RDMA READs posted whose completion has not been polled yet.
+    reads_out: u32,
+    /// The most `reads_out` has been.
+    reads_peak: u32,
 }
 
 struct DevState {
@@ -165,6 +172,8 @@ pub(crate) struct State {
     links: HashMap<u32, tcp::LinkState>,
     removed: std::collections::HashSet<u32>,
     broken_srqs: std::collections::HashSet<u32>,
+    /// Posts that took a QP's outstanding RDMA READs past its read depth.
+    read_depth_exceeded: u64,
 }
 
 /// One soft RDMA fabric: the devices that can reach each other in this process.
@@ -258,6 +267,24 @@ impl Fabric {
         let mut s = self.lock();
         s.removed.remove(&dev.inner.id);
         s.event(dev.inner.id, AsyncEvent::PortActive(1));
+    }
+
+    /// QP `qpn`'s RDMA READ figures: (read depth granted, most READs it had outstanding).
+    pub fn qp_reads(&self, qpn: u32) -> Option<(u32, u32)> {
+        let s = self.lock();
+        s.qps.get(&qpn).map(|q| (q.read_depth, q.reads_peak))
+    }
+
+    /// How many posts took a QP's outstanding RDMA READs past the depth its connection
+    /// granted (hardware would queue them behind the READs in flight).
+    pub fn read_depth_exceeded(&self) -> u64 {
+        self.lock().read_depth_exceeded
+    }
+
+    pub(crate) fn set_read_depth(&self, qpn: u32, depth: u32) {
+        if let Some(q) = self.lock().qps.get_mut(&qpn) {
+            q.read_depth = depth;
+        }
     }
 
     /// The QPs attached to SRQ `srq`, in creation order (QP numbers only grow).
@@ -1001,6 +1028,9 @@ impl Pd {
                 remote_pending: HashMap::new(),
                 next_seq: 0,
                 delayed: VecDeque::new(),
+                read_depth: 0,
+                reads_out: 0,
+                reads_peak: 0,
             },
         );
         Ok(Qp {
@@ -1103,6 +1133,13 @@ impl Cq {
         let n = out.len().min(c.entries.len());
         for (slot, wc) in out.iter_mut().zip(c.entries.drain(..n)) {
             *slot = wc;
+        }
+        for wc in &out[..n] {
+            if wc.opcode == WcOpcode::RdmaRead {
+                if let Some(q) = s.qps.get_mut(&wc.qp_num) {
+                    q.reads_out = q.reads_out.saturating_sub(1);
+                }
+            }
         }
         Ok(n)
     }
@@ -1288,6 +1325,19 @@ impl Qp {
                     || matches!(w.op, SendOp::RdmaRead { .. }))
             {
                 return Err(VerbsError::os("post_send", libc::EINVAL));
+            }
+        }
+        let reads = wrs
+            .iter()
+            .filter(|w| w.signaled && matches!(w.op, SendOp::RdmaRead { .. }))
+            .count();
+        if reads > 0 {
+            if let Some(q) = s.qps.get_mut(&self.qpn) {
+                q.reads_out += u32::try_from(reads).unwrap_or(u32::MAX);
+                q.reads_peak = q.reads_peak.max(q.reads_out);
+                if q.read_depth > 0 && q.reads_out > q.read_depth {
+                    s.read_depth_exceeded += 1;
+                }
             }
         }
         for w in wrs {
