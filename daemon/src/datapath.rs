@@ -7,7 +7,7 @@
 //! from the reactor's registered pool, which is both the RDMA memory region and the io_uring
 //! fixed buffer. Written against `nvmfd_rdma::any`, so it runs on either provider.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,15 +38,10 @@ pub struct DataPathConfig {
     pub requests: u32,
 }
 
-/// Work request IDs at or above this name request slots; below, receive slots.
+/// Work request IDs below this name receives; send work requests carry a kind above it.
 const REQ_BASE: u64 = crate::srq::WR_ID_END;
 /// The RNR NAK timer QPs advertise: 0.16 ms (InfiniBand encoding 8).
 const MIN_RNR_TIMER: u8 = 8;
-/// A response SEND with no request slot behind it.
-const NO_REQ: u64 = u64::MAX;
-/// The drain marker of a QP being torn down: `DRAIN_BASE + qpn`, a zero-length SEND posted
-/// after the QP went to ERR, so its flush completion comes after every earlier send's.
-const DRAIN_BASE: u64 = 1 << 48;
 /// The longest a torn-down QP waits for its work to drain before it is destroyed anyway.
 pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -77,30 +72,110 @@ struct Drain {
     last_wqe: bool,
     /// The drain marker completed (or could not be posted): every send of it has completed.
     flushed: bool,
+    /// Its signaled send WRs not completed yet.
+    signaled_out: u32,
 }
 
-/// What a command in flight waits for.
+/// Host memory pieces one command's data may come from or go to.
+const MAX_SEGS: usize = 16;
+const _: () = assert!(MAX_SEGS == nvmfd_nvme::MAX_SGL_DESCRIPTORS as usize);
+/// The most RDMA READs a QP has in flight, whatever the host offers.
+const MAX_READ_DEPTH: u32 = 16;
+/// Work requests handed to the provider in one call (a stack array: posting allocates
+/// nothing); a QP's work of one turn goes in as few calls as that allows, usually one.
+const POST_BATCH: usize = 32;
+/// Send work request IDs: the kind in the top byte, then the request slot (or QP number).
+const KIND_SHIFT: u32 = 56;
+const KIND_SEND: u64 = 1;
+const KIND_READ: u64 = 2;
+const KIND_WRITE: u64 = 3;
+const KIND_DRAIN: u64 = 4;
+const SLOT_MASK: u64 = (1 << 32) - 1;
+
+fn wr_id(kind: u64, n: u64) -> u64 {
+    (kind << KIND_SHIFT) | (n & SLOT_MASK)
+}
+
+/// Where a command in flight is. [`DataPath::process`] moves a request from state to state
+/// until it must wait for something outside it: a budget, the network or the disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Host data must be fetched by RDMA READ. The request waits in its QP's `pending_reads`
+    /// until the QP's READ budget and send queue have room for its next READs; a request
+    /// with more pieces than the READ depth posts them in several rounds and stays here
+    /// until the last is posted.
+    NeedRead,
+    /// Every READ is posted; `reads_left` have not completed yet.
+    Reading,
+    /// The data is here (or none was needed): the command's work runs next, the core's for a
+    /// Fabrics or admin command that waited for data, block operations for I/O.
+    Ready,
+    /// Block operations in flight (`ops_left`); the engine owns the buffer until they end.
+    Executing,
+    /// The response is built. The request waits in its QP's `pending_sends` until the send
+    /// queue has room for its RDMA WRITEs and SEND.
+    NeedSend,
+    /// Its WRITEs and SEND are posted (or staged for this turn's post); the SEND's completion
+    /// ends the request.
+    Completing,
+}
+
+/// What a request's command still has to do once its data is here.
 #[derive(Debug)]
-enum Stage {
-    /// RDMA READ of host data for a command the core must see (Connect data, DSM ranges).
-    FetchForCore(Command),
-    /// RDMA READ of host data for a block write.
-    FetchForWrite(IoRequest),
-    /// Block operations (`left` of them) of a command.
-    Io {
-        req: IoRequest,
-        left: u32,
-        failed: Option<nvmfd_blockdev::BlockError>,
-    },
-    /// The response (and any data before it) is being sent.
-    Responding,
+enum Work {
+    /// A core command (Connect data, DSM ranges) that waits for its data.
+    Core(Command),
+    /// A block operation.
+    Io(IoRequest),
+    /// Only the response.
+    Respond,
 }
 
+/// One piece of host memory, and where it lies in the request's buffer.
+#[derive(Clone, Copy, Debug, Default)]
+struct Seg {
+    addr: u64,
+    len: u32,
+    key: u32,
+    /// Offset in the request's buffer.
+    off: u32,
+}
+
+/// A command in flight: one slot of the preallocated table.
 #[derive(Debug)]
 struct Req {
     qpn: u32,
-    stage: Stage,
+    state: State,
+    work: Work,
+    segs: [Seg; MAX_SEGS],
+    nsegs: u32,
+    /// The next piece to READ.
+    next_seg: u32,
+    /// READs posted and not completed.
+    reads_left: u32,
+    /// Bytes moved to or from the host.
+    data_len: u32,
+    /// The key the response SEND invalidates, when the host asked for it.
+    invalidate: Option<u32>,
     buf: Option<DmaBuf>,
+    ops_left: u32,
+    failed: Option<nvmfd_blockdev::BlockError>,
+    cqe: Cqe,
+    /// Send-queue entries its response holds (its WRITEs and SEND), freed by the SEND's
+    /// completion.
+    sq_held: u32,
+}
+
+/// A send work request of this turn, posted with the QP's others at the end of the turn.
+#[derive(Clone, Copy, Debug)]
+struct Staged {
+    wr_id: u64,
+    op: SendOp,
+    /// Local data; for an inline response, `cqe` is sent instead.
+    sge: Sge,
+    cqe: [u8; 16],
+    inline: bool,
+    signaled: bool,
 }
 
 struct Conn {
@@ -109,6 +184,20 @@ struct Conn {
     token: usize,
     /// Receives reserved for it in the SRQ (its queue depth).
     depth: u32,
+    /// Send-queue entries it may use (one more is kept for the drain marker), and in use.
+    sq_budget: u32,
+    sq_used: u32,
+    /// RDMA READs it may have in flight (the initiator depth granted at accept), and in
+    /// flight.
+    read_budget: u32,
+    reads_used: u32,
+    /// Requests waiting for READ budget, and for send-queue room, in arrival order.
+    pending_reads: VecDeque<usize>,
+    pending_sends: VecDeque<usize>,
+    /// Work requests of this turn, posted together by `flush`.
+    staged: Vec<Staged>,
+    /// Signaled work requests posted (or staged) and not completed.
+    signaled_out: u32,
 }
 
 /// One reactor's RDMA target.
@@ -128,15 +217,22 @@ pub struct DataPath {
     conns: HashMap<u32, Conn>,
     reqs: Vec<Option<Req>>,
     free: Vec<usize>,
+    /// The capsule being started (kept, so that no command allocates).
     capsule: Vec<u8>,
     counters: Arc<crate::stats::DataPathCounters>,
-    /// Commands admitted at once: each holds at most one request slot and one buffer between
-    /// two events, so admitting a command only while fewer than `limit` slots are taken means
-    /// none ever finds them all taken.
+    /// Commands admitted at once: each holds one request slot and at most one buffer, so
+    /// admitting a command only while fewer than `limit` slots are taken means none ever
+    /// finds them all taken. This is the data-buffer budget.
     limit: usize,
-    /// Capsules that arrived while `limit` commands were active (their receives are already
-    /// re-posted), started in order as commands finish. Bounded by the receives posted.
-    incoming: std::collections::VecDeque<(u32, Vec<u8>)>,
+    /// Commands that arrived while `limit` were active: (QP, receive, length). Their receives
+    /// stay off the SRQ until they start, in order, as commands finish (the SRQ grows if
+    /// that makes it run low). Bounded by the receives the SRQ can hold.
+    incoming: VecDeque<(u32, u64, u32)>,
+    /// QPs with work staged this turn.
+    dirty: Vec<u32>,
+    /// Device limits: RDMA READ depth and send queue size.
+    max_read_depth: u32,
+    max_qp_wr: u32,
     /// Signaled send WRs posted and not completed.
     sends_in_flight: usize,
     /// QPs torn down, draining before they are destroyed.
@@ -163,6 +259,48 @@ impl std::fmt::Debug for DataPath {
 
 fn verr(e: VerbsError) -> std::io::Error {
     std::io::Error::other(e.to_string())
+}
+
+/// Posts `staged` on `id` in batches; on failure, the index of the first WR not posted.
+fn post_staged(id: &CmId, staged: &[Staged]) -> Result<(), (usize, VerbsError)> {
+    const EMPTY: SendWr<'static> = SendWr {
+        wr_id: 0,
+        op: SendOp::Send,
+        sges: &[],
+        signaled: false,
+        inline: false,
+    };
+    for (n, chunk) in staged.chunks(POST_BATCH).enumerate() {
+        let mut sges = [Sge::default(); POST_BATCH];
+        for (s, w) in sges.iter_mut().zip(chunk) {
+            *s = if w.inline {
+                Sge {
+                    addr: w.cqe.as_ptr() as u64,
+                    length: 16,
+                    lkey: 0,
+                }
+            } else {
+                w.sge
+            };
+        }
+        let mut wrs: [SendWr<'_>; POST_BATCH] = [EMPTY; POST_BATCH];
+        for ((wr, w), s) in wrs.iter_mut().zip(chunk).zip(&sges) {
+            *wr = SendWr {
+                wr_id: w.wr_id,
+                op: w.op,
+                sges: if w.sge.length == 0 && !w.inline {
+                    &[]
+                } else {
+                    std::slice::from_ref(s)
+                },
+                signaled: w.signaled,
+                inline: w.inline,
+            };
+        }
+        id.post_send(&wrs[..chunk.len()])
+            .map_err(|e| (n * POST_BATCH, e))?;
+    }
+    Ok(())
 }
 
 impl DataPath {
@@ -231,7 +369,10 @@ impl DataPath {
             capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
             counters,
             limit: cfg.requests.min(cfg.buffers) as usize,
-            incoming: std::collections::VecDeque::with_capacity(cfg.srq.max as usize),
+            incoming: VecDeque::with_capacity(cfg.srq.max as usize),
+            dirty: Vec::with_capacity(256),
+            max_read_depth: attr.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH),
+            max_qp_wr: attr.max_qp_wr.max(8),
             sends_in_flight: 0,
             draining: HashMap::new(),
             srq_broken: false,
@@ -287,6 +428,7 @@ impl DataPath {
             }
             AsyncEvent::CqErr(id) if self.cq.id() == id => {
                 c.device_events.fetch_add(1, Ordering::Relaxed);
+                slog::error!(self.log, "CQ error: every QP on it is torn down"; "cq" => id);
                 self.teardown_all(Cause::Device, now);
             }
             AsyncEvent::DeviceFatal => {
@@ -308,7 +450,7 @@ impl DataPath {
     }
 
     /// Takes a connection the control thread accepted the request of: its QP goes on this
-    /// reactor's CQ and SRQ, and it is accepted with the granted queue size.
+    /// reactor's CQ and SRQ, and it is accepted with the granted queue size and READ depth.
     pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<Change, VerbsError> {
         let depth = u32::from(req.crqsize());
         if self.srq_broken {
@@ -331,16 +473,25 @@ impl DataPath {
                 return Err(e);
             }
         };
+        // Room for a response of every command (WRITEs and SEND), and for the largest single
+        // one; one more entry for the drain marker.
+        let sq_budget = (depth * 3)
+            .max(nvmfd_nvme::MAX_SGL_DESCRIPTORS + 1)
+            .min(self.max_qp_wr - 1);
+        let read_budget = u32::from(req.read_depth).clamp(1, self.max_read_depth);
         let caps = QpCaps {
-            max_send_wr: u32::from(req.crqsize()) * 3,
+            max_send_wr: sq_budget + 1,
             max_send_sge: 1,
             max_recv_wr: 0,
             max_inline_data: 64,
         };
+        let granted = u8::try_from(read_budget).unwrap_or(u8::MAX);
         let qpn = match id
             .create_qp(&self.pd, &self.cq, self.srq.srq(), caps)
-            .and_then(|q| id.accept(&accept_private_data(req.crqsize())).map(|()| q))
-        {
+            .and_then(|q| {
+                id.accept_with(&accept_private_data(req.crqsize()), granted)
+                    .map(|()| q)
+            }) {
             Ok(q) => q,
             Err(e) => {
                 self.srq.unreserve(depth);
@@ -354,6 +505,7 @@ impl DataPath {
         }
         let token = id.token();
         let queue = Queue::new(&self.target, Some(req.params));
+        let d = depth as usize;
         self.conns.insert(
             qpn,
             Conn {
@@ -361,6 +513,14 @@ impl DataPath {
                 queue,
                 token,
                 depth,
+                sq_budget,
+                sq_used: 0,
+                read_budget,
+                reads_used: 0,
+                pending_reads: VecDeque::with_capacity(d),
+                pending_sends: VecDeque::with_capacity(d),
+                staged: Vec::with_capacity(sq_budget as usize),
+                signaled_out: 0,
             },
         );
         self.counters
@@ -372,24 +532,36 @@ impl DataPath {
         Ok(change)
     }
 
-    /// The one teardown path, for every cause: the QP goes to ERR (and the host is told, by
+    /// The one teardown path, for every cause: work staged for the QP is posted (so that it
+    /// completes, flushed, like the rest), the QP goes to ERR (and the host is told, by
     /// rdma_cm), a drain marker is posted behind its sends, and the QP waits in `draining`
     /// until its sends and block operations are done, its flushed receives are back and
     /// (where the device sends it) LAST_WQE_REACHED came; `reap_drained` then destroys it.
-    /// Its commands end without a response; their slots and buffers return as they finish.
+    /// Its commands end without a response: those waiting for a budget at once, the others
+    /// as their work completes; their slots and buffers return.
     pub fn teardown(&mut self, qpn: u32, cause: Cause, now: Instant) {
-        let Some(c) = self.conns.remove(&qpn) else {
+        let Some(mut c) = self.conns.remove(&qpn) else {
             return;
         };
+        let staged = std::mem::take(&mut c.staged);
+        if !staged.is_empty() {
+            if let Err((first, _)) = post_staged(&c.id, &staged) {
+                self.unstage(&mut c, &staged[first..]);
+            }
+        }
         let _ = c.id.disconnect();
         let marker = [SendWr {
-            wr_id: DRAIN_BASE + u64::from(qpn),
+            wr_id: wr_id(KIND_DRAIN, u64::from(qpn)),
             op: SendOp::Send,
             sges: &[],
             signaled: true,
             inline: false,
         }];
         let flushed = c.id.post_send(&marker).is_err();
+        if !flushed {
+            c.signaled_out += 1;
+            self.sends_in_flight += 1;
+        }
         let counter = match cause {
             Cause::Disconnect => &self.counters.teardowns_disconnect,
             Cause::QpError => &self.counters.teardowns_qp_error,
@@ -399,6 +571,28 @@ impl DataPath {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         slog::debug!(self.log, "QP torn down"; "qpn" => qpn, "cause" => ?cause);
+        // Requests that wait for a budget, or that nothing external holds, end now.
+        for i in 0..self.reqs.len() {
+            let ends = self.reqs[i].as_ref().is_some_and(|r| {
+                r.qpn == qpn
+                    && match r.state {
+                        State::NeedRead => r.reads_left == 0,
+                        State::Ready | State::NeedSend => true,
+                        _ => false,
+                    }
+            });
+            if ends {
+                self.end_req(i);
+            }
+        }
+        // Receives held for its commands go back to the SRQ.
+        let srq = &mut self.srq;
+        self.incoming.retain(|&(q, wr, _)| {
+            if q == qpn {
+                srq.completed(wr, now);
+            }
+            q != qpn
+        });
         self.draining.insert(
             qpn,
             Drain {
@@ -408,11 +602,26 @@ impl DataPath {
                 cause,
                 last_wqe: false,
                 flushed,
+                signaled_out: c.signaled_out,
             },
         );
         self.counters
             .connections
             .store(self.conns.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Staged work requests that were not posted: their requests end, their counts return.
+    fn unstage(&mut self, c: &mut Conn, lost: &[Staged]) {
+        for w in lost {
+            if !w.signaled {
+                continue;
+            }
+            c.signaled_out = c.signaled_out.saturating_sub(1);
+            self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
+            if matches!(w.wr_id >> KIND_SHIFT, KIND_SEND | KIND_READ) {
+                self.end_req((w.wr_id & SLOT_MASK) as usize);
+            }
+        }
     }
 
     /// Tears down every QP (the SRQ, CQ or device failed, or the daemon stops).
@@ -463,17 +672,20 @@ impl DataPath {
                 slog::warn!(self.log, "QP drain timed out; destroying it";
                     "qpn" => qpn, "cause" => ?d.cause, "requests" => requests,
                     "sends_flushed" => d.flushed, "last_wqe" => d.last_wqe,
+                    "signaled_sends_out" => d.signaled_out,
                     "state" => ?d.id.qp_state());
                 // Slots waiting for an RDMA completion end now; those with a block operation
                 // in flight end when it completes (the engine holds their buffer until then).
                 for i in 0..self.reqs.len() {
                     let waits_on_network = self.reqs[i]
                         .as_ref()
-                        .is_some_and(|r| r.qpn == qpn && !matches!(r.stage, Stage::Io { .. }));
+                        .is_some_and(|r| r.qpn == qpn && r.state != State::Executing);
                     if waits_on_network {
                         self.end_req(i);
                     }
                 }
+                // Their completions will never come.
+                self.sends_in_flight = self.sends_in_flight.saturating_sub(d.signaled_out as usize);
             }
             self.srq.unreserve(d.depth);
             drop(d.id);
@@ -510,19 +722,27 @@ impl DataPath {
     pub fn arm(&mut self) -> bool {
         while self.cq.ack_event() {}
         // Block operations complete only by polling; drains end (or time out) only by polling.
-        if self.engine.in_flight() > 0 || self.srq.busy() || !self.draining.is_empty() {
+        if self.engine.in_flight() > 0
+            || self.srq.busy()
+            || !self.draining.is_empty()
+            || (!self.incoming.is_empty() && self.in_use() < self.limit)
+        {
             return false;
         }
         self.cq.req_notify().is_ok()
     }
 
-    /// One pass: completions, block I/O; true when there was work.
+    /// One turn: waiting commands admitted, completions, block completions; then the turn's
+    /// send work posted (one call per QP) and its block operations submitted (one call).
+    /// True when there was work.
     pub fn poll(&mut self, now: Instant) -> bool {
+        let mut worked = false;
         while self.in_use() < self.limit {
-            let Some((qpn, capsule)) = self.incoming.pop_front() else {
+            let Some((qpn, wr, len)) = self.incoming.pop_front() else {
                 break;
             };
-            self.start_command(qpn, &capsule, now);
+            self.start_command(qpn, wr, len, now);
+            worked = true;
         }
         let mut wc = [Wc::default(); 32];
         let n = self.cq.poll(&mut wc).unwrap_or(0);
@@ -532,18 +752,14 @@ impl DataPath {
         for c in &wc[..n] {
             self.on_completion(c, now);
         }
-        let _ = self.engine.submit();
         // Reused vectors (taken and put back): nothing is allocated per turn.
         let mut done = std::mem::take(&mut self.reaped);
         self.engine.reap(|c| done.push(c));
-        let worked = n > 0 || !done.is_empty();
+        worked |= n > 0 || !done.is_empty();
         for c in done.drain(..) {
-            self.on_block_done(c);
+            self.on_block_done(c, now);
         }
         self.reaped = done;
-        let _ = self.engine.submit();
-        self.srq.tick(now);
-        self.gauges();
         // Connections whose controller ended are closed.
         let mut dead = std::mem::take(&mut self.scratch_qpns);
         dead.extend(
@@ -556,11 +772,56 @@ impl DataPath {
             self.teardown(q, Cause::Controller, now);
         }
         self.scratch_qpns = dead;
+        self.flush(now);
+        let _ = self.engine.submit();
+        self.srq.tick(now);
         self.reap_drained(now);
         if self.srq_broken && self.draining.is_empty() && self.conns.is_empty() {
             self.rebuild_srq(now);
         }
+        self.gauges();
         worked
+    }
+
+    /// Posts the turn's staged work requests: one call per QP (more only past `POST_BATCH`).
+    fn flush(&mut self, now: Instant) {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for qpn in dirty.drain(..) {
+            self.flush_qp(qpn, now);
+        }
+        self.dirty = dirty;
+    }
+
+    fn flush_qp(&mut self, qpn: u32, now: Instant) {
+        let Some(c) = self.conns.get_mut(&qpn) else {
+            return;
+        };
+        if c.staged.is_empty() {
+            return;
+        }
+        let staged = std::mem::take(&mut c.staged);
+        let result = post_staged(&c.id, &staged);
+        let mut staged = staged;
+        if let Err((first, e)) = result {
+            // A send queue that refuses work is broken (or overflowed, which is the same to
+            // its host): the QP goes, so that its host reconnects instead of waiting.
+            self.counters.post_errors.fetch_add(1, Ordering::Relaxed);
+            slog::warn!(self.log, "cannot post a send; tearing the QP down"; "qpn" => qpn, "error" => %e);
+            if let Some(mut c) = self.conns.remove(&qpn) {
+                self.unstage(&mut c, &staged[first..]);
+                self.conns.insert(qpn, c);
+            }
+            staged.clear();
+            if let Some(c) = self.conns.get_mut(&qpn) {
+                c.staged = staged;
+            }
+            self.teardown(qpn, Cause::QpError, now);
+            return;
+        }
+        staged.clear();
+        if let Some(c) = self.conns.get_mut(&qpn) {
+            c.staged = staged;
+        }
     }
 
     /// Replaces the broken SRQ by a new one of the next generation (receives of the old one
@@ -596,12 +857,6 @@ impl DataPath {
         set(&c.qps_draining, self.draining.len());
     }
 
-    fn take_req(&mut self, qpn: u32, stage: Stage, buf: Option<DmaBuf>) -> Option<usize> {
-        let i = self.free.pop()?;
-        self.reqs[i] = Some(Req { qpn, stage, buf });
-        Some(i)
-    }
-
     fn end_req(&mut self, i: usize) {
         if self.reqs.get_mut(i).and_then(Option::take).is_some() {
             self.free.push(i);
@@ -613,12 +868,9 @@ impl DataPath {
         b.set_len(len as usize).then_some(b)
     }
 
-    fn sge(&self, buf: &mut DmaBuf) -> Sge {
-        Sge {
-            addr: buf.as_mut_ptr() as u64,
-            length: u32::try_from(buf.len()).unwrap_or(0),
-            lkey: self.data_mr.lkey(),
-        }
+    /// Request slots taken: the commands in flight.
+    fn in_use(&self) -> usize {
+        self.reqs.len() - self.free.len()
     }
 
     fn on_completion(&mut self, c: &Wc, now: Instant) {
@@ -626,69 +878,73 @@ impl DataPath {
         if c.wr_id < REQ_BASE {
             return self.on_receive(c, now);
         }
-        // (A flushed unsignaled WRITE completes too: saturate rather than wrap.)
+        let kind = c.wr_id >> KIND_SHIFT;
+        let ok = c.status == WcStatus::Success;
+        if kind == KIND_WRITE {
+            // Unsignaled: only a flush or an error completes it; its SEND's completion frees
+            // its send-queue entry.
+            if !ok && self.conns.contains_key(&c.qp_num) {
+                self.teardown(c.qp_num, Cause::QpError, now);
+            }
+            return;
+        }
+        // Every other send WR is signaled: one completion each.
         self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
-        if c.status != WcStatus::Success && self.conns.contains_key(&c.qp_num) {
+        if let Some(conn) = self.conns.get_mut(&c.qp_num) {
+            conn.signaled_out = conn.signaled_out.saturating_sub(1);
+        } else if let Some(d) = self.draining.get_mut(&c.qp_num) {
+            d.signaled_out = d.signaled_out.saturating_sub(1);
+        }
+        if !ok && self.conns.contains_key(&c.qp_num) {
             // A live QP's work failed (remote access error, retries exhausted, or flushed
             // because the QP went to ERR before any event said so): it is torn down.
             slog::warn!(self.log, "completion in error; tearing the QP down";
                 "qpn" => c.qp_num, "status" => ?c.status);
             self.teardown(c.qp_num, Cause::QpError, now);
         }
-        if c.wr_id == NO_REQ {
-            return;
-        }
-        if c.wr_id >= DRAIN_BASE {
-            let qpn = u32::try_from(c.wr_id - DRAIN_BASE).unwrap_or(u32::MAX);
+        if kind == KIND_DRAIN {
+            let qpn = (c.wr_id & SLOT_MASK) as u32;
             if let Some(d) = self.draining.get_mut(&qpn) {
                 d.flushed = true;
             }
             return;
         }
-        let i = usize::try_from(c.wr_id - REQ_BASE).unwrap_or(usize::MAX);
+        let i = (c.wr_id & SLOT_MASK) as usize;
         // A completion for a slot since given to another QP's command (its QP was destroyed
-        // after a drain timed out) is stale.
-        if self
-            .reqs
-            .get(i)
-            .and_then(Option::as_ref)
-            .is_none_or(|r| r.qpn != c.qp_num)
-        {
-            return;
-        }
-        if c.status != WcStatus::Success {
-            // The QP is in error: the command ends, its buffer returns.
-            return self.end_req(i);
-        }
-        let Some(req) = self.reqs.get_mut(i).and_then(Option::take) else {
+        // after a drain timed out), or already ended, is stale.
+        let Some(r) = self.reqs.get_mut(i).and_then(Option::as_mut) else {
             return;
         };
-        match req.stage {
-            Stage::FetchForCore(cmd) => {
-                let data = req
-                    .buf
-                    .as_ref()
-                    .map(|b| b.as_slice().to_vec())
-                    .unwrap_or_default();
-                self.free.push(i);
-                if let Some(conn) = self.conns.get_mut(&req.qpn) {
-                    let a = conn.queue.data_arrived(cmd, &data, now);
-                    self.run(req.qpn, a, now);
-                }
-            }
-            Stage::FetchForWrite(io) => {
-                self.reqs[i] = Some(Req {
-                    qpn: req.qpn,
-                    stage: Stage::Responding,
-                    buf: None,
-                });
-                self.submit_write(i, req.qpn, io, req.buf);
-            }
-            Stage::Responding | Stage::Io { .. } => {
-                drop(req.buf);
-                self.free.push(i);
-            }
+        if r.qpn != c.qp_num {
+            return;
         }
+        let qpn = r.qpn;
+        if kind == KIND_READ {
+            r.reads_left = r.reads_left.saturating_sub(1);
+            if let Some(conn) = self.conns.get_mut(&qpn) {
+                conn.reads_used = conn.reads_used.saturating_sub(1);
+                conn.sq_used = conn.sq_used.saturating_sub(1);
+            }
+            if !ok {
+                // The QP is in error: the command ends, its buffer returns. Its other READs,
+                // after this one in the send queue, are flushed as well.
+                self.end_req(i);
+            } else if r.state == State::Reading && r.reads_left == 0 {
+                r.state = State::Ready;
+                self.process(i, now);
+            } else if !self.conns.contains_key(&qpn) && r.reads_left == 0 {
+                self.end_req(i);
+            }
+        } else {
+            let held = r.sq_held;
+            if let Some(conn) = self.conns.get_mut(&qpn) {
+                conn.sq_used = conn.sq_used.saturating_sub(held);
+            }
+            self.end_req(i);
+        }
+        // Room came free: requests waiting for it go on.
+        self.pump_sends(qpn);
+        self.pump_reads(qpn);
     }
 
     fn on_receive(&mut self, c: &Wc, now: Instant) {
@@ -703,43 +959,101 @@ impl DataPath {
             }
             return;
         }
-        self.srq
-            .capsule(c.wr_id, c.byte_len as usize, &mut self.capsule);
-        // The receive goes back before the response is sent.
-        self.srq.completed(c.wr_id, now);
         if !self.conns.contains_key(&c.qp_num) {
+            self.srq.completed(c.wr_id, now);
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
         }
         self.counters.commands.fetch_add(1, Ordering::Relaxed);
         if self.in_use() >= self.limit || !self.incoming.is_empty() {
-            // Every slot or buffer may be in use: the command waits its turn.
+            // Every slot or buffer may be in use: the command waits its turn, in its receive.
             self.counters
                 .commands_queued
                 .fetch_add(1, Ordering::Relaxed);
-            self.incoming.push_back((c.qp_num, self.capsule.clone()));
+            self.incoming.push_back((c.qp_num, c.wr_id, c.byte_len));
             return;
         }
-        let capsule = std::mem::take(&mut self.capsule);
-        self.start_command(c.qp_num, &capsule, now);
+        self.start_command(c.qp_num, c.wr_id, c.byte_len, now);
+    }
+
+    /// Admits the command in receive `wr` (its capsule is copied out and the receive goes
+    /// back to the SRQ first) and lets the core decide what it means.
+    fn start_command(&mut self, qpn: u32, wr: u64, len: u32, now: Instant) {
+        let mut capsule = std::mem::take(&mut self.capsule);
+        self.srq.capsule(wr, len as usize, &mut capsule);
+        self.srq.completed(wr, now);
+        if let Some(i) = self.free.pop() {
+            self.reqs[i] = Some(Req {
+                qpn,
+                state: State::Ready,
+                work: Work::Respond,
+                segs: [Seg::default(); MAX_SEGS],
+                nsegs: 0,
+                next_seg: 0,
+                reads_left: 0,
+                data_len: 0,
+                invalidate: None,
+                buf: None,
+                ops_left: 0,
+                failed: None,
+                cqe: nvmfd_nvme::wire::zeroed(),
+                sq_held: 0,
+            });
+            if let Some(conn) = self.conns.get_mut(&qpn) {
+                let a = conn.queue.handle(&capsule, now);
+                self.begin(i, a, &capsule, now);
+            } else {
+                self.end_req(i);
+            }
+        } else {
+            // Admission keeps a slot for every command it starts.
+            slog::error!(self.log, "no request slot for an admitted command; it is dropped"; "qpn" => qpn);
+        }
         self.capsule = capsule;
     }
 
-    /// Admits one command and lets the core decide what it means.
-    fn start_command(&mut self, qpn: u32, capsule: &[u8], now: Instant) {
-        let Some(conn) = self.conns.get_mut(&qpn) else {
+    /// Sets request `i`'s host memory pieces from `dref` (a list is read from `capsule`).
+    fn set_segs(&mut self, i: usize, dref: DataRef, capsule: &[u8]) -> bool {
+        let Some(r) = self.reqs[i].as_mut() else {
+            return false;
+        };
+        let len = dref.len();
+        r.data_len = len;
+        r.nsegs = 0;
+        r.invalidate = dref.invalidate_key();
+        let mut put = |addr: u64, l: u32, key: u32, off: &mut u32| {
+            let n = l.min(len - *off);
+            if n > 0 && (r.nsegs as usize) < MAX_SEGS {
+                r.segs[r.nsegs as usize] = Seg {
+                    addr,
+                    len: n,
+                    key,
+                    off: *off,
+                };
+                r.nsegs += 1;
+                *off += n;
+            }
+        };
+        let mut off = 0;
+        match dref {
+            DataRef::Keyed { addr, key, .. } => put(addr, len, key, &mut off),
+            DataRef::KeyedList { offset, count, .. } => {
+                let icd = capsule.get(64..).unwrap_or(&[]);
+                for (addr, l, key) in nvmfd_nvme::keyed_segments(icd, offset, count) {
+                    put(addr, l, key, &mut off);
+                }
+            }
+            DataRef::InCapsule { .. } => return false,
+        }
+        off == len
+    }
+
+    /// Starts request `i` on what the core said its command needs (`capsule` is the
+    /// command's, or empty once it is gone).
+    fn begin(&mut self, i: usize, mut a: Action, capsule: &[u8], now: Instant) {
+        let Some(qpn) = self.reqs[i].as_ref().map(|r| r.qpn) else {
             return;
         };
-        let a = conn.queue.handle(capsule, now);
-        self.run_with_capsule(qpn, a, capsule, now);
-    }
-
-    /// Request slots taken: the commands in flight.
-    fn in_use(&self) -> usize {
-        self.reqs.len() - self.free.len()
-    }
-
-    fn run_with_capsule(&mut self, qpn: u32, mut a: Action, capsule: &[u8], now: Instant) {
         loop {
             match a {
                 Action::Fetch {
@@ -747,97 +1061,317 @@ impl DataPath {
                     from: DataRef::InCapsule { offset, len },
                 } => {
                     let s = 64 + offset as usize;
-                    let data = capsule.get(s..s + len as usize).unwrap_or(&[]).to_vec();
+                    let data = capsule.get(s..s + len as usize).unwrap_or(&[]);
                     let Some(conn) = self.conns.get_mut(&qpn) else {
-                        return;
+                        return self.end_req(i);
                     };
-                    a = conn.queue.data_arrived(cmd, &data, now);
+                    a = conn.queue.data_arrived(cmd, data, now);
                 }
-                Action::Io(io) if matches!(io.data, Some(DataRef::InCapsule { .. })) => {
-                    let Some(DataRef::InCapsule { offset, len }) = io.data else {
-                        return;
-                    };
-                    let s = 64 + offset as usize;
-                    let Some(mut buf) = self.buffer(len) else {
-                        return self.fail(qpn, &io);
-                    };
-                    buf.as_mut_slice()
-                        .copy_from_slice(capsule.get(s..s + len as usize).unwrap_or(&[]));
-                    let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
-                        return self.fail(qpn, &io);
-                    };
-                    return self.submit_write(i, qpn, io, Some(buf));
+                Action::Fetch { cmd, from } => {
+                    let buf = self.buffer(from.len());
+                    if buf.is_none() || !self.set_segs(i, from, capsule) {
+                        return self.protocol_error(i, qpn, now);
+                    }
+                    if let Some(r) = self.reqs[i].as_mut() {
+                        r.buf = buf;
+                        r.work = Work::Core(cmd);
+                    }
+                    return self.wait_read(i);
                 }
-                other => return self.run(qpn, other, now),
+                Action::Io(io) => {
+                    let write = matches!(io.op, IoOp::Write { .. });
+                    match io.data {
+                        Some(DataRef::InCapsule { offset, len }) if write => {
+                            let s = 64 + offset as usize;
+                            let Some(mut buf) = self.buffer(len) else {
+                                return self.protocol_error(i, qpn, now);
+                            };
+                            buf.as_mut_slice()
+                                .copy_from_slice(capsule.get(s..s + len as usize).unwrap_or(&[]));
+                            if let Some(r) = self.reqs[i].as_mut() {
+                                r.buf = Some(buf);
+                                r.work = Work::Io(io);
+                                r.state = State::Ready;
+                            }
+                        }
+                        Some(d @ (DataRef::Keyed { .. } | DataRef::KeyedList { .. })) => {
+                            let buf = if write { self.buffer(d.len()) } else { None };
+                            if (write && buf.is_none()) || !self.set_segs(i, d, capsule) {
+                                return self.protocol_error(i, qpn, now);
+                            }
+                            if let Some(r) = self.reqs[i].as_mut() {
+                                r.buf = buf;
+                                r.work = Work::Io(io);
+                            }
+                            if write {
+                                return self.wait_read(i);
+                            }
+                        }
+                        _ => {
+                            if let Some(r) = self.reqs[i].as_mut() {
+                                r.work = Work::Io(io);
+                                r.state = State::Ready;
+                            }
+                        }
+                    }
+                    return self.process(i, now);
+                }
+                Action::Respond { cqe, data } => {
+                    if let Some((bytes, dest)) = data {
+                        let n = dest
+                            .len()
+                            .min(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
+                        let Some(mut b) = self.buffer(n.max(1)) else {
+                            return self.protocol_error(i, qpn, now);
+                        };
+                        b.set_len(n as usize);
+                        b.as_mut_slice().copy_from_slice(&bytes[..n as usize]);
+                        if !self.set_segs(i, dest, capsule) {
+                            return self.protocol_error(i, qpn, now);
+                        }
+                        if let Some(r) = self.reqs[i].as_mut() {
+                            r.data_len = n;
+                            r.buf = Some(b);
+                        }
+                    }
+                    if let Some(r) = self.reqs[i].as_mut() {
+                        r.cqe = cqe;
+                    }
+                    return self.wait_send(i);
+                }
+                // An AER holds nothing while it waits.
+                Action::Hold => return self.end_req(i),
+                Action::Disconnect { cqe, reason } => {
+                    slog::info!(self.log, "the host's queue ends"; "qpn" => qpn, "why" => reason);
+                    match cqe {
+                        Some(c) => {
+                            if let Some(r) = self.reqs[i].as_mut() {
+                                r.cqe = c;
+                            }
+                            self.wait_send(i);
+                        }
+                        None => self.end_req(i),
+                    }
+                    // The last response goes out before the QP goes to ERR.
+                    return self.teardown(qpn, Cause::Controller, now);
+                }
             }
         }
     }
 
-    fn run(&mut self, qpn: u32, a: Action, now: Instant) {
-        match a {
-            Action::Respond { cqe, data } => self.respond(qpn, cqe, data, None),
-            Action::Fetch {
-                cmd,
-                from: DataRef::Keyed { addr, len, key, .. },
-            } => {
-                self.fetch(qpn, Stage::FetchForCore(cmd), addr, key, len);
-            }
-            Action::Fetch { .. } => {}
-            Action::Io(io) => self.start_io(qpn, io),
-            // An AER holds nothing while it waits.
-            Action::Hold => {}
-            Action::Disconnect { cqe, .. } => {
-                if let Some(c) = cqe {
-                    self.respond(qpn, c, None, None);
+    /// A command whose data cannot be placed (the core checked it, so the host broke the
+    /// protocol or the pools are wrong): the QP goes.
+    fn protocol_error(&mut self, i: usize, qpn: u32, now: Instant) {
+        slog::warn!(self.log, "a command's data cannot be placed; tearing the QP down"; "qpn" => qpn);
+        self.end_req(i);
+        self.teardown(qpn, Cause::Controller, now);
+    }
+
+    /// Moves request `i` as far as it goes without waiting (see [`State`]).
+    fn process(&mut self, i: usize, now: Instant) {
+        let Some(r) = self.reqs[i].as_mut() else {
+            return;
+        };
+        let qpn = r.qpn;
+        let live = self.conns.contains_key(&qpn);
+        match r.state {
+            // The QP is gone: nothing will send or fetch for it; the request ends once nothing
+            // outside it holds its buffer.
+            State::NeedRead | State::Ready | State::NeedSend if !live => {
+                if r.reads_left == 0 {
+                    self.end_req(i);
                 }
-                self.teardown(qpn, Cause::Controller, now);
             }
+            // Waiting: for a budget (queued), the network or the disk.
+            State::NeedRead
+            | State::Reading
+            | State::Executing
+            | State::NeedSend
+            | State::Completing => {}
+            State::Ready => match std::mem::replace(&mut r.work, Work::Respond) {
+                Work::Core(cmd) => {
+                    let buf = r.buf.take();
+                    let data = buf.as_ref().map_or(&[][..], |b| b.as_slice());
+                    let Some(conn) = self.conns.get_mut(&qpn) else {
+                        return self.end_req(i);
+                    };
+                    let a = conn.queue.data_arrived(cmd, data, now);
+                    drop(buf);
+                    self.begin(i, a, &[], now);
+                }
+                Work::Io(io) => self.submit_block(i, qpn, io),
+                Work::Respond => self.wait_send(i),
+            },
         }
     }
 
-    /// Reads `len` bytes of host data at `addr`/`key` into a pool buffer held by a new
-    /// request in `stage`; false when no buffer or request slot is free.
-    fn fetch(&mut self, qpn: u32, stage: Stage, addr: u64, key: u32, len: u32) -> bool {
-        let Some(mut buf) = self.buffer(len) else {
-            return false;
+    /// Request `i` needs RDMA READs: it queues for its QP's READ budget.
+    fn wait_read(&mut self, i: usize) {
+        let Some(r) = self.reqs[i].as_mut() else {
+            return;
         };
-        let sge = [self.sge(&mut buf)];
-        let Some(i) = self.take_req(qpn, stage, None) else {
-            return false;
+        r.state = State::NeedRead;
+        let qpn = r.qpn;
+        match self.conns.get_mut(&qpn) {
+            Some(c) => c.pending_reads.push_back(i),
+            None => return self.end_req(i),
+        }
+        self.pump_reads(qpn);
+    }
+
+    /// Request `i`'s response is ready: it queues for its QP's send queue.
+    fn wait_send(&mut self, i: usize) {
+        let Some(r) = self.reqs[i].as_mut() else {
+            return;
         };
-        let posted = self.post(
-            qpn,
-            &[SendWr {
-                wr_id: REQ_BASE + i as u64,
-                op: SendOp::RdmaRead {
-                    remote_addr: addr,
-                    rkey: key,
-                },
-                sges: &sge,
+        r.state = State::NeedSend;
+        let qpn = r.qpn;
+        match self.conns.get_mut(&qpn) {
+            Some(c) => c.pending_sends.push_back(i),
+            None => return self.end_req(i),
+        }
+        self.pump_sends(qpn);
+    }
+
+    /// Stages READs for the requests waiting on QP `qpn`, oldest first, as far as its READ
+    /// budget and send queue allow.
+    fn pump_reads(&mut self, qpn: u32) {
+        let Some(c) = self.conns.get_mut(&qpn) else {
+            return;
+        };
+        let mut staged_any = false;
+        while let Some(&i) = c.pending_reads.front() {
+            let room = (c.read_budget - c.reads_used.min(c.read_budget))
+                .min(c.sq_budget - c.sq_used.min(c.sq_budget));
+            if room == 0 {
+                break;
+            }
+            let Some(r) = self.reqs[i]
+                .as_mut()
+                .filter(|r| r.qpn == qpn && r.state == State::NeedRead)
+            else {
+                c.pending_reads.pop_front();
+                continue;
+            };
+            let lkey = self.data_mr.lkey();
+            let base = r.buf.as_mut().map_or(0, |b| b.as_mut_ptr() as u64);
+            let n = room.min(r.nsegs - r.next_seg);
+            for k in r.next_seg..r.next_seg + n {
+                let s = r.segs[k as usize];
+                c.staged.push(Staged {
+                    wr_id: wr_id(KIND_READ, i as u64),
+                    op: SendOp::RdmaRead {
+                        remote_addr: s.addr,
+                        rkey: s.key,
+                    },
+                    sge: Sge {
+                        addr: base + u64::from(s.off),
+                        length: s.len,
+                        lkey,
+                    },
+                    cqe: [0; 16],
+                    inline: false,
+                    signaled: true,
+                });
+            }
+            r.next_seg += n;
+            r.reads_left += n;
+            c.reads_used += n;
+            c.sq_used += n;
+            c.signaled_out += n;
+            self.sends_in_flight += n as usize;
+            self.counters
+                .rdma_reads
+                .fetch_add(u64::from(n), Ordering::Relaxed);
+            staged_any = true;
+            if r.next_seg == r.nsegs {
+                r.state = State::Reading;
+                c.pending_reads.pop_front();
+            }
+        }
+        if staged_any {
+            self.mark_dirty(qpn);
+        }
+    }
+
+    /// Stages the responses waiting on QP `qpn` (RDMA WRITEs of their data chained with the
+    /// SEND, only the SEND signaled), oldest first, as far as its send queue allows.
+    fn pump_sends(&mut self, qpn: u32) {
+        let Some(c) = self.conns.get_mut(&qpn) else {
+            return;
+        };
+        let mut staged_any = false;
+        while let Some(&i) = c.pending_sends.front() {
+            let Some(r) = self.reqs[i]
+                .as_mut()
+                .filter(|r| r.qpn == qpn && r.state == State::NeedSend)
+            else {
+                c.pending_sends.pop_front();
+                continue;
+            };
+            let data_len = if r.buf.is_some() { r.data_len } else { 0 };
+            let writes = r.segs[..r.nsegs as usize]
+                .iter()
+                .take_while(|s| s.off < data_len)
+                .fold(0u32, |n, _| n + 1);
+            if c.sq_budget - c.sq_used.min(c.sq_budget) < writes + 1 {
+                break;
+            }
+            let lkey = self.data_mr.lkey();
+            let base = r.buf.as_mut().map_or(0, |b| b.as_mut_ptr() as u64);
+            for s in &r.segs[..writes as usize] {
+                c.staged.push(Staged {
+                    wr_id: wr_id(KIND_WRITE, i as u64),
+                    op: SendOp::RdmaWrite {
+                        remote_addr: s.addr,
+                        rkey: s.key,
+                    },
+                    sge: Sge {
+                        addr: base + u64::from(s.off),
+                        length: s.len.min(data_len - s.off),
+                        lkey,
+                    },
+                    cqe: [0; 16],
+                    inline: false,
+                    signaled: false,
+                });
+            }
+            let mut cqe = [0u8; 16];
+            cqe.copy_from_slice(r.cqe.as_bytes());
+            // One key at most can be invalidated by the SEND, and only when all the data
+            // went through it.
+            let op = match r.invalidate {
+                Some(rkey) if r.nsegs <= 1 => SendOp::SendWithInvalidate { rkey },
+                _ => SendOp::Send,
+            };
+            c.staged.push(Staged {
+                wr_id: wr_id(KIND_SEND, i as u64),
+                op,
+                sge: Sge::default(),
+                cqe,
+                inline: true,
                 signaled: true,
-                inline: false,
-            }],
-        );
-        if !posted {
-            // The QP is gone or was torn down: the command ends with it.
-            self.end_req(i);
-            return true;
+            });
+            if !r.cqe.status().is_success() {
+                self.counters.command_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            r.sq_held = writes + 1;
+            r.state = State::Completing;
+            c.sq_used += writes + 1;
+            c.signaled_out += 1;
+            self.sends_in_flight += 1;
+            c.pending_sends.pop_front();
+            staged_any = true;
         }
-        self.counters.rdma_reads.fetch_add(1, Ordering::Relaxed);
-        if let Some(r) = self.reqs[i].as_mut() {
-            r.buf = Some(buf);
+        if staged_any {
+            self.mark_dirty(qpn);
         }
-        true
     }
 
-    fn fail(&mut self, qpn: u32, io: &IoRequest) {
-        let cqe = match self.conns.get_mut(&qpn) {
-            Some(c) => c
-                .queue
-                .io_done(io, Err(nvmfd_blockdev::BlockError::QueueFull)),
-            None => return,
-        };
-        self.respond(qpn, cqe, None, None);
+    fn mark_dirty(&mut self, qpn: u32) {
+        if !self.dirty.contains(&qpn) {
+            self.dirty.push(qpn);
+        }
     }
 
     fn dev_of(&self, qpn: u32, nsid: u32) -> Option<DevId> {
@@ -846,28 +1380,9 @@ impl DataPath {
         self.devs.get(&(sub, nsid)).copied()
     }
 
-    fn start_io(&mut self, qpn: u32, io: IoRequest) {
-        match (&io.op, io.data) {
-            (IoOp::Write { len, .. }, Some(DataRef::Keyed { addr, key, .. })) => {
-                if !self.fetch(qpn, Stage::FetchForWrite(io.clone()), addr, key, *len) {
-                    self.fail(qpn, &io);
-                }
-            }
-            _ => {
-                let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
-                    return self.fail(qpn, &io);
-                };
-                self.submit_block(i, qpn, io, None);
-            }
-        }
-    }
-
-    fn submit_write(&mut self, i: usize, qpn: u32, io: IoRequest, buf: Option<DmaBuf>) {
-        self.submit_block(i, qpn, io, buf);
-    }
-
-    /// Queues the block operations of `io` under request slot `i`.
-    fn submit_block(&mut self, i: usize, qpn: u32, io: IoRequest, buf: Option<DmaBuf>) {
+    /// Queues the block operations of `io` for request slot `i` (submitted at the end of the
+    /// turn); when none could be queued, the response is built at once.
+    fn submit_block(&mut self, i: usize, qpn: u32, io: IoRequest) {
         let tag = i as u64;
         let one = [io.nsid];
         let nsids: &[u32] = match &io.op {
@@ -876,7 +1391,7 @@ impl DataPath {
         };
         let mut left = 0u32;
         let mut failed = None;
-        let mut buf = buf;
+        let mut buf = self.reqs[i].as_mut().and_then(|r| r.buf.take());
         for &nsid in nsids {
             let Some(dev) = self.dev_of(qpn, nsid) else {
                 failed = Some(nvmfd_blockdev::BlockError::UnknownDevice);
@@ -918,184 +1433,75 @@ impl DataPath {
                 Err(e) => failed = Some(e.error),
             }
         }
+        drop(buf);
+        let Some(r) = self.reqs[i].as_mut() else {
+            return;
+        };
+        r.ops_left = left;
+        r.failed = failed;
+        r.work = Work::Io(io);
+        r.state = State::Executing;
         if left == 0 {
-            let cqe = match self.conns.get_mut(&qpn) {
-                Some(c) => c.queue.io_done(&io, failed.map_or(Ok(0), Err)),
-                None => return self.end_req(i),
-            };
-            self.end_req(i);
-            return self.respond(qpn, cqe, None, None);
+            self.finish_io(i);
         }
-        self.reqs[i] = Some(Req {
-            qpn,
-            stage: Stage::Io {
-                req: io,
-                left,
-                failed,
-            },
-            buf: None,
-        });
     }
 
-    fn on_block_done(&mut self, c: Completion) {
+    fn on_block_done(&mut self, c: Completion, now: Instant) {
         let i = usize::try_from(c.tag).unwrap_or(usize::MAX);
-        let Some(Some(req)) = self.reqs.get_mut(i) else {
+        let Some(Some(r)) = self.reqs.get_mut(i) else {
             return;
         };
-        let Stage::Io { left, failed, .. } = &mut req.stage else {
+        if r.state != State::Executing {
             return;
-        };
-        *left -= 1;
+        }
+        r.ops_left = r.ops_left.saturating_sub(1);
         if let Err(e) = &c.result {
-            *failed = Some(e.clone());
+            r.failed = Some(e.clone());
         }
         if c.op == nvmfd_blockdev::OpKind::Read {
-            req.buf = c.buf;
+            r.buf = c.buf;
         }
-        if *left > 0 {
-            return;
-        }
-        let Some(req) = self.reqs[i].take() else {
-            return;
-        };
-        let Stage::Io {
-            req: io, failed, ..
-        } = req.stage
-        else {
-            return;
-        };
-        let qpn = req.qpn;
-        let cqe = match self.conns.get_mut(&qpn) {
-            Some(conn) => conn.queue.io_done(&io, failed.map_or(Ok(0), Err)),
-            None => {
-                self.free.push(i);
-                return;
-            }
-        };
-        let ok = cqe.status().is_success();
-        if ok {
-            match io.op {
-                IoOp::Read { len, .. } => self
-                    .counters
-                    .read_bytes
-                    .fetch_add(u64::from(len), Ordering::Relaxed),
-                IoOp::Write { len, .. } => self
-                    .counters
-                    .write_bytes
-                    .fetch_add(u64::from(len), Ordering::Relaxed),
-                _ => 0,
-            };
-        }
-        match (ok, &io.op, io.data, req.buf) {
-            (true, IoOp::Read { .. }, Some(dest), Some(buf)) => {
-                self.reqs[i] = Some(Req {
-                    qpn,
-                    stage: Stage::Responding,
-                    buf: None,
-                });
-                self.respond(qpn, cqe, None, Some((i, buf, dest)));
-            }
-            _ => {
-                self.free.push(i);
-                self.respond(qpn, cqe, None, None);
-            }
+        if r.ops_left == 0 {
+            self.finish_io(i);
+            self.process(i, now);
         }
     }
 
-    /// Sends `cqe`, after `data` (bytes the core built) or `read` (a block read's buffer) is
-    /// written to the host: one chain, only the SEND signaled.
-    fn respond(
-        &mut self,
-        qpn: u32,
-        cqe: Cqe,
-        data: Option<(Vec<u8>, DataRef)>,
-        read: Option<(usize, DmaBuf, DataRef)>,
-    ) {
-        if !cqe.status().is_success() {
-            self.counters.command_errors.fetch_add(1, Ordering::Relaxed);
-        }
-        let resp = cqe;
-        let resp_bytes = resp.as_bytes();
-        let inline = [Sge {
-            addr: resp_bytes.as_ptr() as u64,
-            length: 16,
-            lkey: 0,
-        }];
-        let (slot, mut buf, dest) = match (data, read) {
-            (Some((bytes, dest)), _) => {
-                let n = dest
-                    .len()
-                    .min(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
-                let Some(mut b) = self.buffer(n.max(1)) else {
-                    return;
-                };
-                b.set_len(n as usize);
-                b.as_mut_slice().copy_from_slice(&bytes[..n as usize]);
-                let Some(i) = self.take_req(qpn, Stage::Responding, None) else {
-                    return;
-                };
-                (Some(i), Some(b), Some(dest))
+    /// Request `i`'s block operations are done: its response (with the data of a read) is
+    /// built and queued for sending. A request whose QP is gone ends here.
+    fn finish_io(&mut self, i: usize) {
+        let Some(r) = self.reqs[i].as_mut() else {
+            return;
+        };
+        let qpn = r.qpn;
+        let Work::Io(io) = std::mem::replace(&mut r.work, Work::Respond) else {
+            return;
+        };
+        let Some(conn) = self.conns.get_mut(&qpn) else {
+            return self.end_req(i);
+        };
+        let cqe = conn.queue.io_done(&io, r.failed.take().map_or(Ok(0), Err));
+        let ok = cqe.status().is_success();
+        r.cqe = cqe;
+        match (ok, &io.op) {
+            (true, IoOp::Read { len, .. }) => {
+                self.counters
+                    .read_bytes
+                    .fetch_add(u64::from(*len), Ordering::Relaxed);
             }
-            (None, Some((i, b, dest))) => (Some(i), Some(b), Some(dest)),
-            (None, None) => (None, None, None),
-        };
-        let send_op = match dest.and_then(|d| d.invalidate_key()) {
-            Some(rkey) => SendOp::SendWithInvalidate { rkey },
-            None => SendOp::Send,
-        };
-        let wr_id = slot.map_or(NO_REQ, |i| REQ_BASE + i as u64);
-        let send = SendWr {
-            wr_id,
-            op: send_op,
-            sges: &inline,
-            signaled: true,
-            inline: true,
-        };
-        let posted = match (buf.as_mut(), dest) {
-            (Some(b), Some(DataRef::Keyed { addr, key, .. })) if !b.is_empty() => {
-                let sge = [self.sge(b)];
-                let write = SendWr {
-                    // Unsignaled: only an error (a flush) completes it, and that must not end
-                    // the request slot, which the SEND's completion does.
-                    wr_id: NO_REQ,
-                    op: SendOp::RdmaWrite {
-                        remote_addr: addr,
-                        rkey: key,
-                    },
-                    sges: &sge,
-                    signaled: false,
-                    inline: false,
-                };
-                self.post(qpn, &[write, send])
-            }
-            _ => self.post(qpn, &[send]),
-        };
-        match (slot, buf) {
-            // Not posted (the QP is gone or broken): no completion will end the slot.
-            (Some(i), _) if !posted => self.end_req(i),
-            (Some(i), Some(b)) => {
-                if let Some(r) = self.reqs[i].as_mut() {
-                    r.buf = Some(b);
-                }
+            (true, IoOp::Write { len, .. }) => {
+                self.counters
+                    .write_bytes
+                    .fetch_add(u64::from(*len), Ordering::Relaxed);
             }
             _ => {}
         }
-    }
-
-    /// Posts `wrs` on live connection `qpn`; false when nothing was posted.
-    fn post(&mut self, qpn: u32, wrs: &[SendWr<'_>]) -> bool {
-        let Some(c) = self.conns.get(&qpn) else {
-            return false;
-        };
-        if let Err(e) = c.id.post_send(wrs) {
-            // A send queue that refuses work is broken (or overflowed, which is the same to
-            // its host): the QP goes, so that its host reconnects instead of waiting.
-            self.counters.post_errors.fetch_add(1, Ordering::Relaxed);
-            slog::warn!(self.log, "cannot post a send; tearing the QP down"; "qpn" => qpn, "error" => %e);
-            self.teardown(qpn, Cause::QpError, Instant::now());
-            return false;
+        // Only a successful read sends data; any other buffer goes back now.
+        if !(ok && matches!(io.op, IoOp::Read { .. })) {
+            r.buf = None;
+            r.data_len = 0;
         }
-        self.sends_in_flight += wrs.iter().filter(|w| w.signaled).count();
-        true
+        r.state = State::NeedSend;
+        self.wait_send(i);
     }
 }

@@ -153,18 +153,18 @@ fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd: &[u8]) -> Action {
                 data: Some((data, dest)),
             }
         }
-        Ok(DataRef::KeyedList {
-            offset,
-            count,
-            len: total,
-        }) => Action::Respond {
+        Ok(DataRef::KeyedList { offset, count, .. }) => Action::Respond {
             cqe: crate::queue::cqe(cmd, q.qid_or_zero(), Status::SUCCESS, 0),
             data: Some((
                 data,
                 DataRef::KeyedList {
                     offset,
                     count,
-                    len: total.min(len),
+                    // The host's pieces may be shorter than the structure: send what fits.
+                    len: crate::queue::keyed_segments(icd, offset, count)
+                        .map(|(_, l, _)| l)
+                        .fold(0u32, u32::saturating_add)
+                        .min(len),
                 },
             )),
         },

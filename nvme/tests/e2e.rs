@@ -263,7 +263,11 @@ fn identify_reports_what_the_linux_host_checks() {
     assert_eq!(id.maxcmd.get(), 128);
     assert_eq!(id.nn.get(), 3);
     assert_eq!(id.oncs.get() & 0b1100, 0b1100, "DSM and Write Zeroes");
-    assert_eq!(u32::from(id.msdbd), MAX_SGL_DESCRIPTORS, "keyed descriptor lists");
+    assert_eq!(
+        u32::from(id.msdbd),
+        MAX_SGL_DESCRIPTORS,
+        "keyed descriptor lists"
+    );
     let ns = a.identify_namespace(2).unwrap();
     assert_eq!(ns.nsze.get(), SIZE / 4096);
     assert_eq!(ns.lbaf[0].lbads, 12);

@@ -509,7 +509,8 @@ impl CmId {
     /// request's event reported).
     pub fn accept_with(&self, private_data: &[u8], initiator_depth: u8) -> Result<(), VerbsError> {
         self.accept(private_data)?;
-        if let Some(qp) = self.fabric.lock().cm.ids.get(&self.id).and_then(|i| i.qp) {
+        let qp = self.fabric.lock().cm.ids.get(&self.id).and_then(|i| i.qp);
+        if let Some(qp) = qp {
             self.fabric.set_read_depth(qp, u32::from(initiator_depth));
         }
         Ok(())
