@@ -111,20 +111,20 @@ impl PathBuilder {
 
 /// A data path and its own counters, which the reactor's counters sum up.
 #[derive(Debug)]
-pub struct Path {
+pub struct CountedPath {
     /// The data path.
     pub dp: DataPath,
     /// What it counts; its totals move to the reactor's counters every turn.
     pub counters: Arc<DataPathCounters>,
 }
 
-impl Path {
+impl CountedPath {
     /// Builds a data path on `dev` with counters of its own; logs and returns `None` when the
     /// device refuses.
-    pub fn build(builder: &PathBuilder, dev: &Device) -> Option<Path> {
+    pub fn build(builder: &PathBuilder, dev: &Device) -> Option<CountedPath> {
         let counters = Arc::new(DataPathCounters::default());
         match builder.build(dev, Arc::clone(&counters)) {
-            Ok(dp) => Some(Path { dp, counters }),
+            Ok(dp) => Some(CountedPath { dp, counters }),
             Err(e) => {
                 slog::error!(builder.log, "cannot set up a data path"; "error" => %e);
                 None
@@ -137,7 +137,7 @@ impl Path {
 #[derive(Debug)]
 struct Removed {
     // Field order is drop order: the data path goes before the hold.
-    path: Path,
+    path: CountedPath,
     listener: usize,
     since: Instant,
     _hold: RemovalHold,
@@ -151,7 +151,7 @@ struct Removed {
 #[derive(Debug)]
 pub struct ReactorPaths {
     /// One per listener, in listener order (`None` where the listener is not serving).
-    paths: Vec<Option<Path>>,
+    paths: Vec<Option<CountedPath>>,
     /// Data paths of removed devices, draining.
     removed: Vec<Removed>,
     /// Connections from the control thread.
@@ -174,10 +174,10 @@ impl ReactorPaths {
     ) -> ReactorPaths {
         let paths = devices
             .iter()
-            .map(|d| Path::build(&builder, d.as_ref()?))
+            .map(|d| CountedPath::build(&builder, d.as_ref()?))
             .collect();
         let log = builder.log.clone();
-        let mut rp = ReactorPaths {
+        let rp = ReactorPaths {
             paths,
             removed: Vec::new(),
             inbox,
@@ -191,7 +191,7 @@ impl ReactorPaths {
     }
 
     /// Every data path, live or draining after its device's removal.
-    fn all(&mut self) -> impl Iterator<Item = &mut Path> {
+    fn all(&mut self) -> impl Iterator<Item = &mut CountedPath> {
         self.paths
             .iter_mut()
             .flatten()
@@ -200,14 +200,14 @@ impl ReactorPaths {
 
     /// Moves the data paths' totals into the reactor's counters and stores the sum of their
     /// levels there (plain loads and stores: this thread writes both).
-    fn fold(&mut self) {
+    fn fold(&self) {
         let mut g = Gauges::default();
-        let shared = Arc::clone(&self.counters);
-        for p in self.all() {
-            p.counters.move_totals_into(&shared);
+        let paths = self.paths.iter().flatten();
+        for p in paths.chain(self.removed.iter().map(|r| &r.path)) {
+            p.counters.move_totals_into(&self.counters);
             g.add(&p.counters);
         }
-        g.store(&shared);
+        g.store(&self.counters);
     }
 
     /// Listener `listener`'s device is gone: its data path tears everything down and drains.
@@ -265,7 +265,7 @@ impl ReactorPaths {
             slog::warn!(self.log, "listener already has a data path; keeping it"; "listener" => listener);
             return;
         }
-        if let Some(p) = Path::build(&self.builder, device) {
+        if let Some(p) = CountedPath::build(&self.builder, device) {
             slog::info!(self.log, "data path built on the returned device"; "listener" => listener);
             self.paths[listener] = Some(p);
             self.fds_changed = true;
