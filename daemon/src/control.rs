@@ -127,10 +127,7 @@ pub struct Status {
 /// A listener's CM state.
 #[derive(Debug, Default)]
 struct Listening {
-    /// Its CM channel, registered with the control loop. It stays when the device goes: IDs of
-    /// its connections may still be draining on the reactors, and a channel must outlive its
-    /// IDs; it listens again on the same channel.
-    channel: Option<any::cm::CmChannel>,
+    // Field order is drop order: the IDs go before their channel.
     /// The listening ID, while it serves.
     id: Option<any::cm::CmId>,
     /// Its device, while it serves.
@@ -138,6 +135,10 @@ struct Listening {
     /// After its device was removed: the old listening ID, kept until every reactor dropped
     /// its data path on that device (`RemovalHold`).
     retiring: Option<(any::cm::CmId, RemovalHold)>,
+    /// Its CM channel, registered with the control loop. It stays when the device goes: IDs of
+    /// its connections may still be draining on the reactors, and a channel must outlive its
+    /// IDs (rdma_destroy_event_channel); it listens again on the same channel.
+    channel: Option<any::cm::CmChannel>,
     /// While its device is away: when to try listening again.
     relisten_at: Option<Instant>,
     /// Why the last try failed (logged when it changes).
