@@ -43,6 +43,25 @@ pub enum Request {
         /// How long, in milliseconds.
         ms: u64,
     },
+    /// Test hook (only with `NVMFD_TEST_HOOKS=1`): injects `fault` on listener `listener`'s
+    /// device; soft provider only.
+    DebugFault {
+        /// What to do.
+        fault: Fault,
+        /// Listener index, in configuration order.
+        listener: usize,
+    },
+}
+
+/// A fault `debug_fault` injects.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// The device goes, as in a hot-unplug: `DEVICE_FATAL`, its QPs fail, its CM IDs see
+    /// `DEVICE_REMOVAL`, nothing can be created or listened on it.
+    RemoveDevice,
+    /// The device comes back (`PORT_ACTIVE`).
+    RestoreDevice,
 }
 
 /// An answer: `{"ok": true, "data": ...}` or `{"ok": false, "error": "..."}`.

@@ -1,28 +1,29 @@
-//! The control thread: one `mio` loop over signals, the admin socket and timers (the reactor
-//! watchdog, admin idle sweeps). It starts the reactors, tells systemd how the daemon is doing,
-//! and stops everything in order. It never touches the data path.
+//! The control thread: one `mio` loop over signals, the admin socket, the listeners' CM
+//! channels, the devices' async event fds and timers (the reactor watchdog, keep-alives, admin
+//! idle sweeps, listening again after a device removal). It starts the reactors, tells systemd
+//! how the daemon is doing, and stops everything in order. It never touches the data path.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mio::{Events, Poll, Token};
+use mio::{Events, Poll, Registry, Token};
 use nvmfd_config::Config;
 use serde::{Deserialize, Serialize};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook_mio::v1_0::Signals;
-use slog::{error, info, o, warn, Logger};
+use slog::{debug, error, info, o, warn, Logger};
 
-use crate::admin::{AdminError, AdminServer, Request, Response};
-use crate::datapath::{DataPath, DataPathConfig};
+use crate::admin::{AdminError, AdminServer, Fault, Request, Response};
+use crate::datapath::DataPathConfig;
 use crate::notify::Notifier;
-use crate::paths::{ReactorCmd, ReactorPaths};
+use crate::paths::{PathBuilder, ReactorCmd, ReactorPaths, RemovalHold};
 use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, WorkFactory};
-use crate::stats::{AdminStats, Stats};
+use crate::stats::{AdminStats, ListenerStats, Stats};
 use nvmfd_nvme::rdma_cm::{check_request, reject_private_data};
 use nvmfd_nvme::Target;
 use nvmfd_rdma::any;
-use nvmfd_rdma::CmEvent;
+use nvmfd_rdma::{AsyncEvent, CmEvent};
 
 const SIGNALS: Token = Token(0);
 const ADMIN: Token = Token(1);
@@ -32,7 +33,14 @@ const FIRST_ADMIN_CLIENT: usize = 1 << 20;
 /// Device `i`'s async event fd has token `ASYNC_BASE + i`.
 const ASYNC_BASE: usize = 1 << 19;
 
-/// Environment variable that enables test-only admin requests (`debug_stall_reactor`).
+/// How often a listener whose device was removed tries to listen again.
+pub const RELISTEN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A listener's `reason` in `status` while its device is away.
+pub const DEVICE_REMOVED: &str = "device removed, waiting for it to return";
+
+/// Environment variable that enables test-only admin requests (`debug_stall_reactor`,
+/// `debug_fault`).
 pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
 
 /// Exit status when a second termination signal forces the daemon out during a graceful stop.
@@ -116,6 +124,29 @@ pub struct Status {
     pub subsystems: Vec<SubsystemStatus>,
 }
 
+/// A listener's CM state.
+#[derive(Debug, Default)]
+struct Listening {
+    // Field order is drop order: the IDs go before their channel.
+    /// The listening ID, while it serves.
+    id: Option<any::cm::CmId>,
+    /// Its device, while it serves.
+    device: Option<any::Device>,
+    /// After its device was removed: the old listening ID, kept until every reactor dropped
+    /// its data path on that device (`RemovalHold`).
+    retiring: Option<(any::cm::CmId, RemovalHold)>,
+    /// Its CM channel, registered with the control loop. It stays when the device goes: IDs of
+    /// its connections may still be draining on the reactors, and a channel must outlive its
+    /// IDs (rdma_destroy_event_channel); it listens again on the same channel.
+    channel: Option<any::cm::CmChannel>,
+    /// While its device is away: when to try listening again.
+    relisten_at: Option<Instant>,
+    /// Why the last try failed (logged when it changes).
+    relisten_error: Option<String>,
+    device_removals: u64,
+    returns: u64,
+}
+
 /// Heartbeat tracking for one reactor.
 #[derive(Debug)]
 struct Heartbeat {
@@ -134,10 +165,11 @@ struct Daemon {
     test_hooks: bool,
     stopping: bool,
     target: Option<Target>,
-    /// Per listener: its CM channel and listening ID, when it serves.
-    cm: Vec<Option<(any::cm::CmChannel, any::cm::CmId)>>,
-    /// The listeners' devices, one per async event fd.
-    async_devs: Vec<any::Device>,
+    /// Per listener (in configuration order): its channel, listening ID and device.
+    cm: Vec<Listening>,
+    /// The listeners' devices, one per async event fd (token `ASYNC_BASE + index`); `None`
+    /// where a device was removed.
+    async_devs: Vec<Option<any::Device>>,
     inboxes: Vec<std::sync::mpsc::Sender<ReactorCmd>>,
     dp_counters: Vec<Arc<crate::stats::DataPathCounters>>,
     next_reactor: usize,
@@ -210,33 +242,16 @@ impl Daemon {
             crate::serve::build_target(&self.cfg).map_err(DaemonError::Namespaces)?;
         info!(self.log, "namespaces open"; "count" => namespaces.len());
         // Listeners first: the reactors build a data path on each listener's device.
-        let mut devices: Vec<Option<any::Device>> = Vec::new();
         for (i, l) in self.cfg.listeners.clone().iter().enumerate() {
-            let addr = std::net::SocketAddr::new(l.address, l.port);
-            let listened = self.listen(l.provider, addr).and_then(|(ch, id)| {
-                let dev = id.device().map_err(|e| e.to_string())?;
-                let fd = ch.fd();
-                poll.registry()
-                    .register(
-                        &mut mio::unix::SourceFd(&fd),
-                        Token(LISTENER_BASE + i),
-                        mio::Interest::READABLE,
-                    )
-                    .map_err(|e| e.to_string())?;
-                Ok((ch, id, dev))
-            });
-            let status = match listened {
-                Ok((ch, id, dev)) => {
+            self.cm.push(Listening::default());
+            let status = match self.listen(poll.registry(), i) {
+                Ok(()) => {
                     info!(self.log, "listening"; "address" => %l.address, "port" => l.port, "provider" => %l.provider);
-                    self.cm.push(Some((ch, id)));
-                    devices.push(Some(dev));
                     (true, None)
                 }
                 Err(reason) => {
                     warn!(self.log, "listener not serving"; "address" => %l.address, "port" => l.port,
                           "provider" => %l.provider, "reason" => &reason);
-                    self.cm.push(None);
-                    devices.push(None);
                     (false, Some(reason))
                 }
             };
@@ -248,21 +263,7 @@ impl Daemon {
                 reason: status.1,
             });
         }
-        // Async events (SRQ limit, QP and device errors) are read here and routed to reactors.
-        for dev in devices.iter().flatten() {
-            let fd = dev.async_fd();
-            if self.async_devs.iter().any(|d| d.async_fd() == fd) {
-                continue;
-            }
-            poll.registry()
-                .register(
-                    &mut mio::unix::SourceFd(&fd),
-                    Token(ASYNC_BASE + self.async_devs.len()),
-                    mio::Interest::READABLE,
-                )
-                .map_err(DaemonError::Setup)?;
-            self.async_devs.push(dev.clone());
-        }
+        let devices: Vec<Option<any::Device>> = self.cm.iter().map(|l| l.device.clone()).collect();
         let registrar = crate::srq::Registrar::spawn().map_err(DaemonError::Setup)?;
         let limits = crate::serve::limits(&self.cfg);
         let t = &self.cfg.transport;
@@ -282,41 +283,18 @@ impl Daemon {
         };
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();
-            let (devs, target, namespaces) = (devices.clone(), target.clone(), namespaces.clone());
+            let devs = devices.clone();
             let counters = Arc::new(crate::stats::DataPathCounters::default());
             self.dp_counters.push(Arc::clone(&counters));
-            let registrar = registrar.clone();
-            let log = self.log.new(o!("reactor" => id));
-            let factory: WorkFactory = Box::new(move || {
-                let paths = devs
-                    .iter()
-                    .map(|d| {
-                        let d = d.as_ref()?;
-                        match DataPath::new(
-                            d,
-                            target.clone(),
-                            &namespaces,
-                            dp_cfg,
-                            registrar.clone(),
-                            Arc::clone(&counters),
-                        ) {
-                            Ok(mut dp) => {
-                                dp.set_log(log.clone());
-                                Some(dp)
-                            }
-                            Err(e) => {
-                                error!(log, "cannot set up a data path"; "error" => %e);
-                                None
-                            }
-                        }
-                    })
-                    .collect();
-                Box::new(ReactorPaths {
-                    paths,
-                    inbox: rx,
-                    log,
-                })
-            });
+            let builder = PathBuilder {
+                target: target.clone(),
+                namespaces: namespaces.clone(),
+                cfg: dp_cfg,
+                registrar: registrar.clone(),
+                log: self.log.new(o!("reactor" => id)),
+            };
+            let factory: WorkFactory =
+                Box::new(move || Box::new(ReactorPaths::new(&devs, builder, counters, rx)));
             self.reactors.push(ReactorHandle::spawn(
                 id,
                 core,
@@ -386,6 +364,7 @@ impl Daemon {
             let now = Instant::now();
             if now >= next_tick {
                 self.check_heartbeats(now);
+                self.relisten(poll.registry(), now);
                 if let Some(t) = &self.target {
                     for c in t.expire_keep_alives(now) {
                         warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);
@@ -411,9 +390,9 @@ impl Daemon {
                         }
                     }
                 } else if (LISTENER_BASE..LISTENER_BASE + self.cm.len()).contains(&ev.token().0) {
-                    self.cm_events(ev.token().0 - LISTENER_BASE);
+                    self.cm_events(poll.registry(), ev.token().0 - LISTENER_BASE);
                 } else if (ASYNC_BASE..ASYNC_BASE + self.async_devs.len()).contains(&ev.token().0) {
-                    self.async_events(ev.token().0 - ASYNC_BASE);
+                    self.async_events(poll.registry(), ev.token().0 - ASYNC_BASE);
                 } else if admin.owns(ev.token()) {
                     admin.on_event(poll.registry(), ev.token(), &mut |req, stats| {
                         self.answer(req, stats)
@@ -436,19 +415,22 @@ impl Daemon {
         Ok(())
     }
 
-    /// Opens a CM channel for `provider` and listens on `addr`.
-    fn listen(
+    /// Opens a CM channel for `provider` (for soft, on the daemon's fabric, with a device at
+    /// `addr` unless it has one).
+    fn open_channel(
         &mut self,
         provider: nvmfd_config::Provider,
         addr: std::net::SocketAddr,
-    ) -> Result<(any::cm::CmChannel, any::cm::CmId), String> {
-        let ch = match provider {
+    ) -> Result<any::cm::CmChannel, String> {
+        Ok(match provider {
             nvmfd_config::Provider::Soft => {
                 let fabric = self
                     .soft_fabric
                     .get_or_insert_with(nvmfd_rdma::soft::Fabric::networked)
                     .clone();
-                fabric.add_device(addr.ip()).map_err(|e| e.to_string())?;
+                if fabric.device_at(addr.ip()).is_none() {
+                    fabric.add_device(addr.ip()).map_err(|e| e.to_string())?;
+                }
                 any::cm::CmChannel::Soft(
                     nvmfd_rdma::soft::cm::CmChannel::new(&fabric).map_err(|e| e.to_string())?,
                 )
@@ -457,18 +439,102 @@ impl Daemon {
                 nvmfd_rdma::ibverbs::cm::CmChannel::new()
                     .map_err(|e| format!("{e} (is there an RDMA device?)"))?,
             ),
-        };
+        })
+    }
+
+    /// Listener `i` listens at its address, on its CM channel (opened and watched the first
+    /// time), and its device's async events are watched. The error says why not.
+    fn listen(&mut self, registry: &Registry, i: usize) -> Result<(), String> {
+        let l = self
+            .cfg
+            .listeners
+            .get(i)
+            .cloned()
+            .ok_or_else(|| format!("no listener {i}"))?;
+        let addr = std::net::SocketAddr::new(l.address, l.port);
+        if self.cm.get(i).is_some_and(|c| c.channel.is_none()) {
+            let ch = self.open_channel(l.provider, addr)?;
+            registry
+                .register(
+                    &mut mio::unix::SourceFd(&ch.fd()),
+                    Token(LISTENER_BASE + i),
+                    mio::Interest::READABLE,
+                )
+                .map_err(|e| format!("cannot watch the CM channel: {e}"))?;
+            if let Some(c) = self.cm.get_mut(i) {
+                c.channel = Some(ch);
+            }
+        }
+        let ch = self
+            .cm
+            .get(i)
+            .and_then(|c| c.channel.as_ref())
+            .ok_or_else(|| format!("no listener {i}"))?;
         let id = ch
             .listen(addr, 128)
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-        Ok((ch, id))
+        let dev = id.device().map_err(|e| e.to_string())?;
+        self.watch_device(registry, &dev)
+            .map_err(|e| format!("cannot watch the device's async events: {e}"))?;
+        if let Some(c) = self.cm.get_mut(i) {
+            c.id = Some(id);
+            c.device = Some(dev);
+        }
+        Ok(())
+    }
+
+    /// Watches `dev`'s async event fd (SRQ limit, QP and device errors, port changes), unless
+    /// it already is (listeners on one device share it).
+    fn watch_device(&mut self, registry: &Registry, dev: &any::Device) -> std::io::Result<()> {
+        let fd = dev.async_fd();
+        if self.async_devs.iter().flatten().any(|d| d.async_fd() == fd) {
+            return Ok(());
+        }
+        let slot = self
+            .async_devs
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(self.async_devs.len());
+        registry.register(
+            &mut mio::unix::SourceFd(&fd),
+            Token(ASYNC_BASE + slot),
+            mio::Interest::READABLE,
+        )?;
+        match self.async_devs.get_mut(slot) {
+            Some(s) => *s = Some(dev.clone()),
+            None => self.async_devs.push(Some(dev.clone())),
+        }
+        Ok(())
+    }
+
+    /// Sends every reactor the command `cmd` makes, and wakes it.
+    fn tell_reactors(&self, mut cmd: impl FnMut() -> ReactorCmd) {
+        for (r, tx) in self.inboxes.iter().enumerate() {
+            if tx.send(cmd()).is_ok() {
+                if let Some(h) = self.reactors.get(r) {
+                    h.shared.wake();
+                }
+            }
+        }
+    }
+
+    /// The addresses of the listeners served by the device whose async fd is `fd`.
+    fn listeners_on(&self, fd: std::os::fd::RawFd) -> String {
+        self.cm
+            .iter()
+            .zip(&self.listeners)
+            .filter(|(c, _)| c.device.as_ref().is_some_and(|d| d.async_fd() == fd))
+            .map(|(_, l)| format!("{}:{}", l.address, l.port))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Handles the CM events of listener `i`: connect requests are checked and handed to a
-    /// reactor (round robin); the end of a connection is told to every reactor.
-    fn cm_events(&mut self, i: usize) {
+    /// reactor (round robin); the end of a connection is told to every reactor; a device
+    /// removal (on the listening ID or on a connection) takes the whole device down.
+    fn cm_events(&mut self, registry: &Registry, i: usize) {
         loop {
-            let Some(Some((ch, _))) = self.cm.get(i) else {
+            let Some(ch) = self.cm.get(i).and_then(|c| c.channel.as_ref()) else {
                 return;
             };
             let Some(ev) = ch.next_event() else { return };
@@ -479,6 +545,13 @@ impl Daemon {
                     initiator_depth,
                     ..
                 } => {
+                    if self.cm.get(i).is_none_or(|c| c.id.is_none()) {
+                        // Queued before the listener stopped serving.
+                        let _ = id.reject(&reject_private_data(
+                            nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                        ));
+                        continue;
+                    }
                     let limits = crate::serve::limits(&self.cfg);
                     match check_request(&private_data, &limits)
                         .map(|r| r.with_read_depth(initiator_depth))
@@ -509,44 +582,205 @@ impl Daemon {
                         }
                     }
                 }
-                CmEvent::Disconnected { id } | CmEvent::DeviceRemoval { id } => {
-                    for (r, tx) in self.inboxes.iter().enumerate() {
-                        if tx.send(ReactorCmd::Disconnected { token: id }).is_ok() {
-                            self.reactors[r].shared.wake();
-                        }
+                CmEvent::DeviceRemoval { id: token } => {
+                    let c = self.cm.get(i);
+                    let listening = c
+                        .and_then(|c| c.id.as_ref())
+                        .is_some_and(|l| l.token() == token);
+                    let fd = c.and_then(|c| c.device.as_ref()).map(any::Device::async_fd);
+                    if let Some(fd) = fd {
+                        let cause = if listening {
+                            "RDMA_CM_EVENT_DEVICE_REMOVAL on the listening ID"
+                        } else {
+                            "RDMA_CM_EVENT_DEVICE_REMOVAL on a connection"
+                        };
+                        self.device_removed(registry, fd, cause);
                     }
+                    if !listening {
+                        self.tell_reactors(|| ReactorCmd::Disconnected { token });
+                    }
+                }
+                CmEvent::Disconnected { id } => {
+                    self.tell_reactors(|| ReactorCmd::Disconnected { token: id });
                 }
                 _ => {}
             }
         }
     }
 
-    /// Reads the async events of device `i` and hands each to every reactor: the one whose
-    /// SRQ or QP it names acts on it.
-    fn async_events(&mut self, i: usize) {
-        let Some(dev) = self.async_devs.get(i) else {
-            return;
+    /// Device `slot`'s async events: each goes to every reactor (the one whose SRQ or QP it
+    /// names acts on it); a fatal one takes the whole device down.
+    fn async_events(&mut self, registry: &Registry, slot: usize) {
+        if self.route_async(slot) {
+            let fd = self
+                .async_devs
+                .get(slot)
+                .and_then(Option::as_ref)
+                .map(any::Device::async_fd);
+            if let Some(fd) = fd {
+                self.device_removed(registry, fd, "IBV_EVENT_DEVICE_FATAL");
+            }
+        }
+    }
+
+    /// Reads device `slot`'s async events and hands each to every reactor; true when one was
+    /// `DEVICE_FATAL`.
+    fn route_async(&self, slot: usize) -> bool {
+        let Some(Some(dev)) = self.async_devs.get(slot) else {
+            return false;
         };
         let fd = dev.async_fd();
+        let mut fatal = false;
         while let Some(event) = dev.next_event() {
             match event {
-                nvmfd_rdma::AsyncEvent::SrqLimitReached(srq) => {
+                AsyncEvent::SrqLimitReached(srq) => {
                     info!(self.log, "SRQ limit reached"; "srq" => srq)
                 }
+                // The end of a drain: as many as QPs torn down.
+                AsyncEvent::QpLastWqeReached(qpn) => {
+                    debug!(self.log, "LAST_WQE_REACHED"; "qpn" => qpn)
+                }
+                AsyncEvent::PortErr(port) => {
+                    warn!(self.log, "port down (IBV_EVENT_PORT_ERR): connections through it fail, as rdma_cm reports";
+                          "port" => port, "listeners" => self.listeners_on(fd))
+                }
+                AsyncEvent::PortActive(port) => {
+                    info!(self.log, "port active (IBV_EVENT_PORT_ACTIVE)";
+                          "port" => port, "listeners" => self.listeners_on(fd))
+                }
+                AsyncEvent::DeviceFatal => fatal = true,
                 _ => warn!(self.log, "async event"; "event" => ?event),
             }
-            for (r, tx) in self.inboxes.iter().enumerate() {
-                if tx
-                    .send(ReactorCmd::DeviceEvent {
-                        async_fd: fd,
-                        event,
-                    })
-                    .is_ok()
-                {
-                    self.reactors[r].shared.wake();
+            self.tell_reactors(|| ReactorCmd::DeviceEvent {
+                async_fd: fd,
+                event,
+            });
+        }
+        fatal
+    }
+
+    /// The device whose async fd is `fd` was removed or failed: its listeners stop serving
+    /// (their listening IDs are kept until every reactor dropped its data path on it), every
+    /// reactor tears its data path there down, its async fd is no longer watched, and the
+    /// listeners try to listen again every `RELISTEN_INTERVAL`. A second report of the same
+    /// removal finds nothing left to do.
+    fn device_removed(&mut self, registry: &Registry, fd: std::os::fd::RawFd, cause: &str) {
+        // Events already queued (LAST_WQE of the QPs the removal failed) reach the reactors
+        // ahead of the removal.
+        let slot = self
+            .async_devs
+            .iter()
+            .position(|d| d.as_ref().is_some_and(|d| d.async_fd() == fd));
+        if let Some(slot) = slot {
+            self.route_async(slot);
+            let _ = registry.deregister(&mut mio::unix::SourceFd(&fd));
+            self.async_devs[slot] = None;
+        }
+        let now = Instant::now();
+        let mut any = false;
+        for i in 0..self.cm.len() {
+            let c = &mut self.cm[i];
+            if c.device.as_ref().is_none_or(|d| d.async_fd() != fd) {
+                continue;
+            }
+            c.device = None;
+            let hold = RemovalHold::default();
+            if let Some(id) = c.id.take() {
+                c.retiring = Some((id, hold.clone()));
+            }
+            c.relisten_at = Some(now + RELISTEN_INTERVAL);
+            c.relisten_error = None;
+            c.device_removals += 1;
+            if let Some(st) = self.listeners.get_mut(i) {
+                st.serving = false;
+                st.reason = Some(DEVICE_REMOVED.to_owned());
+                warn!(self.log, "device removed: the listener stops serving and everything on the device is torn down; it listens again when the device returns";
+                      "listener" => i, "address" => &st.address, "port" => st.port, "cause" => cause);
+            }
+            self.tell_reactors(|| ReactorCmd::RemoveDevice {
+                listener: i,
+                hold: hold.clone(),
+            });
+            any = true;
+        }
+        if any {
+            self.notifier.status(&self.status_line());
+        }
+    }
+
+    /// Every tick: listeners whose device was removed destroy their old listening ID once no
+    /// reactor holds the device, then try to listen again every `RELISTEN_INTERVAL`.
+    fn relisten(&mut self, registry: &Registry, now: Instant) {
+        for i in 0..self.cm.len() {
+            let c = &mut self.cm[i];
+            if c.retiring.as_ref().is_some_and(|(_, h)| h.released()) {
+                c.retiring = None;
+                info!(self.log, "every reactor released the removed device; its listening ID is destroyed";
+                      "listener" => i);
+            }
+            // Listening again needs the address, which the old ID holds.
+            if c.retiring.is_some() || c.relisten_at.is_none_or(|at| now < at) {
+                continue;
+            }
+            match self.listen(registry, i) {
+                Ok(()) => self.listener_returned(i),
+                Err(e) => {
+                    let c = &mut self.cm[i];
+                    c.relisten_at = Some(now + RELISTEN_INTERVAL);
+                    if c.relisten_error.as_deref() != Some(e.as_str()) {
+                        info!(self.log, "listener still waiting for its device"; "listener" => i, "error" => &e);
+                        c.relisten_error = Some(e);
+                    }
                 }
             }
         }
+    }
+
+    /// Listener `i` listens again: every reactor builds a data path on its device.
+    fn listener_returned(&mut self, i: usize) {
+        let Some(c) = self.cm.get_mut(i) else { return };
+        c.relisten_at = None;
+        c.relisten_error = None;
+        c.returns += 1;
+        let Some(dev) = c.device.clone() else { return };
+        if let Some(st) = self.listeners.get_mut(i) {
+            st.serving = true;
+            st.reason = None;
+            info!(self.log, "device returned: the listener serves again";
+                  "listener" => i, "address" => &st.address, "port" => st.port);
+        }
+        self.tell_reactors(|| ReactorCmd::AddPath {
+            listener: i,
+            device: dev.clone(),
+        });
+        self.notifier.status(&self.status_line());
+    }
+
+    /// Test hook: removes or restores listener `i`'s soft device.
+    fn inject_fault(&self, fault: Fault, i: usize) -> Result<serde_json::Value, String> {
+        let l = self
+            .cfg
+            .listeners
+            .get(i)
+            .ok_or_else(|| format!("no listener {i}"))?;
+        if l.provider != nvmfd_config::Provider::Soft {
+            return Err(format!(
+                "listener {i} uses the {} provider: faults can be injected on the soft provider only",
+                l.provider
+            ));
+        }
+        let (fabric, dev) = self
+            .soft_fabric
+            .as_ref()
+            .and_then(|f| Some((f, f.device_at(l.address)?)))
+            .ok_or_else(|| format!("listener {i} has no soft device (it never listened)"))?;
+        match fault {
+            Fault::RemoveDevice => fabric.remove_device(&dev),
+            Fault::RestoreDevice => fabric.restore_device(&dev),
+        }
+        warn!(self.log, "test hook: fault injected"; "fault" => ?fault, "listener" => i,
+              "device" => %l.address);
+        Ok(serde_json::json!({ "fault": fault, "listener": i, "device": l.address.to_string() }))
     }
 
     /// How often heartbeats are checked: often enough to feed the watchdog twice per interval
@@ -616,6 +850,15 @@ impl Daemon {
                     None => Response::error(format!("no reactor {reactor}")),
                 }
             }
+            Request::DebugFault { fault, listener } => {
+                if !self.test_hooks {
+                    return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));
+                }
+                match self.inject_fault(fault, listener) {
+                    Ok(v) => Response::data(v),
+                    Err(e) => Response::error(e),
+                }
+            }
         }
     }
 
@@ -666,6 +909,20 @@ impl Daemon {
                 .iter()
                 .enumerate()
                 .map(|(i, c)| c.snapshot(i))
+                .collect(),
+            listeners: self
+                .listeners
+                .iter()
+                .zip(&self.cm)
+                .enumerate()
+                .map(|(i, (st, c))| ListenerStats {
+                    id: i,
+                    address: format!("{}:{}", st.address, st.port),
+                    provider: st.provider.clone(),
+                    serving: st.serving,
+                    device_removals_total: c.device_removals,
+                    returns_total: c.returns,
+                })
                 .collect(),
             admin: admin.clone(),
         }

@@ -1504,4 +1504,11 @@ impl DataPath {
         r.state = State::NeedSend;
         self.wait_send(i);
     }
+
+    /// The device was removed: every QP is torn down (`Device`). Its async events are no
+    /// longer routed, so the drains do not wait for LAST_WQE.
+    pub fn device_removed(&mut self, now: Instant) {
+        self.wait_last_wqe = false;
+        self.teardown_all(Cause::Device, now);
+    }
 }

@@ -1,14 +1,20 @@
 //! A reactor's data paths (one per listener's device) and the commands the control thread
-//! sends them: connections to adopt, ends of connections, device events.
+//! sends them: connections to adopt, ends of connections, device events, and a listener's
+//! device leaving and coming back.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use nvmfd_nvme::rdma_cm::CmRequest;
+use nvmfd_nvme::Target;
 use nvmfd_rdma::any::cm::CmId;
+use nvmfd_rdma::any::Device;
 use nvmfd_rdma::AsyncEvent;
 
-use crate::datapath::{DataPath, DRAIN_TIMEOUT};
-use crate::srq::Change;
+use crate::datapath::{DataPath, DataPathConfig, DRAIN_TIMEOUT};
+use crate::serve::NamespaceDevices;
+use crate::srq::{Change, Registrar};
+use crate::stats::{DataPathCounters, Gauges};
 
 /// What the control thread hands a reactor.
 #[derive(Debug)]
@@ -34,17 +40,237 @@ pub enum ReactorCmd {
         /// What happened.
         event: AsyncEvent,
     },
+    /// Listener `listener`'s device was removed (or failed fatally): its data path tears every
+    /// QP down, drains, and is dropped once nothing of it is outstanding (bounded by
+    /// `DRAIN_TIMEOUT`); `hold` is dropped with it.
+    RemoveDevice {
+        /// Which listener.
+        listener: usize,
+        /// Kept until the data path is gone.
+        hold: RemovalHold,
+    },
+    /// Listener `listener` listens again, on `device` (its device came back): build a data
+    /// path on it.
+    AddPath {
+        /// Which listener.
+        listener: usize,
+        /// Its device.
+        device: Device,
+    },
+}
+
+/// Held by each reactor until its data path on a removed device is gone. The control thread
+/// keeps the device's listening ID until no reactor holds it: with rdma_cm, the last ID on a
+/// removed device lets librdmacm close the device's context, which must outlive every verbs
+/// object made on it.
+#[derive(Clone, Debug, Default)]
+pub struct RemovalHold(Arc<()>);
+
+impl RemovalHold {
+    /// Whether only the caller's handle is left (every reactor dropped its data path).
+    pub fn released(&self) -> bool {
+        Arc::strong_count(&self.0) == 1
+    }
+}
+
+/// What a reactor needs to build a data path on a device: at start, and when a listener's
+/// device comes back.
+#[derive(Debug)]
+pub struct PathBuilder {
+    /// The NVMe target.
+    pub target: Target,
+    /// The namespaces' block devices.
+    pub namespaces: NamespaceDevices,
+    /// Sizes.
+    pub cfg: DataPathConfig,
+    /// Registers the SRQs' receive chunks.
+    pub registrar: Registrar,
+    /// The reactor's logger.
+    pub log: slog::Logger,
+}
+
+impl PathBuilder {
+    /// A data path on `dev`, counting into `counters`.
+    pub fn build(
+        &self,
+        dev: &Device,
+        counters: Arc<DataPathCounters>,
+    ) -> std::io::Result<DataPath> {
+        let mut dp = DataPath::new(
+            dev,
+            self.target.clone(),
+            &self.namespaces,
+            self.cfg,
+            self.registrar.clone(),
+            counters,
+        )?;
+        dp.set_log(self.log.clone());
+        Ok(dp)
+    }
+}
+
+/// A data path and its own counters, which the reactor's counters sum up.
+#[derive(Debug)]
+pub struct CountedPath {
+    /// The data path.
+    pub dp: DataPath,
+    /// What it counts; its totals move to the reactor's counters every turn.
+    pub counters: Arc<DataPathCounters>,
+}
+
+impl CountedPath {
+    /// Builds a data path on `dev` with counters of its own; logs and returns `None` when the
+    /// device refuses.
+    pub fn build(builder: &PathBuilder, dev: &Device) -> Option<CountedPath> {
+        let counters = Arc::new(DataPathCounters::default());
+        match builder.build(dev, Arc::clone(&counters)) {
+            Ok(dp) => Some(CountedPath { dp, counters }),
+            Err(e) => {
+                slog::error!(builder.log, "cannot set up a data path"; "error" => %e);
+                None
+            }
+        }
+    }
+}
+
+/// A data path on a removed device, draining before it is dropped.
+#[derive(Debug)]
+struct Removed {
+    // Field order is drop order: the data path goes before the hold.
+    path: CountedPath,
+    listener: usize,
+    since: Instant,
+    _hold: RemovalHold,
 }
 
 /// A reactor's data paths (one per listener's device) and its inbox.
+///
+/// Each data path counts into counters of its own; every turn their totals move into the
+/// reactor's counters (`counters`, what `stats` shows, continuous while data paths come and
+/// go) and their levels are summed there.
 #[derive(Debug)]
 pub struct ReactorPaths {
     /// One per listener, in listener order (`None` where the listener is not serving).
-    pub paths: Vec<Option<DataPath>>,
+    paths: Vec<Option<CountedPath>>,
+    /// Data paths of removed devices, draining.
+    removed: Vec<Removed>,
     /// Connections from the control thread.
-    pub inbox: std::sync::mpsc::Receiver<ReactorCmd>,
-    /// Where to report what the control thread must know (not used yet).
-    pub log: slog::Logger,
+    inbox: std::sync::mpsc::Receiver<ReactorCmd>,
+    /// The reactor's counters.
+    counters: Arc<DataPathCounters>,
+    builder: PathBuilder,
+    /// A data path was added since the reactor last asked for its wake-up fds.
+    fds_changed: bool,
+    log: slog::Logger,
+}
+
+impl ReactorPaths {
+    /// Builds the data paths on `devices` (one per listener; `None` where it is not serving).
+    pub fn new(
+        devices: &[Option<Device>],
+        builder: PathBuilder,
+        counters: Arc<DataPathCounters>,
+        inbox: std::sync::mpsc::Receiver<ReactorCmd>,
+    ) -> ReactorPaths {
+        let paths = devices
+            .iter()
+            .map(|d| CountedPath::build(&builder, d.as_ref()?))
+            .collect();
+        let log = builder.log.clone();
+        let rp = ReactorPaths {
+            paths,
+            removed: Vec::new(),
+            inbox,
+            counters,
+            builder,
+            fds_changed: false,
+            log,
+        };
+        rp.fold();
+        rp
+    }
+
+    /// Every data path, live or draining after its device's removal.
+    fn all(&mut self) -> impl Iterator<Item = &mut CountedPath> {
+        self.paths
+            .iter_mut()
+            .flatten()
+            .chain(self.removed.iter_mut().map(|r| &mut r.path))
+    }
+
+    /// Moves the data paths' totals into the reactor's counters and stores the sum of their
+    /// levels there (plain loads and stores: this thread writes both).
+    fn fold(&self) {
+        let mut g = Gauges::default();
+        let paths = self.paths.iter().flatten();
+        for p in paths.chain(self.removed.iter().map(|r| &r.path)) {
+            p.counters.move_totals_into(&self.counters);
+            g.add(&p.counters);
+        }
+        g.store(&self.counters);
+    }
+
+    /// Listener `listener`'s device is gone: its data path tears everything down and drains.
+    fn remove_device(&mut self, listener: usize, hold: RemovalHold) {
+        let Some(mut path) = self.paths.get_mut(listener).and_then(Option::take) else {
+            return;
+        };
+        let now = Instant::now();
+        let qps = path.dp.connections();
+        path.dp.device_removed(now);
+        slog::info!(self.log, "device removed: its data path tears its QPs down and drains";
+            "listener" => listener, "qps" => qps, "draining" => path.dp.draining());
+        self.removed.push(Removed {
+            path,
+            listener,
+            since: now,
+            _hold: hold,
+        });
+    }
+
+    /// Drops the data paths of removed devices that have nothing outstanding any more, or
+    /// have waited `DRAIN_TIMEOUT` since their drains ended.
+    fn drop_removed(&mut self, now: Instant) {
+        let mut i = 0;
+        while i < self.removed.len() {
+            let r = &self.removed[i];
+            let mut g = Gauges::default();
+            g.add(&r.path.counters);
+            let drained = r.path.dp.draining() == 0;
+            let waited = now.duration_since(r.since) >= DRAIN_TIMEOUT;
+            if !(drained && (g.idle() || waited)) {
+                i += 1;
+                continue;
+            }
+            let r = self.removed.swap_remove(i);
+            // Its last totals move before it goes; its levels leave the sum.
+            r.path.counters.move_totals_into(&self.counters);
+            if g.idle() {
+                slog::info!(self.log, "data path of the removed device released: every request, buffer and send came back";
+                    "listener" => r.listener, "after" => ?now.duration_since(r.since));
+            } else {
+                slog::warn!(self.log, "data path of the removed device released with work outstanding";
+                    "listener" => r.listener, "after" => ?now.duration_since(r.since), "levels" => ?g);
+            }
+            drop(r);
+        }
+    }
+
+    /// Listener `listener` serves again on `device`.
+    fn add_path(&mut self, listener: usize, device: &Device) {
+        if self.paths.len() <= listener {
+            self.paths.resize_with(listener + 1, || None);
+        }
+        if self.paths[listener].is_some() {
+            slog::warn!(self.log, "listener already has a data path; keeping it"; "listener" => listener);
+            return;
+        }
+        if let Some(p) = CountedPath::build(&self.builder, device) {
+            slog::info!(self.log, "data path built on the returned device"; "listener" => listener);
+            self.paths[listener] = Some(p);
+            self.fds_changed = true;
+        }
+    }
 }
 
 impl Drop for ReactorPaths {
@@ -53,22 +279,22 @@ impl Drop for ReactorPaths {
     fn drop(&mut self) {
         let now = Instant::now();
         let mut qps = 0;
-        for dp in self.paths.iter_mut().flatten() {
-            qps += dp.connections();
-            dp.shutdown(now);
+        for p in self.all() {
+            qps += p.dp.connections();
+            p.dp.shutdown(now);
         }
-        if qps == 0 {
+        let draining = |rp: &mut ReactorPaths| rp.all().any(|p| p.dp.draining() > 0);
+        if qps == 0 && !draining(self) {
             return;
         }
-        while self.paths.iter().flatten().any(|dp| dp.draining() > 0)
-            && now.elapsed() < DRAIN_TIMEOUT
-        {
-            for dp in self.paths.iter_mut().flatten() {
-                dp.poll(Instant::now());
+        while draining(self) && now.elapsed() < DRAIN_TIMEOUT {
+            for p in self.all() {
+                p.dp.poll(Instant::now());
             }
             std::thread::yield_now();
         }
-        let left: usize = self.paths.iter().flatten().map(DataPath::draining).sum();
+        self.fold();
+        let left: usize = self.all().map(|p| p.dp.draining()).sum();
         slog::info!(self.log, "QPs torn down at shutdown"; "qps" => qps, "not_drained" => left);
     }
 }
@@ -81,7 +307,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
             match cmd {
                 ReactorCmd::Adopt { listener, id, req } => {
                     match self.paths.get_mut(listener).and_then(Option::as_mut) {
-                        Some(dp) => match dp.adopt(id, req) {
+                        Some(p) => match p.dp.adopt(id, req) {
                             Ok(Change::Grew(n)) => {
                                 slog::info!(self.log, "SRQ grew to cover the connected queues"; "receives" => n)
                             }
@@ -91,22 +317,27 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                             }
                         },
                         None => {
-                            slog::warn!(self.log, "a connection for a listener without a data path")
+                            slog::warn!(self.log, "a connection for a listener without a data path: refused"; "listener" => listener);
+                            let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
+                                nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                            ));
                         }
                     }
                 }
                 ReactorCmd::Disconnected { token } => {
-                    for dp in self.paths.iter_mut().flatten() {
-                        dp.disconnected(token);
+                    for p in self.all() {
+                        p.dp.disconnected(token);
                     }
                 }
                 ReactorCmd::DeviceEvent { async_fd, event } => {
                     let now = Instant::now();
-                    for dp in self.paths.iter_mut().flatten() {
-                        if dp.async_fd() != async_fd {
+                    // Live data paths only: a removed device's fd number may since name
+                    // another device.
+                    for p in self.paths.iter_mut().flatten() {
+                        if p.dp.async_fd() != async_fd {
                             continue;
                         }
-                        match dp.on_event(&event, now) {
+                        match p.dp.on_event(&event, now) {
                             Change::Grew(n) => {
                                 slog::info!(self.log, "SRQ grew"; "receives" => n)
                             }
@@ -117,23 +348,38 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                         }
                     }
                 }
+                ReactorCmd::RemoveDevice { listener, hold } => self.remove_device(listener, hold),
+                ReactorCmd::AddPath { listener, device } => self.add_path(listener, &device),
             }
         }
         let now = Instant::now();
-        for dp in self.paths.iter_mut().flatten() {
-            worked |= dp.poll(now);
+        for p in self.all() {
+            worked |= p.dp.poll(now);
         }
+        if !self.removed.is_empty() {
+            self.drop_removed(now);
+        }
+        self.fold();
         worked
     }
 
     fn wake_fds(&self) -> Vec<std::os::fd::RawFd> {
-        self.paths.iter().flatten().map(DataPath::wake_fd).collect()
+        self.paths
+            .iter()
+            .flatten()
+            .chain(self.removed.iter().map(|r| &r.path))
+            .map(|p| p.dp.wake_fd())
+            .collect()
+    }
+
+    fn wake_fds_changed(&mut self) -> bool {
+        std::mem::take(&mut self.fds_changed)
     }
 
     fn prepare_sleep(&mut self) -> bool {
         let mut ok = true;
-        for dp in self.paths.iter_mut().flatten() {
-            ok &= dp.arm();
+        for p in self.all() {
+            ok &= p.dp.arm();
         }
         ok
     }

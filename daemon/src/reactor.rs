@@ -66,6 +66,11 @@ pub trait ReactorWork {
     /// Fds that turn readable when work arrives (completion channels); the reactor sleeps on
     /// them when idle.
     fn wake_fds(&self) -> Vec<std::os::fd::RawFd>;
+    /// Whether `wake_fds` has new fds since the last call (a data path was added); the
+    /// reactor then watches them too. Fds that close leave the poller by themselves.
+    fn wake_fds_changed(&mut self) -> bool {
+        false
+    }
     /// Arms the wake-up sources before sleeping; false when the reactor must not sleep
     /// (operations in flight that only polling completes).
     fn prepare_sleep(&mut self) -> bool;
@@ -174,6 +179,25 @@ impl ReactorHandle {
     }
 }
 
+/// Registers the work's wake-up fds with the reactor's poller (those already registered
+/// stay).
+fn watch(poll: &Poll, work: &dyn ReactorWork, log: &Logger) {
+    for fd in work.wake_fds() {
+        let r = poll.registry().register(
+            &mut mio::unix::SourceFd(&fd),
+            Token(1),
+            mio::Interest::READABLE,
+        );
+        match r {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                error!(log, "cannot watch a completion channel; polling only"; "error" => %e)
+            }
+        }
+    }
+}
+
 /// The poll loop.
 fn run(
     shared: &ReactorShared,
@@ -184,16 +208,7 @@ fn run(
 ) {
     info!(log, "reactor started");
     if let Some(w) = &work {
-        for (i, fd) in w.wake_fds().into_iter().enumerate() {
-            let r = poll.registry().register(
-                &mut mio::unix::SourceFd(&fd),
-                Token(1 + i),
-                mio::Interest::READABLE,
-            );
-            if let Err(e) = r {
-                error!(log, "cannot watch a completion channel; polling only"; "error" => %e);
-            }
-        }
+        watch(&poll, w.as_ref(), log);
     }
     let c = &shared.counters;
     let mut events = Events::with_capacity(16);
@@ -218,6 +233,11 @@ fn run(
             ReactorCounters::bump(&c.busy_turns);
             last_work = Instant::now();
             continue;
+        }
+        if let Some(w) = work.as_mut() {
+            if w.wake_fds_changed() {
+                watch(&poll, w.as_ref(), log);
+            }
         }
         let may_sleep = work.as_mut().is_none_or(|w| w.prepare_sleep());
         if may_sleep

@@ -198,6 +198,171 @@ impl DataPathCounters {
     }
 }
 
+/// The levels (gauges) of [`DataPathCounters`], summed over a reactor's data paths.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Gauges {
+    connections: u64,
+    receives_posted: u64,
+    srq_receives_registered: u64,
+    requests_active: u64,
+    requests_waiting: u64,
+    request_slots_free: u64,
+    request_slots: u64,
+    buffers_free: u64,
+    buffers: u64,
+    block_ops_in_flight: u64,
+    sends_in_flight: u64,
+    qps_draining: u64,
+}
+
+impl Gauges {
+    /// Adds the levels of one data path's counters.
+    pub fn add(&mut self, c: &DataPathCounters) {
+        let g = |a: &AtomicU64| a.load(Relaxed);
+        self.connections += g(&c.connections);
+        self.receives_posted += g(&c.receives_posted);
+        self.srq_receives_registered += g(&c.srq_receives_registered);
+        self.requests_active += g(&c.requests_active);
+        self.requests_waiting += g(&c.requests_waiting);
+        self.request_slots_free += g(&c.request_slots_free);
+        self.request_slots += g(&c.request_slots);
+        self.buffers_free += g(&c.buffers_free);
+        self.buffers += g(&c.buffers);
+        self.block_ops_in_flight += g(&c.block_ops_in_flight);
+        self.sends_in_flight += g(&c.sends_in_flight);
+        self.qps_draining += g(&c.qps_draining);
+    }
+
+    /// Whether nothing is outstanding: no connection, command, block operation, send or
+    /// drain, and every request slot and buffer free.
+    pub fn idle(&self) -> bool {
+        self.connections == 0
+            && self.requests_active == 0
+            && self.requests_waiting == 0
+            && self.request_slots_free == self.request_slots
+            && self.buffers_free == self.buffers
+            && self.block_ops_in_flight == 0
+            && self.sends_in_flight == 0
+            && self.qps_draining == 0
+    }
+
+    /// Stores these levels into `c`.
+    pub fn store(&self, c: &DataPathCounters) {
+        let s = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
+        s(&c.connections, self.connections);
+        s(&c.receives_posted, self.receives_posted);
+        s(&c.srq_receives_registered, self.srq_receives_registered);
+        s(&c.requests_active, self.requests_active);
+        s(&c.requests_waiting, self.requests_waiting);
+        s(&c.request_slots_free, self.request_slots_free);
+        s(&c.request_slots, self.request_slots);
+        s(&c.buffers_free, self.buffers_free);
+        s(&c.buffers, self.buffers);
+        s(&c.block_ops_in_flight, self.block_ops_in_flight);
+        s(&c.sends_in_flight, self.sends_in_flight);
+        s(&c.qps_draining, self.qps_draining);
+    }
+}
+
+impl DataPathCounters {
+    /// Moves this data path's totals (the counters that only grow) into `to`, a reactor's
+    /// counters, and zeroes them here; the levels stay (see [`Gauges`]). Only the thread that
+    /// writes both may call it: the moves are plain loads and stores, no atomic
+    /// read-modify-write, as it runs every reactor turn.
+    pub fn move_totals_into(&self, to: &DataPathCounters) {
+        // Destructured without `..`: a counter added to the struct must be placed here, as a
+        // total below or as a level in `Gauges`.
+        let DataPathCounters {
+            commands,
+            command_errors,
+            commands_queued,
+            read_bytes,
+            write_bytes,
+            rdma_reads,
+            receives_posted: _,
+            srq_receives_registered: _,
+            srq_limit_events,
+            srq_grows,
+            srq_shrinks,
+            srq_at_max,
+            srq_empty,
+            srq_errors,
+            late_receives,
+            post_errors,
+            connections: _,
+            connections_accepted,
+            requests_active: _,
+            requests_waiting: _,
+            request_slots_free: _,
+            request_slots: _,
+            buffers_free: _,
+            buffers: _,
+            block_ops_in_flight: _,
+            sends_in_flight: _,
+            teardowns_disconnect,
+            teardowns_qp_error,
+            teardowns_controller,
+            teardowns_device,
+            teardowns_shutdown,
+            drain_timeouts,
+            qp_events,
+            last_wqe_events,
+            device_events,
+            qps_draining: _,
+            srq_rebuilds,
+        } = self;
+        let mv = |from: &AtomicU64, to: &AtomicU64| {
+            let v = from.load(Relaxed);
+            if v != 0 {
+                from.store(0, Relaxed);
+                to.store(to.load(Relaxed).wrapping_add(v), Relaxed);
+            }
+        };
+        mv(commands, &to.commands);
+        mv(command_errors, &to.command_errors);
+        mv(commands_queued, &to.commands_queued);
+        mv(read_bytes, &to.read_bytes);
+        mv(write_bytes, &to.write_bytes);
+        mv(rdma_reads, &to.rdma_reads);
+        mv(srq_limit_events, &to.srq_limit_events);
+        mv(srq_grows, &to.srq_grows);
+        mv(srq_shrinks, &to.srq_shrinks);
+        mv(srq_at_max, &to.srq_at_max);
+        mv(srq_empty, &to.srq_empty);
+        mv(srq_errors, &to.srq_errors);
+        mv(late_receives, &to.late_receives);
+        mv(post_errors, &to.post_errors);
+        mv(connections_accepted, &to.connections_accepted);
+        mv(teardowns_disconnect, &to.teardowns_disconnect);
+        mv(teardowns_qp_error, &to.teardowns_qp_error);
+        mv(teardowns_controller, &to.teardowns_controller);
+        mv(teardowns_device, &to.teardowns_device);
+        mv(teardowns_shutdown, &to.teardowns_shutdown);
+        mv(drain_timeouts, &to.drain_timeouts);
+        mv(qp_events, &to.qp_events);
+        mv(last_wqe_events, &to.last_wqe_events);
+        mv(device_events, &to.device_events);
+        mv(srq_rebuilds, &to.srq_rebuilds);
+    }
+}
+
+/// One listener in `stats`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ListenerStats {
+    /// Listener index, in the order of the configuration's `[[listener]]` tables.
+    pub id: usize,
+    /// `address:port`.
+    pub address: String,
+    /// Verbs provider.
+    pub provider: String,
+    /// Whether it accepts connections now.
+    pub serving: bool,
+    /// Times its device was removed (or failed fatally) while it served.
+    pub device_removals_total: u64,
+    /// Times it served again after its device returned.
+    pub returns_total: u64,
+}
+
 /// One reactor's data path in `stats`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct DataPathStats {
@@ -288,6 +453,57 @@ pub struct Stats {
     pub reactors: Vec<ReactorStats>,
     /// One entry per reactor: its data path.
     pub datapath: Vec<DataPathStats>,
+    /// One entry per listener.
+    #[serde(default)]
+    pub listeners: Vec<ListenerStats>,
     /// The admin socket.
     pub admin: AdminStats,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reactors_counters_sum_its_data_paths_and_keep_totals_of_those_gone() {
+        let reactor = DataPathCounters::default();
+        let (a, b) = (DataPathCounters::default(), DataPathCounters::default());
+        for (c, n) in [(&a, 3), (&b, 5)] {
+            c.commands.store(n, Relaxed);
+            c.teardowns_device.store(n, Relaxed);
+            c.buffers.store(16, Relaxed);
+            c.buffers_free.store(16 - n, Relaxed);
+            c.receives_posted.store(64, Relaxed);
+        }
+        let fold = |paths: &[&DataPathCounters]| {
+            let mut g = Gauges::default();
+            for p in paths {
+                p.move_totals_into(&reactor);
+                g.add(p);
+            }
+            g.store(&reactor);
+            g
+        };
+        let g = fold(&[&a, &b]);
+        assert!(!g.idle());
+        let s = reactor.snapshot(0);
+        assert_eq!((s.commands_total, s.teardowns_device_total), (8, 8));
+        assert_eq!(
+            (s.buffers, s.buffers_free, s.srq_receives_posted),
+            (32, 24, 128)
+        );
+        assert_eq!(a.commands.load(Relaxed), 0, "moved, not copied");
+        // A second turn counts nothing twice; path `a` goes (its device was removed): its
+        // totals stay, its levels leave the sum.
+        b.commands.fetch_add(1, Relaxed);
+        b.buffers_free.store(16, Relaxed);
+        let g = fold(&[&b]);
+        let s = reactor.snapshot(0);
+        assert_eq!((s.commands_total, s.teardowns_device_total), (9, 8));
+        assert_eq!(
+            (s.buffers, s.buffers_free, s.srq_receives_posted),
+            (16, 16, 64)
+        );
+        assert!(g.idle(), "{g:?}");
+    }
 }

@@ -821,6 +821,47 @@ mod soft_only {
         assert!(w.t.dev.alloc_pd().is_ok());
     }
 
+    #[test]
+    fn a_removed_devices_listener_hears_of_it_and_listens_again_once_it_returns() {
+        // Over TCP, as the daemon listens: the acceptor's port must be free again.
+        let f = Fabric::networked();
+        let ip: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let dev = f.add_device(ip).unwrap();
+        let addr = SocketAddr::new(ip, 21990);
+        let ch = nvmfd_rdma::soft::cm::CmChannel::new(&f).unwrap();
+        let l = ch.listen(addr, 8).unwrap();
+        f.remove_device(&dev);
+        match ch.next_event() {
+            Some(nvmfd_rdma::soft::cm::CmEvent::DeviceRemoval { id }) => {
+                assert_eq!(id, l.token(), "the listening ID hears of it")
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(l);
+        let e = ch.listen(addr, 8).unwrap_err();
+        assert_eq!(e.errno(), Some(libc::ENODEV), "{e}");
+        f.restore_device(&dev);
+        let l = ch.listen(addr, 8).unwrap();
+        // A host in another fabric reaches the new listener on the same port.
+        let g = Fabric::networked();
+        let gd = g.add_device("127.0.0.2".parse().unwrap()).unwrap();
+        let pd = gd.alloc_pd().unwrap();
+        let cq = gd.create_cq(16).unwrap();
+        let srq = pd.create_srq(16, 1).unwrap();
+        let gch = nvmfd_rdma::soft::cm::CmChannel::new(&g).unwrap();
+        let mut c = gch.resolve(addr, Duration::from_secs(3)).unwrap();
+        c.create_qp(&pd, &cq, &srq, CAPS).unwrap();
+        c.connect(&[7; 32]).unwrap();
+        wait("the new listener's CONNECT_REQUEST", || {
+            match ch.next_event() {
+                Some(nvmfd_rdma::soft::cm::CmEvent::ConnectRequest { .. }) => Some(()),
+                Some(other) => panic!("{other:?}"),
+                None => None,
+            }
+        });
+        drop(l);
+    }
+
     /// The failed work requests of a run with drops, for `seed`.
     fn dropped_with(seed: u64) -> Vec<u64> {
         let w = world(5013, 8).unwrap();

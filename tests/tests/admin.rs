@@ -132,6 +132,42 @@ fn test_hooks_are_refused_without_the_environment_variable() {
 }
 
 #[test]
+fn the_fault_hook_needs_the_environment_variable_and_a_soft_listener() {
+    let remove =
+        |l: usize| format!(r#"{{"request":"debug_fault","fault":"remove_device","listener":{l}}}"#);
+    let d = Daemon::start(Options::default());
+    let v = d.request(&remove(0));
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("NVMFD_TEST_HOOKS=1"),
+        "{v}"
+    );
+    assert_eq!(d.data("status")["listeners"][0]["serving"], true);
+    // Listener 1 is on ibverbs (not serving on a machine without an RDMA device, but there).
+    let d = Daemon::start(Options {
+        test_hooks: true,
+        replace: vec![(
+            "[[subsystem]]".into(),
+            "[[listener]]\naddress = \"127.0.0.1\"\nport = 4791\nprovider = \"ibverbs\"\n\n\
+             [[subsystem]]"
+                .into(),
+        )],
+        ..Options::default()
+    });
+    let v = d.request(&remove(1));
+    assert_eq!(
+        v["error"],
+        "listener 1 uses the ibverbs provider: faults can be injected on the soft provider only",
+        "{v}"
+    );
+    let v = d.request(&remove(2));
+    assert_eq!(v["error"], "no listener 2", "{v}");
+    let v = d.request(r#"{"request":"debug_fault","fault":"unplug","listener":0}"#);
+    assert_eq!(v["ok"], false, "an unknown fault: {v}");
+    assert_eq!(d.data("status")["listeners"][0]["serving"], true);
+}
+
+#[test]
 fn an_oversized_line_gets_an_error_then_a_disconnect() {
     let d = Daemon::start(Options::default());
     let mut s = UnixStream::connect(&d.socket).unwrap();

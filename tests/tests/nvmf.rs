@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 
 use nvmf_host::RdmaQueue;
-use nvmfd_nvme::host::{AdminQueue, HostId, IoQueue};
+use nvmfd_nvme::host::{AdminQueue, HostError, HostId, IoQueue};
 use nvmfd_nvme::DISCOVERY_NQN;
 use nvmfd_rdma::any::cm::CmChannel;
 use nvmfd_rdma::soft::Fabric;
@@ -462,4 +462,243 @@ fn stopping_the_daemon_tears_down_every_qp_through_the_drain() {
         line.contains("\"qps\":2") && line.contains("\"not_drained\":0"),
         "{line}"
     );
+}
+
+/// Sum of a `stats` data path field over the reactors.
+fn dp_sum(s: &serde_json::Value, k: &str) -> u64 {
+    s["datapath"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}")))
+        .sum()
+}
+
+/// Whether every pool of every reactor is back to its full count: no command active or
+/// waiting, every request slot and buffer free, no block operation or signaled send in
+/// flight, no QP draining, every registered receive posted.
+fn pools_full(s: &serde_json::Value) -> bool {
+    dp_sum(s, "requests_active") == 0
+        && dp_sum(s, "requests_waiting") == 0
+        && dp_sum(s, "request_slots_free") == dp_sum(s, "request_slots")
+        && dp_sum(s, "buffers_free") == dp_sum(s, "buffers")
+        && dp_sum(s, "block_ops_in_flight") == 0
+        && dp_sum(s, "sends_in_flight") == 0
+        && dp_sum(s, "qps_draining") == 0
+        && dp_sum(s, "srq_receives_posted") == dp_sum(s, "srq_receives_registered")
+}
+
+/// A host with its own fabric (device `ip`): an admin queue and one I/O queue on `addr`.
+fn connect_host(
+    ip: &str,
+    addr: SocketAddr,
+    h: &HostId,
+) -> (Fabric, AdminQueue<RdmaQueue>, IoQueue<RdmaQueue>) {
+    let f = Fabric::networked();
+    f.add_device(ip.parse().unwrap()).unwrap();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let io = IoQueue::connect(queue(&f, addr, 1, 31), h, SUB, admin.cntlid, 1, 31).unwrap();
+    (f, admin, io)
+}
+
+/// Writes `len` bytes of pattern `seed` at `lba` and reads them back.
+fn write_verified(io: &mut IoQueue<RdmaQueue>, lba: u64, seed: u64, len: usize) -> Vec<u8> {
+    let data = pattern(seed, len);
+    io.write(1, lba, (len / 512) as u32, &data, false).unwrap();
+    let mut back = vec![0u8; len];
+    io.read(1, lba, (len / 512) as u32, &mut back).unwrap();
+    assert!(back == data, "{len} bytes at LBA {lba}: read back differs");
+    data
+}
+
+#[test]
+fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_serves() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    // Two reactors where there are two cores: each has a data path on both devices.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get().min(2));
+    let list: Vec<String> = (0..cores).map(|c| c.to_string()).collect();
+    let port1 = nvmfd_tests::test_port();
+    let d = Daemon::start(Options {
+        test_hooks: true,
+        replace: vec![
+            (
+                "reactor_cores = [0]".into(),
+                format!("reactor_cores = [{}]", list.join(", ")),
+            ),
+            (
+                "[[subsystem]]".into(),
+                format!(
+                    "[[listener]]\naddress = \"127.0.0.2\"\nport = {port1}\nprovider = \"soft\"\n\n\
+                     [[subsystem]]"
+                ),
+            ),
+        ],
+        ..Options::default()
+    });
+    let a0 = listener(&d);
+    let a1 = SocketAddr::new("127.0.0.2".parse().unwrap(), port1);
+    let status = d.data("status");
+    assert_eq!(status["listeners"][0]["serving"], true, "{status}");
+    assert_eq!(status["listeners"][1]["serving"], true, "{status}");
+    let host_a = host();
+    let host_b = HostId {
+        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000b2".into(),
+        id: [0xb2; 16],
+    };
+
+    // Host A, on listener 0, writes data and verifies it.
+    let (_fa, mut admin_a, mut io_a) = connect_host("127.0.0.11", a0, &host_a);
+    let before: Vec<(u64, Vec<u8>)> = (0..8u64)
+        .map(|k| {
+            let lba = 1000 + k * 256;
+            (
+                lba,
+                write_verified(&mut io_a, lba, 100 + k, 4096 << (k % 5)),
+            )
+        })
+        .collect();
+
+    // Host B, on listener 1, does verified I/O from now on, until told to stop.
+    let run_b = Arc::new(AtomicBool::new(true));
+    let done_b = Arc::new(AtomicU64::new(0));
+    let b = {
+        let (run, done) = (Arc::clone(&run_b), Arc::clone(&done_b));
+        let h = host_b.clone();
+        std::thread::spawn(move || {
+            let (f, admin, mut io) = connect_host("127.0.0.12", a1, &h);
+            let mut n = 0u64;
+            while run.load(Ordering::Relaxed) {
+                write_verified(&mut io, 50_000 + (n % 32) * 16, 7000 + n, 8192);
+                n += 1;
+                done.store(n, Ordering::Relaxed);
+            }
+            (f, admin, io)
+        })
+    };
+    // Host A keeps I/O in flight on other blocks until its queue fails.
+    let a_busy = Arc::new(AtomicU64::new(0));
+    let a_thread = {
+        let busy = Arc::clone(&a_busy);
+        std::thread::spawn(move || {
+            for n in 0u64.. {
+                let data = pattern(9000 + n, 65536);
+                if let Err(e) = io_a.write(1, 20_000 + (n % 16) * 128, 128, &data, false) {
+                    return e;
+                }
+                let mut back = vec![0u8; 65536];
+                if let Err(e) = io_a.read(1, 20_000 + (n % 16) * 128, 128, &mut back) {
+                    return e;
+                }
+                busy.store(n + 1, Ordering::Relaxed);
+            }
+            unreachable!()
+        })
+    };
+    nvmfd_tests::wait_for("both hosts' I/O to flow", || {
+        (done_b.load(Ordering::Relaxed) > 20 && a_busy.load(Ordering::Relaxed) > 20).then_some(())
+    });
+
+    // Listener 0's device goes.
+    let v = d.request(r#"{"request":"debug_fault","fault":"remove_device","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    // Host A's queues end: its host library sees the target go.
+    let e = a_thread.join().unwrap();
+    assert!(matches!(e, HostError::Transport(_)), "{e}");
+    let e = admin_a.keep_alive().unwrap_err();
+    assert!(matches!(e, HostError::Transport(_)), "{e}");
+    let status = nvmfd_tests::wait_for("listener 0 to stop serving", || {
+        let s = d.data("status");
+        (s["listeners"][0]["serving"] == false).then_some(s)
+    });
+    assert_eq!(
+        status["listeners"][0]["reason"], "device removed, waiting for it to return",
+        "{status}"
+    );
+    assert_eq!(status["listeners"][1]["serving"], true, "{status}");
+    // Nobody reaches listener 0 while its device is away.
+    let f = Fabric::networked();
+    f.add_device("127.0.0.13".parse().unwrap()).unwrap();
+    let ch = CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&f).unwrap());
+    assert!(RdmaQueue::connect(ch, a0, 0, 31, 4096, 128 * 1024).is_err());
+    // Host B's I/O goes on.
+    let at_removal = done_b.load(Ordering::Relaxed);
+    nvmfd_tests::wait_for("host B's I/O to go on after the removal", || {
+        (done_b.load(Ordering::Relaxed) >= at_removal + 50).then_some(())
+    });
+    // Every reactor released its data path on the removed device with nothing outstanding.
+    let released =
+        "data path of the removed device released: every request, buffer and send came back";
+    nvmfd_tests::wait_for("every reactor to release the removed device", || {
+        (d.log().matches(released).count() == cores).then_some(())
+    });
+    assert!(
+        !d.log().contains("released with work outstanding"),
+        "{}",
+        d.log()
+    );
+    run_b.store(false, Ordering::Relaxed);
+    let (_fb, mut admin_b, mut io_b) = b.join().unwrap();
+    // Host B stays connected; every pool is full again.
+    let stats = nvmfd_tests::wait_for("every pool back to its full count", || {
+        let s = d.data("stats");
+        pools_full(&s).then_some(s)
+    });
+    assert_eq!(dp_sum(&stats, "qps"), 2, "host B's queues: {stats}");
+    assert_eq!(dp_sum(&stats, "drain_timeouts_total"), 0, "{stats}");
+    let torn: u64 = [
+        "teardowns_device_total",
+        "teardowns_qp_error_total",
+        "teardowns_disconnect_total",
+        "teardowns_controller_total",
+    ]
+    .iter()
+    .map(|k| dp_sum(&stats, k))
+    .sum();
+    assert_eq!(torn, 2, "host A's two queues, and only them: {stats}");
+    assert_eq!(stats["listeners"][0]["device_removals_total"], 1, "{stats}");
+    assert_eq!(stats["listeners"][0]["serving"], false, "{stats}");
+
+    // The device returns: the listener serves again.
+    let v = d.request(r#"{"request":"debug_fault","fault":"restore_device","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    nvmfd_tests::wait_for("listener 0 to serve again", || {
+        let s = d.data("status");
+        (s["listeners"][0]["serving"] == true).then_some(())
+    });
+    // Host A connects anew: what it wrote before the fault reads back, and it writes more.
+    let (_fa2, mut admin_a, mut io_a) = connect_host("127.0.0.14", a0, &host_a);
+    for (lba, data) in &before {
+        let mut back = vec![0u8; data.len()];
+        io_a.read(1, *lba, (data.len() / 512) as u32, &mut back)
+            .unwrap();
+        assert!(
+            back == *data,
+            "LBA {lba}: data written before the removal differs"
+        );
+    }
+    for k in 0..8u64 {
+        write_verified(&mut io_a, 30_000 + k * 256, 500 + k, 4096 << (k % 5));
+    }
+    write_verified(&mut io_b, 60_000, 42, 16384);
+    let stats = d.data("stats");
+    assert_eq!(stats["listeners"][0]["device_removals_total"], 1, "{stats}");
+    assert_eq!(stats["listeners"][0]["returns_total"], 1, "{stats}");
+    assert_eq!(stats["listeners"][1]["device_removals_total"], 0, "{stats}");
+    assert_eq!(stats["listeners"][1]["returns_total"], 0, "{stats}");
+    let log = d.log();
+    assert_eq!(
+        log.matches("device removed: the listener stops serving")
+            .count(),
+        1,
+        "logged once, however many events told of it:\n{log}"
+    );
+    assert!(
+        log.contains("device returned: the listener serves again"),
+        "{log}"
+    );
+    admin_a.shutdown().unwrap();
+    admin_b.shutdown().unwrap();
 }

@@ -55,6 +55,9 @@ pub(crate) struct CmState {
     listeners: HashMap<SocketAddr, u32>,
     ids: HashMap<u32, IdState>,
     channels: HashMap<u32, ChannelState>,
+    /// Per listening ID on a networked fabric, its TCP listener (a handle to the socket its
+    /// acceptor thread waits on), shut down when the ID goes so that the address is free again.
+    pub(crate) acceptors: HashMap<u32, std::net::TcpListener>,
 }
 
 impl CmState {
@@ -94,13 +97,19 @@ impl CmState {
         Some(id)
     }
 
-    /// IDs whose QP is on a removed device see `DeviceRemoval`.
-    pub(crate) fn device_removed(&mut self, qpns: &[u32]) {
+    /// The listening IDs, by the address each listens on.
+    pub(crate) fn listening_ids(&self) -> impl Iterator<Item = (SocketAddr, u32)> + '_ {
+        self.listeners.iter().map(|(a, l)| (*a, *l))
+    }
+
+    /// IDs whose QP is on a removed device, and the IDs listening on it (`listening`), see
+    /// `DeviceRemoval`.
+    pub(crate) fn device_removed(&mut self, qpns: &[u32], listening: &[u32]) {
         let hit: Vec<(u32, usize)> = self
             .ids
-            .values()
-            .filter(|i| i.qp.is_some_and(|q| qpns.contains(&q)))
-            .map(|i| (i.channel, i.token))
+            .iter()
+            .filter(|(id, i)| i.qp.is_some_and(|q| qpns.contains(&q)) || listening.contains(id))
+            .map(|(_, i)| (i.channel, i.token))
             .collect();
         for (chan, token) in hit {
             self.push(chan, Ev::DeviceRemoval { token });
@@ -191,7 +200,8 @@ impl CmChannel {
     }
 
     /// Listens on `addr`, which must be a device's address; a second listener on it is
-    /// refused (EADDRINUSE).
+    /// refused (EADDRINUSE), and so is a removed device's address (ENODEV, as rdma_bind_addr
+    /// finds no device for it).
     pub fn listen(&self, addr: SocketAddr, _backlog: i32) -> Result<CmId, VerbsError> {
         let device = self
             .fabric
@@ -199,19 +209,23 @@ impl CmChannel {
             .ok_or(VerbsError::os("rdma_bind_addr", libc::EADDRNOTAVAIL))?;
         let mut id = self.new_id(None);
         let mut s = self.fabric.lock();
+        if s.is_removed(device.inner.id) {
+            return Err(VerbsError::os("rdma_bind_addr", libc::ENODEV));
+        }
         if s.cm.listeners.contains_key(&addr) {
             return Err(VerbsError::os("rdma_listen", libc::EADDRINUSE));
         }
         s.cm.listeners.insert(addr, id.id);
         let tcp = s.tcp;
         drop(s);
+        // Set before the acceptor starts: if it cannot, dropping the ID frees the address.
+        id.listen_addr = Some(addr);
+        id.device = Some(device);
         if tcp {
             super::tcp::start_acceptor(&self.fabric, addr, id.id).map_err(|e| {
                 VerbsError::os("rdma_listen", e.raw_os_error().unwrap_or(libc::EADDRINUSE))
             })?;
         }
-        id.listen_addr = Some(addr);
-        id.device = Some(device);
         Ok(id)
     }
 
@@ -627,7 +641,11 @@ impl Drop for CmId {
             s.cm.listeners.remove(&a);
         }
         s.cm.ids.remove(&self.id);
+        let acceptor = s.cm.acceptors.remove(&self.id);
         drop(s);
+        if let Some(l) = acceptor {
+            super::tcp::stop_acceptor(l);
+        }
         // The QP (if any) is destroyed after the ID's state, as rdma_destroy_qp then
         // rdma_destroy_id would.
         self.qp.take();

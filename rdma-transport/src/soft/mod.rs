@@ -243,7 +243,8 @@ impl Fabric {
     }
 
     /// Removes a device as a hot-unplug would: `DeviceFatal`, every QP on it goes to ERR, CM
-    /// IDs on it see `DeviceRemoval`, and nothing new can be created on it until
+    /// IDs on it (its connections and, as with rdma_cm, the IDs listening on it) see
+    /// `DeviceRemoval`, and nothing new can be created or listened on it until
     /// [`Fabric::restore_device`].
     pub fn remove_device(&self, dev: &Device) {
         let mut s = self.lock();
@@ -259,7 +260,12 @@ impl Fabric {
         for q in &qpns {
             s.qp_error(*q);
         }
-        s.cm.device_removed(&qpns);
+        let listening: Vec<u32> =
+            s.cm.listening_ids()
+                .filter(|(addr, _)| s.device_id_for(addr.ip()) == Some(id))
+                .map(|(_, l)| l)
+                .collect();
+        s.cm.device_removed(&qpns, &listening);
     }
 
     /// Brings a removed device back (its port turns active again).
@@ -341,16 +347,19 @@ impl Fabric {
         })
     }
 
+    /// The device whose address is `addr` (none falls back to another, unlike the route a
+    /// listener or a connection takes).
+    pub fn device_at(&self, addr: std::net::IpAddr) -> Option<Device> {
+        let found = self.lock().devs.iter().any(|(_, d)| d.addr == addr);
+        found.then(|| self.device_for(addr)).flatten()
+    }
+
     /// The device with address `addr`, or else the first device (an in-process fabric routes
     /// everything).
     pub(crate) fn device_for(&self, addr: std::net::IpAddr) -> Option<Device> {
         let s = self.lock();
-        let (id, d) = s
-            .devs
-            .iter()
-            .find(|(_, d)| d.addr == addr)
-            .or_else(|| s.devs.iter().min_by_key(|(id, _)| **id))?;
-        let (id, fd) = (*id, Arc::clone(&d.async_fd));
+        let id = s.device_id_for(addr)?;
+        let fd = Arc::clone(&s.devs.get(&id)?.async_fd);
         drop(s);
         // Devices stay in their fabric for its life (device removal is a fault to inject).
         Some(Device {
@@ -364,6 +373,20 @@ impl Fabric {
 }
 
 impl State {
+    /// The ID of the device with address `addr`, or else of the first device.
+    fn device_id_for(&self, addr: std::net::IpAddr) -> Option<u32> {
+        self.devs
+            .iter()
+            .find(|(_, d)| d.addr == addr)
+            .or_else(|| self.devs.iter().min_by_key(|(id, _)| **id))
+            .map(|(id, _)| *id)
+    }
+
+    /// Whether device `dev` was removed (and not restored).
+    pub(crate) fn is_removed(&self, dev: u32) -> bool {
+        self.removed.contains(&dev)
+    }
+
     /// The fabric's seeded fault generator (xorshift64): a number below a million.
     fn draw(&mut self) -> u64 {
         self.rng ^= self.rng << 13;

@@ -279,15 +279,17 @@ pub(crate) fn start_acceptor(
 ) -> io::Result<SocketAddr> {
     let l = TcpListener::bind(addr)?;
     let local = l.local_addr()?;
+    let handle = l.try_clone()?;
     let f = fabric.clone();
     std::thread::Builder::new()
         .name(format!("soft-accept-{}", local.port()))
         .spawn(move || {
             for conn in l.incoming() {
-                let Ok(mut conn) = conn else { continue };
+                // A listener shut down by `stop_acceptor` fails every accept from then on.
                 if !f.lock().cm.listening(listener_id) {
                     break;
                 }
+                let Ok(mut conn) = conn else { continue };
                 // The first frame is the connect request.
                 let Ok(Frame::Connect { private_data }) = read_frame(&mut conn) else {
                     continue;
@@ -302,7 +304,24 @@ pub(crate) fn start_acceptor(
                 }
             }
         })?;
+    let mut s = fabric.lock();
+    if s.cm.listening(listener_id) {
+        s.cm.acceptors.insert(listener_id, handle);
+    } else {
+        // The ID went while the acceptor started: nothing else will stop it.
+        drop(s);
+        stop_acceptor(handle);
+    }
     Ok(local)
+}
+
+/// Stops the acceptor thread of a listener whose ID is gone: shutting the listening socket
+/// down wakes its blocked `accept` with an error (Linux), the thread sees that the ID no
+/// longer listens and ends, closing the socket. The address can be bound again at once (the
+/// socket no longer listens; std binds with SO_REUSEADDR).
+pub(crate) fn stop_acceptor(l: TcpListener) {
+    // `shutdown` is a socket call, not a stream one: through a stream handle of the same fd.
+    let _ = TcpStream::from(std::os::fd::OwnedFd::from(l)).shutdown(std::net::Shutdown::Read);
 }
 
 impl State {
