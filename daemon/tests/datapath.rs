@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvmf_host::RdmaQueue;
+use nvmf_host::{QueueOptions, RdmaQueue};
 use nvmfd::datapath::{DataPath, DataPathConfig};
 use nvmfd::srq::{Registrar, SrqConfig};
 use nvmfd_blockdev::{Device, DeviceSpec, Kind};
@@ -161,9 +161,13 @@ fn serve_full(
         while !s.load(Ordering::Relaxed) {
             match ch.next_event() {
                 Some(CmEvent::ConnectRequest {
-                    id, private_data, ..
+                    id,
+                    private_data,
+                    initiator_depth,
+                    ..
                 }) => match check_request(&private_data, &limits) {
                     Ok(req) => {
+                        let req = req.with_read_depth(initiator_depth);
                         let _ = dp.adopt(id, req).unwrap();
                     }
                     Err(st) => id.reject(&reject_private_data(st)).unwrap(),
@@ -782,4 +786,79 @@ fn seeded_random_losses_on_the_wire_never_lose_an_acknowledged_write() {
     assert!(failed > 0, "no loss was injected: the test proved nothing");
     assert!(acked.len() > 100, "too few writes were acknowledged");
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+}
+
+/// A queue of `s` connected with `opts` (responder resources, pieces per transfer).
+fn queue_with(s: &Served, qid: u16, sqsize: u16, opts: QueueOptions) -> RdmaQueue {
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    RdmaQueue::connect_with(ch, s.addr, qid, sqsize, 4096, 128 * 1024, opts).unwrap()
+}
+
+#[test]
+fn a_write_in_more_pieces_than_the_read_depth_is_fetched_in_rounds_within_the_depth() {
+    // The host takes 2 RDMA READs at once; its writes come in 16 pieces, so each needs 16
+    // READs: the target must post them in rounds, never more than 2 in flight, and finish.
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4433, None, Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let cntlid = admin.cntlid;
+    let narrow = QueueOptions {
+        responder_resources: 2,
+        pieces: 16,
+    };
+    let mut io = IoQueue::connect(queue_with(&s, 1, 31, narrow), &h, SUB, cntlid, 1, 31).unwrap();
+    // Another queue of the same controller, one piece at a time, keeps working alongside.
+    let mut other = IoQueue::connect(queue(&s, 2, 31), &h, SUB, cntlid, 2, 31).unwrap();
+    let reads_before = c.rdma_reads.load(Ordering::Relaxed);
+    let mut written = Vec::new();
+    for (k, blocks) in [(0u64, 32u32), (1, 16), (2, 31)] {
+        // 4 KiB blocks of namespace 2: 128 KiB, 64 KiB and 124 KiB in 16 pieces each.
+        let data = pattern(100 + k, blocks as usize * 4096);
+        let lba = k * 64;
+        io.write(2, lba, blocks, &data, false).unwrap();
+        written.push((lba, data));
+        write_verified(&mut other, 200 + k, 1000 + k);
+    }
+    let reads = c.rdma_reads.load(Ordering::Relaxed) - reads_before;
+    assert!(
+        reads >= 3 * 16,
+        "every piece was fetched by a READ of its own ({reads} READs)"
+    );
+    // Reads back in 16 pieces too (16 RDMA WRITEs chained with the SEND), and in one.
+    for (lba, data) in &written {
+        let blocks = (data.len() / 4096) as u32;
+        let mut back = vec![0u8; data.len()];
+        io.read(2, *lba, blocks, &mut back).unwrap();
+        assert!(back == *data, "lba {lba}: read back in pieces differs");
+        let mut back = vec![0u8; data.len()];
+        other.read(2, *lba, blocks, &mut back).unwrap();
+        assert!(back == *data, "lba {lba}: read back whole differs");
+    }
+    // On the target's QPs: the narrow one was granted 2 and had 2 READs out at most (so
+    // it did need rounds); the others 16. No post ever went past a QP's depth.
+    let mut depths: Vec<(u32, u32)> = s
+        .fabric
+        .srq_qps(s.srq_id)
+        .into_iter()
+        .filter_map(|q| s.fabric.qp_reads(q))
+        .collect();
+    depths.sort_unstable();
+    assert_eq!(
+        depths.first(),
+        Some(&(2, 2)),
+        "QPs (depth, most READs out): {depths:?}"
+    );
+    assert!(
+        depths[1..].iter().all(|&(d, p)| d == 16 && p <= 16),
+        "{depths:?}"
+    );
+    assert_eq!(s.fabric.read_depth_exceeded(), 0);
+    println!(
+        "READ depth: {reads} READs for 3 writes of 16 pieces; QPs (depth, most out): {depths:?}"
+    );
+    drop((io, other, admin));
+    wait_pools_full(&c, true);
 }

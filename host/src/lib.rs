@@ -33,7 +33,30 @@ pub struct RdmaQueue {
     resp: Mr,
     data: Mr,
     in_capsule: u32,
+    /// Keyed transfers go as a list of this many descriptors (1: one keyed descriptor).
+    pieces: u32,
     _pd: Pd,
+}
+
+/// How a queue connects and moves data, beyond the defaults of [`RdmaQueue::connect`].
+#[derive(Clone, Copy, Debug)]
+pub struct QueueOptions {
+    /// RDMA READs the host takes at once from the target (rdma_cm's responder resources: the
+    /// target's READ depth). Honoured by the soft provider; ibverbs connects with 16.
+    pub responder_resources: u8,
+    /// Keyed transfers go as a list of this many descriptors in the capsule (a last
+    /// segment), each over its own piece of the buffer, placed in reverse order; 1 sends one
+    /// keyed descriptor. At most 16.
+    pub pieces: u32,
+}
+
+impl Default for QueueOptions {
+    fn default() -> Self {
+        QueueOptions {
+            responder_resources: 16,
+            pieces: 1,
+        }
+    }
 }
 
 fn transport(e: impl std::fmt::Display) -> HostError {
@@ -51,6 +74,33 @@ impl RdmaQueue {
         in_capsule: u32,
         max_io: u32,
     ) -> Result<RdmaQueue, HostError> {
+        Self::connect_with(
+            ch,
+            addr,
+            qid,
+            sqsize,
+            in_capsule,
+            max_io,
+            QueueOptions::default(),
+        )
+    }
+
+    /// [`RdmaQueue::connect`] with `opts`.
+    pub fn connect_with(
+        ch: CmChannel,
+        addr: SocketAddr,
+        qid: u16,
+        sqsize: u16,
+        in_capsule: u32,
+        max_io: u32,
+        opts: QueueOptions,
+    ) -> Result<RdmaQueue, HostError> {
+        if !(1..=16).contains(&opts.pieces) || opts.pieces * 16 > in_capsule.max(16) {
+            return Err(HostError::Protocol(format!(
+                "{} pieces: from 1 to 16, and their list must fit the in-capsule data",
+                opts.pieces
+            )));
+        }
         let mut id = ch
             .resolve(addr, Duration::from_secs(3))
             .map_err(transport)?;
@@ -59,7 +109,7 @@ impl RdmaQueue {
         let cq = dev.create_cq(64).map_err(transport)?;
         let srq = pd.create_srq(RESPONSE_SLOTS * 2, 1).map_err(transport)?;
         let cmd = pd
-            .alloc_mr(64 + in_capsule as usize, Access::LOCAL_WRITE)
+            .alloc_mr(64 + in_capsule.max(256) as usize, Access::LOCAL_WRITE)
             .map_err(transport)?;
         let resp = pd
             .alloc_mr(16 * RESPONSE_SLOTS as usize, Access::LOCAL_WRITE)
@@ -97,6 +147,7 @@ impl RdmaQueue {
             cntlid: U16::new(0),
             rsvd: [0; 22],
         };
+        id.set_responder_resources(opts.responder_resources);
         id.connect(req.as_bytes()).map_err(transport)?;
         let end = Instant::now() + Duration::from_secs(10);
         loop {
@@ -127,6 +178,7 @@ impl RdmaQueue {
             resp,
             data,
             in_capsule,
+            pieces: opts.pieces,
             _pd: pd,
         })
     }
@@ -135,6 +187,55 @@ impl RdmaQueue {
     pub fn disconnect(&self) {
         let _ = self.id.disconnect();
         let _ = self.ch.next_event();
+    }
+}
+
+impl RdmaQueue {
+    /// The pieces a `len`-byte transfer goes in: (offset in the buffer, offset in the data,
+    /// length), in data order; the pieces lie in the buffer in reverse order.
+    fn pieces_of(&self, len: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+        let n = (self.pieces as usize).clamp(1, len.max(1));
+        let each = len / n;
+        let size = move |k: usize| {
+            if k + 1 == n {
+                len - each * (n - 1)
+            } else {
+                each
+            }
+        };
+        (0..n).map(move |k| {
+            // Piece k sits after the pieces that follow it in the data.
+            let at = (k + 1..n).map(size).sum();
+            (at, each * k, size(k))
+        })
+    }
+
+    /// Describes a keyed transfer of `len` bytes (`data` to send first, for a write): one
+    /// keyed descriptor, or a list of them in the capsule. Returns the in-capsule bytes.
+    fn keyed(&mut self, sqe: &mut Sqe, len: usize, data: Option<&[u8]>) -> usize {
+        if self.pieces <= 1 {
+            if let Some(d) = data {
+                self.data.write(0, d);
+            }
+            sqe.dptr = SglDesc::keyed(self.data.addr(), wire::sat(len), self.data.rkey(), false);
+            return 0;
+        }
+        let mut list = 0;
+        for (k, (at, off, n)) in self.pieces_of(len).enumerate() {
+            if let Some(d) = data {
+                self.data.write(at, &d[off..off + n]);
+            }
+            let desc = SglDesc::keyed(
+                self.data.addr() + at as u64,
+                wire::sat(n),
+                self.data.rkey(),
+                false,
+            );
+            self.cmd.write(64 + k * 16, desc.as_bytes());
+            list = k + 1;
+        }
+        sqe.dptr = SglDesc::last_segment(0, wire::sat(list));
+        list * 16
     }
 }
 
@@ -154,13 +255,7 @@ impl HostTransport for RdmaQueue {
                         "transfer larger than the queue's buffer".into(),
                     ));
                 }
-                self.data.write(0, d);
-                sqe.dptr = SglDesc::keyed(
-                    self.data.addr(),
-                    wire::sat(d.len()),
-                    self.data.rkey(),
-                    false,
-                );
+                icd = self.keyed(&mut sqe, d.len(), Some(d));
             }
             DataDir::FromTarget(b) => {
                 if b.len() > self.data.len() {
@@ -168,12 +263,7 @@ impl HostTransport for RdmaQueue {
                         "transfer larger than the queue's buffer".into(),
                     ));
                 }
-                sqe.dptr = SglDesc::keyed(
-                    self.data.addr(),
-                    wire::sat(b.len()),
-                    self.data.rkey(),
-                    false,
-                );
+                icd = self.keyed(&mut sqe, b.len(), None);
             }
         }
         let cid = sqe.cid.get();
@@ -234,7 +324,9 @@ impl HostTransport for RdmaQueue {
             }
         }
         if let DataDir::FromTarget(b) = data {
-            self.data.read(0, b);
+            for (at, off, n) in self.pieces_of(b.len()) {
+                self.data.read(at, &mut b[off..off + n]);
+            }
         }
         cqe.ok_or(HostError::Timeout("the command's completion"))
     }
