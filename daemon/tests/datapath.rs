@@ -30,7 +30,52 @@ fn host() -> HostId {
     }
 }
 
+/// Counts the heap allocations of each thread, so that a test can see what the reactor
+/// thread allocates while it serves.
+struct CountingAlloc;
+
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn count_allocation() {
+    if nvmfd_rdma::soft::in_provider() {
+        return;
+    }
+    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+}
+
+// SAFETY: every call is passed to the system allocator with its own arguments; counting
+// touches only a const-initialized thread-local cell (no allocation, no destructor).
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_allocation();
+        // SAFETY: the caller's contract for `alloc` is the system allocator's.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        count_allocation();
+        // SAFETY: as for `alloc`.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        count_allocation();
+        // SAFETY: `ptr` came from this allocator, which is the system's.
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: as for `realloc`.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAlloc = CountingAlloc;
+
 struct Served {
+    /// The serving thread's allocations so far and its loop turns, published every turn.
+    allocations: Arc<std::sync::atomic::AtomicU64>,
+    turns: Arc<std::sync::atomic::AtomicU64>,
     stop: Arc<AtomicBool>,
     /// While set, the loop takes CM and async events but does not poll the data path: the
     /// reactor is "busy", and capsules pile up in the SRQ.
@@ -96,12 +141,15 @@ fn serve_full(
     let stop = Arc::new(AtomicBool::new(false));
     let paused = Arc::new(AtomicBool::new(false));
     let hold_events = Arc::new(AtomicBool::new(false));
+    let allocations = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let turns = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (f, s, p, he) = (
         fabric.clone(),
         Arc::clone(&stop),
         Arc::clone(&paused),
         Arc::clone(&hold_events),
     );
+    let (al, tu) = (Arc::clone(&allocations), Arc::clone(&turns));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::spawn(move || {
         let mk = |bs: u32| {
@@ -185,6 +233,8 @@ fn serve_full(
             if p.load(Ordering::Relaxed) || !dp.poll(Instant::now()) {
                 std::thread::yield_now();
             }
+            al.store(ALLOCATIONS.with(std::cell::Cell::get), Ordering::Relaxed);
+            tu.fetch_add(1, Ordering::Relaxed);
         }
         drop(listener);
     });
@@ -193,6 +243,8 @@ fn serve_full(
         stop,
         paused,
         hold_events,
+        allocations,
+        turns,
         srq_id,
         thread: Some(thread),
         fabric,
@@ -861,4 +913,60 @@ fn a_write_in_more_pieces_than_the_read_depth_is_fetched_in_rounds_within_the_de
     );
     drop((io, other, admin));
     wait_pools_full(&c, true);
+}
+
+impl Served {
+    /// The serving thread's allocations, read once it has finished two more turns (so the
+    /// turn that answered the last command is over).
+    fn allocations_settled(&self) -> u64 {
+        let t = self.turns.load(Ordering::Relaxed);
+        wait_until("two more turns", || {
+            self.turns.load(Ordering::Relaxed) >= t + 2
+        });
+        self.allocations.load(Ordering::Relaxed)
+    }
+}
+
+#[test]
+fn serving_io_allocates_nothing_on_the_reactor() {
+    let s = serve(4434);
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let cntlid = admin.cntlid;
+    let pieces = QueueOptions {
+        responder_resources: 4,
+        pieces: 8,
+    };
+    let mut io = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
+    let mut io8 = IoQueue::connect(queue_with(&s, 2, 31, pieces), &h, SUB, cntlid, 2, 31).unwrap();
+    // Every kind of I/O once, so that whatever grows on first use has grown.
+    let mut round = |io: &mut IoQueue<RdmaQueue>, seed: u64| {
+        for (nsid, blocks, bs) in [
+            (1u32, 1u32, 512usize),
+            (1, 8, 512),
+            (2, 1, 4096),
+            (2, 32, 4096),
+        ] {
+            let data = pattern(seed + u64::from(blocks), blocks as usize * bs);
+            io.write(nsid, 64, blocks, &data, seed % 2 == 0).unwrap();
+            let mut back = vec![0u8; data.len()];
+            io.read(nsid, 64, blocks, &mut back).unwrap();
+            assert!(back == data);
+        }
+        io.flush(2).unwrap();
+        io.write_zeroes(2, 200, 4).unwrap();
+        admin.keep_alive().unwrap();
+    };
+    round(&mut io, 1);
+    round(&mut io8, 2);
+    let before = s.allocations_settled();
+    for k in 0..20 {
+        round(&mut io, 10 + k);
+        round(&mut io8, 40 + k);
+    }
+    let after = s.allocations_settled();
+    println!("reactor allocations over 40 rounds of I/O (in-capsule, keyed, 8 pieces; reads, writes, FUA, flush, write zeroes, keep-alive): {}", after - before);
+    assert_eq!(after - before, 0, "the reactor allocated while serving I/O");
 }

@@ -12,7 +12,7 @@ pub const DSM_MAX_RANGES: u32 = 256;
 pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
     let sqe = cmd.sqe;
     let nsid = sqe.nsid.get();
-    let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)).cloned() else {
+    let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
         return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
     };
     let info = &ns.info;

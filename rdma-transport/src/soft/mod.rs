@@ -1144,6 +1144,7 @@ pub struct Cq {
 impl Cq {
     /// Polls up to `out.len()` completions; an overflowed CQ is an error.
     pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
+        let _scope = ProviderScope::enter();
         let mut s = self.fabric.lock();
         s.release_delayed();
         let c = s
@@ -1213,6 +1214,7 @@ pub struct Srq {
 impl Srq {
     /// Posts receives; fails whole when one has too many SGEs or the SRQ would overflow.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        let _scope = ProviderScope::enter();
         let mut s = self.fabric.lock();
         if s.broken_srqs.contains(&self.id) {
             return Err(VerbsError::os("post_srq_recv", libc::EIO));
@@ -1323,6 +1325,7 @@ impl Qp {
     /// Posts a chain of send work requests. The whole chain is checked first (state, SQ room
     /// counting unsignaled work requests not yet retired, SGE count, inline size).
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        let _scope = ProviderScope::enter();
         let mut s = self.fabric.lock();
         s.release_delayed();
         let q = s
@@ -1377,6 +1380,34 @@ impl Qp {
         }
         Ok(())
     }
+}
+
+thread_local! {
+    static PROVIDER_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks this thread as inside the soft provider's posting and polling calls, where the
+/// wire's own bookkeeping (copies standing in for a NIC's DMA) allocates. A test counting a
+/// data path's allocations leaves those out with [`in_provider`].
+struct ProviderScope;
+
+impl ProviderScope {
+    fn enter() -> ProviderScope {
+        let _ = PROVIDER_DEPTH.try_with(|d| d.set(d.get() + 1));
+        ProviderScope
+    }
+}
+
+impl Drop for ProviderScope {
+    fn drop(&mut self) {
+        let _ = PROVIDER_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+/// Whether this thread is inside a soft provider post or poll call. Safe to call from a
+/// global allocator (a const-initialized thread-local, no allocation).
+pub fn in_provider() -> bool {
+    PROVIDER_DEPTH.try_with(std::cell::Cell::get).unwrap_or(0) > 0
 }
 
 /// Runs one send WR on the in-process wire.
