@@ -772,28 +772,60 @@ fn try_controller(s: &Served, n: u16) -> Option<(AdminQueue<RdmaQueue>, Vec<IoQu
 
 #[test]
 fn seeded_random_losses_on_the_wire_never_lose_an_acknowledged_write() {
+    let (c, failed) = seeded_run(4432, "losses on the wire", |seed| {
+        nvmfd_rdma::soft::Faults {
+            seed,
+            drop_per_million: 15_000,
+            ..Default::default()
+        }
+    });
+    assert!(c.teardowns_qp_error.load(Ordering::Relaxed) > 0 || failed > 0);
+}
+
+#[test]
+fn seeded_random_fatal_qps_and_srq_errors_never_lose_an_acknowledged_write() {
+    let (c, _) = seeded_run(4435, "QP_FATAL and SRQ_ERR", |seed| {
+        nvmfd_rdma::soft::Faults {
+            seed,
+            qp_fatal_per_million: 6_000,
+            srq_error_per_million: 8_000,
+            ..Default::default()
+        }
+    });
+    // Both kinds of failure hit the target across the seeds, and the SRQ served again after
+    // each rebuild (the final controller of `seeded_run` connected and read everything back).
+    assert!(c.qp_events.load(Ordering::Relaxed) > 0, "no QP_FATAL reached the target");
+    assert!(c.srq_rebuilds.load(Ordering::Relaxed) > 0, "no SRQ error reached the target");
+}
+
+/// Writes and reads on fresh controllers under `faults(seed)` for each seed (3, or the one
+/// `NVMFD_FAULT_SEED` replays), reconnecting after every failure; then, with the faults off,
+/// every pool must be full and every acknowledged write must read back. Returns the
+/// counters and how many operations failed.
+fn seeded_run(
+    port: u16,
+    what: &str,
+    faults: impl Fn(u64) -> nvmfd_rdma::soft::Faults,
+) -> (Arc<nvmfd::stats::DataPathCounters>, u32) {
     use std::sync::atomic::Ordering::Relaxed;
-    // `NVMFD_FAULT_SEED=N` replays one seed.
     let seeds: Vec<u64> = match std::env::var("NVMFD_FAULT_SEED") {
         Ok(v) => vec![v.parse().expect("NVMFD_FAULT_SEED is a number")],
         Err(_) => vec![1, 2, 3],
     };
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let s = serve_counted(4432, None, Arc::clone(&c));
+    let s = serve_counted(port, None, Arc::clone(&c));
     // Every write goes to blocks of its own: one that failed may or may not have landed, but
     // it can never overwrite one that was acknowledged.
     let mut acked: Vec<(u64, Vec<u8>)> = Vec::new();
     let mut next_lba = 0u64;
     let mut failed = 0u32;
     for &seed in &seeds {
-        s.fabric.set_faults(nvmfd_rdma::soft::Faults {
-            seed,
-            drop_per_million: 15_000,
-            ..Default::default()
-        });
+        s.fabric.set_faults(faults(seed));
         for _round in 0..12 {
             let Some((_admin, mut ios)) = try_controller(&s, 2) else {
                 failed += 1;
+                // An SRQ error refuses connections until the SRQ is rebuilt.
+                wait_until("the SRQ serves again", || c.connections.load(Relaxed) == 0);
                 continue;
             };
             'round: for n in 0..40u64 {
@@ -818,7 +850,13 @@ fn seeded_random_losses_on_the_wire_never_lose_an_acknowledged_write() {
     }
     s.fabric.set_faults(nvmfd_rdma::soft::Faults::default());
     wait_pools_full(&c, true);
-    let (_admin, mut ios) = controller(&s, 1);
+    let (_admin, mut ios) = loop {
+        // The last fault may have been an SRQ error: connections wait for its rebuild.
+        if let Some(ctrl) = try_controller(&s, 1) {
+            break ctrl;
+        }
+        wait_until("the SRQ is rebuilt", || c.connections.load(Relaxed) == 0);
+    };
     for (lba, data) in &acked {
         let mut back = vec![0u8; data.len()];
         ios[0]
@@ -830,14 +868,18 @@ fn seeded_random_losses_on_the_wire_never_lose_an_acknowledged_write() {
         );
     }
     eprintln!(
-        "seeds {seeds:?}: {} acknowledged writes intact, {failed} operations failed by injected losses, teardowns for QP errors {}, drain timeouts {}",
+        "{what}, seeds {seeds:?}: {} acknowledged writes intact, {failed} operations failed by injected faults, teardowns for QP errors {}, device teardowns {}, QP events {}, SRQ rebuilds {}, drain timeouts {}",
         acked.len(),
         c.teardowns_qp_error.load(Relaxed),
+        c.teardowns_device.load(Relaxed),
+        c.qp_events.load(Relaxed),
+        c.srq_rebuilds.load(Relaxed),
         c.drain_timeouts.load(Relaxed)
     );
-    assert!(failed > 0, "no loss was injected: the test proved nothing");
+    assert!(failed > 0, "no fault was injected: the test proved nothing");
     assert!(acked.len() > 100, "too few writes were acknowledged");
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+    (c, failed)
 }
 
 /// A queue of `s` connected with `opts` (responder resources, pieces per transfer).

@@ -52,6 +52,12 @@ pub struct Faults {
     /// later one of its QP (RC keeps order) run only at the fabric's next operation (a post or
     /// a poll anywhere on it).
     pub delay_per_million: u32,
+    /// Chance, per million, that a send work request's QP fails fatally as it is posted:
+    /// `QP_FATAL` is reported, the QP goes to ERR, the work request flushes.
+    pub qp_fatal_per_million: u32,
+    /// Chance, per million, that a SEND fails the SRQ of the QP it is for: `SRQ_ERR` is
+    /// reported and every QP on that SRQ goes to ERR.
+    pub srq_error_per_million: u32,
 }
 
 /// A send work request held up by an injected delay (its data captured, as the wire has it).
@@ -225,21 +231,7 @@ impl Fabric {
 
     /// Breaks SRQ `srq`: `SrqErr`, every QP on it goes to ERR, and posting to it fails.
     pub fn inject_srq_error(&self, srq: u32) {
-        let mut s = self.lock();
-        let Some(dev) = s.srqs.get(&srq).map(|q| q.dev) else {
-            return;
-        };
-        s.broken_srqs.insert(srq);
-        s.event(dev, AsyncEvent::SrqErr(srq));
-        let qpns: Vec<u32> = s
-            .qps
-            .iter()
-            .filter(|(_, q)| q.srq == Some(srq))
-            .map(|(n, _)| *n)
-            .collect();
-        for q in qpns {
-            s.qp_error(q);
-        }
+        self.lock().srq_error(srq);
     }
 
     /// Removes a device as a hot-unplug would: `DeviceFatal`, every QP on it goes to ERR, CM
@@ -388,6 +380,24 @@ impl State {
     }
 
     /// The fabric's seeded fault generator (xorshift64): a number below a million.
+    /// SRQ `srq` fails: `SRQ_ERR`, and every QP on it goes to ERR.
+    fn srq_error(&mut self, srq: u32) {
+        let Some(dev) = self.srqs.get(&srq).map(|q| q.dev) else {
+            return;
+        };
+        self.broken_srqs.insert(srq);
+        self.event(dev, AsyncEvent::SrqErr(srq));
+        let qpns: Vec<u32> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| q.srq == Some(srq))
+            .map(|(n, _)| *n)
+            .collect();
+        for q in qpns {
+            self.qp_error(q);
+        }
+    }
+
     fn draw(&mut self) -> u64 {
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
@@ -1450,6 +1460,18 @@ fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
             });
         }
         return;
+    }
+    if s.faults.qp_fatal_per_million > 0 && s.draw() < u64::from(s.faults.qp_fatal_per_million) {
+        s.event(dev, AsyncEvent::QpFatal(qpn));
+        return fail(s, WcStatus::WrFlushErr);
+    }
+    if s.faults.srq_error_per_million > 0
+        && matches!(w.op, SendOp::Send | SendOp::SendWithInvalidate { .. })
+        && s.draw() < u64::from(s.faults.srq_error_per_million)
+    {
+        if let Some(srq) = peer.and_then(|p| s.qps.get(&p)).and_then(|q| q.srq) {
+            s.srq_error(srq);
+        }
     }
     if s.faults.drop_per_million > 0 && s.draw() < u64::from(s.faults.drop_per_million) {
         return fail(s, WcStatus::RetryExcErr);
