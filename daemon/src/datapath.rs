@@ -82,8 +82,9 @@ const _: () = assert!(MAX_SEGS == nvmfd_nvme::MAX_SGL_DESCRIPTORS as usize);
 /// The most RDMA READs a QP has in flight, whatever the host offers.
 const MAX_READ_DEPTH: u32 = 16;
 /// Work requests handed to the provider in one call (a stack array: posting allocates
-/// nothing); a QP's work of one turn goes in as few calls as that allows, usually one.
-const POST_BATCH: usize = 32;
+/// nothing), the longest chain a provider takes; a QP's work of one turn goes in as few
+/// calls as that allows, usually one.
+const POST_BATCH: usize = MAX_SEND_CHAIN;
 /// Send work request IDs: the kind in the top byte, then the request slot (or QP number).
 const KIND_SHIFT: u32 = 56;
 const KIND_SEND: u64 = 1;

@@ -794,8 +794,14 @@ fn seeded_random_fatal_qps_and_srq_errors_never_lose_an_acknowledged_write() {
     });
     // Both kinds of failure hit the target across the seeds, and the SRQ served again after
     // each rebuild (the final controller of `seeded_run` connected and read everything back).
-    assert!(c.qp_events.load(Ordering::Relaxed) > 0, "no QP_FATAL reached the target");
-    assert!(c.srq_rebuilds.load(Ordering::Relaxed) > 0, "no SRQ error reached the target");
+    assert!(
+        c.qp_events.load(Ordering::Relaxed) > 0,
+        "no QP_FATAL reached the target"
+    );
+    assert!(
+        c.srq_rebuilds.load(Ordering::Relaxed) > 0,
+        "no SRQ error reached the target"
+    );
 }
 
 /// Writes and reads on fresh controllers under `faults(seed)` for each seed (3, or the one

@@ -66,6 +66,10 @@ pub enum SendOp {
     },
 }
 
+/// Most work requests one `post_send` chain may hold, on every provider: a longer chain is
+/// refused with `EINVAL` (the ibverbs provider builds chains on the stack).
+pub const MAX_SEND_CHAIN: usize = 16;
+
 /// A send work request. Chains are slices of these, posted with one call.
 #[derive(Clone, Copy, Debug)]
 pub struct SendWr<'a> {

@@ -256,6 +256,33 @@ macro_rules! suite {
             }
 
             #[test]
+            fn a_chain_of_the_longest_length_posts_and_a_longer_one_is_refused() {
+                let Some(w) = world(4433, 1) else { return };
+                w.t.mr.write(0, &[7u8; 64]);
+                let sge = [w.t.mr.sge(0, 64)];
+                let write = |k: usize, signaled: bool| SendWr {
+                    wr_id: k as u64,
+                    op: SendOp::RdmaWrite {
+                        remote_addr: w.h.mr.addr() + 64 * k as u64,
+                        rkey: w.h.mr.rkey(),
+                    },
+                    sges: &sge,
+                    signaled,
+                    inline: false,
+                };
+                let n = nvmfd_rdma::MAX_SEND_CHAIN;
+                let chain: Vec<SendWr<'_>> = (0..=n).map(|k| write(k, k + 1 >= n)).collect();
+                let e = w.tid[0].post_send(&chain).unwrap_err();
+                assert_eq!(e.errno(), Some(libc::EINVAL), "{e}");
+                w.tid[0].post_send(&chain[..n]).unwrap();
+                let wc = poll_one(&w.t.cq);
+                assert_eq!((wc.wr_id, wc.status), (n as u64 - 1, WcStatus::Success));
+                let mut got = vec![0u8; 64 * n];
+                w.h.mr.read(0, &mut got);
+                assert!(got.iter().all(|&b| b == 7), "all {n} WRITEs landed");
+            }
+
+            #[test]
             fn a_bad_rkey_or_an_out_of_bounds_access_is_a_remote_access_error() {
                 for (port, addr_off, key_xor) in
                     [(4422u16, 0u64, 0x100u32), (4423, (1 << 16) - 8, 0)]

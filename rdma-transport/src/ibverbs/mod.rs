@@ -749,7 +749,7 @@ impl Srq {
 }
 
 /// Most work requests in one `post_send` chain, and most SGEs per request.
-pub const SEND_BATCH: usize = 16;
+pub const SEND_BATCH: usize = crate::types::MAX_SEND_CHAIN;
 
 /// Posts a chain of send WRs to `qp` (built on the stack).
 pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {

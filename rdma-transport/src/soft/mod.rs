@@ -1347,6 +1347,9 @@ impl Qp {
             QpState::Err => true,
             _ => return Err(VerbsError::os("post_send", libc::EINVAL)),
         };
+        if wrs.len() > crate::types::MAX_SEND_CHAIN {
+            return Err(VerbsError::os("post_send", libc::EINVAL));
+        }
         let used = q.unsignaled_run + q.deferred;
         if used as usize + wrs.len() > q.caps.max_send_wr as usize {
             return Err(VerbsError::os("post_send", libc::ENOMEM));
