@@ -1,0 +1,75 @@
+#!/bin/bash
+# Runs in the lab guest (see scripts/lab-kernel-host.sh): the RDMA device nvmfd listens on is
+# removed under it (rdma link delete rxe0) and added back. nvmfd must let go of everything on
+# the device (the kernel cannot finish removing it before), say why its listener is down,
+# listen again once the device is back, and serve the kernel host the data written before.
+set -uo pipefail
+BIN=$1
+NQN=nqn.2024-01.io.nvmfd:removal
+WORK=/tmp/nvmfd-removal
+mkdir -p $WORK
+cat > $WORK/nvmfd.toml <<CFG
+[daemon]
+reactor_cores = [0, 1]
+admin_socket = "$WORK/nvmfd.sock"
+log_format = "json"
+[[listener]]
+address = "$RDMA_IP"
+port = 4420
+provider = "ibverbs"
+[[subsystem]]
+nqn = "$NQN"
+allow_any_host = true
+[[subsystem.namespace]]
+nsid = 1
+backend = "malloc"
+size = "64MiB"
+CFG
+modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
+$BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
+pid=$!
+for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+ctl() { timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json "$@"; }
+step() {
+  echo "==> $*"
+  if [ "$(type -t "$1")" = function ]; then "$@"; else timeout 120 "$@"; fi || {
+    echo "STEP FAILED: $*"
+    echo "--- kernel log"; dmesg | tail -40 | sed 's/^/kernel: /'
+    echo "--- nvmfd status"; ctl status
+    echo "--- nvmfd log"; tail -40 $WORK/nvmfd.log
+    kill $pid; exit 1
+  }
+}
+# Waits (bounded) until the listener's `serving` is $1.
+serving_is() {
+  for i in $(seq 600); do
+    ctl status | tr -d ' \n' | grep -q "\"serving\":$1" && return 0
+    sleep 0.1
+  done
+  return 1
+}
+listener_count() { ctl stats | tr -d ' \n' | grep -o "\"$1\":[0-9]*" | head -1 | grep -o "[0-9]*$"; }
+step serving_is true
+step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
+for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
+step fio --name=before --filename=/dev/nvme0n1 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
+# The kernel finishes removing the device only once every user of it has let go: nvmfd must
+# free its QPs, CQs, SRQs, MRs and PDs and the listener's rdma_cm ID on DEVICE_REMOVAL.
+# (The kernel host on the same device loses its controller too.)
+step rdma link delete rxe0
+step serving_is false
+ctl status | tr -d ' \n' | grep -o '"reason":"[^"]*"'
+step rdma link add rxe0 type rxe netdev eth0
+step serving_is true
+removals() { echo "listener: device removals $(listener_count device_removals_total), returns $(listener_count returns_total)"; [ "$(listener_count device_removals_total)" -ge 1 ] && [ "$(listener_count returns_total)" -ge 1 ]; }
+step removals
+for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
+step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
+for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
+step fio --name=before --filename=/dev/nvme0n1 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
+step fio --name=after --filename=/dev/nvme0n1 --rw=randwrite --bs=4k --size=16M --offset=32M --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
+step nvme disconnect -n $NQN
+kill -TERM $pid
+wait $pid
+echo "nvmfd exit status $?"
+echo "LAB DEVICE REMOVAL: ALL STEPS PASSED"
