@@ -70,6 +70,8 @@ struct Slot {
     len: u32,
     done: u32,
     buf: Option<DmaBuf>,
+    /// A write's data in memory the engine does not own (`write_from`): its address.
+    from: Option<std::ptr::NonNull<u8>>,
 }
 
 /// One reactor's I/O engine. Not `Send`: it belongs to its reactor thread.
@@ -216,6 +218,27 @@ impl Engine {
         self.queue(dev, op, offset, 0, Some(buf), tag)
     }
 
+    /// Queues a write of `len` bytes at `offset` from memory that is not a pool buffer (the
+    /// receive buffer a host's in-capsule data arrived in); with `fua`, durable when it
+    /// completes. The completion carries no buffer.
+    ///
+    /// # Safety
+    ///
+    /// `data..data + len` must be readable, and must stay valid and unchanged until this
+    /// operation's completion has been reaped (or the engine dropped, which waits for it).
+    pub unsafe fn write_from(
+        &mut self,
+        dev: DevId,
+        offset: u64,
+        data: std::ptr::NonNull<u8>,
+        len: u32,
+        fua: bool,
+        tag: u64,
+    ) -> Result<(), Rejected> {
+        let op = if fua { OpKind::WriteFua } else { OpKind::Write };
+        self.queue_from(dev, op, offset, u64::from(len), None, Some(data), tag)
+    }
+
     /// Queues a flush: every write completed before it is durable when it completes.
     pub fn flush(&mut self, dev: DevId, tag: u64) -> Result<(), Rejected> {
         self.queue(dev, OpKind::Flush, 0, 0, None, tag)
@@ -250,6 +273,20 @@ impl Engine {
         offset: u64,
         len: u64,
         buf: Option<DmaBuf>,
+        tag: u64,
+    ) -> Result<(), Rejected> {
+        self.queue_from(dev, op, offset, len, buf, None, tag)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn queue_from(
+        &mut self,
+        dev: DevId,
+        op: OpKind,
+        offset: u64,
+        len: u64,
+        buf: Option<DmaBuf>,
+        from: Option<std::ptr::NonNull<u8>>,
         tag: u64,
     ) -> Result<(), Rejected> {
         let reject = |error, buf| Err(Rejected { error, buf });
@@ -291,6 +328,7 @@ impl Engine {
             len: len32,
             done: 0,
             buf,
+            from,
         });
         if let Some(a) = self.devices[dev_index as usize].as_mut() {
             a.in_flight += 1;
@@ -319,14 +357,20 @@ impl Engine {
         let remaining = s.len - s.done;
         let entry: squeue::Entry = match s.op {
             OpKind::Read | OpKind::Write | OpKind::WriteFua => {
-                let buf = s.buf.as_mut().expect("data operations carry a buffer");
-                // SAFETY: done < len <= buf.len(), so the pointer stays inside the buffer.
-                let ptr = unsafe { buf.as_mut_ptr().add(s.done as usize) };
-                let fixed = self
-                    .pools
-                    .iter()
-                    .position(|p| buf.is_from(p))
-                    .and_then(|i| u16::try_from(i).ok());
+                let (base, fixed) = match (s.buf.as_mut(), s.from) {
+                    (Some(buf), _) => (
+                        buf.as_mut_ptr(),
+                        self.pools
+                            .iter()
+                            .position(|p| buf.is_from(p))
+                            .and_then(|i| u16::try_from(i).ok()),
+                    ),
+                    (None, Some(from)) => (from.as_ptr(), None),
+                    (None, None) => unreachable!("data operations carry a buffer"),
+                };
+                // SAFETY: done < len <= the buffer's (or `write_from`'s) length, so the
+                // pointer stays inside the data.
+                let ptr = unsafe { base.add(s.done as usize) };
                 let flags = if s.op == OpKind::WriteFua {
                     libc::RWF_DSYNC
                 } else {
@@ -363,7 +407,8 @@ impl Engine {
         };
         let entry = entry.user_data(u64::from(slot));
         // SAFETY: the SQE points into `s.buf`, which this slot owns until the completion is
-        // reaped (the caller gave it up); the registered file and buffer tables hold the fd and
+        // reaped (the caller gave it up), or into `write_from`'s memory, which its caller keeps
+        // valid until then; the registered file and buffer tables hold the fd and
         // the region for as long as the ring lives, and `Drop` waits for every operation.
         let pushed = unsafe { self.ring.submission().push(&entry) };
         // Slots never outnumber SQ entries and each has at most one SQE queued, so the SQ
@@ -406,7 +451,12 @@ impl Engine {
                             len,
                         ),
                         OpKind::Write | OpKind::WriteFua => std::ptr::copy_nonoverlapping(
-                            s.buf.as_mut().expect("buffer").as_mut_ptr(),
+                            match (s.buf.as_mut(), s.from) {
+                                (Some(b), _) => b.as_mut_ptr().cast_const(),
+                                // `write_from`'s contract: `len` readable bytes.
+                                (None, Some(p)) => p.as_ptr().cast_const(),
+                                (None, None) => unreachable!("writes carry data"),
+                            },
                             dst,
                             len,
                         ),

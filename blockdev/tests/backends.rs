@@ -287,6 +287,40 @@ fn data_round_trips_across_block_boundaries(mut f: Fixture) {
 }
 per_backend!(data_round_trips_across_block_boundaries);
 
+fn writes_from_memory_outside_the_pools_land_and_hand_back_no_buffer(mut f: Fixture) {
+    // Page-aligned memory that is not a pool buffer, as a receive buffer is.
+    let layout = std::alloc::Layout::from_size_align(16384, 4096).unwrap();
+    // SAFETY: a non-zero size.
+    let mem = unsafe { std::alloc::alloc(layout) };
+    let mem = std::ptr::NonNull::new(mem).unwrap();
+    let bs = f.device.info().logical_block_size as usize;
+    for (i, (block, len)) in [(3u64, 4096usize), (40, 16384), (9, bs)]
+        .into_iter()
+        .enumerate()
+    {
+        let data = pattern(50 + i as u64, len);
+        // SAFETY: `mem` holds 16 KiB; the data is copied in before the write is queued.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), mem.as_ptr(), len) };
+        let offset = block * bs as u64;
+        // SAFETY: `mem` lives until the end of this test and is not touched until the
+        // completion is reaped by `run`.
+        unsafe {
+            f.engine
+                .write_from(f.dev, offset, mem, len as u32, i == 1, 5)
+                .unwrap()
+        };
+        let c = f.run();
+        assert_eq!(c.len(), 1);
+        assert_eq!((c[0].tag, &c[0].result), (5, &Ok(len as u32)));
+        assert!(c[0].buf.is_none());
+        let got = f.read(offset, len);
+        f.expect(&got, &data, &format!("write_from {i}"));
+    }
+    // SAFETY: allocated above with this layout; no operation uses it any more.
+    unsafe { std::alloc::dealloc(mem.as_ptr(), layout) };
+}
+per_backend!(writes_from_memory_outside_the_pools_land_and_hand_back_no_buffer);
+
 fn flush_and_fua_complete(mut f: Fixture) {
     let data = pattern(7, 4096);
     f.write(0, &data, true);
