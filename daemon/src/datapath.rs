@@ -165,6 +165,9 @@ struct Req {
     /// Send-queue entries its response holds (its WRITEs and SEND), freed by the SEND's
     /// completion.
     sq_held: u32,
+    /// The receive its in-capsule write data is written to the disk from, kept off the SRQ
+    /// until that write completes, and where in it the data starts.
+    recv: Option<(u64, std::ptr::NonNull<u8>)>,
 }
 
 /// A send work request of this turn, posted with the QP's others at the end of the turn.
@@ -207,10 +210,12 @@ pub struct DataPath {
     cq: Cq,
     /// The device's async fd: events arriving on it name this data path's objects.
     async_fd: std::os::fd::RawFd,
-    srq: ElasticSrq,
-    // Field order is drop order: the MR over the pool goes before the pool's memory.
-    data_mr: Mr,
+    // Field order is drop order: the engine waits for its operations before the SRQ's
+    // receive buffers (which in-capsule writes are written from) and the pool go; the MR
+    // over the pool goes before the pool's memory.
     engine: Engine,
+    srq: ElasticSrq,
+    data_mr: Mr,
     pool: BufPool,
     pd: Pd,
     /// Devices by (subsystem index in the target, NSID): no key to build per I/O.
@@ -231,6 +236,11 @@ pub struct DataPath {
     incoming: VecDeque<(u32, u64, u32)>,
     /// QPs with work staged this turn.
     dirty: Vec<u32>,
+    /// The receive of the command being started, until a request keeps it or it goes back.
+    current_recv: Option<u64>,
+    /// Receives kept by requests (in-capsule writes in flight): the SRQ is not rebuilt while
+    /// any is, as their memory is being written from.
+    held_receives: usize,
     /// Device limits: RDMA READ depth and send queue size.
     max_read_depth: u32,
     max_qp_wr: u32,
@@ -372,6 +382,8 @@ impl DataPath {
             limit: cfg.requests.min(cfg.buffers) as usize,
             incoming: VecDeque::with_capacity(cfg.srq.max as usize),
             dirty: Vec::with_capacity(256),
+            current_recv: None,
+            held_receives: 0,
             max_read_depth: attr.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH),
             max_qp_wr: attr.max_qp_wr.max(8),
             sends_in_flight: 0,
@@ -777,7 +789,11 @@ impl DataPath {
         let _ = self.engine.submit();
         self.srq.tick(now);
         self.reap_drained(now);
-        if self.srq_broken && self.draining.is_empty() && self.conns.is_empty() {
+        if self.srq_broken
+            && self.draining.is_empty()
+            && self.conns.is_empty()
+            && self.held_receives == 0
+        {
             self.rebuild_srq(now);
         }
         self.gauges();
@@ -859,9 +875,18 @@ impl DataPath {
     }
 
     fn end_req(&mut self, i: usize) {
-        if self.reqs.get_mut(i).and_then(Option::take).is_some() {
+        if let Some(r) = self.reqs.get_mut(i).and_then(Option::take) {
             self.free.push(i);
+            if let Some((wr, _)) = r.recv {
+                self.give_back(wr);
+            }
         }
+    }
+
+    /// A receive a request kept goes back to the SRQ.
+    fn give_back(&mut self, wr: u64) {
+        self.held_receives = self.held_receives.saturating_sub(1);
+        self.srq.completed(wr, Instant::now());
     }
 
     fn buffer(&self, len: u32) -> Option<DmaBuf> {
@@ -982,7 +1007,9 @@ impl DataPath {
     fn start_command(&mut self, qpn: u32, wr: u64, len: u32, now: Instant) {
         let mut capsule = std::mem::take(&mut self.capsule);
         self.srq.capsule(wr, len as usize, &mut capsule);
-        self.srq.completed(wr, now);
+        // An in-capsule write keeps its receive (`begin`); any other goes back right after
+        // the core has seen the command, before any response is posted.
+        self.current_recv = Some(wr);
         if let Some(i) = self.free.pop() {
             self.reqs[i] = Some(Req {
                 qpn,
@@ -999,6 +1026,7 @@ impl DataPath {
                 failed: None,
                 cqe: nvmfd_nvme::wire::zeroed(),
                 sq_held: 0,
+                recv: None,
             });
             if let Some(conn) = self.conns.get_mut(&qpn) {
                 let a = conn.queue.handle(&capsule, now);
@@ -1009,6 +1037,9 @@ impl DataPath {
         } else {
             // Admission keeps a slot for every command it starts.
             slog::error!(self.log, "no request slot for an admitted command; it is dropped"; "qpn" => qpn);
+        }
+        if let Some(wr) = self.current_recv.take() {
+            self.srq.completed(wr, now);
         }
         self.capsule = capsule;
     }
@@ -1083,14 +1114,38 @@ impl DataPath {
                     let write = matches!(io.op, IoOp::Write { .. });
                     match io.data {
                         Some(DataRef::InCapsule { offset, len }) if write => {
-                            let s = 64 + offset as usize;
-                            let Some(mut buf) = self.buffer(len) else {
-                                return self.protocol_error(i, qpn, now);
+                            // Written from the receive it arrived in (page-aligned, so direct
+                            // I/O takes it) when it lies whole there; else from a copy.
+                            let from =
+                                self.current_recv
+                                    .filter(|_| offset % 4096 == 0)
+                                    .and_then(|wr| {
+                                        let (base, cap) = self.srq.icd(wr)?;
+                                        let end = offset as usize + len as usize;
+                                        // SAFETY: offset + len <= cap, inside the receive's pages.
+                                        (end <= cap)
+                                            .then(|| (wr, unsafe { base.add(offset as usize) }))
+                                    });
+                            let buf = match from {
+                                Some(_) => None,
+                                None => {
+                                    let s = 64 + offset as usize;
+                                    let Some(mut buf) = self.buffer(len) else {
+                                        return self.protocol_error(i, qpn, now);
+                                    };
+                                    buf.as_mut_slice().copy_from_slice(
+                                        capsule.get(s..s + len as usize).unwrap_or(&[]),
+                                    );
+                                    Some(buf)
+                                }
                             };
-                            buf.as_mut_slice()
-                                .copy_from_slice(capsule.get(s..s + len as usize).unwrap_or(&[]));
+                            if from.is_some() {
+                                self.current_recv = None;
+                                self.held_receives += 1;
+                            }
                             if let Some(r) = self.reqs[i].as_mut() {
-                                r.buf = Some(buf);
+                                r.buf = buf;
+                                r.recv = from;
                                 r.work = Work::Io(io);
                                 r.state = State::Ready;
                             }
@@ -1393,6 +1448,7 @@ impl DataPath {
         let mut left = 0u32;
         let mut failed = None;
         let mut buf = self.reqs[i].as_mut().and_then(|r| r.buf.take());
+        let recv = self.reqs[i].as_ref().and_then(|r| r.recv);
         for &nsid in nsids {
             let Some(dev) = self.dev_of(qpn, nsid) else {
                 failed = Some(nvmfd_blockdev::BlockError::UnknownDevice);
@@ -1406,9 +1462,20 @@ impl DataPath {
                         buf: None,
                     }),
                 },
-                IoOp::Write { offset, fua, .. } => match buf.take() {
-                    Some(b) => self.engine.write(dev, *offset, b, *fua, tag).map(|_| 1),
-                    None => Err(nvmfd_blockdev::Rejected {
+                IoOp::Write { offset, len, fua } => match (buf.take(), recv) {
+                    (Some(b), _) => self.engine.write(dev, *offset, b, *fua, tag).map(|_| 1),
+                    (None, Some((_, from))) => {
+                        self.counters
+                            .writes_from_receive
+                            .fetch_add(1, Ordering::Relaxed);
+                        // SAFETY: `from..from + len` lies in the receive the request keeps off
+                        // the SRQ until this write's completion is reaped (`finish_io`,
+                        // `end_req` give it back only then, and the SRQ is not rebuilt while
+                        // a receive is kept); the engine is dropped before the SRQ.
+                        unsafe { self.engine.write_from(dev, *offset, from, *len, *fua, tag) }
+                            .map(|_| 1)
+                    }
+                    (None, None) => Err(nvmfd_blockdev::Rejected {
                         error: nvmfd_blockdev::BlockError::QueueFull,
                         buf: None,
                     }),
@@ -1476,6 +1543,13 @@ impl DataPath {
         };
         let qpn = r.qpn;
         let Work::Io(io) = std::mem::replace(&mut r.work, Work::Respond) else {
+            return;
+        };
+        // The write from its receive is done: the receive goes back before the response.
+        if let Some((wr, _)) = r.recv.take() {
+            self.give_back(wr);
+        }
+        let Some(r) = self.reqs[i].as_mut() else {
             return;
         };
         let Some(conn) = self.conns.get_mut(&qpn) else {

@@ -372,6 +372,21 @@ impl ElasticSrq {
         Ok(next)
     }
 
+    /// Where completed receive `wr_id`'s in-capsule data lies: its page SGEs, contiguous and
+    /// page-aligned, and how many bytes they hold. Valid until the receive is given back with
+    /// `completed` (its chunk cannot leave before that) and while this SRQ lives.
+    pub fn icd(&self, wr_id: u64) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        let (idx, slot) = self.split(wr_id);
+        let c = self.chunks.get(idx).and_then(Option::as_ref)?;
+        if slot >= c.slots || self.icd_pages == 0 {
+            return None;
+        }
+        let data =
+            (c.slots as usize * 64).next_multiple_of(PAGE) + slot as usize * self.icd_pages * PAGE;
+        let addr = usize::try_from(c.mr.addr()).ok()?.checked_add(data)?;
+        std::ptr::NonNull::new(addr as *mut u8).map(|p| (p, self.icd_pages * PAGE))
+    }
+
     /// Copies the capsule of completed receive `wr_id` (`len` bytes) to `out`.
     pub fn capsule(&self, wr_id: u64, len: usize, out: &mut Vec<u8>) {
         out.clear();

@@ -105,6 +105,8 @@ pub struct DataPathCounters {
     pub srq_errors: AtomicU64,
     /// Receive completions for QPs no longer known (re-posted).
     pub late_receives: AtomicU64,
+    /// In-capsule writes that went to the disk from the receive they arrived in.
+    pub writes_from_receive: AtomicU64,
     /// Send work requests the provider refused to post.
     pub post_errors: AtomicU64,
     /// Connections (QPs) served now.
@@ -172,6 +174,7 @@ impl DataPathCounters {
             srq_empty_total: g(&self.srq_empty),
             srq_errors_total: g(&self.srq_errors),
             late_receives_total: g(&self.late_receives),
+            writes_from_receive_total: g(&self.writes_from_receive),
             post_errors_total: g(&self.post_errors),
             qps: g(&self.connections),
             qps_accepted_total: g(&self.connections_accepted),
@@ -288,6 +291,7 @@ impl DataPathCounters {
             srq_empty,
             srq_errors,
             late_receives,
+            writes_from_receive,
             post_errors,
             connections: _,
             connections_accepted,
@@ -331,6 +335,7 @@ impl DataPathCounters {
         mv(srq_empty, &to.srq_empty);
         mv(srq_errors, &to.srq_errors);
         mv(late_receives, &to.late_receives);
+        mv(writes_from_receive, &to.writes_from_receive);
         mv(post_errors, &to.post_errors);
         mv(connections_accepted, &to.connections_accepted);
         mv(teardowns_disconnect, &to.teardowns_disconnect);
@@ -398,6 +403,9 @@ pub struct DataPathStats {
     pub srq_errors_total: u64,
     /// Receive completions for QPs no longer known.
     pub late_receives_total: u64,
+    /// In-capsule writes that went to the disk from the receive they arrived in (no copy).
+    #[serde(default)]
+    pub writes_from_receive_total: u64,
     /// Send work requests the provider refused to post.
     pub post_errors_total: u64,
     /// Queue pairs served now.
