@@ -1189,6 +1189,10 @@ impl DataPath {
                             r.data_len = n;
                             r.buf = Some(b);
                         }
+                        // The core reuses its vector for the next answer.
+                        if let Some(conn) = self.conns.get_mut(&qpn) {
+                            conn.queue.give_back_bytes(bytes);
+                        }
                     }
                     if let Some(r) = self.reqs[i].as_mut() {
                         r.cqe = cqe;
@@ -1577,6 +1581,10 @@ impl DataPath {
             r.data_len = 0;
         }
         r.state = State::NeedSend;
+        // The core reuses the operation's lists (DSM ranges) for the next one.
+        if let Some(conn) = self.conns.get_mut(&qpn) {
+            conn.queue.give_back_op(io.op);
+        }
         self.wait_send(i);
     }
 

@@ -1006,7 +1006,11 @@ fn serving_io_allocates_nothing_on_the_reactor() {
         }
         io.flush(2).unwrap();
         io.write_zeroes(2, 200, 4).unwrap();
+        io.deallocate(2, &[(300, 4), (310, 2)]).unwrap();
         admin.keep_alive().unwrap();
+        admin.identify_controller().unwrap();
+        admin.identify_namespace(2).unwrap();
+        admin.get_log_page(0x02, 0, 512).unwrap();
     };
     round(&mut io, 1);
     round(&mut io8, 2);
@@ -1017,7 +1021,7 @@ fn serving_io_allocates_nothing_on_the_reactor() {
     }
     let from_receive = c.writes_from_receive.load(Ordering::Relaxed);
     let after = s.allocations_settled();
-    println!("reactor allocations over 40 rounds of I/O (in-capsule, keyed, 8 pieces; reads, writes, FUA, flush, write zeroes, keep-alive): {}", after - before);
+    println!("reactor allocations over 40 rounds of I/O (in-capsule, keyed, 8 pieces; reads, writes, FUA, flush, write zeroes, deallocate) and admin commands (keep-alive, identify controller and namespace, SMART log): {}", after - before);
     assert_eq!(after - before, 0, "the reactor allocated while serving I/O");
     // Each round writes 512 B, 4 KiB and 4 KiB in the capsule (the host puts up to 4 KiB
     // there): 3 per round on each queue, 42 rounds, every one from the receive it came in.

@@ -185,8 +185,9 @@ fn keyed_len(sqe: &wire::Sqe) -> (u32, bool) {
 fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
     let cns = cmd.sqe.cdw10.get() & 0xFF;
     let nsid = cmd.sqe.nsid.get();
-    let data = match cns {
-        0x01 => identify_controller(q, ctrl).as_bytes().to_vec(),
+    let mut data = q.take_bytes(0);
+    match cns {
+        0x01 => data.extend_from_slice(identify_controller(q, ctrl).as_bytes()),
         0x00 | 0x02 | 0x03 if ctrl.subsystem.is_none() => {
             return q.respond(&cmd, status::INVALID_FIELD, 0)
         }
@@ -194,43 +195,38 @@ fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Actio
             let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
                 return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
             };
-            identify_namespace(ns, q.target().limits().max_io_size)
-                .as_bytes()
-                .to_vec()
+            data.extend_from_slice(
+                identify_namespace(ns, q.target().limits().max_io_size).as_bytes(),
+            );
         }
         0x02 => {
             if nsid >= 0xFFFF_FFFE {
                 return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
             }
-            let mut list = vec![0u8; 4096];
+            data.resize(4096, 0);
             let ids = q
                 .subsystem()
-                .map(|s| {
-                    s.namespaces
-                        .iter()
-                        .map(|n| n.nsid)
-                        .filter(|&i| i > nsid)
-                        .collect::<Vec<_>>()
-                })
-                .unwrap_or_default();
-            for (i, id) in ids.iter().take(1024).enumerate() {
-                list[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+                .into_iter()
+                .flat_map(|s| s.namespaces.iter().map(|n| n.nsid))
+                .filter(|&i| i > nsid);
+            for (i, id) in ids.take(1024).enumerate() {
+                data[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
             }
-            list
         }
         0x03 => {
             let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
                 return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
             };
-            ns_descriptors(ns)
+            ns_descriptors(ns, &mut data);
         }
         _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
     };
     respond_data(q, &cmd, data, icd)
 }
 
-fn ns_descriptors(ns: &crate::target::Namespace) -> Vec<u8> {
-    let mut out = vec![0u8; 4096];
+fn ns_descriptors(ns: &crate::target::Namespace, out: &mut Vec<u8>) {
+    out.clear();
+    out.resize(4096, 0);
     let mut at = 0;
     let mut put = |nidt: u8, id: &[u8]| {
         let h = wire::NsIdDescHeader {
@@ -249,7 +245,6 @@ fn ns_descriptors(ns: &crate::target::Namespace) -> Vec<u8> {
         put(wire::nidt::UUID, &u);
     }
     put(wire::nidt::CSI, &[0]); // NVM command set
-    out
 }
 
 /// Identify Controller for this queue's controller.
@@ -360,30 +355,29 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     if offset % 4 != 0 {
         return q.respond(&cmd, status::INVALID_FIELD, 0);
     }
-    let page: Vec<u8> = match (lid, ctrl.subsystem.is_some()) {
-        (log_page::DISCOVERY, false) => discovery_log(q, ctrl),
-        (log_page::ERROR, _) => vec![0u8; 64],
-        (log_page::SMART, true) => smart_log(ctrl).as_bytes().to_vec(),
+    let mut page = q.take_bytes(0);
+    match (lid, ctrl.subsystem.is_some()) {
+        (log_page::DISCOVERY, false) => page = discovery_log(q, ctrl),
+        (log_page::ERROR, _) => page.resize(64, 0),
+        (log_page::SMART, true) => page.extend_from_slice(smart_log(ctrl).as_bytes()),
         (log_page::FIRMWARE_SLOT, true) => {
-            let mut p = vec![0u8; 512];
-            p[0] = 1; // active slot 1
-            wire::put_str(&mut p[8..16], crate::target::FIRMWARE_REVISION, b' ');
-            p
+            page.resize(512, 0);
+            page[0] = 1; // active slot 1
+            wire::put_str(&mut page[8..16], crate::target::FIRMWARE_REVISION, b' ');
         }
         (log_page::CHANGED_NAMESPACES, true) => {
-            let mut p = vec![0u8; 4096];
+            page.resize(4096, 0);
             let mut st = ctrl.lock();
             if st.changed_nsids.len() > 1024 {
-                p[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+                page[..4].copy_from_slice(&u32::MAX.to_le_bytes());
             } else {
                 for (i, id) in st.changed_nsids.iter().enumerate() {
-                    p[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+                    page[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
                 }
             }
             if !rae {
                 st.changed_nsids.clear();
             }
-            p
         }
         _ => return q.respond(&cmd, status::INVALID_LOG_PAGE, 0),
     };
@@ -396,7 +390,10 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     let end = usize::try_from(offset.saturating_add(len))
         .unwrap_or(usize::MAX)
         .min(page.len());
-    let mut data = page[start..end].to_vec();
+    // The requested part, in place.
+    page.truncate(end);
+    page.drain(..start);
+    let mut data = page;
     // Reads past the end of the page return zeroes up to the requested length.
     let want = usize::try_from(len).unwrap_or(usize::MAX).min(1 << 20);
     if data.len() < want {

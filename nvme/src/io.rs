@@ -105,10 +105,10 @@ pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data
         return q.respond(&cmd, status::INTERNAL_ERROR, 0);
     }
     let nsid = sqe.nsid.get();
-    let Some(info) = q
+    let Some((lbs, blocks)) = q
         .subsystem()
         .and_then(|s| s.namespace(nsid))
-        .map(|n| n.info.clone())
+        .map(|n| (u64::from(n.info.logical_block_size), n.info.blocks()))
     else {
         return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
     };
@@ -120,15 +120,14 @@ pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data
     if !deallocate {
         return q.respond(&cmd, Status::SUCCESS, 0);
     }
-    let lbs = u64::from(info.logical_block_size);
-    let mut ranges = Vec::with_capacity(n);
+    let mut ranges = q.take_ranges();
     for r in data[..n * 16].chunks_exact(16) {
         let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
         let slba = u64::from_le_bytes([r[8], r[9], r[10], r[11], r[12], r[13], r[14], r[15]]);
         if nlb == 0 {
             continue;
         }
-        if slba.checked_add(nlb).is_none_or(|end| end > info.blocks()) {
+        if slba.checked_add(nlb).is_none_or(|end| end > blocks) {
             return q.respond(&cmd, status::LBA_OUT_OF_RANGE, 0);
         }
         ranges.push((slba * lbs, nlb * lbs));

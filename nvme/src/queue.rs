@@ -237,6 +237,11 @@ pub struct Queue {
     in_capsule_limit: u32,
     /// The controller's reset epoch when this queue connected.
     epoch: u32,
+    /// Response data and DSM ranges of earlier commands, handed back by the transport
+    /// (`give_back_bytes`, `give_back_op`) and refilled for the next: once a queue has
+    /// answered one of each, answering more allocates nothing.
+    spare_bytes: Vec<u8>,
+    spare_ranges: Vec<(u64, u64)>,
 }
 
 impl std::fmt::Debug for Queue {
@@ -279,6 +284,40 @@ impl Queue {
                 target.limits().in_capsule_data_size
             },
             epoch: 0,
+            spare_bytes: Vec::new(),
+            spare_ranges: Vec::new(),
+        }
+    }
+
+    /// A buffer for response data, `len` zeroes long (a spare one when there is).
+    pub(crate) fn take_bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut v = std::mem::take(&mut self.spare_bytes);
+        v.clear();
+        v.resize(len, 0);
+        v
+    }
+
+    /// An empty list for DSM ranges (a spare one when there is).
+    pub(crate) fn take_ranges(&mut self) -> Vec<(u64, u64)> {
+        let mut v = std::mem::take(&mut self.spare_ranges);
+        v.clear();
+        v
+    }
+
+    /// Hands back the data of an [`Action::Respond`] once the transport has sent (or copied)
+    /// it, for the next response to reuse.
+    pub fn give_back_bytes(&mut self, v: Vec<u8>) {
+        if v.capacity() > self.spare_bytes.capacity() {
+            self.spare_bytes = v;
+        }
+    }
+
+    /// Hands back a finished operation's lists (DSM ranges), for the next one to reuse.
+    pub fn give_back_op(&mut self, op: IoOp) {
+        if let IoOp::Deallocate { ranges } = op {
+            if ranges.capacity() > self.spare_ranges.capacity() {
+                self.spare_ranges = ranges;
+            }
         }
     }
 
