@@ -894,24 +894,37 @@ fn queue_with(s: &Served, qid: u16, sqsize: u16, opts: QueueOptions) -> RdmaQueu
     RdmaQueue::connect_with(ch, s.addr, qid, sqsize, 4096, 128 * 1024, opts).unwrap()
 }
 
+/// An admin queue and one 32-deep I/O queue per entry of `opts`, of one controller.
+fn controller_of(
+    s: &Served,
+    opts: &[QueueOptions],
+) -> (AdminQueue<RdmaQueue>, Vec<IoQueue<RdmaQueue>>) {
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    let n = opts.len() as u16;
+    assert_eq!(admin.set_queue_count(n).unwrap(), n);
+    let cntlid = admin.cntlid;
+    let ios = (1..=n)
+        .zip(opts)
+        .map(|(q, &o)| IoQueue::connect(queue_with(s, q, 31, o), &h, SUB, cntlid, q, 31).unwrap())
+        .collect();
+    (admin, ios)
+}
+
 #[test]
 fn a_write_in_more_pieces_than_the_read_depth_is_fetched_in_rounds_within_the_depth() {
     // The host takes 2 RDMA READs at once; its writes come in 16 pieces, so each needs 16
     // READs: the target must post them in rounds, never more than 2 in flight, and finish.
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4433, None, Arc::clone(&c));
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
-    let cntlid = admin.cntlid;
     let narrow = QueueOptions {
         responder_resources: 2,
         pieces: 16,
     };
-    let mut io = IoQueue::connect(queue_with(&s, 1, 31, narrow), &h, SUB, cntlid, 1, 31).unwrap();
     // Another queue of the same controller, one piece at a time, keeps working alongside.
-    let mut other = IoQueue::connect(queue(&s, 2, 31), &h, SUB, cntlid, 2, 31).unwrap();
+    let (admin, mut ios) = controller_of(&s, &[narrow, QueueOptions::default()]);
+    let (mut io, mut other) = (ios.remove(0), ios.remove(0));
     let reads_before = c.rdma_reads.load(Ordering::Relaxed);
     let mut written = Vec::new();
     for (k, blocks) in [(0u64, 32u32), (1, 16), (2, 31)] {
@@ -979,17 +992,12 @@ impl Served {
 fn serving_io_allocates_nothing_on_the_reactor() {
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4434, None, Arc::clone(&c));
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
-    let cntlid = admin.cntlid;
     let pieces = QueueOptions {
         responder_resources: 4,
         pieces: 8,
     };
-    let mut io = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
-    let mut io8 = IoQueue::connect(queue_with(&s, 2, 31, pieces), &h, SUB, cntlid, 2, 31).unwrap();
+    let (mut admin, mut ios) = controller_of(&s, &[QueueOptions::default(), pieces]);
+    let (mut io, mut io8) = (ios.remove(0), ios.remove(0));
     // Every kind of I/O once, so that whatever grows on first use has grown.
     let mut round = |io: &mut IoQueue<RdmaQueue>, seed: u64| {
         for (nsid, blocks, bs) in [
