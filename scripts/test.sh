@@ -22,6 +22,8 @@ step "real verbs: the ibverbs provider on rxe0 in the VM lab (../shared/lab)"
 scripts/lab-rdma.sh
 step "the Linux kernel NVMe/RDMA host against nvmfd on rxe0 in the VM lab"
 scripts/lab-kernel-host.sh
+step "device removal on real verbs: rxe0 deleted under nvmfd and added back, in the VM lab"
+scripts/lab-device-removal.sh
 passed=$(grep -Eo '[0-9]+ passed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 skipped=0

@@ -17,13 +17,13 @@ use slog::{debug, error, info, o, warn, Logger};
 use crate::admin::{AdminError, AdminServer, Fault, Request, Response};
 use crate::datapath::DataPathConfig;
 use crate::notify::Notifier;
-use crate::paths::{PathBuilder, ReactorCmd, ReactorPaths, RemovalHold};
+use crate::paths::{PathBuilder, ReactorCmd, ReactorPaths};
 use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, WorkFactory};
 use crate::stats::{AdminStats, ListenerStats, Stats};
 use nvmfd_nvme::rdma_cm::{check_request, reject_private_data};
 use nvmfd_nvme::Target;
 use nvmfd_rdma::any;
-use nvmfd_rdma::{AsyncEvent, CmEvent};
+use nvmfd_rdma::{AsyncEvent, CmEvent, DeviceRelease};
 
 const SIGNALS: Token = Token(0);
 const ADMIN: Token = Token(1);
@@ -35,6 +35,12 @@ const ASYNC_BASE: usize = 1 << 19;
 
 /// How often a listener whose device was removed tries to listen again.
 pub const RELISTEN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long after a device's removal nvmfd waits for everything it made on the device to be
+/// released (its data paths drain within `DRAIN_TIMEOUT`) before it says what still holds the
+/// device and tries to listen again regardless.
+pub const RELEASE_TIMEOUT: Duration =
+    Duration::from_secs(crate::datapath::DRAIN_TIMEOUT.as_secs() + 5);
 
 /// A listener's `reason` in `status` while its device is away.
 pub const DEVICE_REMOVED: &str = "device removed, waiting for it to return";
@@ -132,9 +138,9 @@ struct Listening {
     id: Option<any::cm::CmId>,
     /// Its device, while it serves.
     device: Option<any::Device>,
-    /// After its device was removed: the old listening ID, kept until every reactor dropped
-    /// its data path on that device (`RemovalHold`).
-    retiring: Option<(any::cm::CmId, RemovalHold)>,
+    /// After its device was removed: the old listening ID, kept until nothing made on the
+    /// device is left, then used to let go of the device.
+    retiring: Option<Retiring>,
     /// Its CM channel, registered with the control loop. It stays when the device goes: IDs of
     /// its connections may still be draining on the reactors, and a channel must outlive its
     /// IDs (rdma_destroy_event_channel); it listens again on the same channel.
@@ -145,6 +151,18 @@ struct Listening {
     relisten_error: Option<String>,
     device_removals: u64,
     returns: u64,
+}
+
+/// A listener's listening ID on a removed device, until the device is released.
+#[derive(Debug)]
+struct Retiring {
+    id: any::cm::CmId,
+    since: Instant,
+    /// `RELEASE_TIMEOUT` passed with the device still held (logged once); the listener tries
+    /// to listen again meanwhile.
+    overdue: bool,
+    /// Letting go of the device failed (logged once).
+    failed: bool,
 }
 
 /// Heartbeat tracking for one reactor.
@@ -660,10 +678,10 @@ impl Daemon {
     }
 
     /// The device whose async fd is `fd` was removed or failed: its listeners stop serving
-    /// (their listening IDs are kept until every reactor dropped its data path on it), every
-    /// reactor tears its data path there down, its async fd is no longer watched, and the
-    /// listeners try to listen again every `RELISTEN_INTERVAL`. A second report of the same
-    /// removal finds nothing left to do.
+    /// (their listening IDs are kept until nothing made on the device is left, then let go of
+    /// it), every reactor tears its data path there down, its async fd is no longer watched,
+    /// and the listeners try to listen again every `RELISTEN_INTERVAL`. A second report of the
+    /// same removal finds nothing left to do.
     fn device_removed(&mut self, registry: &Registry, fd: std::os::fd::RawFd, cause: &str) {
         // Events already queued (LAST_WQE of the QPs the removal failed) reach the reactors
         // ahead of the removal.
@@ -683,10 +701,15 @@ impl Daemon {
             if c.device.as_ref().is_none_or(|d| d.async_fd() != fd) {
                 continue;
             }
+            // The control thread's own handles on the device go now (its async fd above).
             c.device = None;
-            let hold = RemovalHold::default();
             if let Some(id) = c.id.take() {
-                c.retiring = Some((id, hold.clone()));
+                c.retiring = Some(Retiring {
+                    id,
+                    since: now,
+                    overdue: false,
+                    failed: false,
+                });
             }
             c.relisten_at = Some(now + RELISTEN_INTERVAL);
             c.relisten_error = None;
@@ -697,10 +720,7 @@ impl Daemon {
                 warn!(self.log, "device removed: the listener stops serving and everything on the device is torn down; it listens again when the device returns";
                       "listener" => i, "address" => &st.address, "port" => st.port, "cause" => cause);
             }
-            self.tell_reactors(|| ReactorCmd::RemoveDevice {
-                listener: i,
-                hold: hold.clone(),
-            });
+            self.tell_reactors(|| ReactorCmd::RemoveDevice { listener: i });
             any = true;
         }
         if any {
@@ -708,18 +728,17 @@ impl Daemon {
         }
     }
 
-    /// Every tick: listeners whose device was removed destroy their old listening ID once no
-    /// reactor holds the device, then try to listen again every `RELISTEN_INTERVAL`.
+    /// Every tick: listeners whose device was removed let go of it once nothing made on it is
+    /// left, then try to listen again every `RELISTEN_INTERVAL`.
     fn relisten(&mut self, registry: &Registry, now: Instant) {
         for i in 0..self.cm.len() {
+            self.release_removed(i, now);
             let c = &mut self.cm[i];
-            if c.retiring.as_ref().is_some_and(|(_, h)| h.released()) {
-                c.retiring = None;
-                info!(self.log, "every reactor released the removed device; its listening ID is destroyed";
-                      "listener" => i);
-            }
-            // Listening again needs the address, which the old ID holds.
-            if c.retiring.is_some() || c.relisten_at.is_none_or(|at| now < at) {
+            // Listening again needs the address, which the old ID may hold: after
+            // RELEASE_TIMEOUT it is tried anyway.
+            if c.retiring.as_ref().is_some_and(|r| !r.overdue)
+                || c.relisten_at.is_none_or(|at| now < at)
+            {
                 continue;
             }
             match self.listen(registry, i) {
@@ -733,6 +752,43 @@ impl Daemon {
                     }
                 }
             }
+        }
+    }
+
+    /// Listener `i`'s device was removed: once the reactors' data paths on it are gone (and
+    /// with them every QP, CQ, SRQ, memory region and PD made on it), its old listening ID
+    /// lets go of the device (with rdma_cm, librdmacm's context for it; see
+    /// `release_removed_device`) and is destroyed: the kernel can then finish removing a
+    /// device that waits for its users (rxe, siw). Bounded by `RELEASE_TIMEOUT`, after which
+    /// what still holds it is logged and the listener tries to listen again anyway.
+    fn release_removed(&mut self, i: usize, now: Instant) {
+        let Some(r) = self.cm.get_mut(i).and_then(|c| c.retiring.as_mut()) else {
+            return;
+        };
+        let waited = now.duration_since(r.since);
+        match r.id.release_removed_device() {
+            Ok(DeviceRelease::Released) => {
+                self.cm[i].retiring = None;
+                info!(self.log, "removed device released: nothing nvmfd made on it is left (QPs, CQs, SRQs, memory regions, PDs, CM IDs) and its verbs context is closed, so the kernel can finish removing it";
+                      "listener" => i, "after" => ?waited);
+            }
+            Ok(DeviceRelease::Present) if waited >= RELEASE_TIMEOUT => {
+                self.cm[i].retiring = None;
+                warn!(self.log, "nothing nvmfd made on the failed device is left, but the device is still there: its old listening ID goes and the listener tries to listen on it again";
+                      "listener" => i, "after" => ?waited);
+            }
+            Ok(DeviceRelease::InUse(holders)) if waited >= RELEASE_TIMEOUT && !r.overdue => {
+                r.overdue = true;
+                warn!(self.log, "the removed device is still held: the kernel cannot finish removing it while it is; the listener tries to listen again meanwhile";
+                      "listener" => i, "after" => ?waited, "holders" => holders);
+            }
+            Err(e) if !r.failed => {
+                r.failed = true;
+                r.overdue = true;
+                error!(self.log, "cannot let go of the removed device: the kernel cannot finish removing it";
+                       "listener" => i, "error" => %e);
+            }
+            _ => {}
         }
     }
 
@@ -776,7 +832,9 @@ impl Daemon {
             .ok_or_else(|| format!("listener {i} has no soft device (it never listened)"))?;
         match fault {
             Fault::RemoveDevice => fabric.remove_device(&dev),
-            Fault::RestoreDevice => fabric.restore_device(&dev),
+            Fault::RestoreDevice => fabric
+                .restore_device(&dev)
+                .map_err(|e| format!("listener {i}'s device cannot come back yet: {e}"))?,
         }
         warn!(self.log, "test hook: fault injected"; "fault" => ?fault, "listener" => i,
               "device" => %l.address);

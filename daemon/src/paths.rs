@@ -42,12 +42,10 @@ pub enum ReactorCmd {
     },
     /// Listener `listener`'s device was removed (or failed fatally): its data path tears every
     /// QP down, drains, and is dropped once nothing of it is outstanding (bounded by
-    /// `DRAIN_TIMEOUT`); `hold` is dropped with it.
+    /// `DRAIN_TIMEOUT`), which destroys everything it made on the device.
     RemoveDevice {
         /// Which listener.
         listener: usize,
-        /// Kept until the data path is gone.
-        hold: RemovalHold,
     },
     /// Listener `listener` listens again, on `device` (its device came back): build a data
     /// path on it.
@@ -57,20 +55,6 @@ pub enum ReactorCmd {
         /// Its device.
         device: Device,
     },
-}
-
-/// Held by each reactor until its data path on a removed device is gone. The control thread
-/// keeps the device's listening ID until no reactor holds it: with rdma_cm, the last ID on a
-/// removed device lets librdmacm close the device's context, which must outlive every verbs
-/// object made on it.
-#[derive(Clone, Debug, Default)]
-pub struct RemovalHold(Arc<()>);
-
-impl RemovalHold {
-    /// Whether only the caller's handle is left (every reactor dropped its data path).
-    pub fn released(&self) -> bool {
-        Arc::strong_count(&self.0) == 1
-    }
 }
 
 /// What a reactor needs to build a data path on a device: at start, and when a listener's
@@ -136,11 +120,9 @@ impl CountedPath {
 /// A data path on a removed device, draining before it is dropped.
 #[derive(Debug)]
 struct Removed {
-    // Field order is drop order: the data path goes before the hold.
     path: CountedPath,
     listener: usize,
     since: Instant,
-    _hold: RemovalHold,
 }
 
 /// A reactor's data paths (one per listener's device) and its inbox.
@@ -211,7 +193,7 @@ impl ReactorPaths {
     }
 
     /// Listener `listener`'s device is gone: its data path tears everything down and drains.
-    fn remove_device(&mut self, listener: usize, hold: RemovalHold) {
+    fn remove_device(&mut self, listener: usize) {
         let Some(mut path) = self.paths.get_mut(listener).and_then(Option::take) else {
             return;
         };
@@ -224,7 +206,6 @@ impl ReactorPaths {
             path,
             listener,
             since: now,
-            _hold: hold,
         });
     }
 
@@ -242,17 +223,23 @@ impl ReactorPaths {
                 i += 1;
                 continue;
             }
-            let r = self.removed.swap_remove(i);
+            let Removed {
+                path,
+                listener,
+                since,
+            } = self.removed.swap_remove(i);
             // Its last totals move before it goes; its levels leave the sum.
-            r.path.counters.move_totals_into(&self.counters);
+            path.counters.move_totals_into(&self.counters);
+            // Its QPs and CM IDs, CQ, SRQ, receive chunks, data MR and PD are destroyed here.
+            drop(path);
+            let after = now.duration_since(since);
             if g.idle() {
                 slog::info!(self.log, "data path of the removed device released: every request, buffer and send came back";
-                    "listener" => r.listener, "after" => ?now.duration_since(r.since));
+                    "listener" => listener, "after" => ?after);
             } else {
                 slog::warn!(self.log, "data path of the removed device released with work outstanding";
-                    "listener" => r.listener, "after" => ?now.duration_since(r.since), "levels" => ?g);
+                    "listener" => listener, "after" => ?after, "levels" => ?g);
             }
-            drop(r);
         }
     }
 
@@ -348,7 +335,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                         }
                     }
                 }
-                ReactorCmd::RemoveDevice { listener, hold } => self.remove_device(listener, hold),
+                ReactorCmd::RemoveDevice { listener } => self.remove_device(listener),
                 ReactorCmd::AddPath { listener, device } => self.add_path(listener, &device),
             }
         }

@@ -334,6 +334,11 @@ pub mod cm {
                 Self::Verbs(c) => c.device().map(Device::Verbs),
             }
         }
+        /// After its device was removed: lets go of the device once nothing made on it is
+        /// open (see the providers' `release_removed_device`).
+        pub fn release_removed_device(&self) -> Result<DeviceRelease, VerbsError> {
+            forward!(self, c => c.release_removed_device())
+        }
         /// Creates the connection's QP.
         pub fn create_qp(
             &mut self,

@@ -205,6 +205,21 @@ pub enum AsyncEvent {
     DeviceFatal,
 }
 
+/// How far letting go of a removed device has got (`CmId::release_removed_device`, on the
+/// listening ID of the device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceRelease {
+    /// Objects made on the device are still open: this many handles hold it (device handles,
+    /// PDs, CQs, and for soft MRs, SRQs and QPs). They must go first.
+    InUse(usize),
+    /// Nothing made on the device is open, but the device is still there: it was not removed,
+    /// or its removal has not got that far yet.
+    Present,
+    /// Nothing of the device is held any more: its objects are gone and its context is closed,
+    /// so the kernel can finish removing it. The ID itself is to be dropped now.
+    Released,
+}
+
 /// Why a verbs call failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum VerbsError {

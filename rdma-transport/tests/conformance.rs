@@ -586,6 +586,36 @@ macro_rules! suite {
                 assert_eq!(qpns, want, "one completion per QP, each naming its QP");
                 let _ = &w.env;
             }
+
+            /// Only a removed device whose objects are all gone is let go of. (On ibverbs the
+            /// handles counted are those of the device's context in the whole process: the
+            /// lab runs this suite one test at a time.)
+            #[test]
+            fn a_device_in_use_or_still_present_is_not_released() {
+                let Some(w) = world(4434, 1) else { return };
+                let World {
+                    env,
+                    sch,
+                    cch,
+                    t,
+                    h,
+                    tid,
+                    hid,
+                    _listener: listener,
+                } = w;
+                let held = listener.release_removed_device();
+                assert!(
+                    matches!(held, Ok(DeviceRelease::InUse(n)) if n > 0),
+                    "{held:?}"
+                );
+                drop((tid, hid, t, h));
+                assert_eq!(
+                    listener.release_removed_device(),
+                    Ok(DeviceRelease::Present),
+                    "nothing made on it is left, but it was not removed"
+                );
+                drop((listener, sch, cch, env));
+            }
         }
     };
 }
@@ -736,7 +766,7 @@ suite!(on_ibverbs, ibverbs, VerbsEnv);
 mod soft_only {
     use super::*;
     use nvmfd_rdma::soft::{Fabric, Faults};
-    use on_soft::{poll_one, world};
+    use on_soft::{poll_one, world, World};
 
     #[test]
     fn rnr_with_fewer_than_7_retries_fails_the_qp() {
@@ -843,9 +873,42 @@ mod soft_only {
             "each connection on the device hears of it ({removals})"
         );
         assert_eq!(w.t.dev.alloc_pd().unwrap_err().errno(), Some(libc::ENODEV));
-        w.env.fabric.restore_device(&w.t.dev);
-        assert!(std::iter::from_fn(|| w.t.dev.next_event()).any(|e| e == AsyncEvent::PortActive(1)));
-        assert!(w.t.dev.alloc_pd().is_ok());
+        // As a device without disassociate support (rxe), it cannot come back while objects
+        // made on it are open.
+        let open = w.env.fabric.objects_on(&w.t.dev);
+        assert!(open > 0);
+        assert!(
+            w.env.fabric.restore_device(&w.t.dev).is_err(),
+            "{open} open"
+        );
+        let World {
+            env,
+            t,
+            h,
+            tid,
+            hid,
+            _listener,
+            ..
+        } = w;
+        assert_eq!(
+            _listener.release_removed_device(),
+            Ok(DeviceRelease::InUse(open))
+        );
+        let dev = t.dev.clone();
+        drop((tid, hid, t, h));
+        assert_eq!(env.fabric.objects_on(&dev), 0);
+        assert_eq!(
+            _listener.release_removed_device(),
+            Ok(DeviceRelease::Released)
+        );
+        assert!(
+            env.fabric.restore_device(&dev).is_err(),
+            "an ID still listens on it"
+        );
+        drop(_listener);
+        env.fabric.restore_device(&dev).unwrap();
+        assert!(std::iter::from_fn(|| dev.next_event()).any(|e| e == AsyncEvent::PortActive(1)));
+        assert!(dev.alloc_pd().is_ok());
     }
 
     #[test]
@@ -867,7 +930,7 @@ mod soft_only {
         drop(l);
         let e = ch.listen(addr, 8).unwrap_err();
         assert_eq!(e.errno(), Some(libc::ENODEV), "{e}");
-        f.restore_device(&dev);
+        f.restore_device(&dev).unwrap();
         let l = ch.listen(addr, 8).unwrap();
         // A host in another fabric reaches the new listener on the same port.
         let g = Fabric::networked();

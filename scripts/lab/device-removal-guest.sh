@@ -48,6 +48,31 @@ serving_is() {
   done
   return 1
 }
+# Deletes rxe0 without hanging the lab: the delete runs in the background and is waited for
+# (bounded) by polling. If it has not finished, nvmfd still holds something of the device: show
+# its log, status, open fds (uverbs and rdma_cm), its RDMA resources and the kernel log, and fail
+# (the guest powers off when this script exits, even with the delete stuck).
+delete_rxe0() {
+  rdma link delete rxe0 &
+  local del=$! t0=$SECONDS
+  for i in $(seq 300); do
+    if ! kill -0 $del 2>/dev/null; then
+      wait $del; local rc=$?
+      echo "rdma link delete rxe0: exit status $rc after $((SECONDS - t0)) s"
+      echo "nvmfd's open RDMA files now: $(ls -l /proc/$pid/fd | grep -cE 'uverbs|infinibandevent') verbs, $(ls -l /proc/$pid/fd | grep -c rdma_cm) rdma_cm"
+      return $rc
+    fi
+    sleep 0.1
+  done
+  echo "rdma link delete rxe0: still running after $((SECONDS - t0)) s: the kernel waits for a user of rxe0 to let go"
+  echo "--- nvmfd status"; ctl status
+  echo "--- nvmfd fds (uverbs: verbs contexts; rdma_cm: CM channels; infinibandevent: async and completion channels)"
+  ls -l /proc/$pid/fd | sed 's/^/fd: /'
+  echo "--- RDMA resources"; for r in ctx pd mr cq qp srq cm_id; do timeout 5 rdma resource show $r 2>&1 | sed "s/^/$r: /"; done
+  echo "--- delete's kernel stack"; cat /proc/$del/stack 2>/dev/null | sed 's/^/stack: /'
+  echo "--- nvmfd log"; cat $WORK/nvmfd.log
+  return 1
+}
 listener_count() { ctl stats | tr -d ' \n' | grep -o "\"$1\":[0-9]*" | head -1 | grep -o "[0-9]*$"; }
 step serving_is true
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
@@ -56,7 +81,7 @@ step fio --name=before --filename=/dev/nvme0n1 --rw=write --bs=64k --size=32M --
 # The kernel finishes removing the device only once every user of it has let go: nvmfd must
 # free its QPs, CQs, SRQs, MRs and PDs and the listener's rdma_cm ID on DEVICE_REMOVAL.
 # (The kernel host on the same device loses its controller too.)
-step rdma link delete rxe0
+step delete_rxe0
 step serving_is false
 ctl status | tr -d ' \n' | grep -o '"reason":"[^"]*"'
 step rdma link add rxe0 type rxe netdev eth0
@@ -72,4 +97,7 @@ step nvme disconnect -n $NQN
 kill -TERM $pid
 wait $pid
 echo "nvmfd exit status $?"
+echo "--- nvmfd's log of the removal and the return"
+grep -E "device removed|removed device|device returned|still held|cannot let go|returned device" $WORK/nvmfd.log | sed 's/^/nvmfd: /'
+
 echo "LAB DEVICE REMOVAL: ALL STEPS PASSED"

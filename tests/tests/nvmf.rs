@@ -661,6 +661,13 @@ fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_se
     assert_eq!(stats["listeners"][0]["device_removals_total"], 1, "{stats}");
     assert_eq!(stats["listeners"][0]["serving"], false, "{stats}");
 
+    // Nothing nvmfd made on the removed device is left (the soft device, as rxe, could not
+    // come back otherwise).
+    nvmfd_tests::wait_for("the removed device to be released", || {
+        d.log()
+            .contains("removed device released: nothing nvmfd made on it is left")
+            .then_some(())
+    });
     // The device returns: the listener serves again.
     let v = d.request(r#"{"request":"debug_fault","fault":"restore_device","listener":0}"#);
     assert_eq!(v["ok"], true, "{v}");

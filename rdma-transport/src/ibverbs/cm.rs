@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rdma_sys::*;
@@ -55,9 +55,28 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, usize) {
     (ss, len)
 }
 
+/// An event channel's handle: destroyed once neither its `CmChannel` nor any ID on it is
+/// left (`rdma_destroy_id` writes to the channel, so the channel must outlive its IDs).
+pub(crate) struct ChannelHandle {
+    ch: NonNull<rdma_event_channel>,
+}
+
+// SAFETY: destroyed once, by whichever thread drops the last holder; the fd is used by the
+// thread that owns the `CmChannel`.
+unsafe impl Send for ChannelHandle {}
+// SAFETY: holders only keep it alive or read its fd.
+unsafe impl Sync for ChannelHandle {}
+
+impl Drop for ChannelHandle {
+    fn drop(&mut self) {
+        // SAFETY: every ID on the channel holds this handle: all are destroyed.
+        unsafe { rdma_destroy_event_channel(self.ch.as_ptr()) };
+    }
+}
+
 /// An event channel.
 pub struct CmChannel {
-    ch: NonNull<rdma_event_channel>,
+    inner: Arc<ChannelHandle>,
 }
 
 // SAFETY: the channel is used from the control thread that owns it; the handle may move.
@@ -69,13 +88,40 @@ impl std::fmt::Debug for CmChannel {
     }
 }
 
+/// An rdma_cm ID's handle, destroyed (`rdma_destroy_id`) when its last holder goes: its
+/// `CmId`, or a `Device` taken from it. librdmacm opens one context per device and keeps it
+/// open while an ID on the device lives; the verbs objects made on that context hold its
+/// `Device`, so they all go before the ID.
+pub(crate) struct IdHandle {
+    id: NonNull<rdma_cm_id>,
+    channel: Arc<ChannelHandle>,
+    /// `release_removed_device` let go of the device's context.
+    released: AtomicBool,
+}
+
+// SAFETY: destroyed once, by whichever thread drops the last holder; librdmacm locks what it
+// shares between IDs.
+unsafe impl Send for IdHandle {}
+// SAFETY: holders only keep it alive; calls through it are made by the `CmId`'s owner.
+unsafe impl Sync for IdHandle {}
+
+impl Drop for IdHandle {
+    fn drop(&mut self) {
+        // SAFETY: the ID is destroyed once, after its QP (destroyed by its `CmId`) and while its
+        // channel lives (held here).
+        unsafe { rdma_destroy_id(self.id.as_ptr()) };
+    }
+}
+
 /// A CM ID: a listener or a connection, with the QP created on it.
 pub struct CmId {
-    id: NonNull<rdma_cm_id>,
     token: usize,
     has_qp: bool,
-    /// What the QP uses, kept alive until the QP is destroyed (fields drop after `drop`).
+    // Field order is drop order: the QP is destroyed in `drop`, then what it used, then the ID
+    // (when no `Device` taken from it holds it any more).
+    /// What the QP uses, kept alive until the QP is destroyed.
     _uses: Option<(Arc<PdInner>, Arc<CqOwner>, Arc<SrqOwner>)>,
+    handle: Arc<IdHandle>,
 }
 
 // SAFETY: as for the channel.
@@ -89,13 +135,66 @@ impl std::fmt::Debug for CmId {
     }
 }
 
+/// Lets librdmacm compare its devices with the ones present (`rdma_get_devices`): it marks
+/// the devices that are gone, and closes the context of each one no ID uses any more (or when
+/// its last ID goes). It does so only while at least one device is present. Returns whether
+/// librdmacm still lists the context `ctx` (pointers are only compared).
+fn sync_librdmacm_devices(ctx: *mut ibv_context) -> bool {
+    let mut n = 0i32;
+    // SAFETY: the list is freed below with rdma_free_devices.
+    let list = unsafe { rdma_get_devices(&mut n) };
+    if list.is_null() {
+        return true;
+    }
+    // SAFETY: a NULL-terminated list of n contexts.
+    let listed = (0..usize::try_from(n).unwrap_or(0)).any(|i| unsafe { *list.add(i) } == ctx);
+    // SAFETY: the list came from rdma_get_devices and is not used after.
+    unsafe { rdma_free_devices(list) };
+    listed
+}
+
+/// Closes a context's files in the kernel's eyes while leaving librdmacm's bookkeeping whole:
+/// its command and async fds are replaced by /dev/null opened read-only, so that the kernel
+/// sees them closed, anything librdmacm still does on the context fails (EBADF) instead of
+/// reaching a device, and librdmacm's own `ibv_close_device`, whenever it comes, closes fds
+/// that are still its own.
+///
+/// # Safety
+///
+/// `ctx` is a live context that nothing uses any more and that librdmacm cannot close
+/// meanwhile (an ID on its device is alive).
+unsafe fn detach_context(ctx: *mut ibv_context) -> Result<(), VerbsError> {
+    // SAFETY: a constant NUL-terminated path.
+    let null = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if null < 0 {
+        return Err(VerbsError::os("open /dev/null", errno()));
+    }
+    // SAFETY: reading two fields of the live context.
+    let fds = unsafe { [(*ctx).cmd_fd, (*ctx).async_fd] };
+    let mut rc = 0;
+    for fd in fds {
+        // SAFETY: fd is one of the context's own descriptors; dup3 replaces its file at once.
+        if unsafe { libc::dup3(null, fd, libc::O_CLOEXEC) } < 0 {
+            rc = errno();
+        }
+    }
+    // SAFETY: our own descriptor.
+    unsafe { libc::close(null) };
+    match rc {
+        0 => Ok(()),
+        e => Err(VerbsError::os("dup3", e)),
+    }
+}
+
 impl CmChannel {
     /// A new, non-blocking event channel.
     pub fn new() -> Result<CmChannel, VerbsError> {
         // SAFETY: no preconditions.
         let ch = NonNull::new(unsafe { rdma_create_event_channel() })
             .ok_or_else(|| VerbsError::os("rdma_create_event_channel", errno()))?;
-        let c = CmChannel { ch };
+        let c = CmChannel {
+            inner: Arc::new(ChannelHandle { ch }),
+        };
         let fd = c.fd();
         // SAFETY: fcntl on the channel's own fd.
         let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
@@ -108,7 +207,7 @@ impl CmChannel {
     /// The channel's fd (poll it with mio).
     pub fn fd(&self) -> RawFd {
         // SAFETY: live channel.
-        unsafe { (*self.ch.as_ptr()).fd }
+        unsafe { (*self.inner.ch.as_ptr()).fd }
     }
 
     fn create_id(&self) -> Result<CmId, VerbsError> {
@@ -117,19 +216,14 @@ impl CmChannel {
         // SAFETY: live channel; the context is an opaque token, never dereferenced.
         check("rdma_create_id", unsafe {
             rdma_create_id(
-                self.ch.as_ptr(),
+                self.inner.ch.as_ptr(),
                 &mut id,
                 token as *mut _,
                 rdma_port_space::RDMA_PS_TCP,
             )
         })?;
         let id = NonNull::new(id).ok_or_else(|| VerbsError::os("rdma_create_id", libc::ENOMEM))?;
-        Ok(CmId {
-            id,
-            token,
-            has_qp: false,
-            _uses: None,
-        })
+        Ok(CmId::new(id, token, &self.inner))
     }
 
     /// Listens on `addr` (an RDMA device's address).
@@ -138,15 +232,10 @@ impl CmChannel {
         let (mut ss, _) = sockaddr(addr);
         // SAFETY: live ID, a valid sockaddr.
         check("rdma_bind_addr", unsafe {
-            rdma_bind_addr(
-                id.id.as_ptr(),
-                (&mut ss as *mut libc::sockaddr_storage).cast(),
-            )
+            rdma_bind_addr(id.raw(), (&mut ss as *mut libc::sockaddr_storage).cast())
         })?;
         // SAFETY: live, bound ID.
-        check("rdma_listen", unsafe {
-            rdma_listen(id.id.as_ptr(), backlog)
-        })?;
+        check("rdma_listen", unsafe { rdma_listen(id.raw(), backlog) })?;
         Ok(id)
     }
 
@@ -154,13 +243,13 @@ impl CmChannel {
     /// that other connections' events are not consumed, then moves the ID to this channel.
     pub fn resolve(&self, addr: SocketAddr, timeout: Duration) -> Result<CmId, VerbsError> {
         let private = CmChannel::new()?;
-        let id = private.create_id()?;
+        let mut id = private.create_id()?;
         let (mut ss, _) = sockaddr(addr);
         let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
         // SAFETY: live ID, valid destination address.
         check("rdma_resolve_addr", unsafe {
             rdma_resolve_addr(
-                id.id.as_ptr(),
+                id.raw(),
                 ptr::null_mut(),
                 (&mut ss as *mut libc::sockaddr_storage).cast(),
                 ms,
@@ -169,13 +258,24 @@ impl CmChannel {
         private.wait_for(rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED, timeout)?;
         // SAFETY: live ID with a resolved address.
         check("rdma_resolve_route", unsafe {
-            rdma_resolve_route(id.id.as_ptr(), ms)
+            rdma_resolve_route(id.raw(), ms)
         })?;
         private.wait_for(rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)?;
         // SAFETY: live ID and channels.
         check("rdma_migrate_id", unsafe {
-            rdma_migrate_id(id.id.as_ptr(), self.ch.as_ptr())
+            rdma_migrate_id(id.raw(), self.inner.ch.as_ptr())
         })?;
+        // The ID now lives on this channel, which must outlive it. Nothing else holds the
+        // handle of an ID just made.
+        match Arc::get_mut(&mut id.handle) {
+            Some(h) => h.channel = Arc::clone(&self.inner),
+            None => {
+                return Err(VerbsError::Invalid {
+                    op: "rdma_migrate_id",
+                    why: "the resolved ID is shared",
+                })
+            }
+        }
         Ok(id)
     }
 
@@ -184,7 +284,7 @@ impl CmChannel {
         loop {
             let mut ev = ptr::null_mut();
             // SAFETY: live channel (non-blocking).
-            if unsafe { rdma_get_cm_event(self.ch.as_ptr(), &mut ev) } == 0 {
+            if unsafe { rdma_get_cm_event(self.inner.ch.as_ptr(), &mut ev) } == 0 {
                 // SAFETY: a valid event until acked.
                 let (kind, status) = unsafe { ((*ev).event, (*ev).status) };
                 // SAFETY: acked once.
@@ -218,7 +318,7 @@ impl CmChannel {
     pub fn next_event(&self) -> Option<CmEvent> {
         let mut ev = ptr::null_mut();
         // SAFETY: live, non-blocking channel.
-        if unsafe { rdma_get_cm_event(self.ch.as_ptr(), &mut ev) } != 0 {
+        if unsafe { rdma_get_cm_event(self.inner.ch.as_ptr(), &mut ev) } != 0 {
             return None;
         }
         // SAFETY: a valid event until acked; its id lives at least as long.
@@ -250,12 +350,7 @@ impl CmChannel {
                     )
                 };
                 NonNull::new(id).map(|id| CmEvent::ConnectRequest {
-                    id: CmId {
-                        id,
-                        token: t,
-                        has_qp: false,
-                        _uses: None,
-                    },
+                    id: CmId::new(id, t, &self.inner),
                     private_data: pd,
                     initiator_depth: ir,
                     responder_resources: rr,
@@ -292,23 +387,75 @@ impl CmChannel {
     }
 }
 
-impl Drop for CmChannel {
-    fn drop(&mut self) {
-        // SAFETY: IDs on the channel are destroyed by their owners first.
-        unsafe { rdma_destroy_event_channel(self.ch.as_ptr()) };
-    }
-}
-
 impl CmId {
+    fn new(id: NonNull<rdma_cm_id>, token: usize, channel: &Arc<ChannelHandle>) -> CmId {
+        CmId {
+            token,
+            has_qp: false,
+            _uses: None,
+            handle: Arc::new(IdHandle {
+                id,
+                channel: Arc::clone(channel),
+                released: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    fn raw(&self) -> *mut rdma_cm_id {
+        self.handle.id.as_ptr()
+    }
+
     /// The token events name this connection by.
     pub fn token(&self) -> usize {
         self.token
     }
 
-    /// The device the ID is bound to (after bind, resolve or a connect request).
+    /// The device the ID is bound to (after bind, resolve or a connect request): librdmacm's
+    /// context for it. The device holds this ID: the ID lives (a listening ID keeps
+    /// listening) until the `CmId`, every device taken from it and every object made on those
+    /// are dropped.
     pub fn device(&self) -> Result<Device, VerbsError> {
         // SAFETY: live ID.
-        Device::borrowed(unsafe { (*self.id.as_ptr()).verbs })
+        Device::of_cm_id(unsafe { (*self.raw()).verbs }, Arc::clone(&self.handle))
+    }
+
+    /// After the ID's device was removed (`DEVICE_REMOVAL`, `DEVICE_FATAL`): lets go of the
+    /// device once nothing made on it is open, so that the kernel can finish removing it.
+    ///
+    /// librdmacm keeps a context per device, open even after the device's last ID is
+    /// destroyed, and closes that of a removed device only when it next compares its device
+    /// list with the kernel's while some device is present. A device without disassociate
+    /// support (rxe, siw) cannot finish its removal (`rdma link delete` waits) while a
+    /// process has its context open, and with a single device librdmacm never closes it.
+    /// So: once no device handle or object of this context is left and libibverbs no longer
+    /// lists the device, librdmacm is asked to compare its list; if it still keeps the
+    /// context, the context's files are closed here in the kernel's eyes (its fds are
+    /// replaced by /dev/null, which librdmacm closes whenever it drops the context itself).
+    /// Drop this ID after `Released`.
+    pub fn release_removed_device(&self) -> Result<DeviceRelease, VerbsError> {
+        if self.handle.released.load(Ordering::Relaxed) {
+            return Ok(DeviceRelease::Released);
+        }
+        // SAFETY: live ID.
+        let ctx = unsafe { (*self.raw()).verbs };
+        if ctx.is_null() {
+            return Ok(DeviceRelease::Released);
+        }
+        let holders = super::cm_context_holders(ctx);
+        if holders > 0 {
+            return Ok(DeviceRelease::InUse(holders));
+        }
+        // SAFETY: librdmacm keeps the context, and so its device, while this ID lives.
+        if super::device_listed(unsafe { (*ctx).device }) {
+            return Ok(DeviceRelease::Present);
+        }
+        if sync_librdmacm_devices(ctx) {
+            // SAFETY: nothing uses the context (no handle of it is left), and librdmacm cannot
+            // close it while this ID lives.
+            unsafe { detach_context(ctx) }?;
+        }
+        self.handle.released.store(true, Ordering::Relaxed);
+        Ok(DeviceRelease::Released)
     }
 
     /// Creates the connection's RC QP on `cq`, taking receives from `srq`.
@@ -330,7 +477,7 @@ impl CmId {
         a.qp_type = ibv_qp_type::IBV_QPT_RC;
         // SAFETY: live ID, PD, CQ and SRQ of the ID's device.
         check("rdma_create_qp", unsafe {
-            rdma_create_qp(self.id.as_ptr(), pd.inner.pd.as_ptr(), &mut a)
+            rdma_create_qp(self.raw(), pd.inner.pd.as_ptr(), &mut a)
         })?;
         self.has_qp = true;
         self._uses = Some((
@@ -344,7 +491,7 @@ impl CmId {
 
     fn qp(&self) -> Option<*mut ibv_qp> {
         // SAFETY: live ID.
-        let qp = unsafe { (*self.id.as_ptr()).qp };
+        let qp = unsafe { (*self.raw()).qp };
         (!qp.is_null()).then_some(qp)
     }
 
@@ -370,18 +517,14 @@ impl CmId {
     pub fn connect(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let mut p = Self::conn_param(private_data);
         // SAFETY: live ID with a QP; the private data outlives the call (it is copied).
-        check("rdma_connect", unsafe {
-            rdma_connect(self.id.as_ptr(), &mut p)
-        })
+        check("rdma_connect", unsafe { rdma_connect(self.raw(), &mut p) })
     }
 
     /// Accepts a connect request (after `create_qp`).
     pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let mut p = Self::conn_param(private_data);
         // SAFETY: as for connect.
-        check("rdma_accept", unsafe {
-            rdma_accept(self.id.as_ptr(), &mut p)
-        })
+        check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
     }
 
     /// Accepts a connect request, granting this side `initiator_depth` RDMA READs in flight
@@ -390,9 +533,7 @@ impl CmId {
         let mut p = Self::conn_param(private_data);
         p.initiator_depth = initiator_depth;
         // SAFETY: as for connect.
-        check("rdma_accept", unsafe {
-            rdma_accept(self.id.as_ptr(), &mut p)
-        })
+        check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
     }
 
     /// Sets the RNR NAK timer this side's QP advertises (`code` as in the InfiniBand table:
@@ -416,16 +557,14 @@ impl CmId {
         let len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);
         // SAFETY: live ID; the data is copied.
         check("rdma_reject", unsafe {
-            rdma_reject(self.id.as_ptr(), private_data.as_ptr().cast(), len)
+            rdma_reject(self.raw(), private_data.as_ptr().cast(), len)
         })
     }
 
     /// Disconnects (the QP goes to ERR; both sides get DISCONNECTED).
     pub fn disconnect(&self) -> Result<(), VerbsError> {
         // SAFETY: live ID.
-        check("rdma_disconnect", unsafe {
-            rdma_disconnect(self.id.as_ptr())
-        })
+        check("rdma_disconnect", unsafe { rdma_disconnect(self.raw()) })
     }
 
     /// Posts a chain of send work requests on the connection's QP.
@@ -485,12 +624,9 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
-        // SAFETY: the QP (if any) then the ID, once each.
-        unsafe {
-            if self.has_qp {
-                rdma_destroy_qp(self.id.as_ptr());
-            }
-            rdma_destroy_id(self.id.as_ptr());
+        if self.has_qp {
+            // SAFETY: the QP, once; the ID is destroyed by its handle when its last holder goes.
+            unsafe { rdma_destroy_qp(self.raw()) };
         }
     }
 }

@@ -2,7 +2,9 @@
 //! same API as the soft provider.
 //!
 //! Every handle is owned by a type that destroys it (in dependency order: the borrow and
-//! `Arc` structure keeps a PD alive while its MRs, SRQs and QPs live). errno becomes
+//! `Arc` structure keeps a PD alive while its MRs, SRQs and QPs live, a context while its PDs
+//! and CQs live, and the rdma_cm ID a context was taken from, which keeps librdmacm's context
+//! open, while that context is used; a CM channel lives while its IDs do). errno becomes
 //! [`VerbsError`]. The provider operations that rdma-sys's inline wrappers call through
 //! `Option::unwrap` (post_send, post_recv, post_srq_recv, poll_cq, req_notify_cq) are checked
 //! once when a device is opened. The hot path (post, poll) builds work requests on the stack:
@@ -13,7 +15,7 @@ pub mod cm;
 use std::ffi::CStr;
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use rdma_sys::*;
 
@@ -55,8 +57,11 @@ pub fn device_names() -> Vec<String> {
 
 pub(crate) struct Ctx {
     pub(crate) ctx: NonNull<ibv_context>,
-    /// Owned (closed on drop) when opened by name; borrowed from an rdma_cm ID otherwise.
-    owned: bool,
+    /// `None`: opened by `ibv_open_device`, closed on drop. `Some`: librdmacm's context for
+    /// the device of that rdma_cm ID. librdmacm keeps it open while an ID on the device lives,
+    /// so the ID is held here: every object made on the context (each holds this `Ctx`) goes
+    /// before the ID, and so before librdmacm may close the context.
+    cm_id: Option<Arc<cm::IdHandle>>,
 }
 
 // SAFETY: an ibv_context is thread-safe (libibverbs locks internally where it must).
@@ -64,12 +69,49 @@ unsafe impl Send for Ctx {}
 // SAFETY: as above.
 unsafe impl Sync for Ctx {}
 
+/// librdmacm's contexts that `Device`s use now, by address: what `release_removed_device`
+/// checks before it lets go of one (every verbs object holds its device's `Ctx`).
+static CM_CONTEXTS: Mutex<Vec<(usize, Weak<Ctx>)>> = Mutex::new(Vec::new());
+
+fn cm_contexts() -> std::sync::MutexGuard<'static, Vec<(usize, Weak<Ctx>)>> {
+    CM_CONTEXTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How many handles (device handles, PDs, CQs; MRs, SRQs and QPs hold their PD) hold
+/// librdmacm's context `ctx`.
+pub(crate) fn cm_context_holders(ctx: *mut ibv_context) -> usize {
+    cm_contexts()
+        .iter()
+        .filter(|(c, _)| *c == ctx as usize)
+        .map(|(_, w)| w.strong_count())
+        .sum()
+}
+
+/// Whether libibverbs still lists `dev` (a device being removed leaves the list before the
+/// kernel waits for its users to let go). Pointers are only compared.
+pub(crate) fn device_listed(dev: *mut ibv_device) -> bool {
+    let mut n = 0i32;
+    // SAFETY: as in device_names.
+    let list = unsafe { ibv_get_device_list(&mut n) };
+    if list.is_null() {
+        return false;
+    }
+    // SAFETY: i < n entries of the list.
+    let found = (0..usize::try_from(n).unwrap_or(0)).any(|i| unsafe { *list.add(i) } == dev);
+    // SAFETY: the list came from ibv_get_device_list and is not used after.
+    unsafe { ibv_free_device_list(list) };
+    found
+}
+
 impl Drop for Ctx {
     fn drop(&mut self) {
-        if self.owned {
+        if self.cm_id.is_none() {
             // SAFETY: opened by ibv_open_device; every child object holds an Arc<Ctx>, so none
             // is alive now.
             unsafe { ibv_close_device(self.ctx.as_ptr()) };
+        } else {
+            // This one's weak count is dead now: forget it and any other dead entry.
+            cm_contexts().retain(|(_, w)| w.strong_count() > 0);
         }
     }
 }
@@ -152,23 +194,31 @@ impl Device {
             why: "no such device, or it cannot be opened",
         })?;
         let dev = Device {
-            ctx: Arc::new(Ctx { ctx, owned: true }),
+            ctx: Arc::new(Ctx { ctx, cm_id: None }),
         };
         check_ops(ctx.as_ptr())?;
         dev.set_async_nonblocking()?;
         Ok(dev)
     }
 
-    /// A device for the context of an rdma_cm ID (not closed by this handle).
-    pub(crate) fn borrowed(ctx: *mut ibv_context) -> Result<Device, VerbsError> {
+    /// A device for librdmacm's context of rdma_cm ID `id`'s device (not closed by this
+    /// handle: librdmacm owns it). The handle holds the ID, which keeps the context open.
+    pub(crate) fn of_cm_id(
+        ctx: *mut ibv_context,
+        id: Arc<cm::IdHandle>,
+    ) -> Result<Device, VerbsError> {
         let ctx = NonNull::new(ctx).ok_or(VerbsError::Invalid {
             op: "cm_device",
             why: "the CM ID has no device yet",
         })?;
         check_ops(ctx.as_ptr())?;
         let d = Device {
-            ctx: Arc::new(Ctx { ctx, owned: false }),
+            ctx: Arc::new(Ctx {
+                ctx,
+                cm_id: Some(id),
+            }),
         };
+        cm_contexts().push((ctx.as_ptr() as usize, Arc::downgrade(&d.ctx)));
         d.set_async_nonblocking()?;
         Ok(d)
     }

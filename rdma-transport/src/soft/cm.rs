@@ -330,6 +330,24 @@ impl CmId {
         })
     }
 
+    /// After the ID's device was removed: whether everything made on it is gone
+    /// (`Released`), objects made on it are still open (`InUse`), or the device was not
+    /// removed (`Present`). Drop this ID after `Released`.
+    pub fn release_removed_device(&self) -> Result<DeviceRelease, VerbsError> {
+        let Some(dev) = &self.device else {
+            return Ok(DeviceRelease::Released);
+        };
+        let s = self.fabric.lock();
+        let objects = s.objects_on(dev.inner.id);
+        Ok(if objects > 0 {
+            DeviceRelease::InUse(objects)
+        } else if !s.is_removed(dev.inner.id) {
+            DeviceRelease::Present
+        } else {
+            DeviceRelease::Released
+        })
+    }
+
     /// Creates the connection's RC QP on `cq`, taking receives from `srq`.
     pub fn create_qp(
         &mut self,

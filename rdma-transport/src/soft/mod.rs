@@ -159,6 +159,8 @@ struct DevState {
     events: VecDeque<AsyncEvent>,
     async_fd: Arc<EventFd>,
     addr: std::net::IpAddr,
+    /// PDs alive on it (the other objects are in the fabric's maps).
+    pds: usize,
 }
 
 #[derive(Default)]
@@ -260,11 +262,31 @@ impl Fabric {
         s.cm.device_removed(&qpns, &listening);
     }
 
-    /// Brings a removed device back (its port turns active again).
-    pub fn restore_device(&self, dev: &Device) {
+    /// Brings a removed device back (its port turns active again). As with a device that
+    /// has no disassociate support (rxe, siw), whose removal waits until every user let go,
+    /// it is refused (EBUSY) while objects made on it (PDs, MRs, CQs, SRQs, QPs) or IDs
+    /// listening on it are still open.
+    pub fn restore_device(&self, dev: &Device) -> Result<(), VerbsError> {
         let mut s = self.lock();
-        s.removed.remove(&dev.inner.id);
-        s.event(dev.inner.id, AsyncEvent::PortActive(1));
+        let id = dev.inner.id;
+        let listening =
+            s.cm.listening_ids()
+                .filter(|(addr, _)| s.device_id_for(addr.ip()) == Some(id))
+                .count();
+        if s.removed.contains(&id) && s.objects_on(id) + listening > 0 {
+            return Err(VerbsError::Invalid {
+                op: "restore_device",
+                why: "objects made on the removed device or IDs listening on it are still open",
+            });
+        }
+        s.removed.remove(&id);
+        s.event(id, AsyncEvent::PortActive(1));
+        Ok(())
+    }
+
+    /// Objects made on `dev` that are still open: PDs, MRs, CQs, SRQs and QPs.
+    pub fn objects_on(&self, dev: &Device) -> usize {
+        self.lock().objects_on(dev.inner.id)
     }
 
     /// QP `qpn`'s RDMA READ figures: (read depth granted, most READs it had outstanding).
@@ -327,6 +349,7 @@ impl Fabric {
                 events: VecDeque::new(),
                 async_fd: Arc::clone(&fd),
                 addr,
+                pds: 0,
             },
         );
         drop(s);
@@ -377,6 +400,15 @@ impl State {
     /// Whether device `dev` was removed (and not restored).
     pub(crate) fn is_removed(&self, dev: u32) -> bool {
         self.removed.contains(&dev)
+    }
+
+    /// Objects made on device `dev` that are still open: PDs, MRs, CQs, SRQs and QPs.
+    pub(crate) fn objects_on(&self, dev: u32) -> usize {
+        self.devs.get(&dev).map_or(0, |d| d.pds)
+            + self.mrs.values().filter(|m| m.dev == dev).count()
+            + self.cqs.values().filter(|c| c.dev == dev).count()
+            + self.srqs.values().filter(|q| q.dev == dev).count()
+            + self.qps.values().filter(|q| q.dev == dev).count()
     }
 
     /// The fabric's seeded fault generator (xorshift64): a number below a million.
@@ -874,11 +906,20 @@ impl Device {
         if self.fabric().lock().removed.contains(&self.inner.id) {
             return Err(VerbsError::os("alloc_pd", libc::ENODEV));
         }
-        let id = self.fabric().lock().alloc_id();
+        let mut s = self.fabric().lock();
+        let id = s.alloc_id();
+        if let Some(d) = s.devs.get_mut(&self.inner.id) {
+            d.pds += 1;
+        }
+        drop(s);
         Ok(Pd {
             fabric: self.fabric().clone(),
             dev: self.inner.id,
             id,
+            _alive: Arc::new(PdAlive {
+                fabric: self.fabric().clone(),
+                dev: self.inner.id,
+            }),
         })
     }
 
@@ -921,6 +962,23 @@ pub struct Pd {
     fabric: Fabric,
     dev: u32,
     id: u32,
+    /// Counts the domain on its device while a clone lives.
+    _alive: Arc<PdAlive>,
+}
+
+/// One PD counted on its device (`State::objects_on`) until its last clone goes.
+#[derive(Debug)]
+struct PdAlive {
+    fabric: Fabric,
+    dev: u32,
+}
+
+impl Drop for PdAlive {
+    fn drop(&mut self) {
+        if let Some(d) = self.fabric.lock().devs.get_mut(&self.dev) {
+            d.pds = d.pds.saturating_sub(1);
+        }
+    }
 }
 
 /// A registered memory region. [`Pd::alloc_mr`] makes one that owns its memory.
