@@ -1299,7 +1299,8 @@ impl DataPath {
         let Some(c) = self.conns.get_mut(&qpn) else {
             return;
         };
-        let mut staged_any = false;
+        // A QP is in `dirty` exactly while it has work staged.
+        let was_clean = c.staged.is_empty();
         while let Some(&i) = c.pending_reads.front() {
             let room = (c.read_budget - c.reads_used.min(c.read_budget))
                 .min(c.sq_budget - c.sq_used.min(c.sq_budget));
@@ -1343,14 +1344,13 @@ impl DataPath {
             self.counters
                 .rdma_reads
                 .fetch_add(u64::from(n), Ordering::Relaxed);
-            staged_any = true;
             if r.next_seg == r.nsegs {
                 r.state = State::Reading;
                 c.pending_reads.pop_front();
             }
         }
-        if staged_any {
-            self.mark_dirty(qpn);
+        if was_clean && !c.staged.is_empty() {
+            self.dirty.push(qpn);
         }
     }
 
@@ -1360,7 +1360,8 @@ impl DataPath {
         let Some(c) = self.conns.get_mut(&qpn) else {
             return;
         };
-        let mut staged_any = false;
+        // A QP is in `dirty` exactly while it has work staged.
+        let was_clean = c.staged.is_empty();
         while let Some(&i) = c.pending_sends.front() {
             let Some(r) = self.reqs[i]
                 .as_mut()
@@ -1421,15 +1422,8 @@ impl DataPath {
             c.signaled_out += 1;
             self.sends_in_flight += 1;
             c.pending_sends.pop_front();
-            staged_any = true;
         }
-        if staged_any {
-            self.mark_dirty(qpn);
-        }
-    }
-
-    fn mark_dirty(&mut self, qpn: u32) {
-        if !self.dirty.contains(&qpn) {
+        if was_clean && !c.staged.is_empty() {
             self.dirty.push(qpn);
         }
     }
