@@ -85,16 +85,60 @@ const MAX_READ_DEPTH: u32 = 16;
 /// nothing), the longest chain a provider takes; a QP's work of one turn goes in as few
 /// calls as that allows, usually one.
 const POST_BATCH: usize = MAX_SEND_CHAIN;
-/// Send work request IDs: the kind in the top byte, then the request slot (or QP number).
+/// Send work request IDs: the kind in the top byte, then the low 24 bits of the request
+/// slot's generation, then the slot (or, for a drain marker, the QP number).
 const KIND_SHIFT: u32 = 56;
 const KIND_SEND: u64 = 1;
 const KIND_READ: u64 = 2;
 const KIND_WRITE: u64 = 3;
 const KIND_DRAIN: u64 = 4;
+const GEN_SHIFT: u32 = 32;
+const GEN_MASK: u64 = (1 << 24) - 1;
 const SLOT_MASK: u64 = (1 << 32) - 1;
 
-fn wr_id(kind: u64, n: u64) -> u64 {
-    (kind << KIND_SHIFT) | (n & SLOT_MASK)
+fn wr_id(kind: u64, generation: u32, n: u64) -> u64 {
+    (kind << KIND_SHIFT) | ((u64::from(generation) & GEN_MASK) << GEN_SHIFT) | (n & SLOT_MASK)
+}
+
+/// The request slot and the low 24 bits of its generation a send work request ID names.
+fn wr_slot(wr_id: u64) -> (usize, u32) {
+    (
+        (wr_id & SLOT_MASK) as usize,
+        ((wr_id >> GEN_SHIFT) & GEN_MASK) as u32,
+    )
+}
+
+/// A block operation's tag: the request slot and its whole generation, so that a completion
+/// can only finish the command that submitted it.
+fn block_tag(slot: usize, generation: u32) -> u64 {
+    (u64::from(generation) << 32) | (slot as u64 & SLOT_MASK)
+}
+
+/// The most bytes one deallocate operation on `dev` covers: what the backend takes at once,
+/// and under the engine's 4 GiB per operation.
+fn dealloc_piece(engine: &Engine, dev: DevId) -> u64 {
+    const MOST: u64 = 1 << 30;
+    engine.device(dev).map_or(MOST, |d| {
+        let info = d.info();
+        let bs = u64::from(info.logical_block_size);
+        MOST / bs * bs
+    })
+}
+
+/// Takes `n` from a count of outstanding things. A count that would go below zero means a
+/// completion was counted twice or a release was lost: a bug that a saturating count would
+/// hide, so debug builds (and every test) stop on it; release builds keep serving at zero.
+#[track_caller]
+fn release(count: &mut u32, n: u32) {
+    debug_assert!(*count >= n, "released {n} of {count}: counted twice");
+    *count = count.saturating_sub(n);
+}
+
+/// [`release`] for a `usize` count.
+#[track_caller]
+fn release_usize(count: &mut usize, n: usize) {
+    debug_assert!(*count >= n, "released {n} of {count}: counted twice");
+    *count = count.saturating_sub(n);
 }
 
 /// Where a command in flight is. [`DataPath::process`] moves a request from state to state
@@ -159,7 +203,19 @@ struct Req {
     /// The key the response SEND invalidates, when the host asked for it.
     invalidate: Option<u32>,
     buf: Option<DmaBuf>,
+    /// The slot's generation when this command took it: every work request ID and block
+    /// operation tag of the command carries it, and a completion that names another
+    /// generation is stale and dropped.
+    generation: u32,
+    /// Block operations submitted and not completed.
     ops_left: u32,
+    /// The next block operation to submit: a namespace of a flush of every namespace, a
+    /// range of a Dataset Management command; `op_off` is how much of that range (bytes)
+    /// is already submitted, as a range the backend cannot take whole goes in pieces.
+    next_op: u32,
+    op_off: u64,
+    /// Submitting stopped: every operation is submitted, or one was refused (`failed`).
+    ops_done: bool,
     failed: Option<nvmfd_blockdev::BlockError>,
     cqe: Cqe,
     /// Send-queue entries its response holds (its WRITEs and SEND), freed by the SEND's
@@ -222,7 +278,12 @@ pub struct DataPath {
     devs: HashMap<(usize, u32), DevId>,
     conns: HashMap<u32, Conn>,
     reqs: Vec<Option<Req>>,
+    /// Each slot's generation, moved on every time the slot is taken.
+    generations: Vec<u32>,
     free: Vec<usize>,
+    /// Requests whose next block operation the engine had no room for (`QueueFull`), in
+    /// order: they go on as operations complete.
+    blocked: VecDeque<usize>,
     /// The capsule being started (kept, so that no command allocates).
     capsule: Vec<u8>,
     counters: Arc<crate::stats::DataPathCounters>,
@@ -376,7 +437,9 @@ impl DataPath {
             devs,
             conns: HashMap::new(),
             reqs: (0..cfg.requests).map(|_| None).collect(),
+            generations: vec![0; cfg.requests as usize],
             free: (0..cfg.requests as usize).rev().collect(),
+            blocked: VecDeque::with_capacity(cfg.requests as usize),
             capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
             counters,
             limit: cfg.requests.min(cfg.buffers) as usize,
@@ -564,7 +627,7 @@ impl DataPath {
         }
         let _ = c.id.disconnect();
         let marker = [SendWr {
-            wr_id: wr_id(KIND_DRAIN, u64::from(qpn)),
+            wr_id: wr_id(KIND_DRAIN, 0, u64::from(qpn)),
             op: SendOp::Send,
             sges: &[],
             signaled: true,
@@ -623,16 +686,50 @@ impl DataPath {
             .store(self.conns.len() as u64, Ordering::Relaxed);
     }
 
-    /// Staged work requests that were not posted: their requests end, their counts return.
+    /// Staged work requests of torn-down (or about to be) connection `c` that were not
+    /// posted: their counts return, and a request ends only once nothing it posted can still
+    /// touch its buffer. A READ not posted leaves its request waiting for those that were; a
+    /// SEND not posted behind WRITEs that were leaves its request until the QP's drain
+    /// marker completes (`end_waiting_on_network`).
     fn unstage(&mut self, c: &mut Conn, lost: &[Staged]) {
         for w in lost {
-            if !w.signaled {
-                continue;
+            let kind = w.wr_id >> KIND_SHIFT;
+            if w.signaled {
+                release(&mut c.signaled_out, 1);
+                release_usize(&mut self.sends_in_flight, 1);
             }
-            c.signaled_out = c.signaled_out.saturating_sub(1);
-            self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
-            if matches!(w.wr_id >> KIND_SHIFT, KIND_SEND | KIND_READ) {
-                self.end_req((w.wr_id & SLOT_MASK) as usize);
+            let (i, generation) = wr_slot(w.wr_id);
+            let Some(r) = self
+                .reqs
+                .get_mut(i)
+                .and_then(Option::as_mut)
+                .filter(|r| u64::from(r.generation) & GEN_MASK == u64::from(generation))
+            else {
+                continue;
+            };
+            match kind {
+                KIND_READ => {
+                    release(&mut r.reads_left, 1);
+                    release(&mut c.reads_used, 1);
+                    release(&mut c.sq_used, 1);
+                    if r.reads_left == 0 {
+                        self.end_req(i);
+                    }
+                }
+                KIND_WRITE => {
+                    release(&mut r.sq_held, 1);
+                    release(&mut c.sq_used, 1);
+                }
+                KIND_SEND => {
+                    release(&mut r.sq_held, 1);
+                    release(&mut c.sq_used, 1);
+                    // Its WRITEs come right before it and were counted out here when not
+                    // posted: if none was posted, nothing of it is on the network.
+                    if r.sq_held == 0 {
+                        self.end_req(i);
+                    }
+                }
+                _ => {}
             }
         }
     }
@@ -689,16 +786,9 @@ impl DataPath {
                     "state" => ?d.id.qp_state());
                 // Slots waiting for an RDMA completion end now; those with a block operation
                 // in flight end when it completes (the engine holds their buffer until then).
-                for i in 0..self.reqs.len() {
-                    let waits_on_network = self.reqs[i]
-                        .as_ref()
-                        .is_some_and(|r| r.qpn == qpn && r.state != State::Executing);
-                    if waits_on_network {
-                        self.end_req(i);
-                    }
-                }
+                self.end_waiting_on_network(qpn);
                 // Their completions will never come.
-                self.sends_in_flight = self.sends_in_flight.saturating_sub(d.signaled_out as usize);
+                release_usize(&mut self.sends_in_flight, d.signaled_out as usize);
             }
             self.srq.unreserve(d.depth);
             drop(d.id);
@@ -773,6 +863,10 @@ impl DataPath {
             self.on_block_done(c, now);
         }
         self.reaped = done;
+        // Room came free in the engine: requests waiting for it go on.
+        if !self.blocked.is_empty() {
+            self.unblock(now);
+        }
         // Connections whose controller ended are closed.
         let mut dead = std::mem::take(&mut self.scratch_qpns);
         dead.extend(
@@ -885,7 +979,7 @@ impl DataPath {
 
     /// A receive a request kept goes back to the SRQ.
     fn give_back(&mut self, wr: u64) {
-        self.held_receives = self.held_receives.saturating_sub(1);
+        release_usize(&mut self.held_receives, 1);
         self.srq.completed(wr, Instant::now());
     }
 
@@ -914,13 +1008,16 @@ impl DataPath {
             }
             return;
         }
-        // Every other send WR is signaled: one completion each.
-        self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
+        // Every other send WR is signaled: one completion each, counted out of its QP's.
         if let Some(conn) = self.conns.get_mut(&c.qp_num) {
-            conn.signaled_out = conn.signaled_out.saturating_sub(1);
+            release(&mut conn.signaled_out, 1);
         } else if let Some(d) = self.draining.get_mut(&c.qp_num) {
-            d.signaled_out = d.signaled_out.saturating_sub(1);
+            release(&mut d.signaled_out, 1);
+        } else {
+            // Its QP was destroyed after its drain timed out, which counted it out then.
+            return self.stale(c.qp_num, "send of a destroyed QP");
         }
+        release_usize(&mut self.sends_in_flight, 1);
         if !ok && self.conns.contains_key(&c.qp_num) {
             // A live QP's work failed (remote access error, retries exhausted, or flushed
             // because the QP went to ERR before any event said so): it is torn down.
@@ -932,45 +1029,74 @@ impl DataPath {
             let qpn = (c.wr_id & SLOT_MASK) as u32;
             if let Some(d) = self.draining.get_mut(&qpn) {
                 d.flushed = true;
+                // Every work request posted before the marker has completed: the requests
+                // still waiting on this QP's network (a response whose SEND was never posted
+                // behind WRITEs that were) hold nothing the NIC can touch any more.
+                self.end_waiting_on_network(qpn);
             }
             return;
         }
-        let i = (c.wr_id & SLOT_MASK) as usize;
-        // A completion for a slot since given to another QP's command (its QP was destroyed
-        // after a drain timed out), or already ended, is stale.
-        let Some(r) = self.reqs.get_mut(i).and_then(Option::as_mut) else {
+        let (i, generation) = wr_slot(c.wr_id);
+        // A completion for a slot since given to another command is stale. (Every posted
+        // work request is counted out once, so this is a bug if it happens.)
+        let Some(r) = self
+            .reqs
+            .get_mut(i)
+            .and_then(Option::as_mut)
+            .filter(|r| u64::from(r.generation) & GEN_MASK == u64::from(generation))
+        else {
+            self.stale(c.qp_num, "send");
             return;
         };
-        if r.qpn != c.qp_num {
-            return;
-        }
         let qpn = r.qpn;
+        let live = self.conns.contains_key(&qpn);
         if kind == KIND_READ {
-            r.reads_left = r.reads_left.saturating_sub(1);
+            release(&mut r.reads_left, 1);
             if let Some(conn) = self.conns.get_mut(&qpn) {
-                conn.reads_used = conn.reads_used.saturating_sub(1);
-                conn.sq_used = conn.sq_used.saturating_sub(1);
+                release(&mut conn.reads_used, 1);
+                release(&mut conn.sq_used, 1);
             }
-            if !ok {
-                // The QP is in error: the command ends, its buffer returns. Its other READs,
-                // after this one in the send queue, are flushed as well.
-                self.end_req(i);
-            } else if r.state == State::Reading && r.reads_left == 0 {
-                r.state = State::Ready;
-                self.process(i, now);
-            } else if !self.conns.contains_key(&qpn) && r.reads_left == 0 {
-                self.end_req(i);
+            if r.reads_left == 0 {
+                if ok && live && r.state == State::Reading {
+                    r.state = State::Ready;
+                    self.process(i, now);
+                } else if !live {
+                    // Its QP is gone (or this READ failed and took it down): no READ of it is
+                    // out any more, so its buffer can go back.
+                    self.end_req(i);
+                }
             }
         } else {
             let held = r.sq_held;
             if let Some(conn) = self.conns.get_mut(&qpn) {
-                conn.sq_used = conn.sq_used.saturating_sub(held);
+                release(&mut conn.sq_used, held);
             }
             self.end_req(i);
         }
         // Room came free: requests waiting for it go on.
         self.pump_sends(qpn);
         self.pump_reads(qpn);
+    }
+
+    /// A completion that names no command in flight: dropped, counted and logged.
+    fn stale(&self, qpn: u32, what: &'static str) {
+        self.counters
+            .stale_completions
+            .fetch_add(1, Ordering::Relaxed);
+        slog::warn!(self.log, "stale completion dropped"; "qpn" => qpn, "kind" => what);
+    }
+
+    /// Ends the requests of torn-down QP `qpn` that wait for nothing but its network (every
+    /// state but `Executing`, whose block operations hold the buffer until they complete).
+    fn end_waiting_on_network(&mut self, qpn: u32) {
+        for i in 0..self.reqs.len() {
+            let waits = self.reqs[i]
+                .as_ref()
+                .is_some_and(|r| r.qpn == qpn && r.state != State::Executing);
+            if waits {
+                self.end_req(i);
+            }
+        }
     }
 
     fn on_receive(&mut self, c: &Wc, now: Instant) {
@@ -1011,6 +1137,7 @@ impl DataPath {
         // the core has seen the command, before any response is posted.
         self.current_recv = Some(wr);
         if let Some(i) = self.free.pop() {
+            self.generations[i] = self.generations[i].wrapping_add(1);
             self.reqs[i] = Some(Req {
                 qpn,
                 state: State::Ready,
@@ -1022,7 +1149,11 @@ impl DataPath {
                 data_len: 0,
                 invalidate: None,
                 buf: None,
+                generation: self.generations[i],
                 ops_left: 0,
+                next_op: 0,
+                op_off: 0,
+                ops_done: false,
                 failed: None,
                 cqe: nvmfd_nvme::wire::zeroed(),
                 sq_held: 0,
@@ -1259,7 +1390,7 @@ impl DataPath {
                     drop(buf);
                     self.begin(i, a, &[], now);
                 }
-                Work::Io(io) => self.submit_block(i, qpn, io),
+                Work::Io(io) => self.submit_block(i, io, now),
                 Work::Respond => self.wait_send(i),
             },
         }
@@ -1320,7 +1451,7 @@ impl DataPath {
             for k in r.next_seg..r.next_seg + n {
                 let s = r.segs[k as usize];
                 c.staged.push(Staged {
-                    wr_id: wr_id(KIND_READ, i as u64),
+                    wr_id: wr_id(KIND_READ, r.generation, i as u64),
                     op: SendOp::RdmaRead {
                         remote_addr: s.addr,
                         rkey: s.key,
@@ -1382,7 +1513,7 @@ impl DataPath {
             let base = r.buf.as_mut().map_or(0, |b| b.as_mut_ptr() as u64);
             for s in &r.segs[..writes as usize] {
                 c.staged.push(Staged {
-                    wr_id: wr_id(KIND_WRITE, i as u64),
+                    wr_id: wr_id(KIND_WRITE, r.generation, i as u64),
                     op: SendOp::RdmaWrite {
                         remote_addr: s.addr,
                         rkey: s.key,
@@ -1406,7 +1537,7 @@ impl DataPath {
                 _ => SendOp::Send,
             };
             c.staged.push(Staged {
-                wr_id: wr_id(KIND_SEND, i as u64),
+                wr_id: wr_id(KIND_SEND, r.generation, i as u64),
                 op,
                 sge: Sge::default(),
                 cqe,
@@ -1428,106 +1559,190 @@ impl DataPath {
         }
     }
 
-    fn dev_of(&self, qpn: u32, nsid: u32) -> Option<DevId> {
-        let conn = self.conns.get(&qpn)?;
-        let sub = conn.queue.controller()?.subsystem?;
-        self.devs.get(&(sub, nsid)).copied()
-    }
-
-    /// Queues the block operations of `io` for request slot `i` (submitted at the end of the
-    /// turn); when none could be queued, the response is built at once.
-    fn submit_block(&mut self, i: usize, qpn: u32, io: IoRequest) {
-        let tag = i as u64;
-        let one = [io.nsid];
-        let nsids: &[u32] = match &io.op {
-            IoOp::FlushAll { nsids } => nsids,
-            _ => &one,
-        };
-        let mut left = 0u32;
-        let mut failed = None;
-        let mut buf = self.reqs[i].as_mut().and_then(|r| r.buf.take());
-        let recv = self.reqs[i].as_ref().and_then(|r| r.recv);
-        for &nsid in nsids {
-            let Some(dev) = self.dev_of(qpn, nsid) else {
-                failed = Some(nvmfd_blockdev::BlockError::UnknownDevice);
-                continue;
-            };
-            let r = match &io.op {
-                IoOp::Read { offset, len } => match self.buffer(*len) {
-                    Some(b) => self.engine.read(dev, *offset, b, tag).map(|_| 1),
-                    None => Err(nvmfd_blockdev::Rejected {
-                        error: nvmfd_blockdev::BlockError::QueueFull,
-                        buf: None,
-                    }),
-                },
-                IoOp::Write { offset, len, fua } => match (buf.take(), recv) {
-                    (Some(b), _) => self.engine.write(dev, *offset, b, *fua, tag).map(|_| 1),
-                    (None, Some((_, from))) => {
-                        self.counters
-                            .writes_from_receive
-                            .fetch_add(1, Ordering::Relaxed);
-                        // SAFETY: `from..from + len` lies in the receive the request keeps off
-                        // the SRQ until this write's completion is reaped (`finish_io`,
-                        // `end_req` give it back only then, and the SRQ is not rebuilt while
-                        // a receive is kept); the engine is dropped before the SRQ.
-                        unsafe { self.engine.write_from(dev, *offset, from, *len, *fua, tag) }
-                            .map(|_| 1)
-                    }
-                    (None, None) => Err(nvmfd_blockdev::Rejected {
-                        error: nvmfd_blockdev::BlockError::QueueFull,
-                        buf: None,
-                    }),
-                },
-                IoOp::Flush | IoOp::FlushAll { .. } => self.engine.flush(dev, tag).map(|_| 1),
-                IoOp::WriteZeroes { offset, len } => {
-                    self.engine.write_zeroes(dev, *offset, *len, tag).map(|_| 1)
-                }
-                IoOp::Deallocate { ranges } => {
-                    let mut n = 0;
-                    let mut res = Ok(0);
-                    for &(o, l) in ranges {
-                        match self.engine.deallocate(dev, o, l, tag) {
-                            Ok(()) => n += 1,
-                            Err(e) => res = Err(e),
-                        }
-                    }
-                    res.map(|_| n)
-                }
-            };
-            match r {
-                Ok(n) => left += n,
-                Err(e) => failed = Some(e.error),
-            }
-        }
-        drop(buf);
+    /// Starts the block operations of `io` for request slot `i` (queued now, submitted at
+    /// the end of the turn).
+    fn submit_block(&mut self, i: usize, io: IoRequest, now: Instant) {
         let Some(r) = self.reqs[i].as_mut() else {
             return;
         };
-        r.ops_left = left;
-        r.failed = failed;
         r.work = Work::Io(io);
         r.state = State::Executing;
-        if left == 0 {
+        r.ops_left = 0;
+        r.next_op = 0;
+        r.op_off = 0;
+        r.ops_done = false;
+        r.failed = None;
+        self.issue(i, now);
+    }
+
+    /// Queues request `i`'s block operations from the next one on, as far as the engine has
+    /// room. One the engine refuses for lack of room (`QueueFull`) puts the request in
+    /// `blocked`, to go on as operations complete; one refused for any other reason stops
+    /// the submitting with that error. The command is answered once every operation it
+    /// submitted has completed, whatever failed (`on_block_done`), never before: no
+    /// completion may outlive its command.
+    fn issue(&mut self, i: usize, now: Instant) {
+        use nvmfd_blockdev::{BlockError, Rejected};
+        let Some(r) = self.reqs[i].as_mut() else {
+            return;
+        };
+        let Work::Io(io) = &r.work else {
+            return;
+        };
+        let qpn = r.qpn;
+        let tag = block_tag(i, r.generation);
+        let subsystem = self
+            .conns
+            .get(&qpn)
+            .and_then(|c| c.queue.controller()?.subsystem);
+        // A request of a QP torn down submits nothing more: what it submitted completes, and
+        // then it ends.
+        let Some(sub) = subsystem else {
+            r.ops_done = true;
+            r.failed.get_or_insert(BlockError::UnknownDevice);
+            if r.ops_left == 0 {
+                self.finish_io(i);
+                self.process(i, now);
+            }
+            return;
+        };
+        while !r.ops_done {
+            let nsid = match &io.op {
+                IoOp::FlushAll { nsids } => match nsids.get(r.next_op as usize) {
+                    Some(&n) => n,
+                    None => break,
+                },
+                _ => io.nsid,
+            };
+            let Some(&dev) = self.devs.get(&(sub, nsid)) else {
+                r.failed = Some(BlockError::UnknownDevice);
+                break;
+            };
+            let engine = &mut self.engine;
+            // One operation, and where the request's place moves once it is queued.
+            let (result, next_op, op_off) = match &io.op {
+                IoOp::Read { offset, len } => {
+                    let buf = self.pool.take().and_then(|mut b| {
+                        let fits = b.set_len(*len as usize);
+                        fits.then_some(b)
+                    });
+                    let result = match buf {
+                        Some(b) => engine.read(dev, *offset, b, tag),
+                        // Admission keeps a buffer for every command it starts.
+                        None => Err(Rejected {
+                            error: BlockError::QueueFull,
+                            buf: None,
+                        }),
+                    };
+                    (result, 1, 0)
+                }
+                IoOp::Write { offset, len, fua } => {
+                    let result = match (r.buf.take(), r.recv) {
+                        (Some(b), _) => engine.write(dev, *offset, b, *fua, tag),
+                        (None, Some((_, from))) => {
+                            self.counters
+                                .writes_from_receive
+                                .fetch_add(1, Ordering::Relaxed);
+                            // SAFETY: `from..from + len` lies in the receive the request keeps
+                            // off the SRQ until this write's completion is reaped (`finish_io`,
+                            // `end_req` give it back only then, and the SRQ is not rebuilt
+                            // while a receive is kept); the engine is dropped before the SRQ.
+                            unsafe { engine.write_from(dev, *offset, from, *len, *fua, tag) }
+                        }
+                        (None, None) => Err(Rejected {
+                            error: BlockError::QueueFull,
+                            buf: None,
+                        }),
+                    };
+                    (result, 1, 0)
+                }
+                IoOp::Flush => (engine.flush(dev, tag), 1, 0),
+                IoOp::FlushAll { .. } => (engine.flush(dev, tag), r.next_op + 1, 0),
+                IoOp::WriteZeroes { offset, len } => {
+                    (engine.write_zeroes(dev, *offset, *len, tag), 1, 0)
+                }
+                IoOp::Deallocate { ranges } => {
+                    let Some(&(o, l)) = ranges.get(r.next_op as usize) else {
+                        break;
+                    };
+                    // A range longer than the backend takes at once goes in pieces.
+                    let piece = (l - r.op_off).min(dealloc_piece(engine, dev));
+                    let result = engine.deallocate(dev, o + r.op_off, piece, tag);
+                    if r.op_off + piece < l {
+                        (result, r.next_op, r.op_off + piece)
+                    } else {
+                        (result, r.next_op + 1, 0)
+                    }
+                }
+            };
+            match result {
+                Ok(()) => {
+                    r.ops_left += 1;
+                    r.next_op = next_op;
+                    r.op_off = op_off;
+                    if !matches!(io.op, IoOp::FlushAll { .. } | IoOp::Deallocate { .. }) {
+                        break;
+                    }
+                }
+                // No room: it waits for some (the engine has operations of its own or of
+                // other requests that will complete and make room).
+                Err(Rejected {
+                    error: BlockError::QueueFull,
+                    buf,
+                }) if self.engine.in_flight() > 0 => {
+                    // Back where it was taken from, for the retry.
+                    if matches!(io.op, IoOp::Write { .. }) {
+                        r.buf = buf;
+                    }
+                    self.blocked.push_back(i);
+                    return;
+                }
+                Err(e) => {
+                    r.failed = Some(e.error);
+                    break;
+                }
+            }
+        }
+        r.ops_done = true;
+        if r.ops_left == 0 {
             self.finish_io(i);
+            self.process(i, now);
+        }
+    }
+
+    /// Requests waiting for room in the engine go on, oldest first, while it has room.
+    fn unblock(&mut self, now: Instant) {
+        while self.engine.capacity_left() > 0 {
+            let Some(i) = self.blocked.pop_front() else {
+                break;
+            };
+            self.issue(i, now);
         }
     }
 
     fn on_block_done(&mut self, c: Completion, now: Instant) {
-        let i = usize::try_from(c.tag).unwrap_or(usize::MAX);
-        let Some(Some(r)) = self.reqs.get_mut(i) else {
-            return;
+        let i = (c.tag & SLOT_MASK) as usize;
+        let generation = (c.tag >> 32) as u32;
+        let Some(r) = self
+            .reqs
+            .get_mut(i)
+            .and_then(Option::as_mut)
+            .filter(|r| r.generation == generation && r.state == State::Executing)
+        else {
+            // Never applied to whatever command holds the slot now (a read would be answered
+            // without its data). Each operation completes its own command, so this is a bug.
+            return self.stale(0, "block");
         };
-        if r.state != State::Executing {
-            return;
-        }
-        r.ops_left = r.ops_left.saturating_sub(1);
+        release(&mut r.ops_left, 1);
         if let Err(e) = &c.result {
-            r.failed = Some(e.clone());
+            r.failed.get_or_insert_with(|| e.clone());
         }
         if c.op == nvmfd_blockdev::OpKind::Read {
             r.buf = c.buf;
         }
-        if r.ops_left == 0 {
+        // Done once every operation it submitted has completed and nothing is left to submit
+        // (a request in `blocked` goes on from there).
+        if r.ops_left == 0 && r.ops_done {
             self.finish_io(i);
             self.process(i, now);
         }

@@ -105,6 +105,8 @@ pub struct DataPathCounters {
     pub srq_errors: AtomicU64,
     /// Receive completions for QPs no longer known (re-posted).
     pub late_receives: AtomicU64,
+    /// Send or block completions that named no command in flight (dropped, never applied).
+    pub stale_completions: AtomicU64,
     /// In-capsule writes that went to the disk from the receive they arrived in.
     pub writes_from_receive: AtomicU64,
     /// Send work requests the provider refused to post.
@@ -174,6 +176,7 @@ impl DataPathCounters {
             srq_empty_total: g(&self.srq_empty),
             srq_errors_total: g(&self.srq_errors),
             late_receives_total: g(&self.late_receives),
+            stale_completions_total: g(&self.stale_completions),
             writes_from_receive_total: g(&self.writes_from_receive),
             post_errors_total: g(&self.post_errors),
             qps: g(&self.connections),
@@ -291,6 +294,7 @@ impl DataPathCounters {
             srq_empty,
             srq_errors,
             late_receives,
+            stale_completions,
             writes_from_receive,
             post_errors,
             connections: _,
@@ -335,6 +339,7 @@ impl DataPathCounters {
         mv(srq_empty, &to.srq_empty);
         mv(srq_errors, &to.srq_errors);
         mv(late_receives, &to.late_receives);
+        mv(stale_completions, &to.stale_completions);
         mv(writes_from_receive, &to.writes_from_receive);
         mv(post_errors, &to.post_errors);
         mv(connections_accepted, &to.connections_accepted);
@@ -403,6 +408,9 @@ pub struct DataPathStats {
     pub srq_errors_total: u64,
     /// Receive completions for QPs no longer known.
     pub late_receives_total: u64,
+    /// Send or block completions that named no command in flight, dropped.
+    #[serde(default)]
+    pub stale_completions_total: u64,
     /// In-capsule writes that went to the disk from the receive they arrived in (no copy).
     #[serde(default)]
     pub writes_from_receive_total: u64,
