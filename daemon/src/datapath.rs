@@ -820,10 +820,11 @@ impl DataPath {
         self.cq.channel_fd()
     }
 
-    /// Arms the completion channel before the reactor sleeps; false when it must not sleep
-    /// (block operations in flight complete only by polling).
+    /// Arms the completion channel when the reactor is about to sleep (never on a busy
+    /// turn: it costs a read of the channel and a request for notification); false when it
+    /// must not sleep. The reactor polls once more after arming, as a completion that
+    /// arrived before the arming raises no event.
     pub fn arm(&mut self) -> bool {
-        while self.cq.ack_event() {}
         // Block operations complete only by polling; drains end (or time out) only by polling.
         if self.engine.in_flight() > 0
             || self.srq.busy()
@@ -832,6 +833,8 @@ impl DataPath {
         {
             return false;
         }
+        // Events of earlier sleeps are acknowledged before arming again.
+        while self.cq.ack_event() {}
         self.cq.req_notify().is_ok()
     }
 
