@@ -65,6 +65,10 @@ pub enum Cause {
 struct Drain {
     /// Kept alive (and so the QP) until the drain ends.
     id: CmId,
+    /// Its NVMe queue, dropped only once no request of it is left: its controller counts
+    /// it until then, so a reset or shutdown is not reported done while a block operation
+    /// of it may still write.
+    queue: Queue,
     depth: u32,
     since: Instant,
     cause: Cause,
@@ -74,6 +78,9 @@ struct Drain {
     flushed: bool,
     /// Its signaled send WRs not completed yet.
     signaled_out: u32,
+    /// Everything it waited for had come by the CQ poll that was the `n`th to find the CQ
+    /// empty (`cq_empty_polls`); the next one to find it empty ends the drain.
+    quiet_at: Option<u64>,
 }
 
 /// Host memory pieces one command's data may come from or go to.
@@ -309,6 +316,13 @@ pub struct DataPath {
     sends_in_flight: usize,
     /// QPs torn down, draining before they are destroyed.
     draining: HashMap<u32, Drain>,
+    /// NVMe queues of QPs destroyed after their drain timed out, kept until their block
+    /// operations complete.
+    lingering: Vec<(u32, Queue)>,
+    /// Times a poll of the CQ found it empty.
+    cq_empty_polls: u64,
+    /// Drains waiting only for a poll that finds the CQ empty: the CQ is polled until it is.
+    settling: usize,
     /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
     srq_broken: bool,
     /// Block completions of one turn (kept, so that no turn allocates).
@@ -451,6 +465,9 @@ impl DataPath {
             max_qp_wr: attr.max_qp_wr.max(8),
             sends_in_flight: 0,
             draining: HashMap::new(),
+            lingering: Vec::new(),
+            cq_empty_polls: 0,
+            settling: 0,
             srq_broken: false,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
@@ -673,12 +690,14 @@ impl DataPath {
             qpn,
             Drain {
                 id: c.id,
+                queue: c.queue,
                 depth: c.depth,
                 since: now,
                 cause,
                 last_wqe: false,
                 flushed,
                 signaled_out: c.signaled_out,
+                quiet_at: None,
             },
         );
         self.counters
@@ -757,7 +776,18 @@ impl DataPath {
     /// Destroys the torn-down QPs whose drain is over, or which waited `DRAIN_TIMEOUT` (logged
     /// with what they still waited for; their request slots still waiting for the network are
     /// ended, and a completion that comes later for them is ignored).
+    ///
+    /// A drain is over when no request of the QP is left, its drain marker has completed
+    /// (every send of it is accounted for), LAST_WQE_REACHED came (where the device sends
+    /// it), and then the CQ was polled empty: the QP's flushed receives are in the CQ before
+    /// LAST_WQE_REACHED is raised, and some providers (mlx5) drop a destroyed QP's
+    /// completions, which would leave those receives counted as posted forever (IB 10.3.1).
     fn reap_drained(&mut self, now: Instant) {
+        if !self.lingering.is_empty() {
+            let reqs = &self.reqs;
+            self.lingering
+                .retain(|&(qpn, _)| reqs.iter().flatten().any(|r| r.qpn == qpn));
+        }
         if self.draining.is_empty() {
             return;
         }
@@ -765,16 +795,28 @@ impl DataPath {
             |reqs: &[Option<Req>], qpn: u32| reqs.iter().flatten().filter(|r| r.qpn == qpn).count();
         // The reused scratch vector: a turn with QPs draining allocates nothing either.
         let mut gone = std::mem::take(&mut self.scratch_qpns);
-        gone.extend(self.draining.iter().filter_map(|(&qpn, d)| {
-            let done = requests_of(&self.reqs, qpn) == 0
+        let empty_polls = self.cq_empty_polls;
+        for (&qpn, d) in &mut self.draining {
+            let quiet = requests_of(&self.reqs, qpn) == 0
                 && d.flushed
                 && (d.last_wqe || !self.wait_last_wqe);
-            (done || now.duration_since(d.since) >= DRAIN_TIMEOUT).then_some(qpn)
-        }));
+            if quiet && d.quiet_at.is_none() {
+                // The next poll that finds the CQ empty has reaped everything of it.
+                d.quiet_at = Some(empty_polls);
+                self.settling += 1;
+            }
+            let reaped = d.quiet_at.is_some_and(|at| empty_polls > at);
+            if reaped || now.duration_since(d.since) >= DRAIN_TIMEOUT {
+                gone.push(qpn);
+            }
+        }
         for qpn in gone.drain(..) {
             let Some(d) = self.draining.remove(&qpn) else {
                 continue;
             };
+            if d.quiet_at.is_some() {
+                self.settling -= 1;
+            }
             let requests = requests_of(&self.reqs, qpn);
             let timed_out = requests > 0 || !d.flushed || (!d.last_wqe && self.wait_last_wqe);
             if timed_out {
@@ -792,6 +834,11 @@ impl DataPath {
             }
             self.srq.unreserve(d.depth);
             drop(d.id);
+            if requests_of(&self.reqs, qpn) > 0 {
+                // Block operations of it are still in flight: its queue stays counted by
+                // its controller until they complete.
+                self.lingering.push((qpn, d.queue));
+            }
         }
         self.scratch_qpns = gone;
     }
@@ -851,12 +898,24 @@ impl DataPath {
             worked = true;
         }
         let mut wc = [Wc::default(); 32];
-        let n = self.cq.poll(&mut wc).unwrap_or(0);
-        let receives = wc[..n].iter().filter(|c| c.wr_id < REQ_BASE).count();
-        self.srq
-            .consumed(u32::try_from(receives).unwrap_or(u32::MAX));
-        for c in &wc[..n] {
-            self.on_completion(c, now);
+        let mut n = 0;
+        // One batch a turn; while a drain waits for the CQ to be empty, until it is.
+        for _ in 0..64 {
+            let got = self.cq.poll(&mut wc).unwrap_or(0);
+            let receives = wc[..got].iter().filter(|c| c.wr_id < REQ_BASE).count();
+            self.srq
+                .consumed(u32::try_from(receives).unwrap_or(u32::MAX));
+            for c in &wc[..got] {
+                self.on_completion(c, now);
+            }
+            n += got;
+            if got < wc.len() {
+                self.cq_empty_polls += 1;
+                break;
+            }
+            if self.settling == 0 {
+                break;
+            }
         }
         // Reused vectors (taken and put back): nothing is allocated per turn.
         let mut done = std::mem::take(&mut self.reaped);

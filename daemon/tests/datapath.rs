@@ -1352,3 +1352,50 @@ fn through_the_reactor_thread_every_command_sent_to_a_sleeping_reactor_wakes_it_
         c.requests_active.load(Relaxed) == 0 && c.request_slots.load(Relaxed) > 0
     });
 }
+
+/// A reset (CC.EN 1 to 0) reports CSTS.RDY = 0 only once every I/O queue of the controller is
+/// torn down, drained and destroyed with its block operations completed; a write on the old
+/// queue then cannot land after the host writes the same block on the new association.
+/// LAST_WQE_REACHED held back (as a slow device would deliver it) keeps the I/O QP draining
+/// for as long as the test wants.
+#[test]
+fn a_reset_is_reported_done_only_after_its_io_queues_drained() {
+    use nvmfd_nvme::wire::property;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4434, None, Arc::clone(&c));
+    let (mut admin, mut ios) = controller(&s, 1);
+    let old = pattern(41, 4096);
+    ios[0].write(2, 12, 1, &old, false).unwrap();
+    s.hold_events.store(true, Relaxed);
+    let cc = admin.property_get(property::CC, false).unwrap() as u32;
+    admin.property_set(property::CC, cc & !1).unwrap();
+    wait_until("the I/O QP is torn down and draining", || {
+        c.qps_draining.load(Relaxed) == 1
+    });
+    for _ in 0..20 {
+        assert_eq!(
+            admin.property_get(property::CSTS, false).unwrap() & 1,
+            1,
+            "CSTS.RDY read 0 while an I/O queue of the controller was still draining"
+        );
+    }
+    s.hold_events.store(false, Relaxed);
+    wait_until("CSTS.RDY reads 0", || {
+        admin.property_get(property::CSTS, false).unwrap() & 1 == 0
+    });
+    assert_eq!(c.qps_draining.load(Relaxed), 0);
+    assert_eq!(c.block_ops_in_flight.load(Relaxed), 0);
+    drop(ios);
+    // The new association writes the same block: what it wrote is what reads back.
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let h = host();
+    let mut io = IoQueue::connect(queue(&s, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let new = pattern(42, 4096);
+    io.write(2, 12, 1, &new, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    io.read(2, 12, 1, &mut back).unwrap();
+    assert!(back == new);
+    wait_pools_full(&c, false);
+}
