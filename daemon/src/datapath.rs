@@ -332,6 +332,9 @@ pub struct DataPath {
     /// Whether the device sends LAST_WQE_REACHED (rxe and iWARP do not: the drain marker
     /// alone ends a drain there).
     wait_last_wqe: bool,
+    /// Whether the device can post SEND_WITH_INVALIDATE; where it cannot, responses go as
+    /// plain SENDs and the host invalidates its key itself.
+    send_invalidate: bool,
     log: slog::Logger,
 }
 
@@ -347,7 +350,8 @@ fn verr(e: VerbsError) -> std::io::Error {
     std::io::Error::other(e.to_string())
 }
 
-/// Posts `staged` on `id` in batches; on failure, the index of the first WR not posted.
+/// Posts `staged` on `id` in batches; on failure, the index of the first WR not posted (every
+/// one before it was posted).
 fn post_staged(id: &CmId, staged: &[Staged]) -> Result<(), (usize, VerbsError)> {
     const EMPTY: SendWr<'static> = SendWr {
         wr_id: 0,
@@ -383,8 +387,9 @@ fn post_staged(id: &CmId, staged: &[Staged]) -> Result<(), (usize, VerbsError)> 
                 inline: w.inline,
             };
         }
+        // Those before the refused one were posted: they complete (or flush) as usual.
         id.post_send(&wrs[..chunk.len()])
-            .map_err(|e| (n * POST_BATCH, e))?;
+            .map_err(|e| (n * POST_BATCH + e.posted().min(chunk.len()), e))?;
     }
     Ok(())
 }
@@ -472,6 +477,7 @@ impl DataPath {
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
             wait_last_wqe: dev.sends_last_wqe(),
+            send_invalidate: dev.supports_send_with_invalidate(),
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         Ok(dp)
@@ -1595,7 +1601,9 @@ impl DataPath {
             // One key at most can be invalidated by the SEND, and only when all the data
             // went through it.
             let op = match r.invalidate {
-                Some(rkey) if r.nsegs <= 1 => SendOp::SendWithInvalidate { rkey },
+                Some(rkey) if r.nsegs <= 1 && self.send_invalidate => {
+                    SendOp::SendWithInvalidate { rkey }
+                }
                 _ => SendOp::Send,
             };
             c.staged.push(Staged {

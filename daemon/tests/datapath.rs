@@ -1399,3 +1399,47 @@ fn a_reset_is_reported_done_only_after_its_io_queues_drained() {
     assert!(back == new);
     wait_pools_full(&c, false);
 }
+
+/// A chain the provider refuses part-way (the 5th of 8 READs of a write in 8 pieces, and the
+/// 5th of 8 WRITEs of a read's response): the WRs before it were posted and complete (flushed,
+/// as the QP goes down), the others never do. Only what was not posted is counted out, no
+/// completion is counted twice (the counts fail loudly in debug builds), a buffer is given
+/// back only once nothing posted can touch it, and everything comes back.
+#[test]
+fn a_chain_refused_part_way_ends_only_what_was_not_posted() {
+    use std::sync::atomic::Ordering::Relaxed;
+    for (case, port) in [("write", 4435u16), ("read", 4436)] {
+        let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+        let s = serve_counted(port, None, Arc::clone(&c));
+        let pieces = QueueOptions {
+            responder_resources: 16,
+            pieces: 8,
+        };
+        let (_admin, mut ios) = controller_of(&s, &[QueueOptions::default(), pieces]);
+        let (mut ok, mut io8) = (ios.remove(0), ios.remove(0));
+        let kept = write_verified(&mut ok, 1, 3);
+        let data = pattern(5, 32 * 1024);
+        io8.write(2, 64, 8, &data, false).unwrap();
+        let qpns = s.fabric.srq_qps(s.srq_id);
+        let victim = qpns[2];
+        s.fabric.inject_post_failure(victim, 4);
+        let failed = if case == "write" {
+            io8.write(2, 64, 8, &pattern(6, 32 * 1024), false).is_err()
+        } else {
+            let mut back = vec![0u8; 32 * 1024];
+            io8.read(2, 64, 8, &mut back).is_err()
+        };
+        assert!(failed, "{case}: the command on the refused chain must fail");
+        wait_until("the QP is torn down for its refused post", || {
+            c.post_errors.load(Relaxed) == 1 && c.connections.load(Relaxed) == 2
+        });
+        wait_pools_full(&c, true);
+        assert_eq!(c.drain_timeouts.load(Relaxed), 0, "{case}");
+        assert_eq!(c.stale_completions.load(Relaxed), 0, "{case}");
+        // The other queue still serves, and what it wrote is there.
+        let mut back = vec![0u8; 4096];
+        ok.read(2, 3, 1, &mut back).unwrap();
+        assert!(back == kept, "{case}");
+        write_verified(&mut ok, 2, 4);
+    }
+}
