@@ -806,13 +806,14 @@ impl DataPath {
             let quiet = requests_of(&self.reqs, qpn) == 0
                 && d.flushed
                 && (d.last_wqe || !self.wait_last_wqe);
-            if quiet && d.quiet_at.is_none() {
-                // The next poll that finds the CQ empty has reaped everything of it.
+            let expired = now.duration_since(d.since) >= DRAIN_TIMEOUT;
+            if (quiet || expired) && d.quiet_at.is_none() {
+                // The next poll that finds the CQ empty has reaped everything of it that is
+                // there (even at the bound: what a destroy would drop is taken first).
                 d.quiet_at = Some(empty_polls);
                 self.settling += 1;
             }
-            let reaped = d.quiet_at.is_some_and(|at| empty_polls > at);
-            if reaped || now.duration_since(d.since) >= DRAIN_TIMEOUT {
+            if d.quiet_at.is_some_and(|at| empty_polls > at) {
                 gone.push(qpn);
             }
         }
