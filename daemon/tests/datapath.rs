@@ -1454,3 +1454,65 @@ fn a_chain_refused_part_way_ends_only_what_was_not_posted() {
         write_verified(&mut ok, 2, 4);
     }
 }
+
+/// Companion of the tests that drive `DataPath` from their own loop: the same I/O of every
+/// size, a QP that fails fatally with the other queue serving on, and everything coming back,
+/// through a real reactor thread that arms, sleeps between commands and folds its data
+/// path's counters into the reactor's (which are what this test reads).
+#[test]
+fn through_the_reactor_thread_io_of_every_size_and_a_fatal_qp_leave_every_pool_full() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_micros(50),
+        max_sleep: Duration::from_secs(10),
+    };
+    let s = serve_on_reactor(4437, cfg, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 2);
+    let mut seed = 0;
+    let mut len = 4096;
+    while len <= 128 * 1024 {
+        seed += 1;
+        let data = pattern(seed, len);
+        let io = &mut ios[seed as usize % 2];
+        io.write(2, seed * 40, (len / 4096) as u32, &data, seed % 3 == 0)
+            .unwrap();
+        let mut back = vec![0u8; len];
+        io.read(2, seed * 40, (len / 4096) as u32, &mut back)
+            .unwrap();
+        assert!(back == data, "{len} bytes: data differs");
+        len *= 2;
+    }
+    let kept = write_verified(&mut ios[0], 100, 7);
+    // The second I/O queue's QP fails; the reactor hears of it through its inbox.
+    let victim = *s
+        .fabric
+        .srq_qps(s.fabric.srq_ids()[0])
+        .last()
+        .expect("the reactor's SRQ has QPs");
+    s.fabric.inject_qp_fatal(victim);
+    let mut b = vec![0u8; 4096];
+    assert!(
+        ios[1].read(2, 7, 1, &mut b).is_err(),
+        "the failed QP's host sees it"
+    );
+    wait_until("the QP is torn down for its error", || {
+        c.teardowns_qp_error.load(Relaxed) == 1 && c.connections.load(Relaxed) == 2
+    });
+    ios[0].read(2, 7, 1, &mut b).unwrap();
+    assert!(b == kept);
+    wait_pools_full(&c, true);
+    assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+    assert_eq!(c.stale_completions.load(Relaxed), 0);
+    assert!(
+        s.reactor
+            .as_ref()
+            .unwrap()
+            .shared
+            .counters
+            .sleeps
+            .load(Relaxed)
+            > 0,
+        "the reactor slept between commands"
+    );
+}

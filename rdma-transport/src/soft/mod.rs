@@ -380,6 +380,14 @@ impl Fabric {
         }
     }
 
+    /// The SRQs of the fabric, in creation order.
+    pub fn srq_ids(&self) -> Vec<u32> {
+        let s = self.lock();
+        let mut v: Vec<u32> = s.srqs.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
     /// The QPs attached to SRQ `srq`, in creation order (QP numbers only grow).
     pub fn srq_qps(&self, srq: u32) -> Vec<u32> {
         let s = self.lock();
