@@ -47,6 +47,11 @@ pub struct DeviceInfo {
     pub write_zeroes: bool,
     /// Deallocate (trim) is supported; deallocated blocks read back as zeroes.
     pub deallocate: bool,
+    /// The most logical blocks one deallocate operation of this backend takes (0: no limit).
+    /// A longer range takes several operations (the data path cuts it); the NVMe layer
+    /// reports the smallest over a subsystem's namespaces to hosts (DMRSL), so that a host
+    /// keeping to it sends none.
+    pub deallocate_max_blocks: u32,
     /// Flush does something (false for RAM and null, where data is never cached).
     pub volatile_cache: bool,
 }
@@ -175,6 +180,7 @@ impl Device {
                 direct: true,
                 write_zeroes: true,
                 deallocate: true,
+                deallocate_max_blocks: 0,
                 volatile_cache: false,
             })
         };
@@ -262,7 +268,7 @@ fn open_path(
         _ => {}
     }
     let fd = file.as_raw_fd();
-    let (size, lbs, pbs, write_zeroes, deallocate) = if is_bdev {
+    let (size, lbs, pbs, write_zeroes, deallocate, deallocate_max_blocks) = if is_bdev {
         let mut size: u64 = 0;
         let mut lbs: libc::c_int = 0;
         let mut pbs: libc::c_uint = 0;
@@ -279,15 +285,19 @@ fn open_path(
             ));
         }
         let zeroes_max = sysfs_queue_value(&meta, "write_zeroes_max_bytes").unwrap_or(0);
+        let lbs = u32::try_from(lbs).unwrap_or(512);
         // Write zeroes through fallocate(ZERO_RANGE) always works on a block device (the kernel
         // writes zeroes itself when the device cannot); deallocate through
         // fallocate(PUNCH_HOLE), which guarantees zeroes, needs the device's write-zeroes.
+        // The kernel cuts a longer fallocate into device commands of at most
+        // write_zeroes_max_bytes: one deallocate operation is kept to one device command.
         (
             size,
-            u32::try_from(lbs).unwrap_or(512),
+            lbs,
             pbs,
             true,
             zeroes_max > 0,
+            deallocate_blocks(zeroes_max, lbs),
         )
     } else {
         let bs = u64::from(spec.block_size);
@@ -297,7 +307,8 @@ fn open_path(
         } else {
             probe_fallocate(fd, size, bs)
         };
-        (size, spec.block_size, spec.block_size.max(4096), z, d)
+        // A file system punches a hole of any length in one call.
+        (size, spec.block_size, spec.block_size.max(4096), z, d, 0)
     };
     if size == 0 {
         return Err(ctx("is empty", io::Error::from_raw_os_error(libc::EINVAL)));
@@ -323,6 +334,7 @@ fn open_path(
             direct,
             write_zeroes,
             deallocate,
+            deallocate_max_blocks,
             volatile_cache: true,
         },
         backing: Backing::File(file),
@@ -355,6 +367,15 @@ fn probe_fallocate(fd: i32, size: u64, bs: u64) -> (bool, bool) {
     (zeroes, punch)
 }
 
+/// `max_bytes` (a block device's limit for one deallocate) in logical blocks of `lbs` bytes:
+/// at least 1 when there is a limit (0: none), at most `u32::MAX`.
+fn deallocate_blocks(max_bytes: u64, lbs: u32) -> u32 {
+    if max_bytes == 0 {
+        return 0;
+    }
+    u32::try_from((max_bytes / u64::from(lbs.max(1))).max(1)).unwrap_or(u32::MAX)
+}
+
 fn sysfs_queue_value(meta: &std::fs::Metadata, name: &str) -> Option<u64> {
     use std::os::unix::fs::MetadataExt;
     let rdev = meta.rdev();
@@ -365,4 +386,18 @@ fn sysfs_queue_value(meta: &std::fs::Metadata, name: &str) -> Option<u64> {
         .or_else(|_| std::fs::read_to_string(format!("{base}/../queue/{name}")))
         .ok()?;
     text.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::deallocate_blocks;
+
+    #[test]
+    fn a_byte_limit_becomes_whole_blocks_and_none_stays_none() {
+        assert_eq!(deallocate_blocks(0, 512), 0, "no limit");
+        assert_eq!(deallocate_blocks(1 << 20, 512), 2048);
+        assert_eq!(deallocate_blocks(1 << 20, 4096), 256);
+        assert_eq!(deallocate_blocks(100, 4096), 1, "a limit is never 0 blocks");
+        assert_eq!(deallocate_blocks(u64::MAX, 512), u32::MAX, "saturates");
+    }
 }

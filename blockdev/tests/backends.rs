@@ -370,6 +370,28 @@ fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
 }
 per_backend!(zeroes_and_deallocate_zero_only_their_range);
 
+/// The most blocks one deallocate takes: a block device's write-zeroes limit (deallocate is a
+/// hole punched through write zeroes), no limit elsewhere.
+fn deallocate_limit_is_the_backends(f: Fixture) {
+    let info = f.device.info();
+    let want = match info.kind {
+        Kind::Bdev if info.deallocate => {
+            let path = info.path.as_ref().unwrap();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let sys = format!("/sys/class/block/{name}/queue/write_zeroes_max_bytes");
+            let bytes: u64 = std::fs::read_to_string(&sys)
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+            u32::try_from((bytes / u64::from(info.logical_block_size)).max(1)).unwrap_or(u32::MAX)
+        }
+        _ => 0,
+    };
+    assert_eq!(info.deallocate_max_blocks, want, "{:?}", info.kind);
+}
+per_backend!(deallocate_limit_is_the_backends);
+
 fn misaligned_and_out_of_range_are_refused_with_the_buffer_back(mut f: Fixture) {
     let bs = u64::from(f.device.info().logical_block_size);
     let b = f.buf(bs as usize);

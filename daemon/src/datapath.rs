@@ -128,7 +128,11 @@ fn dealloc_piece(engine: &Engine, dev: DevId) -> u64 {
     engine.device(dev).map_or(MOST, |d| {
         let info = d.info();
         let bs = u64::from(info.logical_block_size);
-        MOST / bs * bs
+        let backend = match info.deallocate_max_blocks {
+            0 => MOST,
+            n => u64::from(n) * bs,
+        };
+        backend.min(MOST / bs * bs)
     })
 }
 

@@ -468,6 +468,85 @@ fn a_host_connects_over_rdma_and_reads_back_what_it_wrote() {
 }
 
 #[test]
+fn dataset_management_takes_a_4096_byte_range_buffer_in_the_capsule_and_by_rdma() {
+    // What Linux sends: NR + 1 ranges in a 4096-byte buffer, in the capsule when it fits
+    // IOCCSZ, else by RDMA READ. The rest of the buffer lists ranges past the namespace's end,
+    // which fail the command if the target reads them.
+    let s = serve(4440);
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 5000).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let keyed_only = RdmaQueue::connect(ch, s.addr, 2, 127, 0, 128 * 1024).unwrap();
+    let mut ios = [
+        IoQueue::connect(queue(&s, 1, 127), &h, SUB, admin.cntlid, 1, 127).unwrap(),
+        IoQueue::connect(keyed_only, &h, SUB, admin.cntlid, 2, 127).unwrap(),
+    ];
+    for (q, io) in ios.iter_mut().enumerate() {
+        let base = 1000 * q as u64;
+        let data = pattern(40 + q as u64, 64 * 512);
+        io.write(1, base, 64, &data, false).unwrap();
+        let mut buf = Vec::with_capacity(4096);
+        for (slba, nlb) in [(base + 8, 8u32), (base + 20, 4)] {
+            buf.extend_from_slice(&0u32.to_le_bytes());
+            buf.extend_from_slice(&nlb.to_le_bytes());
+            buf.extend_from_slice(&slba.to_le_bytes());
+        }
+        while buf.len() < 4096 {
+            buf.extend_from_slice(&0u32.to_le_bytes());
+            buf.extend_from_slice(&8u32.to_le_bytes());
+            buf.extend_from_slice(&(u64::MAX - 4).to_le_bytes());
+        }
+        let mut sqe: nvmfd_nvme::wire::Sqe = nvmfd_nvme::wire::zeroed();
+        sqe.opcode = nvmfd_nvme::wire::io_opcode::DATASET_MANAGEMENT;
+        sqe.flags = 0x40;
+        sqe.nsid = zerocopy::little_endian::U32::new(1);
+        sqe.cdw10 = zerocopy::little_endian::U32::new(1); // 2 ranges
+        sqe.cdw11 = zerocopy::little_endian::U32::new(1 << 2); // deallocate
+        io.raw(sqe, nvmfd_nvme::host::DataDir::ToTarget(&buf))
+            .unwrap_or_else(|e| panic!("queue {}: {e:?}", q + 1));
+        let mut back = vec![0u8; 64 * 512];
+        io.read(1, base, 64, &mut back).unwrap();
+        let mut want = data.clone();
+        want[8 * 512..16 * 512].fill(0);
+        want[20 * 512..24 * 512].fill(0);
+        assert!(
+            back == want,
+            "queue {}: exactly the two ranges read as zeroes",
+            q + 1
+        );
+    }
+}
+
+#[test]
+fn a_log_page_longer_than_mdts_is_an_invalid_field_and_the_queue_goes_on() {
+    let s = serve(4441);
+    let max = Limits::default().max_io_size;
+    // The host's buffers take twice the target's MDTS, so its keyed SGL describes all it asks.
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let big = RdmaQueue::connect(ch, s.addr, 0, 31, 4096, 2 * max).unwrap();
+    let mut admin = AdminQueue::connect(big, &host(), SUB, 31, 5000).unwrap();
+    admin.enable().unwrap();
+    match admin.get_log_page(nvmfd_nvme::wire::log_page::SMART, 0, 2 * max) {
+        Err(nvmfd_nvme::host::HostError::Status { status, .. }) => assert!(
+            status.same_code(nvmfd_nvme::wire::status::INVALID_FIELD),
+            "{status:?}"
+        ),
+        Ok(page) => panic!("a {}-byte log page was sent", page.len()),
+        Err(e) => panic!("{e:?}"),
+    }
+    admin.keep_alive().unwrap();
+    assert_eq!(
+        admin
+            .get_log_page(nvmfd_nvme::wire::log_page::SMART, 0, 512)
+            .unwrap()
+            .len(),
+        512
+    );
+}
+
+#[test]
 fn discovery_works_over_rdma_and_bad_requests_are_rejected() {
     let s = serve(4421);
     let mut d = AdminQueue::connect(queue(&s, 0, 31), &host(), DISCOVERY_NQN, 31, 0).unwrap();

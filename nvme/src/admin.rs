@@ -220,6 +220,14 @@ fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Actio
     let mut data = q.take_bytes(0);
     match cns {
         0x01 => data.extend_from_slice(identify_controller(q, ctrl).as_bytes()),
+        0x06 => {
+            // Only an I/O controller has an I/O command set, and nvmfd's is the NVM one.
+            let csi = cmd.sqe.cdw11.get().to_le_bytes()[3]; // CDW11 bits 31:24
+            let Some(s) = q.subsystem().filter(|_| csi == wire::csi::NVM) else {
+                return q.respond(&cmd, status::INVALID_FIELD, 0);
+            };
+            data.extend_from_slice(identify_controller_nvm(s).as_bytes());
+        }
         0x00 | 0x02 | 0x03 if ctrl.subsystem.is_none() => {
             return q.respond(&cmd, status::INVALID_FIELD, 0)
         }
@@ -294,8 +302,8 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
                 !s.namespaces.is_empty() && s.namespaces.iter().all(|n| f(&n.info))
             };
             let mut oncs = 0u16;
-            if all(|i| i.deallocate) {
-                oncs |= 1 << 2; // Dataset Management
+            if crate::io::DsmLimits::of(s).is_some() {
+                oncs |= 1 << 2; // Dataset Management, with its limits in CNS 06h
             }
             if all(|i| i.write_zeroes) {
                 oncs |= 1 << 3; // Write Zeroes
@@ -334,6 +342,19 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.icdoff = U16::new(0);
     id.fcatt = 0; // dynamic controller model
     id.msdbd = wire::sat(crate::queue::MAX_SGL_DESCRIPTORS);
+    id
+}
+
+/// The NVM command set's Identify Controller (CNS 06h): the Dataset Management limits, which
+/// the Linux host turns into its discard limits (DMRL: max_discard_segments; DMRSL, in each
+/// namespace's logical blocks: max_discard_sectors).
+pub(crate) fn identify_controller_nvm(s: &crate::target::Subsystem) -> wire::IdentifyControllerNvm {
+    let mut id: wire::IdentifyControllerNvm = wire::zeroed();
+    if let Some(l) = crate::io::DsmLimits::of(s) {
+        id.dmrl = l.ranges;
+        id.dmrsl = U32::new(l.range_blocks);
+        id.dmsl = U64::new(l.blocks);
+    }
     id
 }
 
@@ -387,6 +408,12 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     if offset % 4 != 0 {
         return q.respond(&cmd, status::INVALID_FIELD, 0);
     }
+    // A transfer longer than MDTS is refused, not cut short nor left to the transport (whose
+    // buffers hold MDTS): Invalid Field in Command, as SPDK's target answers a log page longer
+    // than the transfer it can take.
+    if len > u64::from(q.target().limits().max_io_size) {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    }
     let mut page = q.take_bytes(0);
     match (lid, ctrl.subsystem.is_some()) {
         (log_page::DISCOVERY, false) => page = discovery_log(q, ctrl),
@@ -427,7 +454,7 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     page.drain(..start);
     let mut data = page;
     // Reads past the end of the page return zeroes up to the requested length.
-    let want = usize::try_from(len).unwrap_or(usize::MAX).min(1 << 20);
+    let want = usize::try_from(len).unwrap_or(usize::MAX);
     if data.len() < want {
         data.resize(want, 0);
     }

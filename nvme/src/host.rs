@@ -245,6 +245,14 @@ impl<T: HostTransport> AdminQueue<T> {
         wire::read(&b).ok_or_else(|| HostError::Protocol("short identify".into()))
     }
 
+    /// The NVM command set's Identify Controller (CNS 06h, CSI 00h): the Dataset Management
+    /// limits, among others.
+    pub fn identify_controller_nvm(&mut self) -> Result<wire::IdentifyControllerNvm, HostError> {
+        // CSI (CDW11 bits 31:24) is 0, the NVM command set.
+        let b = self.identify(wire::cns::IO_COMMAND_SET_CONTROLLER, 0)?;
+        wire::read(&b).ok_or_else(|| HostError::Protocol("short identify".into()))
+    }
+
     /// Identify Namespace.
     pub fn identify_namespace(&mut self, nsid: u32) -> Result<wire::IdentifyNamespace, HostError> {
         let b = self.identify(0, nsid)?;

@@ -2,12 +2,61 @@
 
 use nvmfd_blockdev::BlockError;
 
-use crate::queue::{Action, Command, IoOp, IoRequest, Queue};
-use crate::target::Controller;
-use crate::wire::{self, io_opcode as op, status, Status};
+use crate::queue::{Action, Command, DataRef, IoOp, IoRequest, Queue};
+use crate::target::{Controller, Subsystem};
+use crate::wire::{self, io_opcode as op, status, Sgl, Sqe, Status};
+
+/// Bytes of the ranges a Dataset Management command lists (NR + 1 ranges of 16 bytes).
+fn ranges_len(sqe: &Sqe) -> u32 {
+    ((sqe.cdw10.get() & 0xFF) + 1) * 16
+}
 
 /// Largest number of Dataset Management ranges (NR is 0's based, 8 bits).
 pub const DSM_MAX_RANGES: u32 = 256;
+
+/// The Dataset Management processing limits a controller reports (Identify CNS 06h, NVM
+/// command set: DMRL, DMRSL, DMSL; NVM Command Set 1.0, 3.2.3.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DsmLimits {
+    /// DMRL: ranges processed per command.
+    pub ranges: u8,
+    /// DMRSL: logical blocks processed per range.
+    pub range_blocks: u32,
+    /// DMSL: logical blocks processed per command.
+    pub blocks: u64,
+}
+
+impl DsmLimits {
+    /// The limits for a subsystem's namespaces, or `None` when Dataset Management is not
+    /// offered (ONCS bit 2 clear: some namespace cannot deallocate), and then all three fields
+    /// stay 0.
+    ///
+    /// The specification has all three limits non-zero or all 0, and a limit not imposed at
+    /// its field's largest value. So: DMRL is 255, the largest a one-byte, 1's based field
+    /// holds (256 ranges, what NR allows, cannot be written); DMSL is not imposed. DMRSL is the
+    /// smallest `deallocate_max_blocks` over the namespaces, each in its own logical blocks
+    /// (the Linux host converts DMRSL with each namespace's block size), so that a range a host
+    /// sends within it is one backend operation on every namespace; with no backend limit it
+    /// is the field's largest value, and such a range (at most 2^32 - 1 blocks) still fits the
+    /// data path's byte ranges. A longer range is not refused: the data path splits it.
+    pub fn of(s: &Subsystem) -> Option<DsmLimits> {
+        if s.namespaces.is_empty() || !s.namespaces.iter().all(|n| n.info.deallocate) {
+            return None;
+        }
+        let range_blocks = s
+            .namespaces
+            .iter()
+            .map(|n| n.info.deallocate_max_blocks)
+            .filter(|&b| b > 0)
+            .min()
+            .unwrap_or(u32::MAX);
+        Some(DsmLimits {
+            ranges: u8::MAX,
+            range_blocks,
+            blocks: u64::MAX,
+        })
+    }
+}
 
 pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
     let sqe = cmd.sqe;
@@ -87,8 +136,21 @@ pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd: &[u8]
             if !info.deallocate {
                 return q.respond(&cmd, status::INVALID_OPCODE, 0);
             }
-            let ranges = (sqe.cdw10.get() & 0xFF) + 1;
-            match q.data_ref(&sqe, ranges * 16, true, icd) {
+            // The host may describe more data than its ranges fill: Linux always sends a
+            // 4096-byte range buffer (room for 256 ranges, whatever NR says). As the kernel
+            // target does (nvmet_check_data_len_lte), any transfer at least as long as the
+            // ranges is taken, a shorter one is Data SGL Length Invalid, and only the bytes
+            // of the NR + 1 ranges are fetched.
+            let need = ranges_len(&sqe);
+            let described = match sqe.dptr.decode() {
+                Sgl::InCapsule { len, .. } => len.max(need),
+                _ => need,
+            };
+            match q.data_ref(&sqe, described, true, icd) {
+                Ok(DataRef::InCapsule { offset, .. }) => Action::Fetch {
+                    cmd,
+                    from: DataRef::InCapsule { offset, len: need },
+                },
                 Ok(from) => Action::Fetch { cmd, from },
                 Err(st) => q.respond(&cmd, st, 0),
             }
@@ -112,8 +174,8 @@ pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data
     else {
         return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
     };
-    let n = ((sqe.cdw10.get() & 0xFF) + 1) as usize;
-    if data.len() < n * 16 {
+    let need = ranges_len(&sqe) as usize;
+    if data.len() < need {
         return q.respond(&cmd, status::DATA_SGL_LENGTH_INVALID, 0);
     }
     let deallocate = sqe.cdw11.get() & (1 << 2) != 0;
@@ -121,7 +183,10 @@ pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data
         return q.respond(&cmd, Status::SUCCESS, 0);
     }
     let mut ranges = q.take_ranges();
-    for r in data[..n * 16].chunks_exact(16) {
+    // Ranges longer than the reported DMRSL are processed whole (the data path splits what a
+    // backend takes in one operation): the specification forbids refusing them while ONCS
+    // offers Dataset Management.
+    for r in data[..need].chunks_exact(16) {
         let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
         let slba = u64::from_le_bytes([r[8], r[9], r[10], r[11], r[12], r[13], r[14], r[15]]);
         if nlb == 0 {

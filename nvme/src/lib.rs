@@ -15,7 +15,7 @@ mod target;
 pub mod wire;
 
 pub use admin::AER_LIMIT;
-pub use io::{block_error_status, DSM_MAX_RANGES};
+pub use io::{block_error_status, DsmLimits, DSM_MAX_RANGES};
 pub use queue::{
     keyed_segments, Action, CmParams, Command, DataRef, IoOp, IoRequest, Queue,
     MAX_SGL_DESCRIPTORS, SQE_SIZE,

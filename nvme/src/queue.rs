@@ -233,7 +233,8 @@ pub struct Queue {
     sqhd: u16,
     ctrl: Option<Arc<Controller>>,
     subsystem: Option<usize>,
-    /// In-capsule data this transport accepts on this queue.
+    /// In-capsule data this queue's receives hold: what a capsule may carry and an in-capsule
+    /// SGL may describe.
     in_capsule_limit: u32,
     /// The controller's reset epoch when this queue connected.
     epoch: u32,
@@ -269,7 +270,6 @@ impl Queue {
     /// A new queue on a fresh connection. `cm` carries the RDMA CM request's parameters,
     /// checked against Connect; transports without one pass `None`.
     pub fn new(target: &Target, cm: Option<CmParams>) -> Queue {
-        let admin = cm.is_none_or(|c| c.qid == 0);
         Queue {
             target: target.clone(),
             cm,
@@ -278,11 +278,10 @@ impl Queue {
             sqhd: 0,
             ctrl: None,
             subsystem: None,
-            in_capsule_limit: if admin {
-                8192
-            } else {
-                target.limits().in_capsule_data_size
-            },
+            // The admin queue's too: an RDMA transport's receives are the same for every queue
+            // (nvmfd's come from one SRQ per reactor), so an admin capsule can carry no more
+            // in-capsule data than an I/O capsule (IOCCSZ).
+            in_capsule_limit: target.limits().in_capsule_data_size,
             epoch: 0,
             spare_bytes: Vec::new(),
             spare_ranges: Vec::new(),
@@ -430,6 +429,11 @@ impl Queue {
             Sgl::InCapsule { offset, len: l } => {
                 if !host_to_target {
                     return Err(status::SGL_DESCRIPTOR_TYPE_INVALID);
+                }
+                // Data described past what the queue's receive holds cannot be in the capsule:
+                // SGL Offset Invalid, as the kernel target answers (nvmet_rdma_map_sgl_inline).
+                if offset.saturating_add(u64::from(l)) > u64::from(self.in_capsule_limit) {
+                    return Err(status::SGL_OFFSET_INVALID);
                 }
                 let Ok(offset) = u32::try_from(offset) else {
                     return Err(status::SGL_OFFSET_INVALID);
@@ -701,7 +705,7 @@ impl Queue {
             });
             map.insert(cntlid, Arc::clone(&ctrl));
             drop(map);
-            self.bind(ctrl, subsystem, 0, sqsize);
+            let cmd = self.bind(ctrl, subsystem, 0, sqsize, cmd);
             return self.respond(&cmd, Status::SUCCESS, u32::from(cntlid));
         }
         // An I/O queue joins an existing controller of the same subsystem and host.
@@ -729,19 +733,37 @@ impl Queue {
             }
             st.io_queues[slot] = true;
         }
-        self.bind(ctrl, subsystem, qid, sqsize);
+        let cmd = self.bind(ctrl, subsystem, qid, sqsize, cmd);
         self.respond(&cmd, Status::SUCCESS, 0)
     }
 
-    fn bind(&mut self, ctrl: Arc<Controller>, subsystem: Option<usize>, qid: u16, sqsize: u16) {
+    /// Makes this the queue `qid` of `ctrl`, with `sqsize + 1` entries, created by `connect`:
+    /// returns the Connect command with the SQ head its response carries. The Connect was the
+    /// new queue's first entry, so once fetched the head is 1, as the kernel target reports.
+    /// SQ flow control stays on even when the host asks to disable it (CATTR bit 2), which the
+    /// specification allows: the response then says so by carrying the head, not FFFFh (the
+    /// kernel target disables it and answers FFFFh).
+    fn bind(
+        &mut self,
+        ctrl: Arc<Controller>,
+        subsystem: Option<usize>,
+        qid: u16,
+        sqsize: u16,
+        connect: Command,
+    ) -> Command {
         self.qid = Some(qid);
         self.sqsize = sqsize;
+        self.sqhd = 1 % sqsize.wrapping_add(1).max(1);
         self.subsystem = subsystem;
         self.epoch = ctrl.epoch.load(Ordering::Acquire);
         if qid > 0 {
             ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
         }
         self.ctrl = Some(ctrl);
+        Command {
+            sqhd: self.sqhd,
+            ..connect
+        }
     }
 }
 

@@ -854,6 +854,48 @@ wire! {
     }
 }
 
+wire! {
+    /// I/O Command Set specific Identify Controller data structure for the NVM command set
+    /// (CNS 06h, CSI 00h; NVM Command Set 1.0, "I/O Command Set Specific Identify Controller
+    /// Data Structure"): 4096 bytes. Linux reads it as `struct nvme_id_ctrl_nvm`.
+    pub struct IdentifyControllerNvm {
+        /// Verify size limit (a power of two in units of CAP.MPSMIN; 0: none reported).
+        pub vsl: u8,
+        /// Write zeroes size limit (same units).
+        pub wzsl: u8,
+        /// Write uncorrectable size limit (same units).
+        pub wusl: u8,
+        /// Dataset Management ranges limit: ranges processed per command (1's based).
+        pub dmrl: u8,
+        /// Dataset Management range size limit: logical blocks processed per range.
+        pub dmrsl: U32,
+        /// Dataset Management size limit: logical blocks processed per command.
+        pub dmsl: U64,
+        /// Reserved (bytes 16 to 4095).
+        pub rsvd16: [u8; 4080],
+    }
+}
+
+/// Identify CNS values.
+pub mod cns {
+    /// Identify Namespace.
+    pub const NAMESPACE: u8 = 0x00;
+    /// Identify Controller.
+    pub const CONTROLLER: u8 = 0x01;
+    /// Active namespace ID list.
+    pub const ACTIVE_NAMESPACES: u8 = 0x02;
+    /// Namespace identification descriptor list.
+    pub const NS_DESCRIPTORS: u8 = 0x03;
+    /// I/O Command Set specific Identify Controller (the command set in CDW11.CSI).
+    pub const IO_COMMAND_SET_CONTROLLER: u8 = 0x06;
+}
+
+/// Command set identifiers (Identify CDW11 bits 31:24, namespace descriptors).
+pub mod csi {
+    /// NVM command set.
+    pub const NVM: u8 = 0x00;
+}
+
 /// Namespace identification descriptor types (Identify CNS 03h).
 pub mod nidt {
     /// IEEE EUI-64, 8 bytes.

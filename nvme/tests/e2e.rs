@@ -842,3 +842,327 @@ fn smart_log_counts_io() {
         "offset not dword aligned"
     );
 }
+
+/// A Dataset Management command deallocating `ranges`, whose range buffer is `buf_len` bytes
+/// (at least 16 per range): the rest of the buffer holds ranges past the end of the
+/// namespace, which fail the command if the target reads them.
+fn dsm(ranges: &[(u64, u32)], buf_len: usize) -> (Sqe, Vec<u8>) {
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::io_opcode::DATASET_MANAGEMENT;
+    s.flags = 0x40;
+    s.nsid = U32::new(1);
+    s.cdw10 = U32::new(ranges.len() as u32 - 1);
+    s.cdw11 = U32::new(1 << 2); // AD
+    let mut buf = Vec::with_capacity(buf_len);
+    for &(slba, nlb) in ranges {
+        buf.extend_from_slice(&0u32.to_le_bytes());
+        buf.extend_from_slice(&nlb.to_le_bytes());
+        buf.extend_from_slice(&slba.to_le_bytes());
+    }
+    while buf.len() + 16 <= buf_len {
+        buf.extend_from_slice(&0u32.to_le_bytes());
+        buf.extend_from_slice(&8u32.to_le_bytes());
+        buf.extend_from_slice(&(u64::MAX - 4).to_le_bytes());
+    }
+    buf.truncate(buf_len);
+    (s, buf)
+}
+
+#[test]
+fn dataset_management_takes_a_range_buffer_longer_than_its_ranges_as_linux_sends_it() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let io = &mut ios[0];
+    let data = pattern(21, 64 * 512);
+    io.write(1, 100, 64, &data, false).unwrap();
+    let send = |l: &mut Loopback, s: Sqe, icd: &[u8]| {
+        let mut c = s.as_bytes().to_vec();
+        c.extend_from_slice(icd);
+        l.send_capsule(&c).unwrap().unwrap().status()
+    };
+    let l = io.transport();
+    // Linux: two ranges in a 4096-byte buffer, in the capsule (it fits IOCCSZ).
+    let (mut s, buf) = dsm(&[(108, 8), (120, 4)], 4096);
+    s.dptr = SglDesc::in_capsule(0, 4096);
+    let st = send(l, s, &buf);
+    assert!(st.is_success(), "in-capsule 4096-byte range buffer: {st:?}");
+    // The same by RDMA: one keyed descriptor, and a list of one.
+    let (mut s, buf) = dsm(&[(130, 2), (140, 3)], 4096);
+    let (addr, key) = l.register_host_memory(buf);
+    s.dptr = SglDesc::keyed(addr, 4096, key, false);
+    let st = send(l, s, &[]);
+    assert!(st.is_success(), "keyed 4096-byte range buffer: {st:?}");
+    let (mut s, buf) = dsm(&[(150, 1)], 4096);
+    let (addr, key) = l.register_host_memory(buf);
+    s.dptr = SglDesc::last_segment(0, 1);
+    let st = send(l, s, SglDesc::keyed(addr, 4096, key, false).as_bytes());
+    assert!(st.is_success(), "a list holding the range buffer: {st:?}");
+    // Shorter than the ranges: Data SGL Length Invalid, nothing deallocated.
+    let (mut s, buf) = dsm(&[(160, 1), (161, 1)], 16);
+    s.dptr = SglDesc::in_capsule(0, 16);
+    assert!(send(l, s, &buf).same_code(status::DATA_SGL_LENGTH_INVALID));
+    let (mut s, buf) = dsm(&[(160, 1), (161, 1)], 16);
+    let (addr, key) = l.register_host_memory(buf);
+    s.dptr = SglDesc::keyed(addr, 16, key, false);
+    assert!(send(l, s, &[]).same_code(status::DATA_SGL_LENGTH_INVALID));
+    let mut back = vec![0u8; 64 * 512];
+    io.read(1, 100, 64, &mut back).unwrap();
+    let mut want = data.clone();
+    for (s, n) in [(8, 8), (20, 4), (30, 2), (40, 3), (50, 1)] {
+        want[s * 512..(s + n) * 512].fill(0);
+    }
+    assert!(back == want, "exactly the listed ranges read as zeroes");
+}
+
+/// A target whose subsystem SUB has namespace 1 (512-byte blocks, at most `max1` blocks per
+/// deallocate) and namespace 2 (4096-byte blocks, `max2`), and whose subsystem RESTRICTED has
+/// one namespace that cannot deallocate.
+fn limits_world(max1: u32, max2: u32) -> World {
+    let d1 = malloc(SIZE, 512, false);
+    let d2 = malloc(SIZE, 4096, false);
+    let d3 = malloc(SIZE, 512, false);
+    let ns = |nsid: u32, d: &Arc<Device>, max: u32, deallocate: bool| {
+        let mut info = d.info().clone();
+        info.deallocate_max_blocks = max;
+        info.deallocate = deallocate;
+        Namespace {
+            nsid,
+            info,
+            uuid: None,
+            nguid: None,
+        }
+    };
+    let sub = |nqn: &str, namespaces| Subsystem {
+        nqn: nqn.into(),
+        serial: "SN-TEST-0003".into(),
+        model: "nvmfd test".into(),
+        allow_any_host: true,
+        hosts: vec![],
+        namespaces,
+    };
+    let subsystems = vec![
+        sub(SUB, vec![ns(1, &d1, max1, true), ns(2, &d2, max2, true)]),
+        sub(RESTRICTED, vec![ns(1, &d3, 0, false)]),
+    ];
+    let target = Target::new(subsystems, vec![], Limits::default());
+    let backend = Backend::new(
+        &[
+            (SUB.into(), 1, d1),
+            (SUB.into(), 2, d2),
+            (RESTRICTED.into(), 1, d3),
+        ],
+        Limits::default().max_io_size,
+    )
+    .unwrap();
+    World { target, backend }
+}
+
+#[test]
+fn the_nvm_identify_controller_reports_the_dataset_management_limits() {
+    // No backend limit: DMRL at its largest (one byte, 1's based), the others not imposed.
+    let w = world();
+    let (mut a, _) = w.controller(1);
+    let id = a.identify_controller_nvm().unwrap();
+    assert_eq!(
+        (id.dmrl, id.dmrsl.get(), id.dmsl.get()),
+        (255, u32::MAX, u64::MAX)
+    );
+    assert_eq!((id.vsl, id.wzsl, id.wusl), (0, 0, 0));
+    // The smallest backend limit, in each namespace's own blocks (0 is no limit).
+    for (max1, max2, dmrsl) in [(8192, 100, 100), (64, 0, 64), (0, 0, u32::MAX)] {
+        let w = limits_world(max1, max2);
+        let (mut a, mut ios) = w.controller(1);
+        let id = a.identify_controller_nvm().unwrap();
+        assert_eq!(
+            (id.dmrl, id.dmrsl.get(), id.dmsl.get()),
+            (255, dmrsl, u64::MAX),
+            "limits {max1}, {max2}"
+        );
+        assert_eq!(
+            a.identify_controller().unwrap().oncs.get() & (1 << 2),
+            1 << 2
+        );
+        // A range longer than DMRSL is not refused: it is deallocated whole.
+        if dmrsl < 1024 {
+            let data = pattern(5, 1024 * 4096);
+            for (i, chunk) in data.chunks(128 * 1024).enumerate() {
+                ios[0].write(2, i as u64 * 32, 32, chunk, false).unwrap();
+            }
+            ios[0].deallocate(2, &[(0, 1024)]).unwrap();
+            let mut back = vec![0xAAu8; 128 * 1024];
+            for i in 0..32u64 {
+                ios[0].read(2, i * 32, 32, &mut back).unwrap();
+                assert!(back.iter().all(|&b| b == 0), "block {} read back", i * 32);
+            }
+        }
+    }
+    // No Dataset Management (a namespace cannot deallocate): no limits either.
+    let w = limits_world(0, 0);
+    let mut a = w.admin(&host(1), RESTRICTED).unwrap();
+    a.enable().unwrap();
+    assert_eq!(a.identify_controller().unwrap().oncs.get() & (1 << 2), 0);
+    let id = a.identify_controller_nvm().unwrap();
+    assert_eq!((id.dmrl, id.dmrsl.get(), id.dmsl.get()), (0, 0, 0));
+    // Another command set, or a discovery controller: Invalid Field.
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::admin_opcode::IDENTIFY;
+    s.cdw10 = U32::new(u32::from(wire::cns::IO_COMMAND_SET_CONTROLLER));
+    s.cdw11 = U32::new(2 << 24); // zoned namespaces
+    let mut buf = vec![0u8; 4096];
+    assert!(status_of(a.raw(s, DataDir::FromTarget(&mut buf))).same_code(status::INVALID_FIELD));
+    let mut d = w.admin(&host(1), DISCOVERY_NQN).unwrap();
+    d.enable().unwrap();
+    assert!(status_of(d.identify_controller_nvm()).same_code(status::INVALID_FIELD));
+}
+
+#[test]
+fn a_log_page_longer_than_the_largest_transfer_is_an_invalid_field() {
+    let w = world();
+    let (mut a, _) = w.controller(1);
+    let max = Limits::default().max_io_size;
+    let whole = a.get_log_page(wire::log_page::SMART, 0, max).unwrap();
+    assert_eq!(
+        whole.len(),
+        max as usize,
+        "up to MDTS: the page, then zeroes"
+    );
+    // (Only the length of a page read by mistake is printed.)
+    let st = status_of(
+        a.get_log_page(wire::log_page::SMART, 0, max + 4)
+            .map(|p| p.len()),
+    );
+    assert!(st.same_code(status::INVALID_FIELD), "{st:?}");
+    let st = status_of(
+        a.get_log_page(wire::log_page::ERROR, 0, 2 * max)
+            .map(|p| p.len()),
+    );
+    assert!(st.same_code(status::INVALID_FIELD), "{st:?}");
+    // The queue goes on.
+    a.keep_alive().unwrap();
+    let mut d = w.admin(&host(1), DISCOVERY_NQN).unwrap();
+    d.enable().unwrap();
+    let st = status_of(
+        d.get_log_page(wire::log_page::DISCOVERY, 0, max + 1024)
+            .map(|p| p.len()),
+    );
+    assert!(st.same_code(status::INVALID_FIELD), "{st:?}");
+    assert_eq!(d.discover().unwrap().len(), 2);
+}
+
+#[test]
+fn in_capsule_data_described_past_the_receive_is_an_sgl_offset_invalid() {
+    let w = world();
+    let icd = Limits::default().in_capsule_data_size as usize;
+    let connect = |l: &mut Loopback, dptr: SglDesc, capsule_data: usize| {
+        let mut cmd: wire::ConnectCmd = wire::zeroed();
+        cmd.opcode = 0x7F;
+        cmd.flags = 0x40;
+        cmd.fctype = wire::fctype::CONNECT;
+        cmd.sqsize = U16::new(31);
+        cmd.dptr = dptr;
+        let mut data: wire::ConnectData = wire::zeroed();
+        data.cntlid = U16::new(0xFFFF);
+        wire::put_str(&mut data.subnqn, SUB, 0);
+        wire::put_str(&mut data.hostnqn, &host(1).nqn, 0);
+        let mut c = cmd.as_bytes().to_vec();
+        c.extend_from_slice(data.as_bytes());
+        c.resize(64 + capsule_data, 0);
+        l.send_capsule(&c).unwrap().unwrap()
+    };
+    // On the admin queue, data described past what a receive holds (the receives are the
+    // same for every queue: in_capsule_data_size), with as much as a receive holds arriving.
+    let mut l = w.link(0, 31);
+    let c = connect(&mut l, SglDesc::in_capsule(0, 2 * icd as u32), icd);
+    assert!(
+        c.status().same_code(status::SGL_OFFSET_INVALID),
+        "{:?}",
+        c.status()
+    );
+    let c = connect(&mut l, SglDesc::in_capsule(icd as u64 - 512, 1024), icd);
+    assert!(
+        c.status().same_code(status::SGL_OFFSET_INVALID),
+        "{:?}",
+        c.status()
+    );
+    // A capsule carrying more than a receive holds.
+    let c = connect(&mut l, SglDesc::in_capsule(0, 1024), icd + 1024);
+    assert!(
+        c.status().same_code(status::DATA_SGL_LENGTH_INVALID),
+        "{:?}",
+        c.status()
+    );
+    assert!(l.closed().is_none(), "a status, not a disconnect");
+    // The same queue then connects.
+    let c = connect(&mut l, SglDesc::in_capsule(0, 1024), 1024);
+    assert!(c.status().is_success(), "{:?}", c.status());
+    // On an I/O queue: a write described past the receive, as much as it holds arriving.
+    let (_a, mut ios) = w.controller(1);
+    let l = ios[0].transport();
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::io_opcode::WRITE;
+    s.flags = 0x40;
+    s.nsid = U32::new(1);
+    s.cdw12 = U32::new(2 * icd as u32 / 512 - 1);
+    s.dptr = SglDesc::in_capsule(0, 2 * icd as u32);
+    let mut c = s.as_bytes().to_vec();
+    c.resize(64 + icd, 0);
+    let st = l.send_capsule(&c).unwrap().unwrap().status();
+    assert!(st.same_code(status::SGL_OFFSET_INVALID), "{st:?}");
+}
+
+/// Records every completion the host receives.
+struct Recording(Loopback, Vec<wire::Cqe>);
+
+impl nvmfd_nvme::host::HostTransport for Recording {
+    fn execute(&mut self, sqe: Sqe, data: DataDir<'_>) -> Result<wire::Cqe, HostError> {
+        let c = nvmfd_nvme::host::HostTransport::execute(&mut self.0, sqe, data)?;
+        self.1.push(c);
+        Ok(c)
+    }
+}
+
+#[test]
+fn the_connect_response_carries_the_sq_head_after_the_connect() {
+    let w = world();
+    // Admin queue of 4 entries: the Connect took entry 0, so the head is 1, then it moves on
+    // with each command and wraps.
+    let mut a = AdminQueue::connect(Recording(w.link(0, 3), vec![]), &host(1), SUB, 3, 0).unwrap();
+    for _ in 0..5 {
+        a.property_get(wire::property::VS, false).unwrap();
+    }
+    let heads: Vec<u16> = a.transport().1.iter().map(|c| c.sqhd.get()).collect();
+    assert_eq!(heads, [1, 2, 3, 0, 1, 2]);
+    a.enable().unwrap();
+    a.set_queue_count(1).unwrap();
+    let mut io = IoQueue::connect(
+        Recording(w.link(1, 127), vec![]),
+        &host(1),
+        SUB,
+        a.cntlid,
+        1,
+        127,
+    )
+    .unwrap();
+    io.flush(1).unwrap();
+    let heads: Vec<u16> = io.transport().1.iter().map(|c| c.sqhd.get()).collect();
+    assert_eq!(heads, [1, 2], "I/O queue: Connect, then Flush");
+    // A refused Connect created no queue: its head is 0.
+    let mut l = w.link(0, 31);
+    let c = connect_raw(&mut l, "nqn.2024-01.io.nvmfd.test:nope");
+    assert!(!c.status().is_success());
+    assert_eq!(c.sqhd.get(), 0);
+}
+
+fn connect_raw(l: &mut Loopback, subnqn: &str) -> wire::Cqe {
+    let mut cmd: wire::ConnectCmd = wire::zeroed();
+    cmd.opcode = 0x7F;
+    cmd.flags = 0x40;
+    cmd.fctype = wire::fctype::CONNECT;
+    cmd.sqsize = U16::new(31);
+    let mut data: wire::ConnectData = wire::zeroed();
+    data.cntlid = U16::new(0xFFFF);
+    wire::put_str(&mut data.subnqn, subnqn, 0);
+    wire::put_str(&mut data.hostnqn, &host(1).nqn, 0);
+    let sqe = wire::read::<Sqe>(cmd.as_bytes()).unwrap();
+    nvmfd_nvme::host::HostTransport::execute(l, sqe, DataDir::ToTarget(data.as_bytes())).unwrap()
+}

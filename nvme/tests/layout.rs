@@ -96,6 +96,15 @@ fn identify_controller() {
 }
 
 #[test]
+fn identify_controller_nvm_command_set() {
+    // NVM Command Set 1.0: VSL 0, WZSL 1, WUSL 2, DMRL 3, DMRSL 7:04, DMSL 15:08; as Linux's
+    // struct nvme_id_ctrl_nvm.
+    layout!(IdentifyControllerNvm, size 4096;
+        vsl @ 0, 1; wzsl @ 1, 1; wusl @ 2, 1; dmrl @ 3, 1; dmrsl @ 4, 4; dmsl @ 8, 8;
+        rsvd16 @ 16, 4080;);
+}
+
+#[test]
 fn identify_namespace() {
     layout!(IdentifyNamespace, size 4096;
         nsze @ 0, 8; ncap @ 8, 8; nuse @ 16, 8; nsfeat @ 24, 1; nlbaf @ 25, 1; flbas @ 26, 1; mc @ 27, 1;

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Runs in the lab guest (see scripts/lab-kernel-host.sh): nvmfd on rxe0 with a RAM and a file
-# namespace, and the Linux kernel's NVMe/RDMA host against it.
+# namespace, and the Linux kernel's NVMe/RDMA host against it: I/O with verify, discard
+# (blkdiscard, mkfs.ext4, fstrim), disconnect and reconnect, failures.
 set -uo pipefail
 BIN=$1
 NQN=nqn.2024-01.io.nvmfd:lab
@@ -87,6 +88,66 @@ for dev in /dev/nvme0n1 /dev/nvme0n2; do
   step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 done
 step fio --name=again --filename=/dev/nvme0n1 --rw=randread --bs=4k --size=32M --ioengine=libaio --direct=1 --iodepth=16 --runtime=3 --time_based --output-format=terse --minimal
+# Discard: Dataset Management with the 4096-byte range buffer Linux sends whatever the range
+# count. The host took the limits from the NVM command set's Identify Controller (CNS 06h: DMRL
+# 255 ranges); blkdiscard leaves zeroes exactly where it discarded (RAM and file namespaces
+# deallocate to zeroes); mkfs.ext4 discards the whole device; fstrim trims a mounted ext4 whose
+# files read back intact after a remount. Any failed discard in the kernel log fails the step.
+MNT=$WORK/mnt
+# zeroes DEV OFFSET-MiB LENGTH-MiB: the range reads back as zeroes (direct I/O, no page cache).
+zeroes() { cmp -n $(($3 << 20)) <(timeout 300 dd if=$1 bs=1M skip=$2 count=$3 iflag=direct status=none) /dev/zero; }
+sum_of() { timeout 300 dd if=$1 bs=1M skip=$2 count=$3 iflag=direct status=none | md5sum; }
+no_failed_discards() { ! dmesg | grep -E "Cmd\(0x9\)|op 0x3:\(DISCARD\)"; }
+discard_limits() {
+  local q=/sys/block/nvme0n1/queue
+  timeout 30 nvme nvm-id-ctrl /dev/nvme0 2>&1 || true
+  echo "nvme0n1: max_discard_segments $(cat $q/max_discard_segments), discard_max_bytes $(cat $q/discard_max_bytes), discard_granularity $(cat $q/discard_granularity)"
+  [ "$(cat $q/max_discard_segments)" -eq 255 ] && [ "$(cat $q/discard_max_bytes)" -gt 0 ]
+}
+discard_reads_zeroes() {
+  timeout 300 dd if=/dev/urandom of=/dev/nvme0n1 bs=1M count=256 oflag=direct status=none || return 1
+  if zeroes /dev/nvme0n1 0 256 > /dev/null 2>&1; then echo "random data read back as zeroes"; return 1; fi
+  timeout 300 blkdiscard -v /dev/nvme0n1 && zeroes /dev/nvme0n1 0 256 && no_failed_discards
+}
+discard_part_reads_zeroes() {
+  local dev=/dev/nvme0n2 before after
+  timeout 300 dd if=/dev/urandom of=$dev bs=1M seek=128 count=128 oflag=direct status=none || return 1
+  before=$(sum_of $dev 192 64); [ -n "$before" ] || return 1
+  timeout 300 blkdiscard -v -o $((128 << 20)) -l $((64 << 20)) $dev && zeroes $dev 128 64 || return 1
+  after=$(sum_of $dev 192 64)
+  [ "$before" = "$after" ] || { echo "blocks past the discarded range changed"; return 1; }
+  no_failed_discards
+}
+mkfs_discards() {
+  local out rc
+  out=$(timeout 300 mkfs.ext4 -F -E discard /dev/nvme0n1 2>&1); rc=$?
+  echo "$out" | tr '\b' ' '
+  [ $rc -eq 0 ] && grep -q "Discarding device blocks:.*done" <<< "$out" && no_failed_discards
+}
+files_written() {
+  mkdir -p $MNT && timeout 60 mount /dev/nvme0n1 $MNT || return 1
+  for i in $(seq 16); do timeout 60 head -c $((i * 300000)) /dev/urandom > $MNT/keep$i || return 1; done
+  for i in $(seq 16); do timeout 60 head -c $((i * 300000)) /dev/urandom > $MNT/gone$i || return 1; done
+  (cd $MNT && sha256sum keep* > $WORK/files.sha256) || return 1
+  rm -f $MNT/gone* && sync
+}
+fstrim_trims() {
+  local out rc
+  out=$(timeout 300 fstrim -v $MNT 2>&1); rc=$?
+  echo "$out"
+  [ $rc -eq 0 ] && [ "$(grep -o '[0-9]* bytes' <<< "$out" | grep -o '^[0-9]*')" -gt 0 ] && no_failed_discards
+}
+files_intact() {
+  timeout 60 umount $MNT && timeout 60 mount /dev/nvme0n1 $MNT || return 1
+  (cd $MNT && timeout 300 sha256sum -c --quiet $WORK/files.sha256) && timeout 60 umount $MNT
+}
+step discard_limits
+step discard_reads_zeroes
+step discard_part_reads_zeroes
+step mkfs_discards
+step files_written
+step fstrim_trims
+step files_intact
 step nvme disconnect -n $NQN
 # Failure runs on real verbs: the host disconnects under load, resets the controller, and
 # reconnects by itself after nvmfd is killed and restarted. Data written on the file namespace
