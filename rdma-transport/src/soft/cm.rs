@@ -22,8 +22,8 @@
 //! - `Fabric::fail_establishments` makes the next RTUs fail to bring the accepting QP to RTS,
 //!   which librdmacm reports as `RDMA_CM_EVENT_CONNECT_ERROR` instead of ESTABLISHED.
 //!
-//! Taking a `Rejected` event moves the ID's QP to ERR, as librdmacm's `rdma_get_cm_event`
-//! does; `disconnect` moves the QP to ERR whatever the exchange's state, as
+//! Taking a `Rejected` or `ConnectError` event moves the ID's QP to ERR, as librdmacm's
+//! `rdma_get_cm_event` does; `disconnect` moves the QP to ERR whatever the exchange's state, as
 //! `rdma_disconnect` does.
 
 use std::collections::{HashMap, VecDeque};
@@ -67,7 +67,9 @@ enum Ev {
     Unreachable {
         token: usize,
     },
+    /// `id`: the local ID, whose QP goes to ERR when the event is taken.
     ConnectError {
+        id: u32,
         token: usize,
     },
     DeviceRemoval {
@@ -400,7 +402,13 @@ impl CmChannel {
             Ev::Disconnected { token } => CmEvent::Disconnected { id: token },
             Ev::TimewaitExit { token } => CmEvent::TimewaitExit { id: token },
             Ev::Unreachable { token } => CmEvent::Unreachable { id: token },
-            Ev::ConnectError { token } => CmEvent::ConnectError { id: token },
+            Ev::ConnectError { id, token } => {
+                // Moving the QP to RTS on ESTABLISHED failed (librdmacm).
+                if let Some(q) = s.cm.ids.get(&id).and_then(|i| i.qp) {
+                    s.qp_error(q);
+                }
+                CmEvent::ConnectError { id: token }
+            }
             Ev::DeviceRemoval { token } => CmEvent::DeviceRemoval { id: token },
         })
     }
@@ -816,7 +824,8 @@ impl Fabric {
     /// Makes the next `n` RTUs that reach an accepting side on this fabric fail to bring its
     /// QP to RTS: it hears `ConnectError` instead of `Established` (librdmacm's
     /// `RDMA_CM_EVENT_CONNECT_ERROR` when the QP transition on ESTABLISHED fails), and its QP
-    /// goes to ERR. The CM exchange itself completed, so the connection ends with a disconnect.
+    /// goes to ERR when that event is taken. The CM exchange itself completed, so the
+    /// connection ends with a disconnect.
     pub fn fail_establishments(&self, n: u32) {
         self.lock().cm.fail_establish = n;
     }
@@ -950,8 +959,8 @@ impl super::State {
     }
 
     /// The RTU reached local accepting ID `id`: it is established (`Established`), or, while
-    /// `fail_establishments` holds, its QP cannot be moved to RTS (`ConnectError`, QP in
-    /// ERR; the connection ends with a disconnect).
+    /// `fail_establishments` holds, its QP cannot be moved to RTS (`ConnectError`; taking the
+    /// event moves the QP to ERR; the connection ends with a disconnect).
     fn cm_rtu(&mut self, id: u32) {
         let Some(i) = self.cm.ids.get_mut(&id) else {
             return;
@@ -961,13 +970,10 @@ impl super::State {
         }
         i.exchange = Exchange::Idle;
         i.connected = true;
-        let (chan, token, qp) = (i.channel, i.token, i.qp);
+        let (chan, token) = (i.channel, i.token);
         if self.cm.fail_establish > 0 {
             self.cm.fail_establish -= 1;
-            if let Some(q) = qp {
-                self.qp_error(q);
-            }
-            self.cm.push(chan, Ev::ConnectError { token });
+            self.cm.push(chan, Ev::ConnectError { id, token });
             return;
         }
         self.cm.push(
