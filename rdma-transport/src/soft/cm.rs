@@ -12,9 +12,9 @@
 //!
 //! - an ID destroyed while its exchange is under way sends a REJ (the IB CM's
 //!   `cm_destroy_id`), so a host that goes away between its REQ and its RTU is `Rejected` at
-//!   the accepting side; a REJ that arrives before the CONNECT_REQUEST was taken from the
-//!   channel is not reported (the kernel's ucma drops events of a connection userspace has not
-//!   seen) and the `accept` that follows fails;
+//!   the accepting side once it has accepted; a REJ that arrives before the accept is not
+//!   reported (the kernel's ucma drops the events of a new connection until userspace accepts
+//!   it) and the `accept` fails;
 //! - a host that vanishes without a word (`CmId::vanish`: its machine is gone) leaves the REP
 //!   unanswered: its retries run out and the accepting side hears `Unreachable`, the
 //!   `IB_CM_REP_ERROR` that rdma_cm reports as `RDMA_CM_EVENT_UNREACHABLE` (at once here: the
@@ -85,9 +85,8 @@ enum Exchange {
     Idle,
     /// Connecting side: the REQ is out, no answer yet.
     ReqSent,
-    /// Accepting side: the REQ arrived; `delivered` once its CONNECT_REQUEST was taken from
-    /// the channel.
-    ReqRcvd { delivered: bool },
+    /// Accepting side: the REQ arrived, not accepted yet.
+    ReqRcvd,
     /// Accepting side: accepted (the REP is out); ESTABLISHED comes with the RTU.
     RepSent,
     /// Connecting side: the REP arrived (its ESTABLISHED is queued); taking that event sends
@@ -166,7 +165,7 @@ impl CmState {
                 peer: None,
                 qp: None,
                 connected: false,
-                exchange: Exchange::ReqRcvd { delivered: false },
+                exchange: Exchange::ReqRcvd,
                 private_data: Vec::new(),
                 responder_resources: 16,
             },
@@ -331,11 +330,6 @@ impl CmChannel {
         let ev = ev?;
         Some(match ev {
             Ev::Request { id, private_data } => {
-                if let Some(i) = s.cm.ids.get_mut(&id) {
-                    if let Exchange::ReqRcvd { delivered } = &mut i.exchange {
-                        *delivered = true;
-                    }
-                }
                 let token = s.cm.ids.get(&id).map_or(0, |i| i.token);
                 // The READs this side may have in flight: what the connecting side takes.
                 let initiator_depth =
@@ -554,7 +548,7 @@ impl CmId {
                 peer: Some(self.id),
                 qp: None,
                 connected: false,
-                exchange: Exchange::ReqRcvd { delivered: false },
+                exchange: Exchange::ReqRcvd,
                 private_data: Vec::new(),
                 responder_resources: 16,
             },
@@ -594,7 +588,7 @@ impl CmId {
                 why: "no QP",
             });
         };
-        if !matches!(exchange, Exchange::ReqRcvd { .. }) {
+        if exchange != Exchange::ReqRcvd {
             return Err(VerbsError::os("rdma_accept", libc::EINVAL));
         }
         if let Some(i) = s.cm.ids.get_mut(&self.id) {
@@ -915,17 +909,14 @@ impl super::State {
         self.cm.push(chan, Ev::Disconnected { token });
     }
 
-    /// A REJ reached local ID `id`: its exchange ends, reported as `Rejected` unless the
-    /// CONNECT_REQUEST it answers was never taken from the channel (the kernel's ucma drops
-    /// events of a connection userspace has not seen; the `accept` that follows fails).
+    /// A REJ reached local ID `id`: its exchange ends, reported as `Rejected` unless it is an
+    /// accepting side that has not accepted yet (the kernel's ucma drops the events of a new
+    /// connection until userspace accepts it: "the accept will just fail later").
     fn cm_rejected(&mut self, id: u32, private_data: Vec<u8>) {
         let Some(i) = self.cm.ids.get_mut(&id) else {
             return;
         };
-        let report = !matches!(
-            i.exchange,
-            Exchange::Idle | Exchange::ReqRcvd { delivered: false }
-        );
+        let report = !matches!(i.exchange, Exchange::Idle | Exchange::ReqRcvd);
         i.exchange = Exchange::Idle;
         let (chan, token) = (i.channel, i.token);
         if report {
