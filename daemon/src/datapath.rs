@@ -81,6 +81,10 @@ pub enum ConnectFailure {
 struct Drain {
     /// Kept alive (and so the QP) until the drain ends.
     id: CmId,
+    /// Its NVMe queue, dropped only once no request of it is left: its controller counts
+    /// it until then, so a reset or shutdown is not reported done while a block operation
+    /// of it may still write.
+    queue: Queue,
     depth: u32,
     since: Instant,
     cause: Cause,
@@ -90,6 +94,9 @@ struct Drain {
     flushed: bool,
     /// Its signaled send WRs not completed yet.
     signaled_out: u32,
+    /// Everything it waited for had come by the CQ poll that was the `n`th to find the CQ
+    /// empty (`cq_empty_polls`); the next one to find it empty ends the drain.
+    quiet_at: Option<u64>,
 }
 
 /// Host memory pieces one command's data may come from or go to.
@@ -325,6 +332,13 @@ pub struct DataPath {
     sends_in_flight: usize,
     /// QPs torn down, draining before they are destroyed.
     draining: HashMap<u32, Drain>,
+    /// NVMe queues of QPs destroyed after their drain timed out, kept until their block
+    /// operations complete.
+    lingering: Vec<(u32, Queue)>,
+    /// Times a poll of the CQ found it empty.
+    cq_empty_polls: u64,
+    /// Drains waiting only for a poll that finds the CQ empty: the CQ is polled until it is.
+    settling: usize,
     /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
     srq_broken: bool,
     /// Accepted connections whose host has not sent a Fabrics Connect yet, by deadline
@@ -339,6 +353,9 @@ pub struct DataPath {
     /// Whether the device sends LAST_WQE_REACHED (rxe and iWARP do not: the drain marker
     /// alone ends a drain there).
     wait_last_wqe: bool,
+    /// Whether the device can post SEND_WITH_INVALIDATE; where it cannot, responses go as
+    /// plain SENDs and the host invalidates its key itself.
+    send_invalidate: bool,
     log: slog::Logger,
 }
 
@@ -354,7 +371,8 @@ fn verr(e: VerbsError) -> std::io::Error {
     std::io::Error::other(e.to_string())
 }
 
-/// Posts `staged` on `id` in batches; on failure, the index of the first WR not posted.
+/// Posts `staged` on `id` in batches; on failure, the index of the first WR not posted (every
+/// one before it was posted).
 fn post_staged(id: &CmId, staged: &[Staged]) -> Result<(), (usize, VerbsError)> {
     const EMPTY: SendWr<'static> = SendWr {
         wr_id: 0,
@@ -390,8 +408,9 @@ fn post_staged(id: &CmId, staged: &[Staged]) -> Result<(), (usize, VerbsError)> 
                 inline: w.inline,
             };
         }
+        // Those before the refused one were posted: they complete (or flush) as usual.
         id.post_send(&wrs[..chunk.len()])
-            .map_err(|e| (n * POST_BATCH, e))?;
+            .map_err(|e| (n * POST_BATCH + e.posted().min(chunk.len()), e))?;
     }
     Ok(())
 }
@@ -472,12 +491,16 @@ impl DataPath {
             max_qp_wr: attr.max_qp_wr.max(8),
             sends_in_flight: 0,
             draining: HashMap::new(),
+            lingering: Vec::new(),
+            cq_empty_polls: 0,
+            settling: 0,
             srq_broken: false,
             unconnected: VecDeque::new(),
             connect_timeout: cfg.connect_timeout,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
             wait_last_wqe: dev.sends_last_wqe(),
+            send_invalidate: dev.supports_send_with_invalidate(),
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         Ok(dp)
@@ -767,12 +790,14 @@ impl DataPath {
             qpn,
             Drain {
                 id: c.id,
+                queue: c.queue,
                 depth: c.depth,
                 since: now,
                 cause,
                 last_wqe: false,
                 flushed,
                 signaled_out: c.signaled_out,
+                quiet_at: None,
             },
         );
         self.counters
@@ -851,7 +876,18 @@ impl DataPath {
     /// Destroys the torn-down QPs whose drain is over, or which waited `DRAIN_TIMEOUT` (logged
     /// with what they still waited for; their request slots still waiting for the network are
     /// ended, and a completion that comes later for them is ignored).
+    ///
+    /// A drain is over when no request of the QP is left, its drain marker has completed
+    /// (every send of it is accounted for), LAST_WQE_REACHED came (where the device sends
+    /// it), and then the CQ was polled empty: the QP's flushed receives are in the CQ before
+    /// LAST_WQE_REACHED is raised, and some providers (mlx5) drop a destroyed QP's
+    /// completions, which would leave those receives counted as posted forever (IB 10.3.1).
     fn reap_drained(&mut self, now: Instant) {
+        if !self.lingering.is_empty() {
+            let reqs = &self.reqs;
+            self.lingering
+                .retain(|&(qpn, _)| reqs.iter().flatten().any(|r| r.qpn == qpn));
+        }
         if self.draining.is_empty() {
             return;
         }
@@ -859,16 +895,29 @@ impl DataPath {
             |reqs: &[Option<Req>], qpn: u32| reqs.iter().flatten().filter(|r| r.qpn == qpn).count();
         // The reused scratch vector: a turn with QPs draining allocates nothing either.
         let mut gone = std::mem::take(&mut self.scratch_qpns);
-        gone.extend(self.draining.iter().filter_map(|(&qpn, d)| {
-            let done = requests_of(&self.reqs, qpn) == 0
+        let empty_polls = self.cq_empty_polls;
+        for (&qpn, d) in &mut self.draining {
+            let quiet = requests_of(&self.reqs, qpn) == 0
                 && d.flushed
                 && (d.last_wqe || !self.wait_last_wqe);
-            (done || now.duration_since(d.since) >= DRAIN_TIMEOUT).then_some(qpn)
-        }));
+            let expired = now.duration_since(d.since) >= DRAIN_TIMEOUT;
+            if (quiet || expired) && d.quiet_at.is_none() {
+                // The next poll that finds the CQ empty has reaped everything of it that is
+                // there (even at the bound: what a destroy would drop is taken first).
+                d.quiet_at = Some(empty_polls);
+                self.settling += 1;
+            }
+            if d.quiet_at.is_some_and(|at| empty_polls > at) {
+                gone.push(qpn);
+            }
+        }
         for qpn in gone.drain(..) {
             let Some(d) = self.draining.remove(&qpn) else {
                 continue;
             };
+            if d.quiet_at.is_some() {
+                self.settling -= 1;
+            }
             let requests = requests_of(&self.reqs, qpn);
             let timed_out = requests > 0 || !d.flushed || (!d.last_wqe && self.wait_last_wqe);
             if timed_out {
@@ -886,6 +935,11 @@ impl DataPath {
             }
             self.srq.unreserve(d.depth);
             drop(d.id);
+            if requests_of(&self.reqs, qpn) > 0 {
+                // Block operations of it are still in flight: its queue stays counted by
+                // its controller until they complete.
+                self.lingering.push((qpn, d.queue));
+            }
         }
         self.scratch_qpns = gone;
     }
@@ -914,10 +968,11 @@ impl DataPath {
         self.cq.channel_fd()
     }
 
-    /// Arms the completion channel before the reactor sleeps; false when it must not sleep
-    /// (block operations in flight complete only by polling).
+    /// Arms the completion channel when the reactor is about to sleep (never on a busy
+    /// turn: it costs a read of the channel and a request for notification); false when it
+    /// must not sleep. The reactor polls once more after arming, as a completion that
+    /// arrived before the arming raises no event.
     pub fn arm(&mut self) -> bool {
-        while self.cq.ack_event() {}
         // Block operations complete only by polling; drains end (or time out) only by polling.
         if self.engine.in_flight() > 0
             || self.srq.busy()
@@ -926,6 +981,8 @@ impl DataPath {
         {
             return false;
         }
+        // Events of earlier sleeps are acknowledged before arming again.
+        while self.cq.ack_event() {}
         self.cq.req_notify().is_ok()
     }
 
@@ -942,12 +999,24 @@ impl DataPath {
             worked = true;
         }
         let mut wc = [Wc::default(); 32];
-        let n = self.cq.poll(&mut wc).unwrap_or(0);
-        let receives = wc[..n].iter().filter(|c| c.wr_id < REQ_BASE).count();
-        self.srq
-            .consumed(u32::try_from(receives).unwrap_or(u32::MAX));
-        for c in &wc[..n] {
-            self.on_completion(c, now);
+        let mut n = 0;
+        // One batch a turn; while a drain waits for the CQ to be empty, until it is.
+        for _ in 0..64 {
+            let got = self.cq.poll(&mut wc).unwrap_or(0);
+            let receives = wc[..got].iter().filter(|c| c.wr_id < REQ_BASE).count();
+            self.srq
+                .consumed(u32::try_from(receives).unwrap_or(u32::MAX));
+            for c in &wc[..got] {
+                self.on_completion(c, now);
+            }
+            n += got;
+            if got < wc.len() {
+                self.cq_empty_polls += 1;
+                break;
+            }
+            if self.settling == 0 {
+                break;
+            }
         }
         // Reused vectors (taken and put back): nothing is allocated per turn.
         let mut done = std::mem::take(&mut self.reaped);
@@ -1629,7 +1698,9 @@ impl DataPath {
             // One key at most can be invalidated by the SEND, and only when all the data
             // went through it.
             let op = match r.invalidate {
-                Some(rkey) if r.nsegs <= 1 => SendOp::SendWithInvalidate { rkey },
+                Some(rkey) if r.nsegs <= 1 && self.send_invalidate => {
+                    SendOp::SendWithInvalidate { rkey }
+                }
                 _ => SendOp::Send,
             };
             c.staged.push(Staged {

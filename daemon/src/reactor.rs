@@ -239,20 +239,106 @@ fn run(
                 watch(&poll, w.as_ref(), log);
             }
         }
-        let may_sleep = work.as_mut().is_none_or(|w| w.prepare_sleep());
-        if may_sleep
-            && !cfg.idle_sleep_after.is_zero()
-            && last_work.elapsed() >= cfg.idle_sleep_after
-        {
-            ReactorCounters::bump(&c.sleeps);
-            if let Err(e) = poll.poll(&mut events, Some(cfg.max_sleep)) {
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    error!(log, "reactor poller failed; spinning instead"; "error" => %e);
-                    std::thread::yield_now();
-                }
-            }
-            debug!(log, "reactor woke"; "events" => events.iter().count());
+        // Busy-poll for `idle_sleep_after` after the last work: a host that sends its next
+        // command within microseconds finds the reactor awake, and an idle turn makes no
+        // system call.
+        if cfg.idle_sleep_after.is_zero() || last_work.elapsed() < cfg.idle_sleep_after {
+            continue;
         }
+        // About to sleep: arm the wake-up sources (false: operations in flight that only
+        // polling completes).
+        if !work.as_mut().is_none_or(|w| w.prepare_sleep()) {
+            continue;
+        }
+        // A completion that landed between the last poll and the arming raised no event:
+        // look once more, now that any later one will.
+        if work.as_mut().is_some_and(|w| w.poll()) {
+            ReactorCounters::bump(&c.busy_turns);
+            ReactorCounters::bump(&c.caught_before_sleep);
+            last_work = Instant::now();
+            continue;
+        }
+        ReactorCounters::bump(&c.sleeps);
+        if let Err(e) = poll.poll(&mut events, Some(cfg.max_sleep)) {
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                error!(log, "reactor poller failed; spinning instead"; "error" => %e);
+                std::thread::yield_now();
+            }
+        }
+        debug!(log, "reactor woke"; "events" => events.iter().count());
     }
     info!(log, "reactor stopped"; "turns" => c.turns.load(Ordering::Relaxed));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    /// Work whose completion lands at the worst instant: after the reactor's last poll found
+    /// nothing and just before it arms the wake-up sources, so no event will ever say so.
+    struct LandsWhileArming {
+        arms: Arc<AtomicU32>,
+        pending: bool,
+        served: Arc<AtomicBool>,
+    }
+
+    impl ReactorWork for LandsWhileArming {
+        fn poll(&mut self) -> bool {
+            if std::mem::take(&mut self.pending) {
+                self.served.store(true, Ordering::Release);
+                return true;
+            }
+            false
+        }
+        fn wake_fds(&self) -> Vec<std::os::fd::RawFd> {
+            Vec::new()
+        }
+        fn prepare_sleep(&mut self) -> bool {
+            if self.arms.fetch_add(1, Ordering::Relaxed) == 0 {
+                self.pending = true;
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn a_completion_that_lands_while_the_reactor_arms_is_served_without_waiting_for_the_sleep_bound(
+    ) {
+        let arms = Arc::new(AtomicU32::new(0));
+        let served = Arc::new(AtomicBool::new(false));
+        let (a, s) = (Arc::clone(&arms), Arc::clone(&served));
+        let factory: WorkFactory = Box::new(move || {
+            Box::new(LandsWhileArming {
+                arms: a,
+                pending: false,
+                served: s,
+            })
+        });
+        let cfg = LoopConfig {
+            idle_sleep_after: Duration::from_millis(1),
+            // A lost wake-up would wait this long.
+            max_sleep: Duration::from_secs(30),
+        };
+        let log = Logger::root(slog::Discard, o!());
+        let mut r = ReactorHandle::spawn(0, 0, cfg, &log, Some(factory)).unwrap();
+        let start = Instant::now();
+        while !served.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
+            std::thread::yield_now();
+        }
+        let waited = start.elapsed();
+        r.shared.request_stop();
+        r.join();
+        assert!(
+            served.load(Ordering::Acquire),
+            "the completion that landed while arming was not served in {waited:?}: the reactor slept on it"
+        );
+        assert_eq!(
+            r.shared
+                .counters
+                .caught_before_sleep
+                .load(Ordering::Relaxed),
+            1
+        );
+    }
 }

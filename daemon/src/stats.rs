@@ -16,6 +16,9 @@ pub struct ReactorCounters {
     pub busy_turns: AtomicU64,
     /// Times the reactor slept on its wake-up source after being idle.
     pub sleeps: AtomicU64,
+    /// Times the poll after arming found work that arrived before the arming (a sleep that
+    /// would have waited for `max_sleep`).
+    pub caught_before_sleep: AtomicU64,
     /// Set by the control thread while the heartbeat has not moved for `stall_timeout`.
     pub stalled: AtomicBool,
 }
@@ -35,6 +38,7 @@ impl ReactorCounters {
             turns_total: self.turns.load(Relaxed),
             busy_turns_total: self.busy_turns.load(Relaxed),
             sleeps_total: self.sleeps.load(Relaxed),
+            caught_before_sleep_total: self.caught_before_sleep.load(Relaxed),
             stalled: self.stalled.load(Relaxed),
         }
     }
@@ -53,6 +57,9 @@ pub struct ReactorStats {
     pub busy_turns_total: u64,
     /// Idle sleeps (adaptive polling).
     pub sleeps_total: u64,
+    /// Work found by the poll right after arming, before sleeping.
+    #[serde(default)]
+    pub caught_before_sleep_total: u64,
     /// Whether the heartbeat has stopped for longer than `daemon.stall_timeout`.
     pub stalled: bool,
 }

@@ -73,7 +73,23 @@ pub(crate) fn property(
             (property::CAP, true) => cap(q),
             (property::VS, false) => u64::from(NVME_VERSION),
             (property::CC, false) => u64::from(ctrl.lock().cc),
-            (property::CSTS, false) => u64::from(ctrl.lock().csts),
+            (property::CSTS, false) => {
+                let mut st = ctrl.lock();
+                let alive = ctrl.io_queues_alive.load(Ordering::Acquire);
+                if st.shutdown_pending && alive == 0 {
+                    // The last I/O queue is gone: the shutdown's flush runs now, and this
+                    // read answers once it has (SHST complete).
+                    st.shutdown_pending = false;
+                    drop(st);
+                    return flush_all(q, cmd);
+                }
+                if st.resetting && alive == 0 {
+                    st.resetting = false;
+                }
+                // A reset is not over while a queue of before it may still write.
+                let rdy = u32::from(st.resetting);
+                u64::from(st.csts | rdy)
+            }
             _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
         };
         let mut c = crate::queue::cqe(&cmd, q.qid_or_zero(), Status::SUCCESS, wire::lo32(value));
@@ -107,27 +123,43 @@ pub(crate) fn property(
         st.queues_granted = None;
         st.io_queues.clear();
         st.held_aers.clear();
+        st.resetting = true;
         refresh_ready(ctrl, &st);
         ctrl.epoch.fetch_add(1, Ordering::AcqRel);
         return q.respond(&cmd, Status::SUCCESS, 0);
     }
     refresh_ready(ctrl, &st);
     if shn != 0 && (st.csts >> 2) & 0x3 == 0 {
-        // Shutdown: make every namespace durable, then report SHST complete (in io_done).
+        // Shutdown: once no I/O queue of the controller is left (each is dropped only when
+        // its connection is torn down and its block operations have completed), make every
+        // namespace durable, then report SHST complete (in io_done). With queues left, SHST
+        // reads "processing" and the first CSTS read after the last is gone runs the flush.
         st.csts = (st.csts & !0xC) | (1 << 2);
+        if ctrl.io_queues_alive.load(Ordering::Acquire) > 0 {
+            // The host should have deleted them first; they end now, as on a reset.
+            st.shutdown_pending = true;
+            st.io_queues.clear();
+            ctrl.epoch.fetch_add(1, Ordering::AcqRel);
+            return q.respond(&cmd, Status::SUCCESS, 0);
+        }
         drop(st);
-        let nsids = q
-            .subsystem()
-            .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
-            .unwrap_or_default();
-        return Action::Io(IoRequest {
-            cmd,
-            nsid: 0,
-            op: IoOp::FlushAll { nsids },
-            data: None,
-        });
+        return flush_all(q, cmd);
     }
     q.respond(&cmd, Status::SUCCESS, 0)
+}
+
+/// A flush of every namespace of the queue's subsystem, answering `cmd` when done.
+fn flush_all(q: &Queue, cmd: Command) -> Action {
+    let nsids = q
+        .subsystem()
+        .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
+        .unwrap_or_default();
+    Action::Io(IoRequest {
+        cmd,
+        nsid: 0,
+        op: IoOp::FlushAll { nsids },
+        data: None,
+    })
 }
 
 /// Responds with `data` pushed to the host buffer that the command's SGL describes.

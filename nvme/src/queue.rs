@@ -523,11 +523,19 @@ impl Queue {
     pub fn io_done(&mut self, req: &IoRequest, result: Result<u32, BlockError>) -> Cqe {
         let qid = self.qid_or_zero();
         if let IoOp::FlushAll { .. } = req.op {
+            let mut csts = 0;
             if let Some(ctrl) = &self.ctrl {
                 let mut st = ctrl.lock();
                 st.csts = (st.csts & !0xC) | (2 << 2); // SHST: shutdown processing complete
+                csts = st.csts;
             }
-            return cqe(&req.cmd, qid, Status::SUCCESS, 0);
+            // A Property Get of CSTS that started the flush answers with the new value.
+            let dw0 = if req.cmd.sqe.opcode == wire::admin_opcode::FABRICS {
+                csts
+            } else {
+                0
+            };
+            return cqe(&req.cmd, qid, Status::SUCCESS, dw0);
         }
         let st = match result {
             Ok(_) => {
@@ -677,12 +685,15 @@ impl Queue {
                     held_aers: Vec::new(),
                     pending_events: Vec::new(),
                     changed_nsids: Vec::new(),
+                    resetting: false,
+                    shutdown_pending: false,
                 }),
                 dead: false.into(),
                 end_reason: std::sync::Mutex::new(None),
                 ready: false.into(),
                 traffic: false.into(),
                 epoch: 0.into(),
+                io_queues_alive: 0.into(),
                 host_reads: 0.into(),
                 host_writes: 0.into(),
                 bytes_read: 0.into(),
@@ -727,6 +738,9 @@ impl Queue {
         self.sqsize = sqsize;
         self.subsystem = subsystem;
         self.epoch = ctrl.epoch.load(Ordering::Acquire);
+        if qid > 0 {
+            ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
+        }
         self.ctrl = Some(ctrl);
     }
 }
@@ -740,7 +754,10 @@ impl Drop for Queue {
         if qid == 0 {
             ctrl.end(EndReason::AdminQueueLost);
             self.target.ctrls().remove(&ctrl.cntlid);
-        } else if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
+            return;
+        }
+        ctrl.io_queues_alive.fetch_sub(1, Ordering::AcqRel);
+        if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
             // (A queue from before a reset holds no slot: the reset cleared them.)
             let mut st = ctrl.lock();
             if let Some(q) = st.io_queues.get_mut(usize::from(qid) - 1) {

@@ -123,6 +123,12 @@ pub(crate) struct CtrlState {
     pub held_aers: Vec<u16>,
     pub pending_events: Vec<u32>,
     pub changed_nsids: Vec<u32>,
+    /// CC.EN went from 1 to 0 and I/O queues of the controller may still exist: CSTS.RDY
+    /// reads 1 until the last of them is gone (`io_queues_alive`).
+    pub resetting: bool,
+    /// CC.SHN was set while I/O queues of the controller still existed: the namespaces are
+    /// flushed (and SHST completes) once the last of them is gone.
+    pub shutdown_pending: bool,
 }
 
 /// A controller, shared by its admin and I/O queues.
@@ -147,6 +153,10 @@ pub struct Controller {
     pub(crate) traffic: AtomicBool,
     /// Bumped by a reset: I/O queues connected before it must disconnect.
     pub(crate) epoch: AtomicU32,
+    /// I/O queues bound to it and not yet dropped. A transport drops a queue only once its
+    /// connection is torn down and every block operation of it has completed, so a reset or
+    /// shutdown that waits for this to reach 0 has nothing of the old queues left in flight.
+    pub(crate) io_queues_alive: AtomicU32,
     /// SMART counters.
     pub(crate) host_reads: AtomicU64,
     pub(crate) host_writes: AtomicU64,

@@ -762,8 +762,8 @@ fn losing_the_admin_queue_ends_the_controller() {
 #[test]
 fn shutdown_flushes_and_reports_complete() {
     let w = world();
-    let (mut a, mut ios) = w.controller(1);
-    ios[0].write(1, 0, 1, &pattern(3, 512), false).unwrap();
+    let (mut a, ios) = w.controller(1);
+    drop(ios);
     a.shutdown().unwrap();
     assert_eq!(
         a.property_get(wire::property::CSTS, false).unwrap() >> 2 & 3,
@@ -771,18 +771,45 @@ fn shutdown_flushes_and_reports_complete() {
     );
 }
 
+/// A shutdown while an I/O queue of the controller is still there ends that queue, and
+/// reports complete only once it is gone (the transport drops it when its connection is torn
+/// down and its block operations have completed) and the namespaces are flushed.
 #[test]
-fn a_reset_ends_the_io_queues() {
+fn a_shutdown_completes_only_after_the_io_queues_are_gone() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(1);
+    ios[0].write(1, 0, 1, &pattern(3, 512), false).unwrap();
+    let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
+    a.property_set(wire::property::CC, cc | 1 << 14).unwrap();
+    assert!(ios[0].transport().queue().must_disconnect());
+    let shst =
+        |a: &mut AdminQueue<_>| a.property_get(wire::property::CSTS, false).unwrap() >> 2 & 3;
+    assert_eq!(shst(&mut a), 1, "processing while an I/O queue is left");
+    drop(ios);
+    assert_eq!(shst(&mut a), 2, "complete once it is gone");
+}
+
+/// A reset reports CSTS.RDY = 0 only once every I/O queue of the controller is gone: until
+/// then one of them may still have a write in flight, which must not land after the host
+/// writes the same blocks again on a new association.
+#[test]
+fn a_reset_ends_the_io_queues_and_is_not_over_before_they_are_gone() {
     let w = world();
     let (mut a, mut ios) = w.controller(1);
     a.property_set(wire::property::CC, 0).unwrap();
-    assert_eq!(a.property_get(wire::property::CSTS, false).unwrap() & 1, 0);
     assert!(ios[0].transport().queue().must_disconnect());
+    assert_eq!(
+        a.property_get(wire::property::CSTS, false).unwrap() & 1,
+        1,
+        "ready while an I/O queue of before the reset is left"
+    );
     let mut buf = vec![0u8; 512];
     assert!(matches!(
         ios[0].read(1, 0, 1, &mut buf),
         Err(HostError::Transport(_))
     ));
+    drop(ios);
+    assert_eq!(a.property_get(wire::property::CSTS, false).unwrap() & 1, 0);
     // The admin queue stays; the host enables again and connects new I/O queues.
     a.enable().unwrap();
     assert_eq!(a.set_queue_count(1).unwrap(), 1);

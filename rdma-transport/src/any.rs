@@ -90,9 +90,16 @@ impl Device {
     pub fn async_fd(&self) -> RawFd {
         forward!(self, d => d.async_fd())
     }
-    /// Whether the device sends `QpLastWqeReached` for SRQ-attached QPs in error.
+    /// Whether the device sends `QpLastWqeReached` for SRQ-attached QPs in error (decided
+    /// from its transport and vendor on ibverbs: never on iWARP, rxe or siw).
     pub fn sends_last_wqe(&self) -> bool {
         forward!(self, d => d.sends_last_wqe())
+    }
+    /// Whether the device can post SEND_WITH_INVALIDATE (`IBV_DEVICE_MEM_MGT_EXTENSIONS`;
+    /// soft: yes unless `Faults::no_send_with_invalidate`). Where it cannot, answer with a
+    /// plain SEND: the host then invalidates its key itself.
+    pub fn supports_send_with_invalidate(&self) -> bool {
+        forward!(self, d => d.supports_send_with_invalidate())
     }
     /// The next async event, without blocking.
     pub fn next_event(&self) -> Option<AsyncEvent> {
@@ -222,7 +229,7 @@ impl Cq {
 }
 
 impl Srq {
-    /// Posts receives.
+    /// Posts receives, in order; on failure [`VerbsError::posted`] says how many were.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
         forward!(self, s => s.post_recv(wrs))
     }
@@ -380,7 +387,8 @@ pub mod cm {
         pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
             forward!(self, c => c.accept(private_data))
         }
-        /// Accepts, granting this side `initiator_depth` RDMA READs in flight.
+        /// Accepts as a target: this side may have `initiator_depth` RDMA READs in flight,
+        /// the peer none (responder resources 0).
         pub fn accept_with(
             &self,
             private_data: &[u8],
@@ -403,9 +411,17 @@ pub mod cm {
         pub fn disconnect(&self) -> Result<(), VerbsError> {
             forward!(self, c => c.disconnect())
         }
-        /// Posts a chain of send work requests.
+        /// Posts a chain of send work requests. On failure [`VerbsError::posted`] is the
+        /// index of the first work request not posted: those before it were posted and
+        /// complete (or flush) as usual; it and every one after it were not and never
+        /// complete.
         pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
             forward!(self, c => c.post_send(wrs))
+        }
+        /// The QP's RDMA READ depths as its connection set them (soft: once `accept_with`
+        /// set them, on both QPs of an in-process connection).
+        pub fn read_depths(&self) -> Option<ReadDepths> {
+            forward!(self, c => c.read_depths())
         }
         /// Moves the QP to ERR.
         pub fn to_error(&self) -> Result<(), VerbsError> {

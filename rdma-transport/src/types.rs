@@ -239,19 +239,61 @@ pub enum VerbsError {
         /// Why.
         why: &'static str,
     },
+    /// posting a chain of work requests failed at one of them
+    #[error("{op}: {} (work request {posted} of the chain refused; the {posted} before it were posted)", std::io::Error::from_raw_os_error(*errno))]
+    Post {
+        /// The call (`post_send`, `post_srq_recv`).
+        op: &'static str,
+        /// errno.
+        errno: i32,
+        /// How many work requests of the chain, from its start, were posted: those complete
+        /// (or flush) as usual. The one at this index and every one after it were not posted
+        /// and will never complete.
+        posted: usize,
+    },
 }
 
 impl VerbsError {
     /// The errno, where there is one.
     pub fn errno(&self) -> Option<i32> {
         match self {
-            VerbsError::Os { errno, .. } => Some(*errno),
+            VerbsError::Os { errno, .. } | VerbsError::Post { errno, .. } => Some(*errno),
             VerbsError::Invalid { .. } => None,
         }
     }
+
+    /// For an error of a post (`post_send`, `post_recv`): how many work requests of the
+    /// chain, from its start, were posted. Those complete or flush as usual; the one at this
+    /// index and every one after it were not posted and never complete. Every failure of a
+    /// post reports it (a chain refused whole, or a post on a QP that cannot take work, says
+    /// 0); any other error says 0, as nothing was posted.
+    pub fn posted(&self) -> usize {
+        match self {
+            VerbsError::Post { posted, .. } => *posted,
+            VerbsError::Os { .. } | VerbsError::Invalid { .. } => 0,
+        }
+    }
+
     pub(crate) fn os(op: &'static str, errno: i32) -> VerbsError {
         VerbsError::Os { op, errno }
     }
+
+    /// A post that failed at work request `posted` of its chain, with `errno`.
+    pub(crate) fn post(op: &'static str, errno: i32, posted: usize) -> VerbsError {
+        VerbsError::Post { op, errno, posted }
+    }
+}
+
+/// A connected QP's RDMA READ depths, as its connection set them (`ibv_query_qp`'s
+/// `max_rd_atomic` and `max_dest_rd_atomic`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadDepths {
+    /// RDMA READs this side may have outstanding at its peer: what the peer accepted or
+    /// connected with as its responder resources (0: this side may issue none).
+    pub initiator: u32,
+    /// RDMA READs the peer may have outstanding at this side (this side's responder
+    /// resources).
+    pub responder: u32,
 }
 
 /// QP creation parameters.

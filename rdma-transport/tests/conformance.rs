@@ -2,8 +2,8 @@
 //! ibverbs provider (where there is an RDMA device and `RDMA_IP` names its address: rxe0 in the
 //! VM lab, `scripts/lab-rdma.sh`; elsewhere those tests say they are skipped).
 //!
-//! Where the providers differ, the test records it instead of asserting: rxe never sends
-//! `LAST_WQE_REACHED`. Tests of soft-only knobs (RNR retry counts below 7, CQ overflow, SQ
+//! Where the providers differ, the test asserts what the provider says of itself: rxe never
+//! sends `LAST_WQE_REACHED`, and says so (`sends_last_wqe`). Tests of soft-only knobs (RNR retry counts below 7, CQ overflow, SQ
 //! accounting, fault injection) are in the `soft_only` module.
 
 // Sizes and counters in this file are small and known: casts cannot truncate.
@@ -428,8 +428,10 @@ macro_rules! suite {
                 );
             }
 
+            /// LAST_WQE_REACHED arrives exactly where the device says it sends it
+            /// (`sends_last_wqe`: soft unless suppressed; never on rxe, iWARP or siw).
             #[test]
-            fn a_qp_moved_to_error_flushes_its_work_and_last_wqe_is_recorded() {
+            fn a_qp_moved_to_error_flushes_its_work_and_last_wqe_is_as_the_device_says() {
                 let Some(w) = world(4427, 1) else { return };
                 let sge = [w.h.mr.sge(0, 32)];
                 // A SEND waits for a receive at the target (RNR, retried forever).
@@ -437,19 +439,190 @@ macro_rules! suite {
                 w.hid[0].to_error().unwrap();
                 let wc = poll_one(&w.h.cq);
                 assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushErr));
-                let end = Instant::now() + Duration::from_millis(300);
-                let mut last_wqe = false;
-                while Instant::now() < end && !last_wqe {
-                    last_wqe =
-                        matches!(w.h.dev.next_event(), Some(AsyncEvent::QpLastWqeReached(_)));
-                }
+                let qpn = w.hid[0].qpn().unwrap();
+                let last_wqe = || match w.h.dev.next_event() {
+                    Some(AsyncEvent::QpLastWqeReached(q)) => Some(q),
+                    _ => None, // rxe reports port events in its first second: not ours
+                };
+                let sends = w.h.dev.sends_last_wqe();
                 println!(
-                    "{}: LAST_WQE_REACHED after ERR on an SRQ QP: {}",
-                    stringify!($provider),
-                    if last_wqe { "yes" } else { "no" }
+                    "{}: the device says it sends LAST_WQE_REACHED: {sends}",
+                    stringify!($provider)
                 );
-                if stringify!($provider) == "soft" {
-                    assert!(last_wqe, "the soft provider sends it unless suppressed");
+                if sends {
+                    assert_eq!(wait("LAST_WQE_REACHED", last_wqe), qpn);
+                } else {
+                    // Nothing to wait for: watch long enough for a device that would send it
+                    // (soft sends it at once, rxe's async events come within milliseconds).
+                    let end = Instant::now() + Duration::from_millis(500);
+                    while Instant::now() < end {
+                        assert_eq!(
+                            last_wqe(),
+                            None,
+                            "LAST_WQE_REACHED from a device that says it never sends it"
+                        );
+                        std::thread::yield_now();
+                    }
+                }
+            }
+
+            /// A chain the provider refuses part-way: the requests before the refused one are
+            /// posted and complete, it and those after it are not, and the error says where
+            /// the chain stopped (`bad_wr` on ibverbs).
+            #[test]
+            fn a_chain_refused_part_way_posts_exactly_the_requests_before_the_refused_one() {
+                let Some(w) = world(4435, 1) else { return };
+                let limit = w.tid[0].max_inline().unwrap() as usize;
+                let big = vec![9u8; limit + 1];
+                let big_sge = [Sge {
+                    addr: big.as_ptr() as u64,
+                    length: big.len() as u32,
+                    lkey: 0,
+                }];
+                let max_sge = w.t.dev.attr().unwrap().max_sge as usize;
+                let too_many: Vec<Sge> = (0..=max_sge).map(|_| w.t.mr.sge(0, 1)).collect();
+                w.t.mr.write(0, &[7u8; 64]);
+                let sge = [w.t.mr.sge(0, 64)];
+                let write = |k: u64, signaled: bool, sges| SendWr {
+                    wr_id: k,
+                    op: SendOp::RdmaWrite {
+                        remote_addr: w.h.mr.addr() + 64 * k,
+                        rkey: w.h.mr.rkey(),
+                    },
+                    sges,
+                    signaled,
+                    inline: false,
+                };
+                // Inline data one byte over the QP's limit, third of four.
+                let chain = [
+                    write(0, false, &sge[..]),
+                    write(1, true, &sge[..]),
+                    SendWr {
+                        inline: true,
+                        ..write(2, true, &big_sge[..])
+                    },
+                    write(3, true, &sge[..]),
+                ];
+                let e = w.tid[0].post_send(&chain).unwrap_err();
+                assert_eq!(e.posted(), 2, "{e}");
+                assert_eq!(e.errno(), Some(libc::EINVAL), "{e}");
+                // More SGEs than the device has, second of three.
+                let chain = [
+                    write(4, true, &sge[..]),
+                    write(5, true, &too_many[..]),
+                    write(6, true, &sge[..]),
+                ];
+                let e = w.tid[0].post_send(&chain).unwrap_err();
+                assert_eq!(e.posted(), 1, "{e}");
+                assert_eq!(e.errno(), Some(libc::EINVAL), "{e}");
+                assert_eq!(w.tid[0].qp_state(), Some(QpState::Rts), "a refusal is no error");
+                // RC completes a QP's sends in order: once this one has, every request posted
+                // before it has too.
+                w.tid[0].post_send(&[write(7, true, &sge[..])]).unwrap();
+                let mut done = Vec::new();
+                while done.last() != Some(&7) {
+                    let wc = poll_one(&w.t.cq);
+                    assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+                    done.push(wc.wr_id);
+                }
+                assert_eq!(done, [1, 4, 7], "the signaled requests that were posted");
+                poll_none(&w.t.cq);
+                for k in 0..8u64 {
+                    let mut got = [0u8; 64];
+                    w.h.mr.read(64 * k as usize, &mut got);
+                    let posted = matches!(k, 0 | 1 | 4 | 7);
+                    assert_eq!(got, [if posted { 7 } else { 0 }; 64], "WRITE {k}");
+                }
+            }
+
+            /// Receives too: the provider stops at the first one it refuses.
+            #[test]
+            fn receives_refused_part_way_post_exactly_the_ones_before_the_refused_one() {
+                let Some(w) = world(4436, 1) else { return };
+                let max_sge = w.t.dev.attr().unwrap().max_srq_sge as usize;
+                let too_many: Vec<Sge> = (0..=max_sge).map(|_| w.t.mr.sge(0, 1)).collect();
+                let wrs = [
+                    RecvWr {
+                        wr_id: 0,
+                        sges: &[w.t.mr.sge(0, 64)],
+                    },
+                    RecvWr {
+                        wr_id: 1,
+                        sges: &too_many,
+                    },
+                    RecvWr {
+                        wr_id: 2,
+                        sges: &[w.t.mr.sge(128, 64)],
+                    },
+                ];
+                let e = w.t.srq.post_recv(&wrs).unwrap_err();
+                assert_eq!((e.posted(), e.errno()), (1, Some(libc::EINVAL)), "{e}");
+                w.t.srq
+                    .post_recv(&[RecvWr {
+                        wr_id: 99,
+                        sges: &[w.t.mr.sge(256, 64)],
+                    }])
+                    .unwrap();
+                let sge = [w.h.mr.sge(0, 8)];
+                for i in 0..2 {
+                    w.hid[0].post_send(&[send(i, &sge, true)]).unwrap();
+                    assert_eq!(poll_one(&w.h.cq).status, WcStatus::Success);
+                }
+                let got: Vec<u64> = (0..2).map(|_| poll_one(&w.t.cq).wr_id).collect();
+                assert_eq!(got, [0, 99], "the receive after the refused one was not posted");
+            }
+
+            /// A target accepts offering its host no RDMA READs (responder resources 0, as
+            /// nvmet-rdma does), keeping the READ depth it grants itself.
+            #[test]
+            fn accepting_as_a_target_grants_its_read_depth_and_offers_the_host_none() {
+                let Some(env) = <$env>::new() else { return };
+                let addr = env.addr(4437);
+                let sch = env.channel();
+                let _l = sch.listen(addr, 4).unwrap();
+                let cch = env.channel();
+                let mut c = cch.resolve(addr, Duration::from_secs(3)).unwrap();
+                let h = side(c.device().unwrap());
+                c.create_qp(&h.pd, &h.cq, &h.srq, CAPS).unwrap();
+                c.connect(b"hello").unwrap();
+                let (mut id, offered) = wait("CONNECT_REQUEST", || match sch.next_event() {
+                    Some(CmEvent::ConnectRequest {
+                        id,
+                        initiator_depth,
+                        ..
+                    }) => Some((id, initiator_depth)),
+                    _ => None,
+                });
+                assert!(offered >= 8, "the host offers {offered} READs");
+                let t = side(id.device().unwrap());
+                id.create_qp(&t.pd, &t.cq, &t.srq, CAPS).unwrap();
+                id.accept_with(b"", 8).unwrap();
+                wait("ESTABLISHED (connecting side)", || match cch.next_event() {
+                    Some(CmEvent::Established { .. }) => Some(()),
+                    Some(other) => panic!("{other:?}"),
+                    None => None,
+                });
+                assert_eq!(
+                    id.read_depths(),
+                    Some(ReadDepths {
+                        initiator: 8,
+                        responder: 0
+                    }),
+                    "the target"
+                );
+                match c.read_depths() {
+                    Some(d) => assert_eq!(
+                        d,
+                        ReadDepths {
+                            initiator: 0,
+                            responder: 8
+                        },
+                        "the host"
+                    ),
+                    None => assert!(
+                        !env.peer_learns_depths(),
+                        "the host's QP does not know its depths"
+                    ),
                 }
             }
 
@@ -726,6 +899,9 @@ impl SoftEnv {
     fn channel(&self) -> nvmfd_rdma::soft::cm::CmChannel {
         nvmfd_rdma::soft::cm::CmChannel::new(&self.fabric).unwrap()
     }
+    fn peer_learns_depths(&self) -> bool {
+        true
+    }
 }
 
 suite!(on_soft, soft, SoftEnv);
@@ -763,6 +939,10 @@ impl SoftTcpEnv {
         let f = if n % 2 == 0 { &self.a } else { &self.b };
         nvmfd_rdma::soft::cm::CmChannel::new(f).unwrap()
     }
+    /// A host in another process is not told the depths its peer accepted with.
+    fn peer_learns_depths(&self) -> bool {
+        false
+    }
 }
 
 suite!(on_soft_tcp, soft, SoftTcpEnv);
@@ -784,6 +964,9 @@ impl AnySoftEnv {
     }
     fn channel(&self) -> nvmfd_rdma::any::cm::CmChannel {
         nvmfd_rdma::any::cm::CmChannel::Soft(self.inner.channel())
+    }
+    fn peer_learns_depths(&self) -> bool {
+        true
     }
 }
 
@@ -809,6 +992,9 @@ impl AnyVerbsEnv {
     }
     fn channel(&self) -> nvmfd_rdma::any::cm::CmChannel {
         nvmfd_rdma::any::cm::CmChannel::Verbs(self.inner.channel())
+    }
+    fn peer_learns_depths(&self) -> bool {
+        true
     }
 }
 
@@ -842,6 +1028,9 @@ impl VerbsEnv {
     }
     fn channel(&self) -> nvmfd_rdma::ibverbs::cm::CmChannel {
         nvmfd_rdma::ibverbs::cm::CmChannel::new().unwrap()
+    }
+    fn peer_learns_depths(&self) -> bool {
+        true
     }
 }
 
@@ -893,12 +1082,227 @@ mod soft_only {
     #[test]
     fn last_wqe_can_be_suppressed_as_on_rxe() {
         let w = world(5002, 1).unwrap();
+        assert!(w.t.dev.sends_last_wqe());
         w.env.fabric.set_faults(Faults {
             suppress_last_wqe: true,
             ..Faults::default()
         });
+        assert!(!w.t.dev.sends_last_wqe(), "the device says what it does");
         w.tid[0].to_error().unwrap();
         assert_eq!(w.t.dev.next_event(), None);
+    }
+
+    /// `n` signaled RDMA WRITEs of 8 bytes from the target side, `first` the first wr_id.
+    fn writes<'a>(w: &World, sge: &'a [Sge], first: u64, n: u64) -> Vec<SendWr<'a>> {
+        (first..first + n)
+            .map(|k| SendWr {
+                wr_id: k,
+                op: SendOp::RdmaWrite {
+                    remote_addr: w.h.mr.addr() + 8 * k,
+                    rkey: w.h.mr.rkey(),
+                },
+                sges: sge,
+                signaled: true,
+                inline: false,
+            })
+            .collect()
+    }
+
+    /// Every completion waiting on `cq`.
+    fn drain(cq: &nvmfd_rdma::soft::Cq) -> Vec<Wc> {
+        let mut out = Vec::new();
+        let mut w = [Wc::default(); 16];
+        loop {
+            let n = cq.poll(&mut w).unwrap();
+            if n == 0 {
+                return out;
+            }
+            out.extend_from_slice(&w[..n]);
+        }
+    }
+
+    #[test]
+    fn an_injected_post_failure_stops_one_long_enough_chain_at_its_index() {
+        let w = world(5030, 1).unwrap();
+        let qpn = w.tid[0].qpn().unwrap();
+        let sge = [w.t.mr.sge(0, 8)];
+        w.env.fabric.inject_post_failure(qpn, 2);
+        // Too short to reach index 2: posted whole, the injection stays armed.
+        w.tid[0].post_send(&writes(&w, &sge, 0, 2)).unwrap();
+        let e = w.tid[0].post_send(&writes(&w, &sge, 10, 5)).unwrap_err();
+        assert_eq!((e.posted(), e.errno()), (2, Some(libc::ENOMEM)), "{e}");
+        assert_eq!(w.tid[0].qp_state(), Some(QpState::Rts));
+        // Disarmed: the next chain posts whole.
+        w.tid[0].post_send(&writes(&w, &sge, 20, 5)).unwrap();
+        let ids: Vec<u64> = drain(&w.t.cq)
+            .iter()
+            .inspect(|wc| assert_eq!(wc.status, WcStatus::Success))
+            .map(|wc| wc.wr_id)
+            .collect();
+        assert_eq!(ids, [0, 1, 10, 11, 20, 21, 22, 23, 24]);
+    }
+
+    /// The chains a seeded run refused part-way, with where each stopped, and the completions.
+    fn refused_with(seed: u64) -> (Vec<(u64, usize)>, Vec<u64>) {
+        let w = world(5031, 1).unwrap();
+        w.env.fabric.set_faults(Faults {
+            seed,
+            post_failure_per_million: 250_000,
+            ..Faults::default()
+        });
+        let sge = [w.t.mr.sge(0, 8)];
+        let mut refused = Vec::new();
+        let mut posted = Vec::new();
+        for c in 0..40u64 {
+            let chain = writes(&w, &sge, c * 10, 4);
+            let n = match w.tid[0].post_send(&chain) {
+                Ok(()) => 4,
+                Err(e) => {
+                    assert_eq!(e.errno(), Some(libc::ENOMEM), "{e}");
+                    refused.push((c, e.posted()));
+                    e.posted()
+                }
+            };
+            posted.extend(chain[..n].iter().map(|wr| wr.wr_id));
+        }
+        let done: Vec<u64> = drain(&w.t.cq).iter().map(|wc| wc.wr_id).collect();
+        assert_eq!(done, posted, "exactly the posted requests complete");
+        (refused, done)
+    }
+
+    #[test]
+    fn seeded_post_failures_replay_exactly_and_only_the_posted_requests_complete() {
+        let a = refused_with(42);
+        assert!(a.0.len() > 3, "25% over 40 chains refused {}", a.0.len());
+        assert!(
+            a.0.iter().any(|&(_, i)| i > 0),
+            "some chain was refused part-way"
+        );
+        assert_eq!(a, refused_with(42), "the same seed replays the same faults");
+        assert_ne!(a.0, refused_with(7).0, "another seed gives other faults");
+    }
+
+    #[test]
+    fn a_full_send_queue_refuses_from_the_first_request_that_finds_no_room() {
+        let w = world(5032, 1).unwrap();
+        let sge = [w.t.mr.sge(0, 8)];
+        let unsignaled = |k| SendWr {
+            signaled: false,
+            ..writes(&w, &sge, k, 1)[0]
+        };
+        for k in 0..60 {
+            w.tid[0].post_send(&[unsignaled(k)]).unwrap();
+        }
+        // 4 slots of 64 are left.
+        let chain: Vec<SendWr<'_>> = (60..66).map(unsignaled).collect();
+        let e = w.tid[0].post_send(&chain).unwrap_err();
+        assert_eq!((e.posted(), e.errno()), (4, Some(libc::ENOMEM)), "{e}");
+    }
+
+    #[test]
+    fn send_with_invalidate_can_be_made_unsupported() {
+        let w = world(5033, 1).unwrap();
+        assert!(w.t.dev.supports_send_with_invalidate());
+        w.env.fabric.set_faults(Faults {
+            no_send_with_invalidate: true,
+            ..Faults::default()
+        });
+        assert!(!w.t.dev.supports_send_with_invalidate());
+        let sge = [w.t.mr.sge(0, 8)];
+        let chain = [
+            writes(&w, &sge, 0, 1)[0],
+            SendWr {
+                wr_id: 1,
+                op: SendOp::SendWithInvalidate {
+                    rkey: w.h.mr.rkey(),
+                },
+                sges: &sge,
+                signaled: true,
+                inline: false,
+            },
+        ];
+        let e = w.tid[0].post_send(&chain).unwrap_err();
+        assert_eq!((e.posted(), e.errno()), (1, Some(libc::EINVAL)), "{e}");
+        assert!(w.h.mr.is_valid(), "nothing was invalidated");
+    }
+
+    #[test]
+    fn destroying_a_qp_drops_its_completions_only_in_the_mlx5_mode() {
+        for mlx5 in [false, true] {
+            let mut w = world(5034 + u16::from(mlx5), 2).unwrap();
+            w.env.fabric.set_faults(Faults {
+                destroy_drops_completions: mlx5,
+                ..Faults::default()
+            });
+            let bufs: Vec<[Sge; 1]> = (0..41).map(|i| [w.t.mr.sge(i * 64, 64)]).collect();
+            let wrs: Vec<RecvWr<'_>> = bufs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| RecvWr {
+                    wr_id: 1000 + i as u64,
+                    sges: s,
+                })
+                .collect();
+            for chunk in wrs.chunks(16) {
+                w.t.srq.post_recv(chunk).unwrap();
+            }
+            // 40 messages for the first QP (more than one poll batch), then one for the
+            // second; a WRITE from each.
+            let sge = [w.h.mr.sge(0, 8)];
+            for i in 0..41 {
+                w.hid[usize::from(i == 40)]
+                    .post_send(&[send(i, &sge, true)])
+                    .unwrap();
+            }
+            let tsge = [w.t.mr.sge(0, 8)];
+            for (q, t) in w.tid.iter().enumerate() {
+                t.post_send(&writes(&w, &tsge, 500 + q as u64, 1)).unwrap();
+            }
+            let first = w.tid[0].qpn().unwrap();
+            drop(w.tid.remove(0));
+            let left = drain(&w.t.cq);
+            let of_first = left.iter().filter(|wc| wc.qp_num == first).count();
+            assert_eq!(left.len() - of_first, 2, "the second QP's: {left:?}");
+            let drops = w.env.fabric.destroy_drops();
+            if mlx5 {
+                assert_eq!(of_first, 0, "destroying the QP dropped its completions");
+                assert_eq!(
+                    drops,
+                    nvmfd_rdma::soft::DestroyDrops {
+                        receives: 40,
+                        sends: 1
+                    }
+                );
+            } else {
+                assert_eq!(of_first, 41, "a destroyed QP's completions stay, as on rxe");
+                assert_eq!(drops, nvmfd_rdma::soft::DestroyDrops::default());
+            }
+            // Either way the 40 receives are consumed: dropped, nothing gives them back.
+            assert_eq!(w.t.srq.posted(), 0);
+        }
+    }
+
+    /// A SEND over TCP that reaches a QP already in ERR (the peer not yet told) is not
+    /// received: no receive is consumed, no receive completion is made, the SEND fails.
+    #[test]
+    fn a_send_reaching_a_qp_in_error_consumes_no_receive() {
+        let w = on_soft_tcp::world(5036, 1).unwrap();
+        w.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 1,
+                sges: &[w.t.mr.sge(0, 64)],
+            }])
+            .unwrap();
+        w.tid[0].to_error().unwrap();
+        w.hid[0]
+            .post_send(&[send(2, &[w.h.mr.sge(0, 8)], true)])
+            .unwrap();
+        let wc = on_soft_tcp::poll_one(&w.h.cq);
+        assert_eq!(wc.wr_id, 2);
+        assert_ne!(wc.status, WcStatus::Success, "{wc:?}");
+        assert_eq!(w.t.srq.posted(), 1, "the receive is still posted");
+        let mut out = [Wc::default(); 4];
+        assert_eq!(w.t.cq.poll(&mut out).unwrap(), 0, "{:?}", out[0]);
     }
 
     #[test]

@@ -529,11 +529,15 @@ impl CmId {
         check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
     }
 
-    /// Accepts a connect request, granting this side `initiator_depth` RDMA READs in flight
-    /// (at most the initiator depth the request's event reported).
+    /// Accepts a connect request as a target does: granting this side `initiator_depth` RDMA
+    /// READs in flight (at most the initiator depth the request's event reported), and
+    /// offering the peer no RDMA READs at all (responder resources 0: a target never serves
+    /// READs from its host, and the kernel's nvmet-rdma accepts the same way). The peer's QP
+    /// then reads `initiator` 0 in [`CmId::read_depths`].
     pub fn accept_with(&self, private_data: &[u8], initiator_depth: u8) -> Result<(), VerbsError> {
         let mut p = Self::conn_param(private_data);
         p.initiator_depth = initiator_depth;
+        p.responder_resources = 0;
         // SAFETY: as for connect.
         check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
     }
@@ -598,6 +602,24 @@ impl CmId {
             _ => QpState::Err,
         };
         Some((state, a.cap.max_inline_data))
+    }
+
+    /// The QP's RDMA READ depths (`max_rd_atomic`, `max_dest_rd_atomic`), as the connection
+    /// set them; `None` without a QP. Providers may round a depth up (rxe: to a power of two).
+    pub fn read_depths(&self) -> Option<ReadDepths> {
+        let qp = self.qp()?;
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: plain data.
+        let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live QP; IBV_QP_MAX_QP_RD_ATOMIC (1 << 13) | IBV_QP_MAX_DEST_RD_ATOMIC (1 << 17).
+        if unsafe { ibv_query_qp(qp, &mut a, (1 << 13) | (1 << 17), &mut init) } != 0 {
+            return None;
+        }
+        Some(ReadDepths {
+            initiator: u32::from(a.max_rd_atomic),
+            responder: u32::from(a.max_dest_rd_atomic),
+        })
     }
 
     /// The QP's state.

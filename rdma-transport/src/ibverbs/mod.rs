@@ -232,14 +232,19 @@ impl Device {
         check("fcntl", rc.min(0))
     }
 
-    /// Limits.
-    pub fn attr(&self) -> Result<DeviceAttr, VerbsError> {
+    fn query(&self) -> Result<ibv_device_attr, VerbsError> {
         // SAFETY: ibv_device_attr is plain data; zero is a valid value to be overwritten.
         let mut a: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: live context, valid out-pointer.
         check("query_device", unsafe {
             ibv_query_device(self.ctx.ctx.as_ptr(), &mut a)
         })?;
+        Ok(a)
+    }
+
+    /// Limits.
+    pub fn attr(&self) -> Result<DeviceAttr, VerbsError> {
+        let a = self.query()?;
         let u = |v: i32| u32::try_from(v).unwrap_or(0);
         Ok(DeviceAttr {
             max_qp_wr: u(a.max_qp_wr),
@@ -252,22 +257,33 @@ impl Device {
         })
     }
 
-    /// Whether the device sends `IBV_EVENT_QP_LAST_WQE_REACHED` when an SRQ-attached QP goes
-    /// to ERR: iWARP devices and the software providers rxe and siw never do.
-    pub fn sends_last_wqe(&self) -> bool {
-        // SAFETY: a live context's device outlives it; its name is NUL-terminated.
-        let (name, transport) = unsafe {
+    /// The device's transport (`IBV_TRANSPORT_*`, read as an integer) and vendor ID.
+    fn identity(&self) -> (u32, Option<u32>) {
+        // SAFETY: a live context's device outlives it; the transport type is a C enum read
+        // as an integer.
+        let transport = unsafe {
             let dev = &*(*self.ctx.ctx.as_ptr()).device;
-            (
-                std::ffi::CStr::from_ptr(dev.name.as_ptr())
-                    .to_string_lossy()
-                    .into_owned(),
-                dev.transport_type,
-            )
+            ptr::read((&dev.transport_type as *const ibv_transport_type::Type).cast::<u32>())
         };
-        transport != ibv_transport_type::IBV_TRANSPORT_IWARP
-            && !name.starts_with("rxe")
-            && !name.starts_with("siw")
+        (transport, self.query().ok().map(|a| a.vendor_id))
+    }
+
+    /// Whether the device sends `IBV_EVENT_QP_LAST_WQE_REACHED` when an SRQ-attached QP goes
+    /// to ERR, decided by its transport and driver (never by its name, which an administrator
+    /// chooses): iWARP devices never send it, nor do the software drivers rxe (Soft-RoCE,
+    /// vendor ID 0xFFFFFF; 0 before Linux 5.9) and siw (soft-iWARP, vendor ID 0x626d74,
+    /// "bmt"). SPDK's target decides the same way. A device whose attributes cannot be read
+    /// counts as one that does not send it: a drain then ends with its marker.
+    pub fn sends_last_wqe(&self) -> bool {
+        let (transport, vendor) = self.identity();
+        sends_last_wqe(transport, vendor)
+    }
+
+    /// Whether the device can post SEND_WITH_INVALIDATE (`IBV_DEVICE_MEM_MGT_EXTENSIONS` in
+    /// its capability flags); false when its attributes cannot be read.
+    pub fn supports_send_with_invalidate(&self) -> bool {
+        self.query()
+            .is_ok_and(|a| a.device_cap_flags & IBV_DEVICE_MEM_MGT_EXTENSIONS != 0)
     }
 
     /// Port `port`'s attributes.
@@ -395,6 +411,23 @@ impl Device {
         check("fcntl", rc.min(0))?;
         Ok(cq)
     }
+}
+
+/// `IBV_DEVICE_MEM_MGT_EXTENSIONS` in `ibv_device_attr::device_cap_flags`.
+const IBV_DEVICE_MEM_MGT_EXTENSIONS: u32 = 1 << 21;
+/// `IBV_TRANSPORT_IWARP`.
+const TRANSPORT_IWARP: u32 = 1;
+/// rxe's vendor ID (`RXE_VENDOR_ID`); before Linux 5.9 it reported 0.
+const RXE_VENDOR_ID: u32 = 0xFF_FFFF;
+const RXE_VENDOR_ID_OLD: u32 = 0;
+/// siw's vendor ID (`SIW_VENDOR_ID`, ASCII "bmt").
+const SIW_VENDOR_ID: u32 = 0x62_6d74;
+
+/// Whether a device of `transport` and `vendor` (its vendor ID, if it could be read) sends
+/// LAST_WQE_REACHED.
+fn sends_last_wqe(transport: u32, vendor: Option<u32>) -> bool {
+    transport != TRANSPORT_IWARP
+        && vendor.is_some_and(|v| !matches!(v, RXE_VENDOR_ID | RXE_VENDOR_ID_OLD | SIW_VENDOR_ID))
 }
 
 pub(crate) struct PdInner {
@@ -737,9 +770,12 @@ pub const RECV_BATCH: usize = 32;
 
 impl Srq {
     /// Posts receives (a chain built on the stack; at most [`RECV_BATCH`]).
+    ///
+    /// On failure the error's [`VerbsError::posted`] tells how many receives, from the first,
+    /// were posted: the provider stops at the first one it refuses.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
         if wrs.len() > RECV_BATCH {
-            return Err(VerbsError::os("post_srq_recv", libc::EINVAL));
+            return Err(VerbsError::post("post_srq_recv", libc::EINVAL, 0));
         }
         // SAFETY: plain data.
         let mut raw: [ibv_recv_wr; RECV_BATCH] = unsafe { std::mem::zeroed() };
@@ -760,9 +796,8 @@ impl Srq {
         }
         let mut bad = ptr::null_mut();
         // SAFETY: a well-formed chain on the stack, live SRQ; post_srq_recv checked at open.
-        check("post_srq_recv", unsafe {
-            ibv_post_srq_recv(self.srq.as_ptr(), raw.as_mut_ptr(), &mut bad)
-        })
+        let rc = unsafe { ibv_post_srq_recv(self.srq.as_ptr(), raw.as_mut_ptr(), &mut bad) };
+        post_result("post_srq_recv", rc, first_not_posted(&raw[..n], bad))
     }
 
     /// Arms the SRQ limit.
@@ -801,10 +836,33 @@ impl Srq {
 /// Most work requests in one `post_send` chain, and most SGEs per request.
 pub const SEND_BATCH: usize = crate::types::MAX_SEND_CHAIN;
 
-/// Posts a chain of send WRs to `qp` (built on the stack).
+/// Where a provider stopped in a chain built in `raw`: the index of the work request `bad`
+/// points at (the first one not posted). A failure without `bad` (or pointing elsewhere)
+/// leaves nothing known to be unposted: rxe, for one, returns its doorbell's error with every
+/// request already in its queue, where the next doorbell will run them. Counting them posted
+/// keeps their buffers held until they complete or their QP is destroyed.
+fn first_not_posted<T>(raw: &[T], bad: *mut T) -> usize {
+    raw.iter()
+        .position(|r| std::ptr::eq(r, bad))
+        .unwrap_or(raw.len())
+}
+
+/// A post's result: `rc` 0, or the errno (positive, or -1 with errno) with how many work
+/// requests were posted.
+fn post_result(op: &'static str, rc: i32, posted: usize) -> Result<(), VerbsError> {
+    match rc {
+        0 => Ok(()),
+        rc if rc > 0 => Err(VerbsError::post(op, rc, posted)),
+        _ => Err(VerbsError::post(op, errno(), posted)),
+    }
+}
+
+/// Posts a chain of send WRs to `qp` (built on the stack). On failure the error's
+/// [`VerbsError::posted`] is the index of the first work request not posted (`bad_wr`): those
+/// before it were posted and complete as usual, it and those after it never will.
 pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
     if wrs.len() > SEND_BATCH {
-        return Err(VerbsError::os("post_send", libc::EINVAL));
+        return Err(VerbsError::post("post_send", libc::EINVAL, 0));
     }
     if wrs.is_empty() {
         return Ok(());
@@ -849,7 +907,6 @@ pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), Verbs
     let mut bad = ptr::null_mut();
     // SAFETY: a well-formed chain on the stack whose SGE lists outlive the call (inline data
     // is copied during it); live QP; post_send checked at open.
-    check("post_send", unsafe {
-        ibv_post_send(qp, raw.as_mut_ptr(), &mut bad)
-    })
+    let rc = unsafe { ibv_post_send(qp, raw.as_mut_ptr(), &mut bad) };
+    post_result("post_send", rc, first_not_posted(&raw[..n], bad))
 }

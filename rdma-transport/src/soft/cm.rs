@@ -637,14 +637,19 @@ impl CmId {
     }
 
     /// Accepts, granting this side `initiator_depth` RDMA READs in flight (at most what the
-    /// request's event reported).
+    /// request's event reported) and the peer none (responder resources 0, as a target).
     pub fn accept_with(&self, private_data: &[u8], initiator_depth: u8) -> Result<(), VerbsError> {
         self.accept(private_data)?;
         let qp = self.fabric.lock().cm.ids.get(&self.id).and_then(|i| i.qp);
         if let Some(qp) = qp {
-            self.fabric.set_read_depth(qp, u32::from(initiator_depth));
+            self.fabric.accepted_with(qp, initiator_depth);
         }
         Ok(())
+    }
+
+    /// The QP's RDMA READ depths, once `accept_with` set them ([`Fabric::read_depths`]).
+    pub fn read_depths(&self) -> Option<ReadDepths> {
+        self.qpn().and_then(|q| self.fabric.read_depths(q))
     }
 
     /// Sets how many RDMA READs this side takes at once from its peer, before `connect`

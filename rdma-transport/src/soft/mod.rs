@@ -58,6 +58,34 @@ pub struct Faults {
     /// Chance, per million, that a SEND fails the SRQ of the QP it is for: `SRQ_ERR` is
     /// reported and every QP on that SRQ goes to ERR.
     pub srq_error_per_million: u32,
+    /// Chance, per million, that a `post_send` chain is refused part-way, as a provider
+    /// refuses the first work request it cannot take (`ENOMEM`, as from a full send queue):
+    /// the work request at an index drawn from the seed and every one after it are not
+    /// posted, those before it are and complete as usual, and the error's
+    /// [`VerbsError::posted`] says where the chain stopped. The QP stays as it was.
+    /// [`Fabric::inject_post_failure`] does the same once, at a chosen index.
+    pub post_failure_per_million: u32,
+    /// Destroying a QP drops its completions still in its CQs, as mlx5 does
+    /// (`mlx5_destroy_qp` cleans the QP's entries out of its CQs). A receive completion so
+    /// dropped takes its receive with it: the SRQ no longer has it and nobody is told, so a
+    /// data path that destroys a QP before reaping its completions miscounts its SRQ.
+    /// Counted by [`Fabric::destroy_drops`]. Without it, as on rxe, a destroyed QP's
+    /// completions stay in the CQ to be polled.
+    pub destroy_drops_completions: bool,
+    /// The devices cannot post SEND_WITH_INVALIDATE (as a device without
+    /// `IBV_DEVICE_MEM_MGT_EXTENSIONS`): `Device::supports_send_with_invalidate` says no and
+    /// posting one is refused (`EINVAL`) at that work request.
+    pub no_send_with_invalidate: bool,
+}
+
+/// Completions that destroying their QP dropped from a CQ
+/// ([`Faults::destroy_drops_completions`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DestroyDrops {
+    /// Receive completions (each took a receive of its SRQ with it).
+    pub receives: u64,
+    /// Send completions (successful or flushed).
+    pub sends: u64,
 }
 
 /// A send work request held up by an injected delay (its data captured, as the wire has it).
@@ -151,6 +179,9 @@ pub(crate) struct QpState_ {
     read_depth: u32,
     /// Signaled RDMA READs posted whose completion has not been polled yet.
     reads_out: u32,
+    /// Its RDMA READ depths, once `accept_with` set them (on both QPs of an in-process
+    /// connection).
+    depths: Option<ReadDepths>,
     /// The most `reads_out` has been.
     reads_peak: u32,
 }
@@ -182,6 +213,11 @@ pub(crate) struct State {
     broken_srqs: std::collections::HashSet<u32>,
     /// Posts that took a QP's outstanding RDMA READs past its read depth.
     read_depth_exceeded: u64,
+    /// Injected post failures: the next chain posted on QP (key) that is longer than the
+    /// index (value) stops there.
+    post_failures: HashMap<u32, usize>,
+    /// Completions dropped by destroying their QP.
+    destroy_drops: DestroyDrops,
 }
 
 /// One soft RDMA fabric: the devices that can reach each other in this process.
@@ -229,6 +265,28 @@ impl Fabric {
             s.event(dev, AsyncEvent::QpFatal(qpn));
             s.qp_error(qpn);
         }
+    }
+
+    /// Makes the next `post_send` chain on QP `qpn` longer than `index` work requests stop
+    /// at work request `index`, as a provider refuses the first one it cannot take (`ENOMEM`,
+    /// as from a full send queue): the ones before it are posted and complete as usual, it
+    /// and the ones after it are not, and the error's [`VerbsError::posted`] is `index`.
+    /// Shorter chains post as usual and leave the injection armed.
+    pub fn inject_post_failure(&self, qpn: u32, index: usize) {
+        self.lock().post_failures.insert(qpn, index);
+    }
+
+    /// Completions that destroying their QP dropped so far
+    /// ([`Faults::destroy_drops_completions`]).
+    pub fn destroy_drops(&self) -> DestroyDrops {
+        self.lock().destroy_drops
+    }
+
+    /// QP `qpn`'s RDMA READ depths, once its connection was accepted with
+    /// `accept_with` (on both QPs of an in-process connection; a peer in another process
+    /// does not learn them).
+    pub fn read_depths(&self, qpn: u32) -> Option<ReadDepths> {
+        self.lock().qps.get(&qpn).and_then(|q| q.depths)
     }
 
     /// Breaks SRQ `srq`: `SrqErr`, every QP on it goes to ERR, and posting to it fails.
@@ -301,10 +359,33 @@ impl Fabric {
         self.lock().read_depth_exceeded
     }
 
-    pub(crate) fn set_read_depth(&self, qpn: u32, depth: u32) {
-        if let Some(q) = self.lock().qps.get_mut(&qpn) {
-            q.read_depth = depth;
+    /// QP `qpn` was accepted as a target accepts: it may have `initiator_depth` RDMA READs
+    /// outstanding and serves none (responder resources 0); its in-process peer, the other
+    /// way round.
+    pub(crate) fn accepted_with(&self, qpn: u32, initiator_depth: u8) {
+        let mut s = self.lock();
+        let depth = u32::from(initiator_depth);
+        let Some(q) = s.qps.get_mut(&qpn) else { return };
+        q.read_depth = depth;
+        q.depths = Some(ReadDepths {
+            initiator: depth,
+            responder: 0,
+        });
+        let peer = q.peer;
+        if let Some(p) = peer.and_then(|p| s.qps.get_mut(&p)) {
+            p.depths = Some(ReadDepths {
+                initiator: 0,
+                responder: depth,
+            });
         }
+    }
+
+    /// The SRQs of the fabric, in creation order.
+    pub fn srq_ids(&self) -> Vec<u32> {
+        let s = self.lock();
+        let mut v: Vec<u32> = s.srqs.keys().copied().collect();
+        v.sort_unstable();
+        v
     }
 
     /// The QPs attached to SRQ `srq`, in creation order (QP numbers only grow).
@@ -428,6 +509,22 @@ impl State {
         for q in qpns {
             self.qp_error(q);
         }
+    }
+
+    /// Where a `post_send` chain of `len` work requests on QP `qpn` is to stop by an injected
+    /// failure, if it is: an armed [`Fabric::inject_post_failure`] for a chain long enough
+    /// (disarmed by it), else a seeded draw ([`Faults::post_failure_per_million`]).
+    fn injected_post_failure(&mut self, qpn: u32, len: usize) -> Option<usize> {
+        if self.post_failures.get(&qpn).is_some_and(|&i| i < len) {
+            return self.post_failures.remove(&qpn);
+        }
+        if len == 0
+            || self.faults.post_failure_per_million == 0
+            || self.draw() >= u64::from(self.faults.post_failure_per_million)
+        {
+            return None;
+        }
+        usize::try_from(self.draw()).ok().map(|d| d % len)
     }
 
     fn draw(&mut self) -> u64 {
@@ -666,6 +763,32 @@ impl State {
         }
     }
 
+    /// Removes QP `qpn`'s completions from its CQs, as mlx5 does when a QP is destroyed.
+    fn drop_completions_of(&mut self, qpn: u32) {
+        let Some((send_cq, recv_cq)) = self.qps.get(&qpn).map(|q| (q.send_cq, q.recv_cq)) else {
+            return;
+        };
+        let mut dropped = DestroyDrops::default();
+        for cq in [send_cq, recv_cq] {
+            if let Some(c) = self.cqs.get_mut(&cq) {
+                c.entries.retain(|w| {
+                    let ours = w.qp_num == qpn;
+                    if ours && w.opcode == WcOpcode::Recv {
+                        dropped.receives += 1;
+                    } else if ours {
+                        dropped.sends += 1;
+                    }
+                    !ours
+                });
+            }
+            if send_cq == recv_cq {
+                break;
+            }
+        }
+        self.destroy_drops.receives += dropped.receives;
+        self.destroy_drops.sends += dropped.sends;
+    }
+
     fn complete_send(
         &mut self,
         qpn: u32,
@@ -697,8 +820,16 @@ impl State {
     }
 
     /// Delivers a message into the next receive of QP `dst`; false when there is none (RNR).
+    ///
+    /// A QP that is not ready to receive (ERR, or not yet RTR) takes no message: nothing of
+    /// its SRQ is consumed and the sender's work request fails. So no receive completion is
+    /// ever made for a QP in ERR: its receive completions in a CQ are those of messages that
+    /// arrived before it entered ERR.
     fn deliver(&mut self, dst: u32, m: &Pending) -> Option<Result<(), ()>> {
         let q = self.qps.get(&dst)?;
+        if !matches!(q.state, QpState::Rtr | QpState::Rts) {
+            return Some(Err(()));
+        }
         let (dev, pd, recv_cq) = (q.dev, q.pd, q.recv_cq);
         let srq_id = q.srq?;
         let srq = self.srqs.get_mut(&srq_id)?;
@@ -855,6 +986,12 @@ impl Device {
     /// it (as rxe and iWARP devices never send it).
     pub fn sends_last_wqe(&self) -> bool {
         !self.fabric().lock().faults.suppress_last_wqe
+    }
+
+    /// Whether the device can post SEND_WITH_INVALIDATE: yes, unless the fabric's faults say
+    /// no ([`Faults::no_send_with_invalidate`]).
+    pub fn supports_send_with_invalidate(&self) -> bool {
+        !self.fabric().lock().faults.no_send_with_invalidate
     }
 
     /// Port `port`'s attributes (one active RoCE port, MTU 1024 as on rxe).
@@ -1122,6 +1259,7 @@ impl Pd {
                 read_depth: 0,
                 reads_out: 0,
                 reads_peak: 0,
+                depths: None,
             },
         );
         Ok(Qp {
@@ -1280,31 +1418,39 @@ pub struct Srq {
 }
 
 impl Srq {
-    /// Posts receives; fails whole when one has too many SGEs or the SRQ would overflow.
+    /// Posts receives, in order, as a provider does: it stops at the first one with too many
+    /// SGEs (`EINVAL`) or that finds the SRQ full (`ENOMEM`); those before it are posted, and
+    /// the error's [`VerbsError::posted`] says how many.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
         let _scope = ProviderScope::enter();
         let mut s = self.fabric.lock();
         if s.broken_srqs.contains(&self.id) {
-            return Err(VerbsError::os("post_srq_recv", libc::EIO));
+            return Err(VerbsError::post("post_srq_recv", libc::EIO, 0));
         }
-        let q = s
-            .srqs
-            .get_mut(&self.id)
-            .ok_or(VerbsError::os("post_srq_recv", libc::EINVAL))?;
-        if wrs.iter().any(|w| w.sges.len() > q.max_sge as usize) {
-            return Err(VerbsError::os("post_srq_recv", libc::EINVAL));
-        }
-        if q.recvs.len() + wrs.len() > q.max_wr as usize {
-            return Err(VerbsError::os("post_srq_recv", libc::ENOMEM));
-        }
-        for w in wrs {
+        let q =
+            s.srqs
+                .get_mut(&self.id)
+                .ok_or(VerbsError::post("post_srq_recv", libc::EINVAL, 0))?;
+        let mut stop = None;
+        for (i, w) in wrs.iter().enumerate() {
+            if w.sges.len() > q.max_sge as usize {
+                stop = Some((i, libc::EINVAL));
+                break;
+            }
+            if q.recvs.len() >= q.max_wr as usize {
+                stop = Some((i, libc::ENOMEM));
+                break;
+            }
             q.recvs.push_back(PostedRecv {
                 wr_id: w.wr_id,
                 sges: w.sges.to_vec(),
             });
         }
         s.drain_inbound(self.id);
-        Ok(())
+        match stop {
+            Some((posted, errno)) => Err(VerbsError::post("post_srq_recv", errno, posted)),
+            None => Ok(()),
+        }
     }
 
     /// Arms the limit: `SrqLimitReached` fires once when fewer than `limit` receives remain.
@@ -1390,8 +1536,15 @@ impl Qp {
         self.fabric.lock().qp_error(self.qpn);
     }
 
-    /// Posts a chain of send work requests. The whole chain is checked first (state, SQ room
-    /// counting unsignaled work requests not yet retired, SGE count, inline size).
+    /// Posts a chain of send work requests, in order, as a provider does: it stops at the
+    /// first one it refuses (too many SGEs, inline data too long or on an RDMA READ,
+    /// SEND_WITH_INVALIDATE where the device has none: `EINVAL`; no room left in the send
+    /// queue as it was when the call began, counting unsignaled work requests not yet
+    /// retired: `ENOMEM`; an injected failure, [`Fabric::inject_post_failure`] and
+    /// [`Faults::post_failure_per_million`]: `ENOMEM`). Those before it are posted and
+    /// complete as usual; the error's [`VerbsError::posted`] is its index. A chain longer
+    /// than [`MAX_SEND_CHAIN`](crate::types::MAX_SEND_CHAIN), or a QP that cannot take work
+    /// (before RTS), is refused whole.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
         let _scope = ProviderScope::enter();
         let mut s = self.fabric.lock();
@@ -1399,31 +1552,38 @@ impl Qp {
         let q = s
             .qps
             .get(&self.qpn)
-            .ok_or(VerbsError::os("post_send", libc::EINVAL))?;
+            .ok_or(VerbsError::post("post_send", libc::EINVAL, 0))?;
         let flush = match q.state {
             QpState::Rts => false,
             QpState::Err => true,
-            _ => return Err(VerbsError::os("post_send", libc::EINVAL)),
+            _ => return Err(VerbsError::post("post_send", libc::EINVAL, 0)),
         };
         if wrs.len() > crate::types::MAX_SEND_CHAIN {
-            return Err(VerbsError::os("post_send", libc::EINVAL));
+            return Err(VerbsError::post("post_send", libc::EINVAL, 0));
         }
-        let used = q.unsignaled_run + q.deferred;
-        if used as usize + wrs.len() > q.caps.max_send_wr as usize {
-            return Err(VerbsError::os("post_send", libc::ENOMEM));
-        }
-        for w in wrs {
+        let room =
+            (q.caps.max_send_wr as usize).saturating_sub((q.unsignaled_run + q.deferred) as usize);
+        let (max_sge, max_inline) = (q.caps.max_send_sge.max(1) as usize, q.caps.max_inline_data);
+        let invalidate_ok = !s.faults.no_send_with_invalidate;
+        let injected = s.injected_post_failure(self.qpn, wrs.len());
+        let refused = wrs.iter().enumerate().find_map(|(i, w)| {
             let len: u64 = w.sges.iter().map(|s| u64::from(s.length)).sum();
-            if w.sges.len() > q.caps.max_send_sge.max(1) as usize {
-                return Err(VerbsError::os("post_send", libc::EINVAL));
-            }
-            if w.inline
-                && (len > u64::from(q.caps.max_inline_data)
-                    || matches!(w.op, SendOp::RdmaRead { .. }))
+            let errno = if i >= room {
+                libc::ENOMEM
+            } else if w.sges.len() > max_sge
+                || (w.inline
+                    && (len > u64::from(max_inline) || matches!(w.op, SendOp::RdmaRead { .. })))
+                || (!invalidate_ok && matches!(w.op, SendOp::SendWithInvalidate { .. }))
             {
-                return Err(VerbsError::os("post_send", libc::EINVAL));
-            }
-        }
+                libc::EINVAL
+            } else if injected == Some(i) {
+                libc::ENOMEM
+            } else {
+                return None;
+            };
+            Some((i, errno))
+        });
+        let wrs = &wrs[..refused.map_or(wrs.len(), |(i, _)| i)];
         let reads = wrs
             .iter()
             .filter(|w| w.signaled && matches!(w.op, SendOp::RdmaRead { .. }))
@@ -1449,7 +1609,10 @@ impl Qp {
             }
             execute(&mut s, self.qpn, w, opcode);
         }
-        Ok(())
+        match refused {
+            Some((posted, errno)) => Err(VerbsError::post("post_send", errno, posted)),
+            None => Ok(()),
+        }
     }
 }
 
@@ -1669,6 +1832,10 @@ impl Drop for Qp {
     fn drop(&mut self) {
         let mut s = self.fabric.lock();
         s.qp_error(self.qpn);
+        s.post_failures.remove(&self.qpn);
+        if s.faults.destroy_drops_completions {
+            s.drop_completions_of(self.qpn);
+        }
         if let Some(p) = s.qps.get(&self.qpn).and_then(|q| q.peer) {
             if let Some(pq) = s.qps.get_mut(&p) {
                 pq.peer = None;
