@@ -1252,6 +1252,53 @@ fn a_thousand_connects_failing_at_each_step_release_everything_and_are_counted_b
     admin.keep_alive().unwrap();
 }
 
+/// The same failed connects through a real reactor thread, which sleeps between them, and the
+/// control thread's stand-in, which routes the CM's failure events to it as the control thread
+/// does (`ReactorCmd::ConnectFailed`): each way 100 times, everything released and counted.
+#[test]
+fn failed_connects_are_released_through_the_real_reactor_thread_while_it_sleeps() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 64,
+        max: 4096,
+        low_watermark: 16,
+        chunk: 64,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_micros(50),
+        max_sleep: Duration::from_millis(20),
+    };
+    let s = serve_on_reactor_with(4438, cfg, Arc::clone(&c), srq, Duration::from_millis(50));
+    use FailedConnect::*;
+    let mut want = ConnectCounts::default();
+    for how in [
+        DestroyedBeforeAccept,
+        VanishedBeforeAccept,
+        DestroyedAfterAccept,
+        VanishedAfterAccept,
+        RtuFails,
+        SilentAfterEstablished,
+        VanishedAfterEstablished,
+    ] {
+        fail_connects(&s, &c, &mut want, how, 100);
+    }
+    let sleeps = s
+        .reactor
+        .as_ref()
+        .unwrap()
+        .shared
+        .counters
+        .sleeps
+        .load(Relaxed);
+    assert!(sleeps > 0, "the reactor never slept");
+    assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 2, 2);
+}
+
 /// `controller`, but a connection or Connect that fails (an injected loss) gives `None`.
 fn try_controller(s: &Served, n: u16) -> Option<(AdminQueue<RdmaQueue>, Vec<IoQueue<RdmaQueue>>)> {
     let h = host();
