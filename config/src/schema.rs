@@ -207,6 +207,13 @@ pub struct TransportConfig {
     /// specification says). Default `"120s"`.
     #[serde(default = "defaults::keep_alive_timeout_max")]
     pub keep_alive_timeout_max: HumanDuration,
+    /// How long an accepted connection may go without a Fabrics Connect command from its host
+    /// before it is ended and everything it holds is released (its QP, CM ID and SRQ
+    /// reservation); 10ms to 1h. Default `"60s"`: the Linux host gives up on its own Connect
+    /// sooner (its admin and I/O command timeouts, 60 s and 30 s by default), so a live host is
+    /// never cut off.
+    #[serde(default = "defaults::connect_timeout")]
+    pub connect_timeout: HumanDuration,
 }
 
 impl Default for TransportConfig {
@@ -224,6 +231,7 @@ impl Default for TransportConfig {
             srq_cover_queues: defaults::srq_cover_queues(),
             keep_alive_timeout_min: defaults::keep_alive_timeout_min(),
             keep_alive_timeout_max: defaults::keep_alive_timeout_max(),
+            connect_timeout: defaults::connect_timeout(),
         }
     }
 }
@@ -380,6 +388,10 @@ pub mod defaults {
     /// `transport.keep_alive_timeout_max`
     pub fn keep_alive_timeout_max() -> HumanDuration {
         HumanDuration::secs(120)
+    }
+    /// `transport.connect_timeout`
+    pub fn connect_timeout() -> HumanDuration {
+        HumanDuration::secs(60)
     }
     /// `subsystem.model`
     pub fn model() -> String {

@@ -290,6 +290,13 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
             format!("{} is outside 10ms..=1h", t.srq_shrink_delay),
         );
     }
+    let d = t.connect_timeout.0;
+    if d < std::time::Duration::from_millis(10) || d > std::time::Duration::from_secs(3600) {
+        c.fail(
+            p.key("connect_timeout"),
+            format!("{} is outside 10ms..=1h", t.connect_timeout),
+        );
+    }
     if t.keep_alive_timeout_min.0.is_zero() {
         c.fail(p.key("keep_alive_timeout_min"), "must be longer than zero");
     }

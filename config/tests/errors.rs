@@ -344,6 +344,14 @@ error_case!(
     "outside 10ms..=1h"
 );
 error_case!(
+    connect_timeout_too_long,
+    with_listener("[transport]\nconnect_timeout = \"2h\"\n"),
+    "transport.connect_timeout",
+    5,
+    1,
+    "outside 10ms..=1h"
+);
+error_case!(
     srq_grow_chunk_zero,
     with_listener("[transport]\nsrq_grow_chunk = 0\n"),
     "transport.srq_grow_chunk",

@@ -15,7 +15,7 @@ use signal_hook_mio::v1_0::Signals;
 use slog::{debug, error, info, o, warn, Logger};
 
 use crate::admin::{AdminError, AdminServer, Fault, Request, Response};
-use crate::datapath::DataPathConfig;
+use crate::datapath::{ConnectFailure, DataPathConfig};
 use crate::notify::Notifier;
 use crate::paths::{PathBuilder, ReactorCmd, ReactorPaths};
 use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, WorkFactory};
@@ -298,6 +298,7 @@ impl Daemon {
             buffers: u32::from(limits.max_queue_depth).clamp(32, 256),
             max_io: limits.max_io_size,
             requests: 1024,
+            connect_timeout: t.connect_timeout.0,
         };
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();
@@ -587,15 +588,22 @@ impl Daemon {
                             }
                             let r = self.next_reactor % self.inboxes.len();
                             self.next_reactor += 1;
-                            if self.inboxes[r]
-                                .send(ReactorCmd::Adopt {
-                                    listener: i,
-                                    id,
-                                    req,
-                                })
-                                .is_ok()
-                            {
-                                self.reactors[r].shared.wake();
+                            match self.inboxes[r].send(ReactorCmd::Adopt {
+                                listener: i,
+                                id,
+                                req,
+                            }) {
+                                Ok(()) => self.reactors[r].shared.wake(),
+                                // The reactor is gone (it stopped or failed): the host hears
+                                // a reject, and the ID is destroyed here.
+                                Err(std::sync::mpsc::SendError(cmd)) => {
+                                    warn!(self.log, "connect request refused: its reactor is gone"; "listener" => i, "reactor" => r);
+                                    if let ReactorCmd::Adopt { id, .. } = cmd {
+                                        let _ = id.reject(&reject_private_data(
+                                            nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                                        ));
+                                    }
+                                }
                             }
                         }
                     }
@@ -621,7 +629,23 @@ impl Daemon {
                 CmEvent::Disconnected { id } => {
                     self.tell_reactors(|| ReactorCmd::Disconnected { token: id });
                 }
-                _ => {}
+                // An accepted connection that failed before it was established: the reactor
+                // that took it tears it down (its QP, CM ID and SRQ reservation go) and counts
+                // it by cause. The reactors get this after the connection's Adopt (one inbox
+                // each, in order).
+                CmEvent::Rejected { id, .. } => self.tell_reactors(|| ReactorCmd::ConnectFailed {
+                    token: id,
+                    why: ConnectFailure::Rejected,
+                }),
+                CmEvent::Unreachable { id } => self.tell_reactors(|| ReactorCmd::ConnectFailed {
+                    token: id,
+                    why: ConnectFailure::Unreachable,
+                }),
+                CmEvent::ConnectError { id } => self.tell_reactors(|| ReactorCmd::ConnectFailed {
+                    token: id,
+                    why: ConnectFailure::ConnectError,
+                }),
+                CmEvent::Established { .. } | CmEvent::TimewaitExit { .. } => {}
             }
         }
     }

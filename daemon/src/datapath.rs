@@ -36,6 +36,9 @@ pub struct DataPathConfig {
     pub max_io: u32,
     /// Commands in flight at once.
     pub requests: u32,
+    /// How long an accepted connection may go without a Fabrics Connect from its host before
+    /// it is ended (`transport.connect_timeout`).
+    pub connect_timeout: std::time::Duration,
 }
 
 /// Work request IDs below this name receives; send work requests carry a kind above it.
@@ -48,7 +51,8 @@ pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5)
 /// Why a queue pair was torn down; `stats` counts each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cause {
-    /// The host disconnected (CM DISCONNECTED).
+    /// The host disconnected (CM DISCONNECTED), or rdma_cm reported that the connection failed
+    /// before it was established ([`ConnectFailure`], also counted by its cause).
     Disconnect,
     /// `QP_FATAL`, `QP_REQ_ERR`, `QP_ACCESS_ERR`, or a completion in error on a live QP.
     QpError,
@@ -59,6 +63,18 @@ pub enum Cause {
     Device,
     /// The daemon is stopping.
     Shutdown,
+}
+
+/// How rdma_cm reported that an accepted connection failed before it was established (the
+/// host went away between its connect request and its RTU); `stats` counts each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnectFailure {
+    /// `RDMA_CM_EVENT_REJECTED`: the host's CM sent a REJ (its ID was destroyed).
+    Rejected,
+    /// `RDMA_CM_EVENT_UNREACHABLE`: the host stopped answering (the REP's retries ran out).
+    Unreachable,
+    /// `RDMA_CM_EVENT_CONNECT_ERROR`: the connection could not be set up.
+    ConnectError,
 }
 
 /// A QP torn down and not yet destroyed: its work drains first.
@@ -329,6 +345,11 @@ pub struct DataPath {
     settling: usize,
     /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
     srq_broken: bool,
+    /// Accepted connections whose host has not sent a Fabrics Connect yet, by deadline
+    /// (adoption order, so deadlines only grow): (deadline, QP number, CM token).
+    unconnected: VecDeque<(Instant, u32, usize)>,
+    /// How long a connection may go without a Fabrics Connect (`DataPathConfig`).
+    connect_timeout: std::time::Duration,
     /// Block completions of one turn (kept, so that no turn allocates).
     reaped: Vec<Completion>,
     /// QP numbers of one turn's ended connections (kept likewise).
@@ -478,6 +499,8 @@ impl DataPath {
             cq_empty_polls: 0,
             settling: 0,
             srq_broken: false,
+            unconnected: VecDeque::new(),
+            connect_timeout: cfg.connect_timeout,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
             wait_last_wqe: dev.sends_last_wqe(),
@@ -557,6 +580,9 @@ impl DataPath {
     pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<Change, VerbsError> {
         let depth = u32::from(req.crqsize());
         if self.srq_broken {
+            self.counters
+                .connects_failed_accept
+                .fetch_add(1, Ordering::Relaxed);
             let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
                 nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
             ));
@@ -568,11 +594,8 @@ impl DataPath {
         let change = match self.srq.reserve(depth, Instant::now()) {
             Ok(c) => c,
             Err(e) => {
-                self.srq.unreserve(depth);
                 self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
-                let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
-                    nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
-                ));
+                self.refuse(&id, depth);
                 return Err(e);
             }
         };
@@ -589,18 +612,20 @@ impl DataPath {
             max_inline_data: 64,
         };
         let granted = u8::try_from(read_budget).unwrap_or(u8::MAX);
-        let qpn = match id
-            .create_qp(&self.pd, &self.cq, self.srq.srq(), caps)
-            .and_then(|q| {
-                id.accept_with(&accept_private_data(req.crqsize()), granted)
-                    .map(|()| q)
-            }) {
+        let qpn = match id.create_qp(&self.pd, &self.cq, self.srq.srq(), caps) {
             Ok(q) => q,
             Err(e) => {
-                self.srq.unreserve(depth);
+                slog::warn!(self.log, "cannot create a QP for a connection: refused"; "error" => %e);
+                self.refuse(&id, depth);
                 return Err(e);
             }
         };
+        if let Err(e) = id.accept_with(&accept_private_data(req.crqsize()), granted) {
+            // Usually the host went away first (its REJ came before the accept).
+            slog::debug!(self.log, "cannot accept a connection"; "error" => %e);
+            self.refuse(&id, depth);
+            return Err(e);
+        }
         // A host whose SEND meets an empty SRQ retries after this timer; rdma_cm's default is
         // 655 ms, which starves a queue (a keep-alive) while the SRQ grows.
         if id.set_min_rnr_timer(MIN_RNR_TIMER).is_err() {
@@ -632,7 +657,76 @@ impl DataPath {
         self.counters
             .connections_accepted
             .fetch_add(1, Ordering::Relaxed);
+        self.unconnected
+            .push_back((Instant::now() + self.connect_timeout, qpn, token));
         Ok(change)
+    }
+
+    /// A connection `adopt` reserved `depth` receives for cannot be accepted: the reservation
+    /// returns, it is counted and rejected (when its host is still there to hear it); the
+    /// caller drops `id`, which destroys it and any QP made on it.
+    fn refuse(&mut self, id: &CmId, depth: u32) {
+        self.srq.unreserve(depth);
+        self.counters
+            .connects_failed_accept
+            .fetch_add(1, Ordering::Relaxed);
+        let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
+            nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+        ));
+    }
+
+    /// rdma_cm reported that the connection with CM token `token` failed before it was
+    /// established: it is counted by `why` and torn down (its QP, CM ID and SRQ reservation
+    /// are released once it has drained). One already torn down (the failure moved its QP to
+    /// ERR, and LAST_WQE or a flushed completion came first) is only counted. A token this
+    /// data path does not serve (another reactor's connection) is ignored.
+    pub fn connect_failed(&mut self, token: usize, why: ConnectFailure) {
+        let live = self
+            .conns
+            .iter()
+            .find(|(_, c)| c.token == token)
+            .map(|(q, _)| *q);
+        if live.is_none() && !self.draining.values().any(|d| d.id.token() == token) {
+            return;
+        }
+        let c = &self.counters;
+        let counter = match why {
+            ConnectFailure::Rejected => &c.connects_failed_rejected,
+            ConnectFailure::Unreachable => &c.connects_failed_unreachable,
+            ConnectFailure::ConnectError => &c.connects_failed_connect_error,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(qpn) = live {
+            slog::debug!(self.log, "connection failed before it was established"; "qpn" => qpn, "cm" => ?why);
+            self.teardown(qpn, Cause::Disconnect, Instant::now());
+        }
+    }
+
+    /// Ends the connections whose host sent no Fabrics Connect within `connect_timeout` of
+    /// their accept (counted, torn down as a host breaking the protocol). Cheap when nothing
+    /// is due: deadlines are kept in order.
+    fn expire_unconnected(&mut self, now: Instant) {
+        while let Some(&(deadline, qpn, token)) = self.unconnected.front() {
+            if deadline > now {
+                break;
+            }
+            self.unconnected.pop_front();
+            // The same connection (a QP number may have been reused since), still without a
+            // controller.
+            let silent = self
+                .conns
+                .get(&qpn)
+                .is_some_and(|c| c.token == token && c.queue.controller().is_none());
+            if !silent {
+                continue;
+            }
+            self.counters
+                .connects_failed_no_connect
+                .fetch_add(1, Ordering::Relaxed);
+            slog::info!(self.log, "no Fabrics Connect from the host in time: connection ended";
+                "qpn" => qpn, "timeout" => ?self.connect_timeout);
+            self.teardown(qpn, Cause::Controller, now);
+        }
     }
 
     /// The one teardown path, for every cause: work staged for the QP is posted (so that it
@@ -940,6 +1034,7 @@ impl DataPath {
         if !self.blocked.is_empty() {
             self.unblock(now);
         }
+        self.expire_unconnected(now);
         // Connections whose controller ended are closed.
         let mut dead = std::mem::take(&mut self.scratch_qpns);
         dead.extend(
@@ -1039,6 +1134,7 @@ impl DataPath {
         set(&c.block_ops_in_flight, self.engine.in_flight());
         set(&c.sends_in_flight, self.sends_in_flight);
         set(&c.qps_draining, self.draining.len());
+        set(&c.srq_receives_reserved, self.srq.reserved() as usize);
     }
 
     fn end_req(&mut self, i: usize) {

@@ -11,7 +11,7 @@ use nvmfd_rdma::any::cm::CmId;
 use nvmfd_rdma::any::Device;
 use nvmfd_rdma::AsyncEvent;
 
-use crate::datapath::{DataPath, DataPathConfig, DRAIN_TIMEOUT};
+use crate::datapath::{ConnectFailure, DataPath, DataPathConfig, DRAIN_TIMEOUT};
 use crate::serve::NamespaceDevices;
 use crate::srq::{Change, Registrar};
 use crate::stats::{DataPathCounters, Gauges};
@@ -32,6 +32,14 @@ pub enum ReactorCmd {
     Disconnected {
         /// Its token.
         token: usize,
+    },
+    /// The connection with this CM token failed before it was established (rdma_cm's
+    /// `REJECTED`, `UNREACHABLE` or `CONNECT_ERROR` on an accepted connection).
+    ConnectFailed {
+        /// Its token.
+        token: usize,
+        /// How rdma_cm reported it.
+        why: ConnectFailure,
     },
     /// An async event of the device whose async fd is `async_fd`.
     DeviceEvent {
@@ -299,12 +307,14 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                                 slog::info!(self.log, "SRQ grew to cover the connected queues"; "receives" => n)
                             }
                             Ok(_) => {}
-                            Err(e) => {
-                                slog::warn!(self.log, "cannot accept a connection"; "error" => %e)
-                            }
+                            // Rejected, counted and logged by the data path, its ID dropped.
+                            Err(_) => {}
                         },
                         None => {
                             slog::warn!(self.log, "a connection for a listener without a data path: refused"; "listener" => listener);
+                            self.counters
+                                .connects_failed_accept
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
                                 nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
                             ));
@@ -314,6 +324,11 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                 ReactorCmd::Disconnected { token } => {
                     for p in self.all() {
                         p.dp.disconnected(token);
+                    }
+                }
+                ReactorCmd::ConnectFailed { token, why } => {
+                    for p in self.all() {
+                        p.dp.connect_failed(token, why);
                     }
                 }
                 ReactorCmd::DeviceEvent { async_fd, event } => {

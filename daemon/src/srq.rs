@@ -263,6 +263,12 @@ impl ElasticSrq {
         self.registered
     }
 
+    /// Receives reserved for the connected queues (`reserve` less `unreserve`; 0 unless
+    /// covering the queues).
+    pub fn reserved(&self) -> u32 {
+        self.committed
+    }
+
     /// True while the reactor must keep polling: a growth waits for its spare chunk.
     pub fn busy(&self) -> bool {
         self.want_grow

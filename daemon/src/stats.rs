@@ -122,6 +122,24 @@ pub struct DataPathCounters {
     pub connections: AtomicU64,
     /// Connections accepted since start.
     pub connections_accepted: AtomicU64,
+    /// Connect requests handed to the data path that it could not accept (no data path for
+    /// the listener, the SRQ failed or could not be reserved, the QP or `rdma_accept` failed,
+    /// the host went away first); each is rejected and everything it took is released.
+    pub connects_failed_accept: AtomicU64,
+    /// Accepted connections whose host went away before the connection was established:
+    /// rdma_cm reported `REJECTED` (a REJ from the host).
+    pub connects_failed_rejected: AtomicU64,
+    /// Accepted connections that rdma_cm reported `UNREACHABLE` (the host stopped answering
+    /// during the CM exchange).
+    pub connects_failed_unreachable: AtomicU64,
+    /// Accepted connections that rdma_cm reported `CONNECT_ERROR`.
+    pub connects_failed_connect_error: AtomicU64,
+    /// Accepted connections whose host sent no Fabrics Connect within
+    /// `transport.connect_timeout`.
+    pub connects_failed_no_connect: AtomicU64,
+    /// Receives reserved in the SRQs for the connected queues (the sum of their depths, with
+    /// `srq_cover_queues`); given back when a queue's QP is destroyed.
+    pub srq_receives_reserved: AtomicU64,
     /// Gauges, stored at the end of every poll: commands admitted and not finished.
     pub requests_active: AtomicU64,
     /// Commands waiting in the incoming queue.
@@ -188,6 +206,12 @@ impl DataPathCounters {
             post_errors_total: g(&self.post_errors),
             qps: g(&self.connections),
             qps_accepted_total: g(&self.connections_accepted),
+            connects_failed_accept_total: g(&self.connects_failed_accept),
+            connects_failed_rejected_total: g(&self.connects_failed_rejected),
+            connects_failed_unreachable_total: g(&self.connects_failed_unreachable),
+            connects_failed_connect_error_total: g(&self.connects_failed_connect_error),
+            connects_failed_no_connect_total: g(&self.connects_failed_no_connect),
+            srq_receives_reserved: g(&self.srq_receives_reserved),
             requests_active: g(&self.requests_active),
             requests_waiting: g(&self.requests_waiting),
             request_slots_free: g(&self.request_slots_free),
@@ -215,6 +239,7 @@ impl DataPathCounters {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Gauges {
     connections: u64,
+    srq_receives_reserved: u64,
     receives_posted: u64,
     srq_receives_registered: u64,
     requests_active: u64,
@@ -233,6 +258,7 @@ impl Gauges {
     pub fn add(&mut self, c: &DataPathCounters) {
         let g = |a: &AtomicU64| a.load(Relaxed);
         self.connections += g(&c.connections);
+        self.srq_receives_reserved += g(&c.srq_receives_reserved);
         self.receives_posted += g(&c.receives_posted);
         self.srq_receives_registered += g(&c.srq_receives_registered);
         self.requests_active += g(&c.requests_active);
@@ -263,6 +289,7 @@ impl Gauges {
     pub fn store(&self, c: &DataPathCounters) {
         let s = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
         s(&c.connections, self.connections);
+        s(&c.srq_receives_reserved, self.srq_receives_reserved);
         s(&c.receives_posted, self.receives_posted);
         s(&c.srq_receives_registered, self.srq_receives_registered);
         s(&c.requests_active, self.requests_active);
@@ -306,6 +333,12 @@ impl DataPathCounters {
             post_errors,
             connections: _,
             connections_accepted,
+            connects_failed_accept,
+            connects_failed_rejected,
+            connects_failed_unreachable,
+            connects_failed_connect_error,
+            connects_failed_no_connect,
+            srq_receives_reserved: _,
             requests_active: _,
             requests_waiting: _,
             request_slots_free: _,
@@ -350,6 +383,14 @@ impl DataPathCounters {
         mv(writes_from_receive, &to.writes_from_receive);
         mv(post_errors, &to.post_errors);
         mv(connections_accepted, &to.connections_accepted);
+        mv(connects_failed_accept, &to.connects_failed_accept);
+        mv(connects_failed_rejected, &to.connects_failed_rejected);
+        mv(connects_failed_unreachable, &to.connects_failed_unreachable);
+        mv(
+            connects_failed_connect_error,
+            &to.connects_failed_connect_error,
+        );
+        mv(connects_failed_no_connect, &to.connects_failed_no_connect);
         mv(teardowns_disconnect, &to.teardowns_disconnect);
         mv(teardowns_qp_error, &to.teardowns_qp_error);
         mv(teardowns_controller, &to.teardowns_controller);
@@ -427,6 +468,24 @@ pub struct DataPathStats {
     pub qps: u64,
     /// Queue pairs accepted since start.
     pub qps_accepted_total: u64,
+    /// Connect requests the data path could not accept (rejected, nothing kept).
+    #[serde(default)]
+    pub connects_failed_accept_total: u64,
+    /// Accepted connections that failed before they were established: `REJECTED`.
+    #[serde(default)]
+    pub connects_failed_rejected_total: u64,
+    /// Accepted connections that failed before they were established: `UNREACHABLE`.
+    #[serde(default)]
+    pub connects_failed_unreachable_total: u64,
+    /// Accepted connections that failed before they were established: `CONNECT_ERROR`.
+    #[serde(default)]
+    pub connects_failed_connect_error_total: u64,
+    /// Accepted connections whose host sent no Fabrics Connect in time.
+    #[serde(default)]
+    pub connects_failed_no_connect_total: u64,
+    /// Receives reserved in the SRQs for the connected queues.
+    #[serde(default)]
+    pub srq_receives_reserved: u64,
     /// Commands admitted and not finished.
     pub requests_active: u64,
     /// Commands waiting for a request slot or buffer.

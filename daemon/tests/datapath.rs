@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nvmf_host::{QueueOptions, RdmaQueue};
-use nvmfd::datapath::{DataPath, DataPathConfig};
+use nvmfd::datapath::{ConnectFailure, DataPath, DataPathConfig};
 use nvmfd::srq::{Registrar, SrqConfig};
 use nvmfd_blockdev::{Device, DeviceSpec, Kind};
 use nvmfd_nvme::host::{AdminQueue, HostId, IoQueue};
@@ -82,6 +82,8 @@ struct Served {
     paused: Arc<AtomicBool>,
     /// While set, async events are read but held back (delivered once it clears).
     hold_events: Arc<AtomicBool>,
+    /// While set, CM events are left in the channel (taken once it clears).
+    hold_cm: Arc<AtomicBool>,
     /// The data path's SRQ.
     srq_id: u32,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -153,12 +155,27 @@ fn serve_files(
     counters: Arc<nvmfd::stats::DataPathCounters>,
     file: Option<std::path::PathBuf>,
 ) -> Served {
+    serve_opts(port, sizes, srq, counters, file, Duration::from_secs(60))
+}
+
+/// `serve_files`, ending connections whose host sends no Fabrics Connect within
+/// `connect_timeout`.
+fn serve_opts(
+    port: u16,
+    sizes: Option<(u32, u32)>,
+    srq: Option<SrqConfig>,
+    counters: Arc<nvmfd::stats::DataPathCounters>,
+    file: Option<std::path::PathBuf>,
+    connect_timeout: Duration,
+) -> Served {
     let fabric = Fabric::new();
     fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
     let addr: SocketAddr = format!("10.0.0.1:{port}").parse().unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let paused = Arc::new(AtomicBool::new(false));
     let hold_events = Arc::new(AtomicBool::new(false));
+    let hold_cm = Arc::new(AtomicBool::new(false));
+    let hcm = Arc::clone(&hold_cm);
     let allocations = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let turns = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (f, s, p, he) = (
@@ -219,6 +236,7 @@ fn serve_files(
             buffers: 16,
             max_io: limits.max_io_size,
             requests: 32,
+            connect_timeout,
         };
         if let Some((buffers, requests)) = sizes {
             cfg.buffers = buffers;
@@ -237,7 +255,13 @@ fn serve_files(
         ready_tx.send(dp.srq_id()).unwrap();
         let mut held = Vec::new();
         while !s.load(Ordering::Relaxed) {
-            match ch.next_event() {
+            // What the control thread and the reactor do with the listener's CM events.
+            let event = if hcm.load(Ordering::Relaxed) {
+                None
+            } else {
+                ch.next_event()
+            };
+            match event {
                 Some(CmEvent::ConnectRequest {
                     id,
                     private_data,
@@ -245,12 +269,21 @@ fn serve_files(
                     ..
                 }) => match check_request(&private_data, &limits) {
                     Ok(req) => {
-                        let req = req.with_read_depth(initiator_depth);
-                        let _ = dp.adopt(id, req).unwrap();
+                        // A connection that cannot be accepted is rejected and counted.
+                        let _ = dp.adopt(id, req.with_read_depth(initiator_depth));
                     }
                     Err(st) => id.reject(&reject_private_data(st)).unwrap(),
                 },
                 Some(CmEvent::Disconnected { id }) => dp.disconnected(id),
+                Some(CmEvent::Rejected { id, .. }) => {
+                    dp.connect_failed(id, ConnectFailure::Rejected)
+                }
+                Some(CmEvent::Unreachable { id }) => {
+                    dp.connect_failed(id, ConnectFailure::Unreachable)
+                }
+                Some(CmEvent::ConnectError { id }) => {
+                    dp.connect_failed(id, ConnectFailure::ConnectError)
+                }
                 _ => {}
             }
             // What the control thread does: async events go to the data path.
@@ -273,6 +306,7 @@ fn serve_files(
         stop,
         paused,
         hold_events,
+        hold_cm,
         allocations,
         turns,
         srq_id,
@@ -291,6 +325,18 @@ fn serve_on_reactor(
     port: u16,
     cfg: nvmfd::reactor::LoopConfig,
     counters: Arc<nvmfd::stats::DataPathCounters>,
+) -> Served {
+    serve_on_reactor_with(port, cfg, counters, FIXED_SRQ, Duration::from_secs(60))
+}
+
+/// `serve_on_reactor`, with an SRQ of `srq`, ending connections whose host sends no Fabrics
+/// Connect within `connect_timeout`.
+fn serve_on_reactor_with(
+    port: u16,
+    cfg: nvmfd::reactor::LoopConfig,
+    counters: Arc<nvmfd::stats::DataPathCounters>,
+    srq: SrqConfig,
+    connect_timeout: Duration,
 ) -> Served {
     use nvmfd::paths::{PathBuilder, ReactorCmd, ReactorPaths};
     let fabric = Fabric::new();
@@ -334,11 +380,12 @@ fn serve_on_reactor(
         target,
         namespaces: vec![(SUB.into(), 1, d1), (SUB.into(), 2, d2)],
         cfg: DataPathConfig {
-            srq: FIXED_SRQ,
+            srq,
             in_capsule: limits.in_capsule_data_size,
             buffers: 16,
             max_io: limits.max_io_size,
             requests: 32,
+            connect_timeout,
         },
         registrar: Registrar::spawn().unwrap(),
         log: log.clone(),
@@ -350,6 +397,8 @@ fn serve_on_reactor(
     let shared = Arc::clone(&reactor.shared);
     let stop = Arc::new(AtomicBool::new(false));
     let st = Arc::clone(&stop);
+    let hold_cm = Arc::new(AtomicBool::new(false));
+    let hcm = Arc::clone(&hold_cm);
     let thread = std::thread::spawn(move || {
         use mio::unix::SourceFd;
         let mut poll = mio::Poll::new().unwrap();
@@ -361,7 +410,10 @@ fn serve_on_reactor(
         let mut events = mio::Events::with_capacity(8);
         while !st.load(Ordering::Relaxed) {
             let _ = poll.poll(&mut events, Some(Duration::from_millis(20)));
-            while let Some(ev) = ch.next_event() {
+            while let Some(ev) = (!hcm.load(Ordering::Relaxed))
+                .then(|| ch.next_event())
+                .flatten()
+            {
                 let cmd = match ev {
                     CmEvent::ConnectRequest {
                         id,
@@ -380,6 +432,18 @@ fn serve_on_reactor(
                         }
                     },
                     CmEvent::Disconnected { id } => ReactorCmd::Disconnected { token: id },
+                    CmEvent::Rejected { id, .. } => ReactorCmd::ConnectFailed {
+                        token: id,
+                        why: ConnectFailure::Rejected,
+                    },
+                    CmEvent::Unreachable { id } => ReactorCmd::ConnectFailed {
+                        token: id,
+                        why: ConnectFailure::Unreachable,
+                    },
+                    CmEvent::ConnectError { id } => ReactorCmd::ConnectFailed {
+                        token: id,
+                        why: ConnectFailure::ConnectError,
+                    },
                     _ => continue,
                 };
                 tx.send(cmd).unwrap();
@@ -400,6 +464,7 @@ fn serve_on_reactor(
         stop,
         paused: Arc::new(AtomicBool::new(false)),
         hold_events: Arc::new(AtomicBool::new(false)),
+        hold_cm,
         allocations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         turns: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         srq_id: 0,
@@ -988,6 +1053,329 @@ fn a_thousand_connect_disconnect_cycles_leak_no_memory_no_fds_and_no_pool_entrie
     );
     assert_eq!(c.connections_accepted.load(Relaxed), 1000);
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+}
+
+/// A host at the CM level only: its QP made and its connect request (an admin queue, 32
+/// deep) sent. It goes no further unless the test takes it there.
+struct BareHost {
+    // Field order is drop order: the ID (with its QP) first.
+    id: nvmfd_rdma::soft::cm::CmId,
+    ch: nvmfd_rdma::soft::cm::CmChannel,
+    _qp_on: (
+        nvmfd_rdma::soft::Srq,
+        nvmfd_rdma::soft::Cq,
+        nvmfd_rdma::soft::Pd,
+    ),
+}
+
+fn bare_connect(s: &Served) -> BareHost {
+    let ch = nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap();
+    let mut id = ch.resolve(s.addr, Duration::from_secs(1)).unwrap();
+    let dev = id.device().unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let cq = dev.create_cq(16).unwrap();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let caps = nvmfd_rdma::QpCaps {
+        max_send_wr: 16,
+        max_send_sge: 1,
+        max_recv_wr: 0,
+        max_inline_data: 64,
+    };
+    id.create_qp(&pd, &cq, &srq, caps).unwrap();
+    // The NVMe/RDMA CM request: RECFMT 0, QID 0, HRQSIZE 32, HSQSIZE 31.
+    let mut req = [0u8; 32];
+    req[4..6].copy_from_slice(&32u16.to_le_bytes());
+    req[6..8].copy_from_slice(&31u16.to_le_bytes());
+    id.connect(&req).unwrap();
+    BareHost {
+        id,
+        ch,
+        _qp_on: (srq, cq, pd),
+    }
+}
+
+/// Where a connect fails, and how.
+#[derive(Clone, Copy, Debug)]
+enum FailedConnect {
+    /// The host goes away (its ID destroyed: a REJ) before the target took its request: the
+    /// accept fails.
+    DestroyedBeforeAccept,
+    /// The host's machine vanishes (nothing sent) before the target took its request: the
+    /// REP goes unanswered (UNREACHABLE).
+    VanishedBeforeAccept,
+    /// Accepted, and the host goes away before its RTU (REJECTED).
+    DestroyedAfterAccept,
+    /// Accepted, and the host vanishes before its RTU (UNREACHABLE).
+    VanishedAfterAccept,
+    /// Accepted, and the RTU cannot bring the target's QP to RTS (CONNECT_ERROR).
+    RtuFails,
+    /// Established, and the host never sends a Fabrics Connect (it stays connected).
+    SilentAfterEstablished,
+    /// Established, and the host vanishes without a Fabrics Connect.
+    VanishedAfterEstablished,
+}
+
+/// What the data path's counters must come to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ConnectCounts {
+    accepted: u64,
+    failed_accept: u64,
+    rejected: u64,
+    unreachable: u64,
+    connect_error: u64,
+    no_connect: u64,
+}
+
+impl ConnectCounts {
+    fn of(c: &nvmfd::stats::DataPathCounters) -> ConnectCounts {
+        use std::sync::atomic::Ordering::Relaxed;
+        ConnectCounts {
+            accepted: c.connections_accepted.load(Relaxed),
+            failed_accept: c.connects_failed_accept.load(Relaxed),
+            rejected: c.connects_failed_rejected.load(Relaxed),
+            unreachable: c.connects_failed_unreachable.load(Relaxed),
+            connect_error: c.connects_failed_connect_error.load(Relaxed),
+            no_connect: c.connects_failed_no_connect.load(Relaxed),
+        }
+    }
+}
+
+/// `n` connects that fail as `how` says, in rounds of at most 100 at once; `want` is what the
+/// counters must come to, and every connection, drain and SRQ reservation must be gone.
+fn fail_connects(
+    s: &Served,
+    c: &nvmfd::stats::DataPathCounters,
+    want: &mut ConnectCounts,
+    how: FailedConnect,
+    n: u64,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut left = n;
+    while left > 0 {
+        let round = left.min(100);
+        left -= round;
+        let accepted_before = c.connections_accepted.load(Relaxed);
+        let wait_accepted = || {
+            wait_until("the target accepted every host of the round", || {
+                c.connections_accepted.load(Relaxed) == accepted_before + round
+            })
+        };
+        let mut kept = Vec::new();
+        match how {
+            FailedConnect::DestroyedBeforeAccept | FailedConnect::VanishedBeforeAccept => {
+                s.hold_cm.store(true, Relaxed);
+                let hosts: Vec<BareHost> = (0..round).map(|_| bare_connect(s)).collect();
+                for h in hosts {
+                    if matches!(how, FailedConnect::VanishedBeforeAccept) {
+                        h.id.vanish();
+                    }
+                }
+                s.hold_cm.store(false, Relaxed);
+                if matches!(how, FailedConnect::DestroyedBeforeAccept) {
+                    want.failed_accept += round;
+                } else {
+                    want.accepted += round;
+                    want.unreachable += round;
+                }
+            }
+            FailedConnect::DestroyedAfterAccept | FailedConnect::VanishedAfterAccept => {
+                let hosts: Vec<BareHost> = (0..round).map(|_| bare_connect(s)).collect();
+                wait_accepted();
+                for h in hosts {
+                    if matches!(how, FailedConnect::VanishedAfterAccept) {
+                        h.id.vanish();
+                    }
+                }
+                want.accepted += round;
+                if matches!(how, FailedConnect::DestroyedAfterAccept) {
+                    want.rejected += round;
+                } else {
+                    want.unreachable += round;
+                }
+            }
+            FailedConnect::RtuFails => {
+                let hosts: Vec<BareHost> = (0..round).map(|_| bare_connect(s)).collect();
+                wait_accepted();
+                s.fabric.fail_establishments(u32::try_from(round).unwrap());
+                for h in &hosts {
+                    // The host takes its ESTABLISHED: its RTU goes out.
+                    assert!(matches!(
+                        h.ch.next_event(),
+                        Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. })
+                    ));
+                }
+                kept = hosts;
+                want.accepted += round;
+                want.connect_error += round;
+            }
+            FailedConnect::SilentAfterEstablished | FailedConnect::VanishedAfterEstablished => {
+                let hosts: Vec<BareHost> = (0..round).map(|_| bare_connect(s)).collect();
+                wait_accepted();
+                for h in &hosts {
+                    assert!(matches!(
+                        h.ch.next_event(),
+                        Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. })
+                    ));
+                }
+                if matches!(how, FailedConnect::SilentAfterEstablished) {
+                    kept = hosts;
+                } else {
+                    for h in hosts {
+                        h.id.vanish();
+                    }
+                }
+                want.accepted += round;
+                want.no_connect += round;
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let done = ConnectCounts::of(c) == *want
+                && c.connections.load(Relaxed) == 0
+                && c.qps_draining.load(Relaxed) == 0
+                && c.srq_receives_reserved.load(Relaxed) == 0;
+            if done {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{how:?}: counts {:?}, want {want:?}; connections {}, draining {}, SRQ \
+                 receives reserved {}",
+                ConnectCounts::of(c),
+                c.connections.load(Relaxed),
+                c.qps_draining.load(Relaxed),
+                c.srq_receives_reserved.load(Relaxed)
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // Hosts still there were disconnected by the target.
+        drop(kept);
+    }
+}
+
+/// Connects that fail at each step of the connection's setup (after the CONNECT_REQUEST,
+/// before the accept completes; after the accept, before ESTABLISHED; after ESTABLISHED,
+/// without a Fabrics Connect), 1,000 per step, each way rdma_cm reports it: every connection
+/// ends, its QP, CM ID and SRQ reservation are released, no file descriptor stays open, and
+/// each is counted by its cause.
+#[test]
+fn a_thousand_connects_failing_at_each_step_release_everything_and_are_counted_by_cause() {
+    use std::sync::atomic::Ordering::Relaxed;
+    const NAME: &str =
+        "a_thousand_connects_failing_at_each_step_release_everything_and_are_counted_by_cause";
+    // File descriptors are the process's: measured in a process of this test alone.
+    if std::env::var_os("NVMFD_TEST_ALONE").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture"])
+            .env("NVMFD_TEST_ALONE", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        eprintln!("{text}");
+        assert!(out.status.success(), "the test failed in its own process");
+        assert!(
+            text.contains("failed connects:"),
+            "the test did not run in its own process"
+        );
+        return;
+    }
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 64,
+        max: 4096,
+        low_watermark: 16,
+        chunk: 64,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let s = serve_opts(
+        4433,
+        None,
+        Some(srq),
+        Arc::clone(&c),
+        None,
+        Duration::from_millis(50),
+    );
+    use FailedConnect::*;
+    let ways = [
+        (DestroyedBeforeAccept, 500),
+        (VanishedBeforeAccept, 500),
+        (DestroyedAfterAccept, 400),
+        (VanishedAfterAccept, 300),
+        (RtuFails, 300),
+        (SilentAfterEstablished, 500),
+        (VanishedAfterEstablished, 500),
+    ];
+    let mut want = ConnectCounts::default();
+    // One of each first, so that whatever is made once (SRQ chunks) is in place.
+    for (how, _) in ways {
+        fail_connects(&s, &c, &mut want, how, 1);
+    }
+    let fds = open_fds();
+    let start = Instant::now();
+    for (how, n) in ways {
+        fail_connects(&s, &c, &mut want, how, n);
+    }
+    let fds_after = open_fds();
+    eprintln!(
+        "failed connects: {want:?} in {:?}; fds {fds} -> {fds_after}",
+        start.elapsed()
+    );
+    assert_eq!(fds_after, fds, "file descriptors leaked");
+    assert_eq!(c.connections.load(Relaxed), 0);
+    assert_eq!(c.srq_receives_reserved.load(Relaxed), 0);
+    assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+    // The target still serves.
+    let (mut admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 1, 1);
+    admin.keep_alive().unwrap();
+}
+
+/// The same failed connects through a real reactor thread, which sleeps between them, and the
+/// control thread's stand-in, which routes the CM's failure events to it as the control thread
+/// does (`ReactorCmd::ConnectFailed`): each way 100 times, everything released and counted.
+#[test]
+fn failed_connects_are_released_through_the_real_reactor_thread_while_it_sleeps() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 64,
+        max: 4096,
+        low_watermark: 16,
+        chunk: 64,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_micros(50),
+        max_sleep: Duration::from_millis(20),
+    };
+    let s = serve_on_reactor_with(4438, cfg, Arc::clone(&c), srq, Duration::from_millis(50));
+    use FailedConnect::*;
+    let mut want = ConnectCounts::default();
+    for how in [
+        DestroyedBeforeAccept,
+        VanishedBeforeAccept,
+        DestroyedAfterAccept,
+        VanishedAfterAccept,
+        RtuFails,
+        SilentAfterEstablished,
+        VanishedAfterEstablished,
+    ] {
+        fail_connects(&s, &c, &mut want, how, 100);
+    }
+    let sleeps = s
+        .reactor
+        .as_ref()
+        .unwrap()
+        .shared
+        .counters
+        .sleeps
+        .load(Relaxed);
+    assert!(sleeps > 0, "the reactor never slept");
+    assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 2, 2);
 }
 
 /// `controller`, but a connection or Connect that fails (an injected loss) gives `None`.

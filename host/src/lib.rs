@@ -164,6 +164,11 @@ impl RdmaQueue {
                 Some(CmEvent::Unreachable { .. }) => {
                     return Err(HostError::Transport(format!("{addr} is unreachable")))
                 }
+                Some(CmEvent::ConnectError { .. }) => {
+                    return Err(HostError::Transport(format!(
+                        "the connection to {addr} could not be set up"
+                    )))
+                }
                 Some(_) => {}
                 None if Instant::now() > end => return Err(HostError::Timeout("the connection")),
                 None => std::thread::yield_now(),

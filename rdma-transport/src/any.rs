@@ -294,6 +294,7 @@ pub mod cm {
             E::TimewaitExit { id } => E::TimewaitExit { id },
             E::DeviceRemoval { id } => E::DeviceRemoval { id },
             E::Unreachable { id } => E::Unreachable { id },
+            E::ConnectError { id } => E::ConnectError { id },
         }
     }
 

@@ -377,7 +377,8 @@ pub enum CmEvent<Id> {
         /// The acceptor's private data (on the connecting side).
         private_data: Vec<u8>,
     },
-    /// Rejected by the peer, with its private data.
+    /// Rejected by the peer, with its private data (`RDMA_CM_EVENT_REJECTED`; on the
+    /// accepting side: the host went away during the CM exchange).
     Rejected {
         /// Which connection.
         id: usize,
@@ -399,8 +400,16 @@ pub enum CmEvent<Id> {
         /// Which connection.
         id: usize,
     },
-    /// Address or route resolution or the connection failed, or nobody listens.
+    /// Address or route resolution failed, nobody listens, or the peer stopped answering
+    /// during the CM exchange (`RDMA_CM_EVENT_UNREACHABLE`, `ADDR_ERROR`, `ROUTE_ERROR`; on
+    /// the accepting side: the REP's retries ran out, the host vanished).
     Unreachable {
+        /// Which connection.
+        id: usize,
+    },
+    /// The CM exchange completed but the connection could not be set up
+    /// (`RDMA_CM_EVENT_CONNECT_ERROR`: e.g. the QP could not be moved to RTS).
+    ConnectError {
         /// Which connection.
         id: usize,
     },

@@ -651,6 +651,92 @@ macro_rules! suite {
                 assert_eq!(pd.get(..4), Some(&[0u8, 0, 3, 0][..]));
             }
 
+            /// A host, its connection request taken and its QP made, and the target's.
+            pub(crate) struct Pending {
+                pub t: Side,
+                pub h: Side,
+                pub sch: CmChannel,
+                pub cch: CmChannel,
+                /// The host's ID (connecting).
+                pub c: CmId,
+                /// The target's ID for it, its QP created, not accepted.
+                pub s: CmId,
+                pub _listener: CmId,
+            }
+
+            pub(crate) fn pending(env: &$env, port: u16) -> Pending {
+                let addr = env.addr(port);
+                let sch = env.channel();
+                let listener = sch.listen(addr, 4).unwrap();
+                let t = side(listener.device().unwrap());
+                let cch = env.channel();
+                let mut c = cch.resolve(addr, Duration::from_secs(3)).unwrap();
+                let h = side(c.device().unwrap());
+                c.create_qp(&h.pd, &h.cq, &h.srq, CAPS).unwrap();
+                c.connect(b"hello").unwrap();
+                let mut s = wait("CONNECT_REQUEST", || match sch.next_event() {
+                    Some(CmEvent::ConnectRequest { id, .. }) => Some(id),
+                    _ => None,
+                });
+                s.create_qp(&t.pd, &t.cq, &t.srq, CAPS).unwrap();
+                Pending {
+                    t,
+                    h,
+                    sch,
+                    cch,
+                    c,
+                    s,
+                    _listener: listener,
+                }
+            }
+
+            /// What the accepting side hears next about its connection, other than
+            /// TIMEWAIT_EXIT.
+            fn next_about(sch: &CmChannel, what: &str) -> CmEvent {
+                wait(what, || match sch.next_event() {
+                    Some(CmEvent::TimewaitExit { .. }) | None => None,
+                    Some(e) => Some(e),
+                })
+            }
+
+            #[test]
+            fn a_host_gone_after_the_accept_is_rejected_at_the_accepting_side() {
+                let Some(env) = <$env>::new() else { return };
+                let p = pending(&env, 4435);
+                p.s.accept(b"accepted").unwrap();
+                // The host goes away before it took its ESTABLISHED, so before its RTU: its
+                // ID is destroyed (with rdma_cm, once the objects made on its device are gone
+                // too), and the IB CM sends a REJ for it.
+                drop((p.c, p.h));
+                match next_about(&p.sch, "REJECTED at the accepting side") {
+                    CmEvent::Rejected { id, .. } => assert_eq!(id, p.s.token()),
+                    other => panic!("{other:?}"),
+                }
+                assert_eq!(
+                    p.s.qp_state(),
+                    Some(QpState::Err),
+                    "taking REJECTED moves the QP to ERR (librdmacm)"
+                );
+                drop(p.t);
+            }
+
+            #[test]
+            fn a_host_gone_before_the_accept_fails_the_accept_or_is_rejected() {
+                let Some(env) = <$env>::new() else { return };
+                let p = pending(&env, 4436);
+                drop((p.c, p.h));
+                // Its REJ is not reported before the accept (the kernel's ucma drops the
+                // events of a connection userspace has not accepted): the accept fails, or,
+                // if the REJ is still on its way, the REJ ends the accepted connection.
+                if p.s.accept(b"too late").is_ok() {
+                    match next_about(&p.sch, "REJECTED after the accept") {
+                        CmEvent::Rejected { id, .. } => assert_eq!(id, p.s.token()),
+                        other => panic!("{other:?}"),
+                    }
+                }
+                drop((p.t, p.cch));
+            }
+
             #[test]
             fn disconnect_is_seen_on_both_sides() {
                 let Some(w) = world(4429, 1) else { return };
@@ -1480,6 +1566,145 @@ mod soft_only {
             }
         });
         assert_eq!(w.tid[0].qp_state(), Some(QpState::Err));
+    }
+
+    #[test]
+    fn a_host_that_vanishes_before_the_accept_leaves_the_rep_unanswered() {
+        let env = SoftEnv::new().unwrap();
+        let p = on_soft::pending(&env, 5022);
+        p.c.vanish();
+        // Nothing was sent: the request is accepted, and the REP's retries run out.
+        p.s.accept(b"").unwrap();
+        assert!(matches!(
+            p.sch.next_event(),
+            Some(nvmfd_rdma::soft::cm::CmEvent::Unreachable { id }) if id == p.s.token()
+        ));
+        assert_eq!(p.s.qp_state(), Some(QpState::Rts));
+        p.s.disconnect().unwrap();
+        assert_eq!(
+            p.s.qp_state(),
+            Some(QpState::Err),
+            "rdma_disconnect moves it"
+        );
+        assert!(p.sch.next_event().is_none());
+    }
+
+    #[test]
+    fn a_host_that_vanishes_after_the_accept_is_unreachable() {
+        let env = SoftEnv::new().unwrap();
+        let p = on_soft::pending(&env, 5023);
+        p.s.accept(b"").unwrap();
+        assert!(
+            p.sch.next_event().is_none(),
+            "no ESTABLISHED before the RTU"
+        );
+        p.c.vanish();
+        assert!(matches!(
+            p.sch.next_event(),
+            Some(nvmfd_rdma::soft::cm::CmEvent::Unreachable { id }) if id == p.s.token()
+        ));
+    }
+
+    #[test]
+    fn a_host_that_vanishes_once_established_is_not_heard_of() {
+        let w = world(5024, 1).unwrap();
+        let mut hid = w.hid;
+        hid.pop().unwrap().vanish();
+        assert!(w.sch.next_event().is_none());
+        assert_eq!(w.tid[0].qp_state(), Some(QpState::Rts));
+    }
+
+    #[test]
+    fn a_rej_before_the_accept_is_not_reported_and_the_accept_fails() {
+        let env = SoftEnv::new().unwrap();
+        // The host goes away before the request is taken, and after.
+        for (port, taken_first) in [(5025, false), (5029, true)] {
+            let addr = env.addr(port);
+            let sch = env.channel();
+            let l = sch.listen(addr, 4).unwrap();
+            let t = on_soft::side(l.device().unwrap());
+            let cch = env.channel();
+            let mut c = cch.resolve(addr, Duration::from_secs(1)).unwrap();
+            let h = on_soft::side(c.device().unwrap());
+            c.create_qp(&h.pd, &h.cq, &h.srq, CAPS).unwrap();
+            c.connect(b"").unwrap();
+            let take = || match sch.next_event() {
+                Some(nvmfd_rdma::soft::cm::CmEvent::ConnectRequest { id, .. }) => id,
+                other => panic!("{other:?}"),
+            };
+            let mut s = if taken_first {
+                let s = take();
+                drop(c);
+                s
+            } else {
+                drop(c);
+                take()
+            };
+            assert!(
+                sch.next_event().is_none(),
+                "the kernel's ucma drops the REJECTED"
+            );
+            s.create_qp(&t.pd, &t.cq, &t.srq, CAPS).unwrap();
+            assert_eq!(
+                s.accept(b"").unwrap_err().errno(),
+                Some(libc::EINVAL),
+                "the IB CM refuses a REP once the REJ came"
+            );
+            assert!(sch.next_event().is_none());
+        }
+    }
+
+    #[test]
+    fn an_rtu_that_cannot_bring_the_qp_to_rts_is_a_connect_error() {
+        let env = SoftEnv::new().unwrap();
+        env.fabric.fail_establishments(1);
+        let p = on_soft::pending(&env, 5026);
+        p.s.accept(b"").unwrap();
+        // The host takes its ESTABLISHED: the RTU goes out.
+        assert!(matches!(
+            p.cch.next_event(),
+            Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. })
+        ));
+        assert!(matches!(
+            p.sch.next_event(),
+            Some(nvmfd_rdma::soft::cm::CmEvent::ConnectError { id }) if id == p.s.token()
+        ));
+        assert_eq!(p.s.qp_state(), Some(QpState::Err));
+        // The exchange itself completed: the connection ends with a disconnect.
+        p.s.disconnect().unwrap();
+        assert!(matches!(
+            p.cch.next_event(),
+            Some(nvmfd_rdma::soft::cm::CmEvent::Disconnected { .. })
+        ));
+        // Only the first one failed.
+        let q = on_soft::pending(&env, 5027);
+        q.s.accept(b"").unwrap();
+        assert!(matches!(
+            q.cch.next_event(),
+            Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. })
+        ));
+        assert!(matches!(
+            q.sch.next_event(),
+            Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. })
+        ));
+        assert_eq!(q.s.qp_state(), Some(QpState::Rts));
+    }
+
+    #[test]
+    fn a_host_process_gone_during_the_exchange_is_rejected() {
+        let env = SoftTcpEnv::new().unwrap();
+        let p = on_soft_tcp::pending(&env, 5028);
+        p.s.accept(b"").unwrap();
+        // Its stream closes without a frame, as when the process dies.
+        p.c.vanish();
+        let ev = wait("REJECTED after the host process went", || {
+            p.sch.next_event()
+        });
+        assert!(
+            matches!(ev, nvmfd_rdma::soft::cm::CmEvent::Rejected { id, .. } if id == p.s.token()),
+            "{ev:?}"
+        );
+        assert_eq!(p.s.qp_state(), Some(QpState::Err));
     }
 
     #[test]

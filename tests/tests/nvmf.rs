@@ -464,6 +464,118 @@ fn stopping_the_daemon_tears_down_every_qp_through_the_drain() {
     );
 }
 
+/// A host at the CM level only (its own fabric on `ip`): its QP made and its connect request
+/// for an admin queue sent to `addr`, nothing more.
+fn bare_connect(
+    f: &Fabric,
+    addr: SocketAddr,
+) -> (
+    nvmfd_rdma::soft::cm::CmId,
+    nvmfd_rdma::soft::cm::CmChannel,
+    (
+        nvmfd_rdma::soft::Srq,
+        nvmfd_rdma::soft::Cq,
+        nvmfd_rdma::soft::Pd,
+    ),
+) {
+    let ch = nvmfd_rdma::soft::cm::CmChannel::new(f).unwrap();
+    let mut id = ch.resolve(addr, std::time::Duration::from_secs(3)).unwrap();
+    let dev = id.device().unwrap();
+    let pd = dev.alloc_pd().unwrap();
+    let cq = dev.create_cq(16).unwrap();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let caps = nvmfd_rdma::QpCaps {
+        max_send_wr: 16,
+        max_send_sge: 1,
+        max_recv_wr: 0,
+        max_inline_data: 64,
+    };
+    id.create_qp(&pd, &cq, &srq, caps).unwrap();
+    // The NVMe/RDMA CM request: RECFMT 0, QID 0, HRQSIZE 32, HSQSIZE 31.
+    let mut req = [0u8; 32];
+    req[4..6].copy_from_slice(&32u16.to_le_bytes());
+    req[6..8].copy_from_slice(&31u16.to_le_bytes());
+    id.connect(&req).unwrap();
+    (id, ch, (srq, cq, pd))
+}
+
+/// Through the daemon's control thread and reactor: a host process that goes away after its
+/// connection was accepted, before its RTU (REJECTED at the daemon), and one that is
+/// established but never sends a Fabrics Connect (ended after `transport.connect_timeout`).
+/// Both release everything and are counted by cause, as `nvmfctl stats --prometheus` shows.
+#[test]
+fn connects_that_fail_before_the_fabrics_connect_are_released_and_counted() {
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "[[subsystem]]".into(),
+            "[transport]\nconnect_timeout = \"300ms\"\n\n[[subsystem]]".into(),
+        )],
+        ..Options::default()
+    });
+    let addr = listener(&d);
+    let f = Fabric::networked();
+    f.add_device("127.0.0.9".parse().unwrap()).unwrap();
+    let released = |what: &str, counter: &str| {
+        nvmfd_tests::wait_for(what, || {
+            let s = d.data("stats");
+            (dp_sum(&s, counter) == 1
+                && dp_sum(&s, "qps") == 0
+                && dp_sum(&s, "qps_draining") == 0
+                && dp_sum(&s, "srq_receives_reserved") == 0)
+                .then_some(s)
+        })
+    };
+    // Accepted, then the host goes away before it takes its ESTABLISHED: its REJ.
+    let (id, ch, qp_on) = bare_connect(&f, addr);
+    nvmfd_tests::wait_for("the daemon to accept", || {
+        (dp_sum(&d.data("stats"), "qps_accepted_total") == 1).then_some(())
+    });
+    drop((id, ch, qp_on));
+    released(
+        "the rejected connection to be released",
+        "connects_failed_rejected_total",
+    );
+    // Established, and no Fabrics Connect follows.
+    let (id, ch, qp_on) = bare_connect(&f, addr);
+    nvmfd_tests::wait_for("ESTABLISHED", || match ch.next_event() {
+        Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. }) => Some(()),
+        Some(other) => panic!("{other:?}"),
+        None => None,
+    });
+    let s = released(
+        "the connection without a Fabrics Connect to be ended",
+        "connects_failed_no_connect_total",
+    );
+    assert!(pools_full(&s), "{s}");
+    nvmfd_tests::wait_for("the host to hear of it", || match ch.next_event() {
+        Some(nvmfd_rdma::soft::cm::CmEvent::Disconnected { .. }) => Some(()),
+        _ => None,
+    });
+    drop((id, ch, qp_on));
+    assert!(
+        d.log().contains("no Fabrics Connect from the host in time"),
+        "{}",
+        d.log()
+    );
+    let out = std::process::Command::new(nvmfd_tests::bin("nvmfctl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["stats", "--prometheus"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "nvmfd_datapath_connects_failed_rejected_total 1",
+        "nvmfd_datapath_connects_failed_no_connect_total 1",
+        "nvmfd_datapath_connects_failed_unreachable_total 0",
+        "nvmfd_datapath_srq_receives_reserved 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+    // The daemon serves the next host as before.
+    a_new_host_is_served(addr, "127.0.0.10", 300, 13);
+}
+
 /// Sum of a `stats` data path field over the reactors.
 fn dp_sum(s: &serde_json::Value, k: &str) -> u64 {
     s["datapath"]

@@ -374,10 +374,12 @@ impl CmChannel {
                 Some(CmEvent::DeviceRemoval { id: token(id) })
             }
             rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE
-            | rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR
             | rdma_cm_event_type::RDMA_CM_EVENT_ADDR_ERROR
             | rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_ERROR => {
                 Some(CmEvent::Unreachable { id: token(id) })
+            }
+            rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR => {
+                Some(CmEvent::ConnectError { id: token(id) })
             }
             _ => None,
         };

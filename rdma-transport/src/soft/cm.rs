@@ -1,6 +1,30 @@
 //! The soft connection manager, shaped like rdma_cm and like the ibverbs provider's `cm`
 //! module: listen, resolve, a QP created on the CM ID, connect or accept with private data,
 //! reject with private data, disconnect, typed events on a pollable channel.
+//!
+//! The exchange follows the InfiniBand CM as rdma_cm and librdmacm run it: the connecting side
+//! sends a REQ (`connect`); the accepting side's CONNECT_REQUEST is the REQ, its `accept`
+//! sends the REP (its QP goes to RTS, as librdmacm's `rdma_accept` moves it); the connecting
+//! side's ESTABLISHED is the REP, and taking that event from its channel sends the RTU (as
+//! librdmacm does when it handles the CONNECT_RESPONSE); the accepting side's ESTABLISHED is the
+//! RTU. A connection whose exchange does not complete ends as rdma_cm ends it on the accepting
+//! side:
+//!
+//! - an ID destroyed while its exchange is under way sends a REJ (the IB CM's
+//!   `cm_destroy_id`), so a host that goes away between its REQ and its RTU is `Rejected` at
+//!   the accepting side once it has accepted; a REJ that arrives before the accept is not
+//!   reported (the kernel's ucma drops the events of a new connection until userspace accepts
+//!   it) and the `accept` fails;
+//! - a host that vanishes without a word (`CmId::vanish`: its machine is gone) leaves the REP
+//!   unanswered: its retries run out and the accepting side hears `Unreachable`, the
+//!   `IB_CM_REP_ERROR` that rdma_cm reports as `RDMA_CM_EVENT_UNREACHABLE` (at once here: the
+//!   soft fabric has no timers);
+//! - `Fabric::fail_establishments` makes the next RTUs fail to bring the accepting QP to RTS,
+//!   which librdmacm reports as `RDMA_CM_EVENT_CONNECT_ERROR` instead of ESTABLISHED.
+//!
+//! Taking a `Rejected` or `ConnectError` event moves the ID's QP to ERR, as librdmacm's
+//! `rdma_get_cm_event` does; `disconnect` moves the QP to ERR whatever the exchange's state, as
+//! `rdma_disconnect` does.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -18,13 +42,63 @@ static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
 pub type CmEvent = crate::types::CmEvent<CmId>;
 
 enum Ev {
-    Request { id: u32, private_data: Vec<u8> },
-    Established { token: usize, private_data: Vec<u8> },
-    Rejected { token: usize, private_data: Vec<u8> },
-    Disconnected { token: usize },
-    TimewaitExit { token: usize },
-    Unreachable { token: usize },
-    DeviceRemoval { token: usize },
+    Request {
+        id: u32,
+        private_data: Vec<u8>,
+    },
+    /// `id`: the local ID (the connecting side sends its RTU when the event is taken).
+    Established {
+        id: u32,
+        token: usize,
+        private_data: Vec<u8>,
+    },
+    /// `id`: the local ID, whose QP goes to ERR when the event is taken.
+    Rejected {
+        id: u32,
+        token: usize,
+        private_data: Vec<u8>,
+    },
+    Disconnected {
+        token: usize,
+    },
+    TimewaitExit {
+        token: usize,
+    },
+    Unreachable {
+        token: usize,
+    },
+    /// `id`: the local ID, whose QP goes to ERR when the event is taken.
+    ConnectError {
+        id: u32,
+        token: usize,
+    },
+    DeviceRemoval {
+        token: usize,
+    },
+}
+
+/// Where a connection's CM exchange stands (the IB CM's states, as rdma_cm runs them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Exchange {
+    /// None under way: a listener, a resolved ID, an ID whose exchange ended (established,
+    /// rejected or failed).
+    Idle,
+    /// Connecting side: the REQ is out, no answer yet.
+    ReqSent,
+    /// Accepting side: the REQ arrived, not accepted yet.
+    ReqRcvd,
+    /// Accepting side: accepted (the REP is out); ESTABLISHED comes with the RTU.
+    RepSent,
+    /// Connecting side: the REP arrived (its ESTABLISHED is queued); taking that event sends
+    /// the RTU.
+    RepRcvd,
+}
+
+impl Exchange {
+    /// An exchange under way: destroying the ID sends a REJ.
+    fn pending(self) -> bool {
+        self != Exchange::Idle
+    }
 }
 
 struct IdState {
@@ -36,6 +110,7 @@ struct IdState {
     peer: Option<u32>,
     qp: Option<u32>,
     connected: bool,
+    exchange: Exchange,
     private_data: Vec<u8>,
     /// RDMA READs this side takes at once from its peer (what rdma_cm calls the responder
     /// resources); the peer's connect request event reports it as its initiator depth.
@@ -58,6 +133,8 @@ pub(crate) struct CmState {
     /// Per listening ID on a networked fabric, its TCP listener (a handle to the socket its
     /// acceptor thread waits on), shut down when the ID goes so that the address is free again.
     pub(crate) acceptors: HashMap<u32, std::net::TcpListener>,
+    /// RTUs still to fail (`Fabric::fail_establishments`).
+    fail_establish: u32,
 }
 
 impl CmState {
@@ -88,6 +165,7 @@ impl CmState {
                 peer: None,
                 qp: None,
                 connected: false,
+                exchange: Exchange::ReqRcvd,
                 private_data: Vec::new(),
                 responder_resources: 16,
             },
@@ -185,6 +263,7 @@ impl CmChannel {
                 peer: None,
                 qp: None,
                 connected: false,
+                exchange: Exchange::Idle,
                 private_data: Vec::new(),
                 responder_resources: 16,
             },
@@ -289,22 +368,41 @@ impl CmChannel {
                 }
             }
             Ev::Established {
+                id,
                 token,
                 private_data,
-            } => CmEvent::Established {
-                id: token,
-                private_data,
-            },
+            } => {
+                // The connecting side handles the REP: the RTU goes out.
+                s.cm_send_rtu(id);
+                CmEvent::Established {
+                    id: token,
+                    private_data,
+                }
+            }
             Ev::Rejected {
+                id,
                 token,
                 private_data,
-            } => CmEvent::Rejected {
-                id: token,
-                private_data,
-            },
+            } => {
+                // As librdmacm does on REJECTED.
+                if let Some(q) = s.cm.ids.get(&id).and_then(|i| i.qp) {
+                    s.qp_error(q);
+                }
+                CmEvent::Rejected {
+                    id: token,
+                    private_data,
+                }
+            }
             Ev::Disconnected { token } => CmEvent::Disconnected { id: token },
             Ev::TimewaitExit { token } => CmEvent::TimewaitExit { id: token },
             Ev::Unreachable { token } => CmEvent::Unreachable { id: token },
+            Ev::ConnectError { id, token } => {
+                // Moving the QP to RTS on ESTABLISHED failed (librdmacm).
+                if let Some(q) = s.cm.ids.get(&id).and_then(|i| i.qp) {
+                    s.qp_error(q);
+                }
+                CmEvent::ConnectError { id: token }
+            }
             Ev::DeviceRemoval { token } => CmEvent::DeviceRemoval { id: token },
         })
     }
@@ -424,6 +522,7 @@ impl CmId {
             let mut s = self.fabric.lock();
             if let Some(me) = s.cm.ids.get_mut(&self.id) {
                 me.link = Some(link);
+                me.exchange = Exchange::ReqSent;
             }
             s.send_frame(
                 link,
@@ -449,12 +548,14 @@ impl CmId {
                 peer: Some(self.id),
                 qp: None,
                 connected: false,
+                exchange: Exchange::ReqRcvd,
                 private_data: Vec::new(),
                 responder_resources: 16,
             },
         );
         if let Some(me) = s.cm.ids.get_mut(&self.id) {
             me.peer = Some(sid);
+            me.exchange = Exchange::ReqSent;
         }
         s.cm.push(
             lchan,
@@ -466,8 +567,11 @@ impl CmId {
         Ok(())
     }
 
-    /// Accepts a connect request (after `create_qp`): both QPs go to RTS; both sides see
-    /// `Established`.
+    /// Accepts a connect request (after `create_qp`): the REP goes out and both QPs go to RTS;
+    /// the connecting side sees `Established` (the REP), and this side sees it once the
+    /// connecting side has taken that event (its RTU). A request whose host went away with a
+    /// REJ cannot be accepted (EINVAL, as the IB CM refuses a REP then); one whose host
+    /// vanished without a word is accepted, and its REP, unanswered, ends in `Unreachable`.
     pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         if private_data.len() > 196 {
             return Err(VerbsError::os("rdma_accept", libc::EINVAL));
@@ -476,62 +580,57 @@ impl CmId {
         let Some(me) = s.cm.ids.get(&self.id) else {
             return Err(VerbsError::os("rdma_accept", libc::EINVAL));
         };
-        let (chan, token, peer, qp) = (me.channel, me.token, me.peer, me.qp);
+        let (chan, token, peer, qp, exchange, tcp_link) =
+            (me.channel, me.token, me.peer, me.qp, me.exchange, me.link);
         let Some(qp) = qp else {
             return Err(VerbsError::Invalid {
                 op: "rdma_accept",
                 why: "no QP",
             });
         };
-        if let Some(link) = s.cm.ids.get(&self.id).and_then(|i| i.link) {
-            s.bind_remote(qp, link);
-            if let Some(i) = s.cm.ids.get_mut(&self.id) {
-                i.connected = true;
-            }
+        if exchange != Exchange::ReqRcvd {
+            return Err(VerbsError::os("rdma_accept", libc::EINVAL));
+        }
+        if let Some(i) = s.cm.ids.get_mut(&self.id) {
+            i.exchange = Exchange::RepSent;
+            i.private_data = private_data.to_vec();
+        }
+        if let Some(tcp_link) = tcp_link {
+            s.bind_remote(qp, tcp_link);
             s.send_frame(
-                link,
+                tcp_link,
                 super::tcp::Frame::Accept {
                     private_data: private_data.to_vec(),
                 },
             );
-            s.cm.push(
-                chan,
-                Ev::Established {
-                    token,
-                    private_data: Vec::new(),
-                },
-            );
             return Ok(());
         }
-        let Some(peer) = peer else {
-            return Err(VerbsError::os("rdma_accept", libc::EINVAL));
-        };
-        let Some((pchan, ptoken, Some(pqp))) =
-            s.cm.ids.get(&peer).map(|p| (p.channel, p.token, p.qp))
-        else {
-            return Err(VerbsError::os("rdma_accept", libc::ECONNREFUSED));
+        let peer = peer.and_then(|p| {
+            let i = s.cm.ids.get(&p)?;
+            Some((p, i.channel, i.token, i.qp?))
+        });
+        let Some((peer, pchan, ptoken, pqp)) = peer else {
+            // The host vanished: librdmacm moved the QP to RTS and the REP went out, but
+            // nobody answers it; its retries run out.
+            if let Some(q) = s.qps.get_mut(&qp) {
+                q.state = QpState::Rts;
+            }
+            if let Some(i) = s.cm.ids.get_mut(&self.id) {
+                i.exchange = Exchange::Idle;
+            }
+            s.cm.push(chan, Ev::Unreachable { token });
+            return Ok(());
         };
         link(&mut s, qp, pqp);
-        for id in [self.id, peer] {
-            if let Some(i) = s.cm.ids.get_mut(&id) {
-                i.connected = true;
-            }
-        }
-        if let Some(i) = s.cm.ids.get_mut(&self.id) {
-            i.private_data = private_data.to_vec();
+        if let Some(p) = s.cm.ids.get_mut(&peer) {
+            p.exchange = Exchange::RepRcvd;
         }
         s.cm.push(
             pchan,
             Ev::Established {
+                id: peer,
                 token: ptoken,
                 private_data: private_data.to_vec(),
-            },
-        );
-        s.cm.push(
-            chan,
-            Ev::Established {
-                token,
-                private_data: Vec::new(),
             },
         );
         Ok(())
@@ -564,7 +663,12 @@ impl CmId {
     /// Rejects a connect request with private data.
     pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
-        if let Some(link) = s.cm.ids.get(&self.id).and_then(|i| i.link) {
+        let Some(me) = s.cm.ids.get_mut(&self.id) else {
+            return Ok(());
+        };
+        me.exchange = Exchange::Idle;
+        let (link, peer) = (me.link, me.peer);
+        if let Some(link) = link {
             s.send_frame(
                 link,
                 super::tcp::Frame::Reject {
@@ -573,30 +677,24 @@ impl CmId {
             );
             return Ok(());
         }
-        let peer = s.cm.ids.get(&self.id).and_then(|i| i.peer);
-        if let Some((pchan, ptoken)) = peer
-            .and_then(|p| s.cm.ids.get(&p))
-            .map(|i| (i.channel, i.token))
-        {
-            s.cm.push(
-                pchan,
-                Ev::Rejected {
-                    token: ptoken,
-                    private_data: private_data.to_vec(),
-                },
-            );
+        if let Some(p) = peer {
+            s.cm_rejected(p, private_data.to_vec());
         }
         Ok(())
     }
 
-    /// Disconnects: the QP goes to ERR; the peer sees `Disconnected` (and answers with its own
-    /// disconnect, as with rdma_cm); each side sees `Disconnected` then `TimewaitExit`.
+    /// Disconnects: the QP goes to ERR (whatever the exchange's state, as with rdma_cm); on a
+    /// connection, the peer sees `Disconnected` (and answers with its own disconnect, as with
+    /// rdma_cm) and each side sees `Disconnected` then `TimewaitExit`.
     pub fn disconnect(&self) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
         let Some(me) = s.cm.ids.get_mut(&self.id) else {
             return Ok(());
         };
         if !me.connected {
+            if let Some(q) = me.qp {
+                s.qp_error(q);
+            }
             return Ok(());
         }
         me.connected = false;
@@ -617,6 +715,38 @@ impl CmId {
             s.cm.push(p.0, Ev::Disconnected { token: p.1 });
         }
         Ok(())
+    }
+
+    /// The host this ID belongs to vanishes without a word (its machine lost power, its cable
+    /// was pulled): the ID and its QP are gone here, and nothing is sent. An accepting side
+    /// waiting for its RTU hears `Unreachable` (its REP's retries run out), one that accepts
+    /// later likewise; a connection already established hears nothing (its peer finds out by
+    /// keep-alive or when its sends fail). On the TCP wire the stream closes, which the other
+    /// process sees as a host process that went away: `Rejected` during the exchange,
+    /// `Disconnected` once established.
+    pub fn vanish(mut self) {
+        let mut s = self.fabric.lock();
+        let me = s.cm.ids.remove(&self.id);
+        let link = me.as_ref().and_then(|m| m.link);
+        if let Some(p) = me.as_ref().and_then(|m| m.peer) {
+            if let Some(pi) = s.cm.ids.get_mut(&p) {
+                if pi.exchange == Exchange::RepSent {
+                    pi.exchange = Exchange::Idle;
+                    let (chan, token) = (pi.channel, pi.token);
+                    s.cm.push(chan, Ev::Unreachable { token });
+                }
+            }
+        }
+        if let Some(l) = link {
+            if let Some(l) = s.links.get_mut(&l) {
+                l.cm_id = None;
+            }
+            s.links.remove(&l);
+        }
+        drop(s);
+        // The QP is destroyed (its sends waiting at the peer fail as a dead link's would);
+        // `Drop` finds no state left to tell anyone about.
+        self.qp.take();
     }
 
     /// Posts a chain of send work requests on the connection's QP.
@@ -663,7 +793,21 @@ impl Drop for CmId {
         if let Some(a) = self.listen_addr {
             s.cm.listeners.remove(&a);
         }
-        s.cm.ids.remove(&self.id);
+        // An exchange under way ends with a REJ (the IB CM's `cm_destroy_id`).
+        if let Some(me) = s.cm.ids.remove(&self.id) {
+            if me.exchange.pending() {
+                match (me.link, me.peer) {
+                    (Some(link), _) => s.send_frame(
+                        link,
+                        super::tcp::Frame::Reject {
+                            private_data: Vec::new(),
+                        },
+                    ),
+                    (None, Some(p)) => s.cm_rejected(p, Vec::new()),
+                    (None, None) => {}
+                }
+            }
+        }
         let acceptor = s.cm.acceptors.remove(&self.id);
         drop(s);
         if let Some(l) = acceptor {
@@ -672,6 +816,17 @@ impl Drop for CmId {
         // The QP (if any) is destroyed after the ID's state, as rdma_destroy_qp then
         // rdma_destroy_id would.
         self.qp.take();
+    }
+}
+
+impl Fabric {
+    /// Makes the next `n` RTUs that reach an accepting side on this fabric fail to bring its
+    /// QP to RTS: it hears `ConnectError` instead of `Established` (librdmacm's
+    /// `RDMA_CM_EVENT_CONNECT_ERROR` when the QP transition on ESTABLISHED fails), and its QP
+    /// goes to ERR when that event is taken. The CM exchange itself completed, so the
+    /// connection ends with a disconnect.
+    pub fn fail_establishments(&self, n: u32) {
+        self.lock().cm.fail_establish = n;
     }
 }
 
@@ -691,7 +846,8 @@ impl super::State {
         self.links.get(&link).and_then(|l| l.cm_id)
     }
 
-    /// The peer process accepted our connect request.
+    /// The peer process accepted our connect request (its REP): our ESTABLISHED is queued;
+    /// taking it sends the RTU.
     pub(crate) fn cm_remote_accepted(&mut self, link: u32, private_data: Vec<u8>) {
         let Some(id) = self.link_id(link) else { return };
         let Some((chan, token, qp)) = self.cm.ids.get(&id).map(|i| (i.channel, i.token, i.qp))
@@ -702,24 +858,77 @@ impl super::State {
             self.bind_remote(q, link);
         }
         if let Some(i) = self.cm.ids.get_mut(&id) {
-            i.connected = true;
+            i.exchange = Exchange::RepRcvd;
         }
         self.cm.push(
             chan,
             Ev::Established {
+                id,
                 token,
                 private_data,
             },
         );
     }
 
-    /// The peer process rejected our connect request.
+    /// The peer process rejected our connect request, or went away during the exchange.
     pub(crate) fn cm_remote_rejected(&mut self, link: u32, private_data: Vec<u8>) {
+        if let Some(id) = self.link_id(link) {
+            self.cm_rejected(id, private_data);
+        }
+    }
+
+    /// The peer process's RTU arrived.
+    pub(crate) fn cm_remote_rtu(&mut self, link: u32) {
+        if let Some(id) = self.link_id(link) {
+            self.cm_rtu(id);
+        }
+    }
+
+    /// The peer process disconnected, or its connection broke: a connection hears
+    /// `Disconnected`, an exchange under way `Rejected` (the process is gone, and its kernel
+    /// sent a REJ for its IDs).
+    pub(crate) fn cm_remote_disconnected(&mut self, link: u32) {
         let Some(id) = self.link_id(link) else { return };
-        if let Some((chan, token)) = self.cm.ids.get(&id).map(|i| (i.channel, i.token)) {
+        let Some((connected, pending)) = self
+            .cm
+            .ids
+            .get(&id)
+            .map(|i| (i.connected, i.exchange.pending()))
+        else {
+            return;
+        };
+        if !connected {
+            if pending {
+                self.cm_rejected(id, Vec::new());
+            }
+            return;
+        }
+        let Some(i) = self.cm.ids.get_mut(&id) else {
+            return;
+        };
+        i.connected = false;
+        let (chan, token, qp) = (i.channel, i.token, i.qp);
+        if let Some(q) = qp {
+            self.qp_error(q);
+        }
+        self.cm.push(chan, Ev::Disconnected { token });
+    }
+
+    /// A REJ reached local ID `id`: its exchange ends, reported as `Rejected` unless it is an
+    /// accepting side that has not accepted yet (the kernel's ucma drops the events of a new
+    /// connection until userspace accepts it: "the accept will just fail later").
+    fn cm_rejected(&mut self, id: u32, private_data: Vec<u8>) {
+        let Some(i) = self.cm.ids.get_mut(&id) else {
+            return;
+        };
+        let report = !matches!(i.exchange, Exchange::Idle | Exchange::ReqRcvd);
+        i.exchange = Exchange::Idle;
+        let (chan, token) = (i.channel, i.token);
+        if report {
             self.cm.push(
                 chan,
                 Ev::Rejected {
+                    id,
                     token,
                     private_data,
                 },
@@ -727,20 +936,49 @@ impl super::State {
         }
     }
 
-    /// The peer process disconnected (or its connection broke).
-    pub(crate) fn cm_remote_disconnected(&mut self, link: u32) {
-        let Some(id) = self.link_id(link) else { return };
+    /// Local connecting ID `id` handles the REP (its ESTABLISHED was taken): it is connected
+    /// and sends the RTU.
+    fn cm_send_rtu(&mut self, id: u32) {
         let Some(i) = self.cm.ids.get_mut(&id) else {
             return;
         };
-        if !i.connected {
+        if i.exchange != Exchange::RepRcvd {
             return;
         }
-        i.connected = false;
-        let (chan, token, qp) = (i.channel, i.token, i.qp);
-        if let Some(q) = qp {
-            self.qp_error(q);
+        i.exchange = Exchange::Idle;
+        i.connected = true;
+        match (i.link, i.peer) {
+            (Some(link), _) => self.send_frame(link, super::tcp::Frame::Rtu),
+            (None, Some(p)) => self.cm_rtu(p),
+            (None, None) => {}
         }
-        self.cm.push(chan, Ev::Disconnected { token });
+    }
+
+    /// The RTU reached local accepting ID `id`: it is established (`Established`), or, while
+    /// `fail_establishments` holds, its QP cannot be moved to RTS (`ConnectError`; taking the
+    /// event moves the QP to ERR; the connection ends with a disconnect).
+    fn cm_rtu(&mut self, id: u32) {
+        let Some(i) = self.cm.ids.get_mut(&id) else {
+            return;
+        };
+        if i.exchange != Exchange::RepSent {
+            return;
+        }
+        i.exchange = Exchange::Idle;
+        i.connected = true;
+        let (chan, token) = (i.channel, i.token);
+        if self.cm.fail_establish > 0 {
+            self.cm.fail_establish -= 1;
+            self.cm.push(chan, Ev::ConnectError { id, token });
+            return;
+        }
+        self.cm.push(
+            chan,
+            Ev::Established {
+                id,
+                token,
+                private_data: Vec::new(),
+            },
+        );
     }
 }

@@ -29,6 +29,8 @@ pub(crate) enum Frame {
         private_data: Vec<u8>,
     },
     Disconnect,
+    /// The connecting side's RTU: the accepting side is established.
+    Rtu,
     Send {
         seq: u64,
         invalidate: Option<u32>,
@@ -95,6 +97,7 @@ impl Frame {
                 put(private_data);
             }
             Frame::Disconnect => put(&[4]),
+            Frame::Rtu => put(&[10]),
             Frame::Send {
                 seq,
                 invalidate,
@@ -168,6 +171,7 @@ impl Frame {
                 private_data: p.to_vec(),
             },
             4 => Frame::Disconnect,
+            10 => Frame::Rtu,
             5 => Frame::Send {
                 seq: u64_at(0)?,
                 invalidate: (*p.get(8)? == 1).then_some(u32_at(9)?),
@@ -342,6 +346,7 @@ impl State {
             Frame::Accept { private_data } => self.cm_remote_accepted(link, private_data),
             Frame::Reject { private_data } => self.cm_remote_rejected(link, private_data),
             Frame::Disconnect => self.cm_remote_disconnected(link),
+            Frame::Rtu => self.cm_remote_rtu(link),
             Frame::Send {
                 seq,
                 invalidate,
@@ -477,7 +482,8 @@ impl State {
         }
     }
 
-    /// The TCP connection broke: its QP fails, its CM ID hears `Disconnected`.
+    /// The TCP connection broke: its QP fails, its CM ID hears `Disconnected` (`Rejected`
+    /// while its CM exchange was under way: the other process is gone).
     pub(crate) fn link_lost(&mut self, link: u32) {
         if let Some(q) = self.link_qp(link) {
             self.qp_error(q);
