@@ -1,0 +1,460 @@
+//! Connections and their end: a connection is adopted (its QP on the reactor's CQ and SRQ,
+//! accepted with its budgets) and ends through one teardown path, whatever the cause,
+//! draining before its QP is destroyed (IB 10.3.1).
+
+use super::*;
+
+pub(super) struct Conn {
+    pub(super) id: CmId,
+    pub(super) queue: Queue,
+    pub(super) token: usize,
+    /// Receives reserved for it in the SRQ (its queue depth).
+    pub(super) depth: u32,
+    /// Send-queue entries it may use (one more is kept for the drain marker), and in use.
+    pub(super) sq_budget: u32,
+    pub(super) sq_used: u32,
+    /// RDMA READs it may have in flight (the initiator depth granted at accept), and in
+    /// flight.
+    pub(super) read_budget: u32,
+    pub(super) reads_used: u32,
+    /// Requests waiting for READ budget, and for send-queue room, in arrival order.
+    pub(super) pending_reads: VecDeque<usize>,
+    pub(super) pending_sends: VecDeque<usize>,
+    /// Work requests of this turn, posted together by `flush`.
+    pub(super) staged: Vec<Staged>,
+    /// Signaled work requests posted (or staged) and not completed.
+    pub(super) signaled_out: u32,
+}
+
+/// A QP torn down and not yet destroyed: its work drains first.
+pub(super) struct Drain {
+    /// Kept alive (and so the QP) until the drain ends.
+    pub(super) id: CmId,
+    /// Its NVMe queue, dropped only once no request of it is left: its controller counts
+    /// it until then, so a reset or shutdown is not reported done while a block operation
+    /// of it may still write.
+    pub(super) queue: Queue,
+    pub(super) depth: u32,
+    pub(super) since: Instant,
+    pub(super) cause: Cause,
+    /// `IBV_EVENT_QP_LAST_WQE_REACHED` arrived: no receive completion of it is still to come.
+    pub(super) last_wqe: bool,
+    /// The drain marker completed (or could not be posted): every send of it has completed.
+    pub(super) flushed: bool,
+    /// Its signaled send WRs not completed yet.
+    pub(super) signaled_out: u32,
+    /// Everything it waited for had come by the CQ poll that was the `n`th to find the CQ
+    /// empty (`cq_empty_polls`); the next one to find it empty ends the drain.
+    pub(super) quiet_at: Option<u64>,
+}
+
+impl DataPath {
+    /// Takes a connection the control thread accepted the request of: its QP goes on this
+    /// reactor's CQ and SRQ, and it is accepted with the granted queue size and READ depth.
+    pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<Change, VerbsError> {
+        let depth = u32::from(req.crqsize());
+        if self.srq_broken {
+            self.counters
+                .connects_failed_accept
+                .fetch_add(1, Ordering::Relaxed);
+            let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
+                nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+            ));
+            return Err(VerbsError::Invalid {
+                op: "accept",
+                why: "the SRQ failed and is being rebuilt",
+            });
+        }
+        let change = match self.srq.reserve(depth, Instant::now()) {
+            Ok(c) => c,
+            Err(e) => {
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                self.refuse(&id, depth);
+                return Err(e);
+            }
+        };
+        // Room for a response of every command (WRITEs and SEND), and for the largest single
+        // one; one more entry for the drain marker.
+        let sq_budget = (depth * 3)
+            .max(nvmfd_nvme::MAX_SGL_DESCRIPTORS + 1)
+            .min(self.max_qp_wr - 1);
+        let read_budget = u32::from(req.read_depth).clamp(1, self.max_read_depth);
+        let caps = QpCaps {
+            max_send_wr: sq_budget + 1,
+            max_send_sge: 1,
+            max_recv_wr: 0,
+            max_inline_data: 64,
+        };
+        let granted = u8::try_from(read_budget).unwrap_or(u8::MAX);
+        let qpn = match id.create_qp(&self.pd, &self.cq, self.srq.srq(), caps) {
+            Ok(q) => q,
+            Err(e) => {
+                slog::warn!(self.log, "cannot create a QP for a connection: refused"; "error" => %e);
+                self.refuse(&id, depth);
+                return Err(e);
+            }
+        };
+        if let Err(e) = id.accept_with(&accept_private_data(req.crqsize()), granted) {
+            // Usually the host went away first (its REJ came before the accept).
+            slog::debug!(self.log, "cannot accept a connection"; "error" => %e);
+            self.refuse(&id, depth);
+            return Err(e);
+        }
+        // A host whose SEND meets an empty SRQ retries after this timer; rdma_cm's default is
+        // 655 ms, which starves a queue (a keep-alive) while the SRQ grows.
+        if id.set_min_rnr_timer(MIN_RNR_TIMER).is_err() {
+            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        let token = id.token();
+        let queue = Queue::new(&self.target, Some(req.params));
+        let d = depth as usize;
+        self.conns.insert(
+            qpn,
+            Conn {
+                id,
+                queue,
+                token,
+                depth,
+                sq_budget,
+                sq_used: 0,
+                read_budget,
+                reads_used: 0,
+                pending_reads: VecDeque::with_capacity(d),
+                pending_sends: VecDeque::with_capacity(d),
+                staged: Vec::with_capacity(sq_budget as usize),
+                signaled_out: 0,
+            },
+        );
+        self.counters
+            .connections
+            .store(self.conns.len() as u64, Ordering::Relaxed);
+        self.counters
+            .connections_accepted
+            .fetch_add(1, Ordering::Relaxed);
+        self.unconnected
+            .push_back((Instant::now() + self.connect_timeout, qpn, token));
+        Ok(change)
+    }
+
+    /// A connection `adopt` reserved `depth` receives for cannot be accepted: the reservation
+    /// returns, it is counted and rejected (when its host is still there to hear it); the
+    /// caller drops `id`, which destroys it and any QP made on it.
+    pub(super) fn refuse(&mut self, id: &CmId, depth: u32) {
+        self.srq.unreserve(depth);
+        self.counters
+            .connects_failed_accept
+            .fetch_add(1, Ordering::Relaxed);
+        let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
+            nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+        ));
+    }
+
+    /// rdma_cm reported that the connection with CM token `token` failed before it was
+    /// established: it is counted by `why` and torn down (its QP, CM ID and SRQ reservation
+    /// are released once it has drained). One already torn down (the failure moved its QP to
+    /// ERR, and LAST_WQE or a flushed completion came first) is only counted. A token this
+    /// data path does not serve (another reactor's connection) is ignored.
+    pub fn connect_failed(&mut self, token: usize, why: ConnectFailure) {
+        let live = self
+            .conns
+            .iter()
+            .find(|(_, c)| c.token == token)
+            .map(|(q, _)| *q);
+        if live.is_none() && !self.draining.values().any(|d| d.id.token() == token) {
+            return;
+        }
+        let c = &self.counters;
+        let counter = match why {
+            ConnectFailure::Rejected => &c.connects_failed_rejected,
+            ConnectFailure::Unreachable => &c.connects_failed_unreachable,
+            ConnectFailure::ConnectError => &c.connects_failed_connect_error,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(qpn) = live {
+            slog::debug!(self.log, "connection failed before it was established"; "qpn" => qpn, "cm" => ?why);
+            self.teardown(qpn, Cause::Disconnect, Instant::now());
+        }
+    }
+
+    /// Ends the connections whose host sent no Fabrics Connect within `connect_timeout` of
+    /// their accept (counted, torn down as a host breaking the protocol). Cheap when nothing
+    /// is due: deadlines are kept in order.
+    pub(super) fn expire_unconnected(&mut self, now: Instant) {
+        while let Some(&(deadline, qpn, token)) = self.unconnected.front() {
+            if deadline > now {
+                break;
+            }
+            self.unconnected.pop_front();
+            // The same connection (a QP number may have been reused since), still without a
+            // controller.
+            let silent = self
+                .conns
+                .get(&qpn)
+                .is_some_and(|c| c.token == token && c.queue.controller().is_none());
+            if !silent {
+                continue;
+            }
+            self.counters
+                .connects_failed_no_connect
+                .fetch_add(1, Ordering::Relaxed);
+            slog::info!(self.log, "no Fabrics Connect from the host in time: connection ended";
+                "qpn" => qpn, "timeout" => ?self.connect_timeout);
+            self.teardown(qpn, Cause::Controller, now);
+        }
+    }
+
+    /// An async event of this data path's device (`async_fd`); events for objects of
+    /// another data path on the same device are ignored.
+    pub fn on_event(&mut self, ev: &AsyncEvent, now: Instant) -> Change {
+        let c = &self.counters;
+        match *ev {
+            AsyncEvent::SrqLimitReached(id) if self.srq.is(id) => {
+                return self.srq.limit_reached(now)
+            }
+            AsyncEvent::QpFatal(q) | AsyncEvent::QpReqErr(q) | AsyncEvent::QpAccessErr(q)
+                if self.conns.contains_key(&q) || self.draining.contains_key(&q) =>
+            {
+                c.qp_events.fetch_add(1, Ordering::Relaxed);
+                self.teardown(q, Cause::QpError, now);
+            }
+            AsyncEvent::QpLastWqeReached(q)
+                if self.conns.contains_key(&q) || self.draining.contains_key(&q) =>
+            {
+                c.last_wqe_events.fetch_add(1, Ordering::Relaxed);
+                // Only a QP in error sends it: one still thought live is broken.
+                self.teardown(q, Cause::QpError, now);
+                if let Some(d) = self.draining.get_mut(&q) {
+                    d.last_wqe = true;
+                }
+            }
+            AsyncEvent::SrqErr(id) if self.srq.is(id) => {
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                slog::error!(self.log, "SRQ error: its QPs are torn down and it is rebuilt";
+                    "srq" => id, "qps" => self.conns.len());
+                self.srq_broken = true;
+                self.teardown_all(Cause::Device, now);
+            }
+            AsyncEvent::CqErr(id) if self.cq.id() == id => {
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+                slog::error!(self.log, "CQ error: every QP on it is torn down"; "cq" => id);
+                self.teardown_all(Cause::Device, now);
+            }
+            AsyncEvent::DeviceFatal => {
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+                self.teardown_all(Cause::Device, now);
+            }
+            AsyncEvent::PortErr(_) | AsyncEvent::PortActive(_) => {
+                // rdma_cm reports the connections a port loss breaks; nothing to do here.
+                c.device_events.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        Change::None
+    }
+
+    /// The one teardown path, for every cause: work staged for the QP is posted (so that it
+    /// completes, flushed, like the rest), the QP goes to ERR (and the host is told, by
+    /// rdma_cm), a drain marker is posted behind its sends, and the QP waits in `draining`
+    /// until its sends and block operations are done, its flushed receives are back and
+    /// (where the device sends it) LAST_WQE_REACHED came; `reap_drained` then destroys it.
+    /// Its commands end without a response: those waiting for a budget at once, the others
+    /// as their work completes; their slots and buffers return.
+    pub fn teardown(&mut self, qpn: u32, cause: Cause, now: Instant) {
+        let Some(mut c) = self.conns.remove(&qpn) else {
+            return;
+        };
+        let staged = std::mem::take(&mut c.staged);
+        if !staged.is_empty() {
+            if let Err((first, _)) = post_staged(&c.id, &staged) {
+                self.unstage(&mut c, &staged[first..]);
+            }
+        }
+        let _ = c.id.disconnect();
+        let marker = [SendWr {
+            wr_id: wr_id(KIND_DRAIN, 0, u64::from(qpn)),
+            op: SendOp::Send,
+            sges: &[],
+            signaled: true,
+            inline: false,
+        }];
+        let flushed = c.id.post_send(&marker).is_err();
+        if !flushed {
+            c.signaled_out += 1;
+            self.sends_in_flight += 1;
+        }
+        let counter = match cause {
+            Cause::Disconnect => &self.counters.teardowns_disconnect,
+            Cause::QpError => &self.counters.teardowns_qp_error,
+            Cause::Controller => &self.counters.teardowns_controller,
+            Cause::Device => &self.counters.teardowns_device,
+            Cause::Shutdown => &self.counters.teardowns_shutdown,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        slog::debug!(self.log, "QP torn down"; "qpn" => qpn, "cause" => ?cause);
+        // Requests that wait for a budget, or that nothing external holds, end now.
+        for i in 0..self.reqs.len() {
+            let ends = self.reqs[i].as_ref().is_some_and(|r| {
+                r.qpn == qpn
+                    && match r.state {
+                        State::NeedRead => r.reads_left == 0,
+                        State::Ready | State::NeedSend => true,
+                        _ => false,
+                    }
+            });
+            if ends {
+                self.end_req(i);
+            }
+        }
+        // Receives held for its commands go back to the SRQ.
+        let srq = &mut self.srq;
+        self.incoming.retain(|&(q, wr, _)| {
+            if q == qpn {
+                srq.completed(wr, now);
+            }
+            q != qpn
+        });
+        self.draining.insert(
+            qpn,
+            Drain {
+                id: c.id,
+                queue: c.queue,
+                depth: c.depth,
+                since: now,
+                cause,
+                last_wqe: false,
+                flushed,
+                signaled_out: c.signaled_out,
+                quiet_at: None,
+            },
+        );
+        self.counters
+            .connections
+            .store(self.conns.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Tears down every QP (the SRQ, CQ or device failed, or the daemon stops).
+    pub fn teardown_all(&mut self, cause: Cause, now: Instant) {
+        let qpns: Vec<u32> = self.conns.keys().copied().collect();
+        for q in qpns {
+            self.teardown(q, cause, now);
+        }
+    }
+
+    /// The daemon stops: every QP is torn down. The SRQ goes with the data path, and async
+    /// events are no longer routed, so the drains do not wait for LAST_WQE.
+    pub fn shutdown(&mut self, now: Instant) {
+        self.wait_last_wqe = false;
+        self.teardown_all(Cause::Shutdown, now);
+    }
+
+    /// QPs torn down and not yet destroyed.
+    pub fn draining(&self) -> usize {
+        self.draining.len()
+    }
+
+    /// Destroys the torn-down QPs whose drain is over, or which waited `DRAIN_TIMEOUT` (logged
+    /// with what they still waited for; their request slots still waiting for the network are
+    /// ended, and a completion that comes later for them is ignored).
+    ///
+    /// A drain is over when no request of the QP is left, its drain marker has completed
+    /// (every send of it is accounted for), LAST_WQE_REACHED came (where the device sends
+    /// it), and then the CQ was polled empty: the QP's flushed receives are in the CQ before
+    /// LAST_WQE_REACHED is raised, and some providers (mlx5) drop a destroyed QP's
+    /// completions, which would leave those receives counted as posted forever (IB 10.3.1).
+    pub(super) fn reap_drained(&mut self, now: Instant) {
+        if !self.lingering.is_empty() {
+            let reqs = &self.reqs;
+            self.lingering
+                .retain(|&(qpn, _)| reqs.iter().flatten().any(|r| r.qpn == qpn));
+        }
+        if self.draining.is_empty() {
+            return;
+        }
+        let requests_of =
+            |reqs: &[Option<Req>], qpn: u32| reqs.iter().flatten().filter(|r| r.qpn == qpn).count();
+        // The reused scratch vector: a turn with QPs draining allocates nothing either.
+        let mut gone = std::mem::take(&mut self.scratch_qpns);
+        let empty_polls = self.cq_empty_polls;
+        for (&qpn, d) in &mut self.draining {
+            let quiet = requests_of(&self.reqs, qpn) == 0
+                && d.flushed
+                && (d.last_wqe || !self.wait_last_wqe);
+            let expired = now.duration_since(d.since) >= DRAIN_TIMEOUT;
+            if (quiet || expired) && d.quiet_at.is_none() {
+                // The next poll that finds the CQ empty has reaped everything of it that is
+                // there (even at the bound: what a destroy would drop is taken first).
+                d.quiet_at = Some(empty_polls);
+                self.settling += 1;
+            }
+            if d.quiet_at.is_some_and(|at| empty_polls > at) {
+                gone.push(qpn);
+            }
+        }
+        for qpn in gone.drain(..) {
+            let Some(d) = self.draining.remove(&qpn) else {
+                continue;
+            };
+            if d.quiet_at.is_some() {
+                self.settling -= 1;
+            }
+            let requests = requests_of(&self.reqs, qpn);
+            let timed_out = requests > 0 || !d.flushed || (!d.last_wqe && self.wait_last_wqe);
+            if timed_out {
+                self.counters.drain_timeouts.fetch_add(1, Ordering::Relaxed);
+                slog::warn!(self.log, "QP drain timed out; destroying it";
+                    "qpn" => qpn, "cause" => ?d.cause, "requests" => requests,
+                    "sends_flushed" => d.flushed, "last_wqe" => d.last_wqe,
+                    "signaled_sends_out" => d.signaled_out,
+                    "state" => ?d.id.qp_state());
+                // Slots waiting for an RDMA completion end now; those with a block operation
+                // in flight end when it completes (the engine holds their buffer until then).
+                self.end_waiting_on_network(qpn);
+                // Their completions will never come.
+                release_usize(&mut self.sends_in_flight, d.signaled_out as usize);
+            }
+            self.srq.unreserve(d.depth);
+            drop(d.id);
+            if requests_of(&self.reqs, qpn) > 0 {
+                // Block operations of it are still in flight: its queue stays counted by
+                // its controller until they complete.
+                self.lingering.push((qpn, d.queue));
+            }
+        }
+        self.scratch_qpns = gone;
+    }
+
+    /// Ends the requests of torn-down QP `qpn` that wait for nothing but its network (every
+    /// state but `Executing`, whose block operations hold the buffer until they complete).
+    pub(super) fn end_waiting_on_network(&mut self, qpn: u32) {
+        for i in 0..self.reqs.len() {
+            let waits = self.reqs[i]
+                .as_ref()
+                .is_some_and(|r| r.qpn == qpn && r.state != State::Executing);
+            if waits {
+                self.end_req(i);
+            }
+        }
+    }
+
+    /// The connection with CM token `token` went away.
+    pub fn disconnected(&mut self, token: usize) {
+        let qpns: Vec<u32> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.token == token)
+            .map(|(q, _)| *q)
+            .collect();
+        let now = Instant::now();
+        for q in qpns {
+            self.teardown(q, Cause::Disconnect, now);
+        }
+    }
+
+    /// The device was removed: every QP is torn down (`Device`). Its async events are no
+    /// longer routed, so the drains do not wait for LAST_WQE.
+    pub fn device_removed(&mut self, now: Instant) {
+        self.wait_last_wqe = false;
+        self.teardown_all(Cause::Device, now);
+    }
+}

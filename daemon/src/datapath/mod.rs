@@ -1,0 +1,432 @@
+//! The target's RDMA data path on one reactor: capsules arrive in receives of the reactor's
+//! SRQ (a 64-byte command SGE, then page SGEs for in-capsule data), the NVMe core says what
+//! they mean, and this moves the data (RDMA READ of host data, RDMA WRITE of read data),
+//! runs the block operations on the reactor's io_uring engine, and sends the responses.
+//!
+//! One request slot per command in flight, taken from a preallocated table; data buffers come
+//! from the reactor's registered pool, which is both the RDMA memory region and the io_uring
+//! fixed buffer. Written against `nvmfd_rdma::any`, so it runs on either provider.
+//!
+//! A request's life, file by file:
+//! - `receive.rs`: a command arrives in a receive of the SRQ and starts in a request slot;
+//! - `request.rs`: the request state machine, from what the core says the command needs to
+//!   its response;
+//! - `post.rs`: RDMA READs and responses staged within the QP's budgets, posted once per turn,
+//!   and their completions;
+//! - `block.rs`: the command's block operations on the engine, and their completions;
+//! - `conn.rs`: connections adopted, and ended through the one teardown path;
+//! - this file: the data path's state, and one turn of it (`poll`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use nvmfd_blockdev::{BufPool, Completion, DevId, Device as BlockDevice, DmaBuf, Engine};
+use nvmfd_nvme::rdma_cm::{accept_private_data, CmRequest};
+use nvmfd_nvme::wire::Cqe;
+use nvmfd_nvme::{Action, Command, DataRef, IoOp, IoRequest, Queue, Target};
+use nvmfd_rdma::any::cm::CmId;
+use nvmfd_rdma::any::{Cq, Device, Mr, Pd};
+use nvmfd_rdma::*;
+use zerocopy::IntoBytes;
+
+use crate::srq::{Change, ElasticSrq, Registrar, SrqConfig};
+
+mod block;
+mod conn;
+mod post;
+mod receive;
+mod request;
+
+use conn::*;
+use post::*;
+use request::*;
+
+/// Sizes of one reactor's data path.
+#[derive(Clone, Copy, Debug)]
+pub struct DataPathConfig {
+    /// The elastic SRQ's sizes.
+    pub srq: SrqConfig,
+    /// In-capsule data per receive (a multiple of 4 KiB pages is used).
+    pub in_capsule: u32,
+    /// Data buffers, each `max_io` bytes.
+    pub buffers: u32,
+    /// Largest transfer.
+    pub max_io: u32,
+    /// Commands in flight at once.
+    pub requests: u32,
+    /// How long an accepted connection may go without a Fabrics Connect from its host before
+    /// it is ended (`transport.connect_timeout`).
+    pub connect_timeout: std::time::Duration,
+}
+
+/// Work request IDs below this name receives; send work requests carry a kind above it.
+const REQ_BASE: u64 = crate::srq::WR_ID_END;
+/// The RNR NAK timer QPs advertise: 0.16 ms (InfiniBand encoding 8).
+const MIN_RNR_TIMER: u8 = 8;
+/// The longest a torn-down QP waits for its work to drain before it is destroyed anyway.
+pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Why a queue pair was torn down; `stats` counts each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// The host disconnected (CM DISCONNECTED), or rdma_cm reported that the connection failed
+    /// before it was established ([`ConnectFailure`], also counted by its cause).
+    Disconnect,
+    /// `QP_FATAL`, `QP_REQ_ERR`, `QP_ACCESS_ERR`, or a completion in error on a live QP.
+    QpError,
+    /// Its controller ended (keep-alive expiry, admin queue lost, reset) or the host broke the
+    /// protocol.
+    Controller,
+    /// The device, its SRQ or its CQ failed, or the device was removed.
+    Device,
+    /// The daemon is stopping.
+    Shutdown,
+}
+
+/// How rdma_cm reported that an accepted connection failed before it was established (the
+/// host went away between its connect request and its RTU); `stats` counts each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnectFailure {
+    /// `RDMA_CM_EVENT_REJECTED`: the host's CM sent a REJ (its ID was destroyed).
+    Rejected,
+    /// `RDMA_CM_EVENT_UNREACHABLE`: the host stopped answering (the REP's retries ran out).
+    Unreachable,
+    /// `RDMA_CM_EVENT_CONNECT_ERROR`: the connection could not be set up.
+    ConnectError,
+}
+
+/// Host memory pieces one command's data may come from or go to.
+const MAX_SEGS: usize = 16;
+const _: () = assert!(MAX_SEGS == nvmfd_nvme::MAX_SGL_DESCRIPTORS as usize);
+/// The most RDMA READs a QP has in flight, whatever the host offers.
+const MAX_READ_DEPTH: u32 = 16;
+/// Takes `n` from a count of outstanding things. A count that would go below zero means a
+/// completion was counted twice or a release was lost: a bug that a saturating count would
+/// hide, so debug builds (and every test) stop on it; release builds keep serving at zero.
+#[track_caller]
+fn release(count: &mut u32, n: u32) {
+    debug_assert!(*count >= n, "released {n} of {count}: counted twice");
+    *count = count.saturating_sub(n);
+}
+
+/// [`release`] for a `usize` count.
+#[track_caller]
+fn release_usize(count: &mut usize, n: usize) {
+    debug_assert!(*count >= n, "released {n} of {count}: counted twice");
+    *count = count.saturating_sub(n);
+}
+
+/// One reactor's RDMA target.
+pub struct DataPath {
+    target: Target,
+    cq: Cq,
+    /// The device's async fd: events arriving on it name this data path's objects.
+    async_fd: std::os::fd::RawFd,
+    // Field order is drop order: the engine waits for its operations before the SRQ's
+    // receive buffers (which in-capsule writes are written from) and the pool go; the MR
+    // over the pool goes before the pool's memory.
+    engine: Engine,
+    srq: ElasticSrq,
+    data_mr: Mr,
+    pool: BufPool,
+    pd: Pd,
+    /// Devices by (subsystem index in the target, NSID): no key to build per I/O.
+    devs: HashMap<(usize, u32), DevId>,
+    conns: HashMap<u32, Conn>,
+    reqs: Vec<Option<Req>>,
+    /// Each slot's generation, moved on every time the slot is taken.
+    generations: Vec<u32>,
+    free: Vec<usize>,
+    /// Requests whose next block operation the engine had no room for (`QueueFull`), in
+    /// order: they go on as operations complete.
+    blocked: VecDeque<usize>,
+    /// The capsule being started (kept, so that no command allocates).
+    capsule: Vec<u8>,
+    counters: Arc<crate::stats::DataPathCounters>,
+    /// Commands admitted at once: each holds one request slot and at most one buffer, so
+    /// admitting a command only while fewer than `limit` slots are taken means none ever
+    /// finds them all taken. This is the data-buffer budget.
+    limit: usize,
+    /// Commands that arrived while `limit` were active: (QP, receive, length). Their receives
+    /// stay off the SRQ until they start, in order, as commands finish (the SRQ grows if
+    /// that makes it run low). Bounded by the receives the SRQ can hold.
+    incoming: VecDeque<(u32, u64, u32)>,
+    /// QPs with work staged this turn.
+    dirty: Vec<u32>,
+    /// Receives kept by requests (in-capsule writes in flight): the SRQ is not rebuilt while
+    /// any is, as their memory is being written from.
+    held_receives: usize,
+    /// Device limits: RDMA READ depth and send queue size.
+    max_read_depth: u32,
+    max_qp_wr: u32,
+    /// Signaled send WRs posted and not completed.
+    sends_in_flight: usize,
+    /// QPs torn down, draining before they are destroyed.
+    draining: HashMap<u32, Drain>,
+    /// NVMe queues of QPs destroyed after their drain timed out, kept until their block
+    /// operations complete.
+    lingering: Vec<(u32, Queue)>,
+    /// Times a poll of the CQ found it empty.
+    cq_empty_polls: u64,
+    /// Drains waiting only for a poll that finds the CQ empty: the CQ is polled until it is.
+    settling: usize,
+    /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
+    srq_broken: bool,
+    /// Accepted connections whose host has not sent a Fabrics Connect yet, by deadline
+    /// (adoption order, so deadlines only grow): (deadline, QP number, CM token).
+    unconnected: VecDeque<(Instant, u32, usize)>,
+    /// How long a connection may go without a Fabrics Connect (`DataPathConfig`).
+    connect_timeout: std::time::Duration,
+    /// Block completions of one turn (kept, so that no turn allocates).
+    reaped: Vec<Completion>,
+    /// QP numbers of one turn's ended connections (kept likewise).
+    scratch_qpns: Vec<u32>,
+    /// Whether the device sends LAST_WQE_REACHED (rxe and iWARP do not: the drain marker
+    /// alone ends a drain there).
+    wait_last_wqe: bool,
+    /// Whether the device can post SEND_WITH_INVALIDATE; where it cannot, responses go as
+    /// plain SENDs and the host invalidates its key itself.
+    send_invalidate: bool,
+    log: slog::Logger,
+}
+
+impl std::fmt::Debug for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPath")
+            .field("connections", &self.conns.len())
+            .finish()
+    }
+}
+
+fn verr(e: VerbsError) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+impl DataPath {
+    /// Sets up the reactor's CQ, SRQ, receive buffers, data pool and engine on `dev`, with
+    /// `namespaces` (subsystem NQN, NSID, device) attached.
+    pub fn new(
+        dev: &Device,
+        target: Target,
+        namespaces: &[(String, u32, Arc<BlockDevice>)],
+        cfg: DataPathConfig,
+        registrar: Registrar,
+        counters: Arc<crate::stats::DataPathCounters>,
+    ) -> std::io::Result<DataPath> {
+        let pd = dev.alloc_pd().map_err(verr)?;
+        let attr = dev.attr().map_err(verr)?;
+        let cq = dev
+            .create_cq(attr.max_cqe.min(cfg.srq.max.saturating_mul(2).max(4096)))
+            .map_err(verr)?;
+        let srq = ElasticSrq::new(
+            &pd,
+            attr.max_srq_wr,
+            cfg.srq,
+            cfg.in_capsule,
+            registrar,
+            Arc::clone(&counters),
+            Instant::now(),
+        )
+        .map_err(verr)?;
+        let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, false)?;
+        let iov = pool.iovec();
+        // SAFETY: the pool's region stays mapped while `pool` lives, and `data_mr` is dropped
+        // before `pool` (field order); the NIC's accesses are to buffers owned by requests.
+        let data_mr = unsafe {
+            pd.reg_mr(
+                iov.iov_base.cast(),
+                iov.iov_len,
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            )
+        }
+        .map_err(verr)?;
+        let mut engine = Engine::new(
+            cfg.requests,
+            u32::try_from(namespaces.len().max(1)).unwrap_or(1),
+            std::slice::from_ref(&pool),
+        )?;
+        let mut devs = HashMap::new();
+        for (nqn, nsid, d) in namespaces {
+            let dev = engine.attach(d)?;
+            if let Some(sub) = target.subsystems().iter().position(|s| s.nqn == *nqn) {
+                devs.insert((sub, *nsid), dev);
+            }
+        }
+        let dp = DataPath {
+            target,
+            cq,
+            async_fd: dev.async_fd(),
+            srq,
+            data_mr,
+            engine,
+            pool,
+            pd,
+            devs,
+            conns: HashMap::new(),
+            reqs: (0..cfg.requests).map(|_| None).collect(),
+            generations: vec![0; cfg.requests as usize],
+            free: (0..cfg.requests as usize).rev().collect(),
+            blocked: VecDeque::with_capacity(cfg.requests as usize),
+            capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
+            counters,
+            limit: cfg.requests.min(cfg.buffers) as usize,
+            incoming: VecDeque::with_capacity(cfg.srq.max as usize),
+            dirty: Vec::with_capacity(256),
+            held_receives: 0,
+            max_read_depth: attr.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH),
+            max_qp_wr: attr.max_qp_wr.max(8),
+            sends_in_flight: 0,
+            draining: HashMap::new(),
+            lingering: Vec::new(),
+            cq_empty_polls: 0,
+            settling: 0,
+            srq_broken: false,
+            unconnected: VecDeque::new(),
+            connect_timeout: cfg.connect_timeout,
+            reaped: Vec::with_capacity(2 * cfg.requests as usize),
+            scratch_qpns: Vec::with_capacity(64),
+            wait_last_wqe: dev.sends_last_wqe(),
+            send_invalidate: dev.supports_send_with_invalidate(),
+            log: slog::Logger::root(slog::Discard, slog::o!()),
+        };
+        Ok(dp)
+    }
+
+    /// Where teardowns and drains are logged.
+    pub fn set_log(&mut self, log: slog::Logger) {
+        self.log = log;
+    }
+
+    /// The device's async event fd, which the control thread watches.
+    pub fn async_fd(&self) -> std::os::fd::RawFd {
+        self.async_fd
+    }
+
+    /// The SRQ's ID, as async events name it.
+    pub fn srq_id(&self) -> u32 {
+        self.srq.srq().id()
+    }
+
+    /// Connections served.
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The completion channel's fd (readable after `arm` and a completion).
+    pub fn wake_fd(&self) -> std::os::fd::RawFd {
+        self.cq.channel_fd()
+    }
+
+    /// Arms the completion channel when the reactor is about to sleep (never on a busy
+    /// turn: it costs a read of the channel and a request for notification); false when it
+    /// must not sleep. The reactor polls once more after arming, as a completion that
+    /// arrived before the arming raises no event.
+    pub fn arm(&mut self) -> bool {
+        // Block operations complete only by polling; drains end (or time out) only by polling.
+        if self.engine.in_flight() > 0
+            || self.srq.busy()
+            || !self.draining.is_empty()
+            || (!self.incoming.is_empty() && self.in_use() < self.limit)
+        {
+            return false;
+        }
+        // Events of earlier sleeps are acknowledged before arming again.
+        while self.cq.ack_event() {}
+        self.cq.req_notify().is_ok()
+    }
+
+    /// One turn: waiting commands admitted, completions, block completions; then the turn's
+    /// send work posted (one call per QP) and its block operations submitted (one call).
+    /// True when there was work.
+    pub fn poll(&mut self, now: Instant) -> bool {
+        let mut worked = false;
+        while self.in_use() < self.limit {
+            let Some((qpn, wr, len)) = self.incoming.pop_front() else {
+                break;
+            };
+            self.start_command(qpn, wr, len, now);
+            worked = true;
+        }
+        let mut wc = [Wc::default(); 32];
+        let mut n = 0;
+        // One batch a turn; while a drain waits for the CQ to be empty, until it is.
+        for _ in 0..64 {
+            let got = self.cq.poll(&mut wc).unwrap_or(0);
+            let receives = wc[..got].iter().filter(|c| c.wr_id < REQ_BASE).count();
+            self.srq
+                .consumed(u32::try_from(receives).unwrap_or(u32::MAX));
+            for c in &wc[..got] {
+                self.on_completion(c, now);
+            }
+            n += got;
+            if got < wc.len() {
+                self.cq_empty_polls += 1;
+                break;
+            }
+            if self.settling == 0 {
+                break;
+            }
+        }
+        // Reused vectors (taken and put back): nothing is allocated per turn.
+        let mut done = std::mem::take(&mut self.reaped);
+        self.engine.reap(|c| done.push(c));
+        worked |= n > 0 || !done.is_empty();
+        for c in done.drain(..) {
+            self.on_block_done(c, now);
+        }
+        self.reaped = done;
+        // Room came free in the engine: requests waiting for it go on.
+        if !self.blocked.is_empty() {
+            self.unblock(now);
+        }
+        self.expire_unconnected(now);
+        // Connections whose controller ended are closed.
+        let mut dead = std::mem::take(&mut self.scratch_qpns);
+        dead.extend(
+            self.conns
+                .iter()
+                .filter(|(_, c)| c.queue.must_disconnect())
+                .map(|(q, _)| *q),
+        );
+        for q in dead.drain(..) {
+            self.teardown(q, Cause::Controller, now);
+        }
+        self.scratch_qpns = dead;
+        self.flush(now);
+        let _ = self.engine.submit();
+        self.srq.tick(now);
+        self.reap_drained(now);
+        if self.srq_broken
+            && self.draining.is_empty()
+            && self.conns.is_empty()
+            && self.held_receives == 0
+        {
+            self.rebuild_srq(now);
+        }
+        self.gauges();
+        worked
+    }
+
+    /// Stores the pools' levels for `stats` (relaxed stores, no syscall).
+    fn gauges(&self) {
+        let c = &self.counters;
+        let set = |a: &std::sync::atomic::AtomicU64, v: usize| a.store(v as u64, Ordering::Relaxed);
+        set(&c.requests_active, self.in_use());
+        set(&c.requests_waiting, self.incoming.len());
+        set(&c.request_slots_free, self.free.len());
+        set(&c.request_slots, self.reqs.len());
+        set(&c.buffers_free, self.pool.free_count());
+        set(&c.buffers, self.pool.count());
+        set(&c.block_ops_in_flight, self.engine.in_flight());
+        set(&c.sends_in_flight, self.sends_in_flight);
+        set(&c.qps_draining, self.draining.len());
+        set(&c.srq_receives_reserved, self.srq.reserved() as usize);
+    }
+
+    /// Request slots taken: the commands in flight.
+    fn in_use(&self) -> usize {
+        self.reqs.len() - self.free.len()
+    }
+}

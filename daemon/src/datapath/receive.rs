@@ -1,0 +1,111 @@
+//! Receives and the SRQ: a command arrives in a receive of the reactor's SRQ, waits in it
+//! for admission when every request slot is taken, and starts in a request slot; its receive
+//! goes back to the SRQ once the core has seen the command (or, for an in-capsule write, once
+//! the write from it completed). A failed SRQ is rebuilt.
+
+use super::*;
+
+impl DataPath {
+    pub(super) fn on_receive(&mut self, c: &Wc, now: Instant) {
+        if c.status != WcStatus::Success {
+            // Flushed receives of a QP in error come back to the SRQ; the QP, if still live,
+            // is torn down.
+            self.srq.completed(c.wr_id, now);
+            if self.conns.contains_key(&c.qp_num) {
+                slog::warn!(self.log, "receive completion in error; tearing the QP down";
+                    "qpn" => c.qp_num, "status" => ?c.status);
+                self.teardown(c.qp_num, Cause::QpError, now);
+            }
+            return;
+        }
+        if !self.conns.contains_key(&c.qp_num) {
+            self.srq.completed(c.wr_id, now);
+            self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.counters.commands.fetch_add(1, Ordering::Relaxed);
+        if self.in_use() >= self.limit || !self.incoming.is_empty() {
+            // Every slot or buffer may be in use: the command waits its turn, in its receive.
+            self.counters
+                .commands_queued
+                .fetch_add(1, Ordering::Relaxed);
+            self.incoming.push_back((c.qp_num, c.wr_id, c.byte_len));
+            return;
+        }
+        self.start_command(c.qp_num, c.wr_id, c.byte_len, now);
+    }
+
+    /// Admits the command in receive `wr` (its capsule is copied out and the receive goes
+    /// back to the SRQ first) and lets the core decide what it means.
+    pub(super) fn start_command(&mut self, qpn: u32, wr: u64, len: u32, now: Instant) {
+        let mut capsule = std::mem::take(&mut self.capsule);
+        self.srq.capsule(wr, len as usize, &mut capsule);
+        // An in-capsule write keeps its receive (`begin`); any other goes back right after
+        // the core has seen the command, before any response is posted.
+        let mut arrived = Arrived {
+            capsule: &capsule,
+            recv: Some(wr),
+        };
+        if let Some(i) = self.free.pop() {
+            self.generations[i] = self.generations[i].wrapping_add(1);
+            self.reqs[i] = Some(Req {
+                qpn,
+                state: State::Ready,
+                work: Work::Respond,
+                segs: [Seg::default(); MAX_SEGS],
+                nsegs: 0,
+                next_seg: 0,
+                reads_left: 0,
+                data_len: 0,
+                invalidate: None,
+                buf: None,
+                generation: self.generations[i],
+                ops_left: 0,
+                next_op: 0,
+                op_off: 0,
+                ops_done: false,
+                failed: None,
+                cqe: nvmfd_nvme::wire::zeroed(),
+                sq_held: 0,
+                recv: None,
+            });
+            if let Some(conn) = self.conns.get_mut(&qpn) {
+                let a = conn.queue.handle(arrived.capsule, now);
+                self.begin(i, a, &mut arrived, now);
+            } else {
+                self.end_req(i);
+            }
+        } else {
+            // Admission keeps a slot for every command it starts.
+            slog::error!(self.log, "no request slot for an admitted command; it is dropped"; "qpn" => qpn);
+        }
+        if let Some(wr) = arrived.recv {
+            self.srq.completed(wr, now);
+        }
+        self.capsule = capsule;
+    }
+
+    /// A receive a request kept goes back to the SRQ.
+    pub(super) fn give_back(&mut self, wr: u64) {
+        release_usize(&mut self.held_receives, 1);
+        self.srq.completed(wr, Instant::now());
+    }
+
+    /// Replaces the broken SRQ by a new one of the next generation (receives of the old one
+    /// completing late name no chunk of the new one).
+    pub(super) fn rebuild_srq(&mut self, now: Instant) {
+        match self.srq.rebuild(now) {
+            Ok(srq) => {
+                self.srq = srq;
+                self.srq_broken = false;
+                self.counters.srq_rebuilds.fetch_add(1, Ordering::Relaxed);
+                slog::info!(self.log, "SRQ rebuilt"; "srq" => self.srq.srq().id());
+            }
+            Err(e) => {
+                // Tried again next turn; connections are refused meanwhile.
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+                slog::warn!(self.log, "cannot rebuild the SRQ"; "error" => %e);
+            }
+        }
+    }
+}
