@@ -13,6 +13,11 @@ step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 step "build the binaries the end-to-end tests start"
 cargo build --workspace --bins --locked
+# The lab runs below use the release binaries (scripts/lab/run-guest-script.sh runs this same
+# command, then finds nothing to do); built before `cargo test` so that a test can check the
+# release build's debug logging.
+step "build the release binaries"
+cargo build --release --locked --bins
 step "cargo test"
 mkdir -p target/tmp && rm -f target/tmp/skipped-tests.txt
 cargo test --workspace --locked 2>&1 | tee target/test-output.txt

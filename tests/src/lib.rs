@@ -32,17 +32,61 @@ pub fn bin(name: &str) -> PathBuf {
                 path.display()
             )
         });
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    for src in ["daemon/src", "config/src"] {
-        if let Some(newer) = newest_file(&root.join(src)).filter(|(t, _)| *t > built) {
-            panic!(
-                "{} is older than {}: run `cargo build --workspace --bins` first",
-                path.display(),
-                newer.1.display()
-            );
-        }
+    if let Some(newer) = newer_source(built) {
+        panic!(
+            "{} is older than {}: run `cargo build --workspace --bins` first",
+            path.display(),
+            newer.display()
+        );
     }
     path
+}
+
+/// A source of the daemon (`daemon/src`, `config/src`, the workspace's `Cargo.toml`, whose
+/// features change what is compiled in) newer than `built`, if any.
+fn newer_source(built: SystemTime) -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let manifest = root.join("Cargo.toml");
+    let manifest = std::fs::metadata(&manifest)
+        .and_then(|m| m.modified())
+        .ok()
+        .map(|t| (t, manifest));
+    ["daemon/src", "config/src"]
+        .iter()
+        .filter_map(|src| newest_file(&root.join(src)))
+        .chain(manifest)
+        .find(|(t, _)| *t > built)
+        .map(|(_, p)| p)
+}
+
+/// The release build of workspace binary `name` (`target/release/<name>`, next to this test's
+/// `target/<profile>/`), or why there is none to use: missing, or older than its sources. The
+/// test command builds the release binaries before `cargo test`; a test that needs one and
+/// gets an `Err` says it is skipped, and why.
+pub fn release_bin(name: &str) -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let target = exe
+        .parent()
+        .and_then(Path::parent)
+        .and_then(Path::parent)
+        .ok_or("no target directory above the test executable")?;
+    let path = target.join("release").join(name);
+    let built = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .map_err(|_| {
+            format!(
+                "{} is missing (`cargo build --release --bins` builds it; the test command does)",
+                path.display()
+            )
+        })?;
+    match newer_source(built) {
+        Some(newer) => Err(format!(
+            "{} is older than {} (`cargo build --release --bins` rebuilds it)",
+            path.display(),
+            newer.display()
+        )),
+        None => Ok(path),
+    }
 }
 
 fn newest_file(dir: &Path) -> Option<(SystemTime, PathBuf)> {
@@ -132,6 +176,8 @@ pub struct Options {
     pub test_hooks: bool,
     /// Further environment variables.
     pub env: Vec<(String, String)>,
+    /// The `nvmfd` binary to start, instead of the one `bin` finds.
+    pub binary: Option<PathBuf>,
 }
 
 /// A running `nvmfd` process, killed if still running when dropped.
@@ -180,7 +226,7 @@ impl Daemon {
         std::fs::write(&config_path, config).expect("write config");
         let log_path = dir.path().join("nvmfd.log");
         let log = std::fs::File::create(&log_path).expect("log file");
-        let mut cmd = Command::new(bin("nvmfd"));
+        let mut cmd = Command::new(opts.binary.clone().unwrap_or_else(|| bin("nvmfd")));
         cmd.arg("--config")
             .arg(&config_path)
             .stdin(Stdio::null())

@@ -290,6 +290,47 @@ fn logs_are_json_lines_off_a_terminal_and_nvmfd_log_overrides_the_level() {
     }
 }
 
+/// Says that the running test is skipped, and why, where the test command lists skips.
+fn skip(why: &str) {
+    use std::io::Write;
+    let test = std::thread::current().name().unwrap_or("a test").to_owned();
+    let line = format!("SKIPPED {test}: {why}\n");
+    eprint!("{line}");
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        // One write per line: tests run in parallel and append to the same file.
+        let _ = f.write_all(line.as_bytes());
+    }
+}
+
+/// slog's compile-time level used to strip debug lines from release builds, whatever
+/// `NVMFD_LOG` said. The test command builds the release binaries before `cargo test`.
+#[test]
+fn the_release_build_prints_debug_lines_when_nvmfd_log_says_debug() {
+    let nvmfd = match nvmfd_tests::release_bin("nvmfd") {
+        Ok(p) => p,
+        Err(why) => return skip(&why),
+    };
+    let mut d = Daemon::start(Options {
+        binary: Some(nvmfd),
+        env: vec![("NVMFD_LOG".into(), "debug".into())],
+        ..Options::default()
+    });
+    // The logger's own first line is at debug level.
+    wait_for("the release build's debug line", || {
+        d.log()
+            .lines()
+            .any(|l| l.contains("\"msg\":\"logging\"") && l.contains("\"level\":\"DEBG\""))
+            .then_some(())
+    });
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success(), "{}", d.log());
+}
+
 #[test]
 fn the_configured_level_applies_without_the_override() {
     let mut d = Daemon::start(Options {

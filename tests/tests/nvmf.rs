@@ -439,6 +439,65 @@ fn a_silent_host_loses_its_controller_and_all_its_queues_and_can_connect_again_a
     a_new_host_is_served(addr, "127.0.0.8", 100, 11);
 }
 
+/// I/O commands are traffic (NVMe base spec, Keep Alive: any command resets the timer when
+/// TBKAS is off). Host A sends only I/O, never a Keep Alive, for four keep-alive timeouts
+/// after its last admin command; host B, connected beside it with the same timeout, says
+/// nothing and loses its controller within that window, so the timeout is enforced there.
+#[test]
+fn io_alone_keeps_a_controller_alive_past_its_keep_alive_timeout() {
+    use std::time::{Duration, Instant};
+    let d = Daemon::start(Options::default());
+    let addr = listener(&d);
+    let expired = |d: &Daemon| d.data("stats")["datapath"][0]["teardowns_controller_total"] != 0;
+    let f = Fabric::networked();
+    f.add_device("127.0.0.9".parse().unwrap()).unwrap();
+    let h = host();
+    let kato = Duration::from_millis(1000);
+    let ms = u32::try_from(kato.as_millis()).unwrap();
+    let mut silent = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, ms).unwrap();
+    silent.enable().unwrap();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, ms).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let last_admin = Instant::now();
+    let mut io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let data = pattern(77, 4096);
+    io.write(1, 64, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    let mut reads = 0u64;
+    let mut silent_expired_after = None;
+    while last_admin.elapsed() < 4 * kato || silent_expired_after.is_none() {
+        assert!(
+            last_admin.elapsed() < 20 * kato,
+            "the silent host's controller never expired"
+        );
+        io.read(1, 64, 8, &mut back).unwrap_or_else(|e| {
+            panic!(
+                "I/O failed {:?} after the host's last admin command: {e}\n{}",
+                last_admin.elapsed(),
+                d.log()
+            )
+        });
+        assert!(back == data, "read back differs");
+        reads += 1;
+        if silent_expired_after.is_none() && expired(&d) {
+            silent_expired_after = Some(last_admin.elapsed());
+        }
+    }
+    println!(
+        "{reads} reads over {:?} without a keep-alive; the silent host expired after {:?}",
+        last_admin.elapsed(),
+        silent_expired_after.unwrap_or_default()
+    );
+    // Host A's controller is still there: its admin queue answers, and only host B's one
+    // queue was torn down by a controller's end.
+    admin.keep_alive().unwrap();
+    let s = d.data("stats");
+    assert_eq!(s["datapath"][0]["teardowns_controller_total"], 1, "{s}");
+    assert!(d.log().contains("keep-alive timeout"), "{}", d.log());
+    assert!(matches!(silent.keep_alive(), Err(HostError::Transport(_))));
+}
+
 #[test]
 fn stopping_the_daemon_tears_down_every_qp_through_the_drain() {
     let mut d = Daemon::start(Options::default());
