@@ -1,0 +1,482 @@
+//! Listeners on the control thread: their CM channels and devices' async events, connection
+//! requests handed to the reactors, failed connects, and a removed device's listeners
+//! coming back when it returns.
+
+use super::*;
+
+/// A listener's CM state.
+#[derive(Debug, Default)]
+pub(super) struct Listening {
+    // Field order is drop order: the IDs go before their channel.
+    /// The listening ID, while it serves.
+    pub(super) id: Option<any::cm::CmId>,
+    /// Its device, while it serves.
+    pub(super) device: Option<any::Device>,
+    /// After its device was removed: the old listening ID, kept until nothing made on the
+    /// device is left, then used to let go of the device.
+    pub(super) retiring: Option<Retiring>,
+    /// Its CM channel, registered with the control loop. It stays when the device goes: IDs of
+    /// its connections may still be draining on the reactors, and a channel must outlive its
+    /// IDs (rdma_destroy_event_channel); it listens again on the same channel.
+    pub(super) channel: Option<any::cm::CmChannel>,
+    /// While its device is away: when to try listening again.
+    pub(super) relisten_at: Option<Instant>,
+    /// Why the last try failed (logged when it changes).
+    pub(super) relisten_error: Option<String>,
+    pub(super) device_removals: u64,
+    pub(super) returns: u64,
+}
+
+/// A listener's listening ID on a removed device, until the device is released.
+#[derive(Debug)]
+pub(super) struct Retiring {
+    pub(super) id: any::cm::CmId,
+    pub(super) since: Instant,
+    /// `RELEASE_TIMEOUT` passed with the device still held (logged once); the listener tries
+    /// to listen again meanwhile.
+    pub(super) overdue: bool,
+    /// Letting go of the device failed (logged once).
+    pub(super) failed: bool,
+}
+
+impl Daemon {
+    /// Opens a CM channel for `provider` (for soft, on the daemon's fabric, with a device at
+    /// `addr` unless it has one).
+    pub(super) fn open_channel(
+        &mut self,
+        provider: nvmfd_config::Provider,
+        addr: std::net::SocketAddr,
+    ) -> Result<any::cm::CmChannel, String> {
+        Ok(match provider {
+            nvmfd_config::Provider::Soft => {
+                let fabric = self
+                    .soft_fabric
+                    .get_or_insert_with(nvmfd_rdma::soft::Fabric::networked)
+                    .clone();
+                if fabric.device_at(addr.ip()).is_none() {
+                    fabric.add_device(addr.ip()).map_err(|e| e.to_string())?;
+                }
+                any::cm::CmChannel::Soft(
+                    nvmfd_rdma::soft::cm::CmChannel::new(&fabric).map_err(|e| e.to_string())?,
+                )
+            }
+            nvmfd_config::Provider::Ibverbs => any::cm::CmChannel::Verbs(
+                nvmfd_rdma::ibverbs::cm::CmChannel::new()
+                    .map_err(|e| format!("{e} (is there an RDMA device?)"))?,
+            ),
+        })
+    }
+
+    /// Listener `i` listens at its address, on its CM channel (opened and watched the first
+    /// time), and its device's async events are watched. The error says why not.
+    pub(super) fn listen(&mut self, registry: &Registry, i: usize) -> Result<(), String> {
+        let l = self
+            .cfg
+            .listeners
+            .get(i)
+            .cloned()
+            .ok_or_else(|| format!("no listener {i}"))?;
+        let addr = std::net::SocketAddr::new(l.address, l.port);
+        if self.cm.get(i).is_some_and(|c| c.channel.is_none()) {
+            let ch = self.open_channel(l.provider, addr)?;
+            registry
+                .register(
+                    &mut mio::unix::SourceFd(&ch.fd()),
+                    Token(LISTENER_BASE + i),
+                    mio::Interest::READABLE,
+                )
+                .map_err(|e| format!("cannot watch the CM channel: {e}"))?;
+            if let Some(c) = self.cm.get_mut(i) {
+                c.channel = Some(ch);
+            }
+        }
+        let ch = self
+            .cm
+            .get(i)
+            .and_then(|c| c.channel.as_ref())
+            .ok_or_else(|| format!("no listener {i}"))?;
+        let id = ch
+            .listen(addr, 128)
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let dev = id.device().map_err(|e| e.to_string())?;
+        self.watch_device(registry, &dev)
+            .map_err(|e| format!("cannot watch the device's async events: {e}"))?;
+        if let Some(c) = self.cm.get_mut(i) {
+            c.id = Some(id);
+            c.device = Some(dev);
+        }
+        Ok(())
+    }
+
+    /// Watches `dev`'s async event fd (SRQ limit, QP and device errors, port changes), unless
+    /// it already is (listeners on one device share it).
+    pub(super) fn watch_device(
+        &mut self,
+        registry: &Registry,
+        dev: &any::Device,
+    ) -> std::io::Result<()> {
+        let fd = dev.async_fd();
+        if self.async_devs.iter().flatten().any(|d| d.async_fd() == fd) {
+            return Ok(());
+        }
+        let slot = self
+            .async_devs
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(self.async_devs.len());
+        registry.register(
+            &mut mio::unix::SourceFd(&fd),
+            Token(ASYNC_BASE + slot),
+            mio::Interest::READABLE,
+        )?;
+        match self.async_devs.get_mut(slot) {
+            Some(s) => *s = Some(dev.clone()),
+            None => self.async_devs.push(Some(dev.clone())),
+        }
+        Ok(())
+    }
+
+    /// Sends every reactor the command `cmd` makes, and wakes it.
+    pub(super) fn tell_reactors(&self, mut cmd: impl FnMut() -> ReactorCmd) {
+        for (r, tx) in self.inboxes.iter().enumerate() {
+            if tx.send(cmd()).is_ok() {
+                if let Some(h) = self.reactors.get(r) {
+                    h.shared.wake();
+                }
+            }
+        }
+    }
+
+    /// The addresses of the listeners served by the device whose async fd is `fd`.
+    pub(super) fn listeners_on(&self, fd: std::os::fd::RawFd) -> String {
+        self.cm
+            .iter()
+            .zip(&self.listeners)
+            .filter(|(c, _)| c.device.as_ref().is_some_and(|d| d.async_fd() == fd))
+            .map(|(_, l)| format!("{}:{}", l.address, l.port))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Handles the CM events of listener `i`: connect requests are checked and handed to a
+    /// reactor (round robin); the end of a connection is told to every reactor; a device
+    /// removal (on the listening ID or on a connection) takes the whole device down.
+    pub(super) fn cm_events(&mut self, registry: &Registry, i: usize) {
+        loop {
+            let Some(ch) = self.cm.get(i).and_then(|c| c.channel.as_ref()) else {
+                return;
+            };
+            let Some(ev) = ch.next_event() else { return };
+            match ev {
+                CmEvent::ConnectRequest {
+                    id,
+                    private_data,
+                    initiator_depth,
+                    ..
+                } => {
+                    if self.cm.get(i).is_none_or(|c| c.id.is_none()) {
+                        // Queued before the listener stopped serving.
+                        let _ = id.reject(&reject_private_data(
+                            nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                        ));
+                        continue;
+                    }
+                    let limits = crate::serve::limits(&self.cfg);
+                    match check_request(&private_data, &limits)
+                        .map(|r| r.with_read_depth(initiator_depth))
+                    {
+                        Err(st) => {
+                            warn!(self.log, "connect request refused"; "listener" => i, "status" => st);
+                            let _ = id.reject(&reject_private_data(st));
+                        }
+                        Ok(req) => {
+                            if self.inboxes.is_empty() {
+                                let _ = id.reject(&reject_private_data(
+                                    nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                                ));
+                                continue;
+                            }
+                            let r = self.next_reactor % self.inboxes.len();
+                            self.next_reactor += 1;
+                            match self.inboxes[r].send(ReactorCmd::Adopt {
+                                listener: i,
+                                id,
+                                req,
+                            }) {
+                                Ok(()) => self.reactors[r].shared.wake(),
+                                // The reactor is gone (it stopped or failed): the host hears
+                                // a reject, and the ID is destroyed here.
+                                Err(std::sync::mpsc::SendError(cmd)) => {
+                                    warn!(self.log, "connect request refused: its reactor is gone"; "listener" => i, "reactor" => r);
+                                    if let ReactorCmd::Adopt { id, .. } = cmd {
+                                        let _ = id.reject(&reject_private_data(
+                                            nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+                                        ));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                CmEvent::DeviceRemoval { id: token } => {
+                    let c = self.cm.get(i);
+                    let listening = c
+                        .and_then(|c| c.id.as_ref())
+                        .is_some_and(|l| l.token() == token);
+                    let fd = c.and_then(|c| c.device.as_ref()).map(any::Device::async_fd);
+                    if let Some(fd) = fd {
+                        let cause = if listening {
+                            "RDMA_CM_EVENT_DEVICE_REMOVAL on the listening ID"
+                        } else {
+                            "RDMA_CM_EVENT_DEVICE_REMOVAL on a connection"
+                        };
+                        self.device_removed(registry, fd, cause);
+                    }
+                    if !listening {
+                        self.tell_reactors(|| ReactorCmd::Disconnected { token });
+                    }
+                }
+                CmEvent::Disconnected { id } => {
+                    self.tell_reactors(|| ReactorCmd::Disconnected { token: id });
+                }
+                // An accepted connection that failed before it was established: the reactor
+                // that took it tears it down (its QP, CM ID and SRQ reservation go) and counts
+                // it by cause. The reactors get this after the connection's Adopt (one inbox
+                // each, in order).
+                CmEvent::Rejected { id, .. } => self.tell_reactors(|| ReactorCmd::ConnectFailed {
+                    token: id,
+                    why: ConnectFailure::Rejected,
+                }),
+                CmEvent::Unreachable { id } => self.tell_reactors(|| ReactorCmd::ConnectFailed {
+                    token: id,
+                    why: ConnectFailure::Unreachable,
+                }),
+                CmEvent::ConnectError { id } => self.tell_reactors(|| ReactorCmd::ConnectFailed {
+                    token: id,
+                    why: ConnectFailure::ConnectError,
+                }),
+                CmEvent::Established { .. } | CmEvent::TimewaitExit { .. } => {}
+            }
+        }
+    }
+
+    /// Device `slot`'s async events: each goes to every reactor (the one whose SRQ or QP it
+    /// names acts on it); a fatal one takes the whole device down.
+    pub(super) fn async_events(&mut self, registry: &Registry, slot: usize) {
+        if self.route_async(slot) {
+            let fd = self
+                .async_devs
+                .get(slot)
+                .and_then(Option::as_ref)
+                .map(any::Device::async_fd);
+            if let Some(fd) = fd {
+                self.device_removed(registry, fd, "IBV_EVENT_DEVICE_FATAL");
+            }
+        }
+    }
+
+    /// Reads device `slot`'s async events and hands each to every reactor; true when one was
+    /// `DEVICE_FATAL`.
+    pub(super) fn route_async(&self, slot: usize) -> bool {
+        let Some(Some(dev)) = self.async_devs.get(slot) else {
+            return false;
+        };
+        let fd = dev.async_fd();
+        let mut fatal = false;
+        while let Some(event) = dev.next_event() {
+            match event {
+                AsyncEvent::SrqLimitReached(srq) => {
+                    info!(self.log, "SRQ limit reached"; "srq" => srq)
+                }
+                // The end of a drain: as many as QPs torn down.
+                AsyncEvent::QpLastWqeReached(qpn) => {
+                    debug!(self.log, "LAST_WQE_REACHED"; "qpn" => qpn)
+                }
+                AsyncEvent::PortErr(port) => {
+                    warn!(self.log, "port down (IBV_EVENT_PORT_ERR): connections through it fail, as rdma_cm reports";
+                          "port" => port, "listeners" => self.listeners_on(fd))
+                }
+                AsyncEvent::PortActive(port) => {
+                    info!(self.log, "port active (IBV_EVENT_PORT_ACTIVE)";
+                          "port" => port, "listeners" => self.listeners_on(fd))
+                }
+                AsyncEvent::DeviceFatal => fatal = true,
+                _ => warn!(self.log, "async event"; "event" => ?event),
+            }
+            self.tell_reactors(|| ReactorCmd::DeviceEvent {
+                async_fd: fd,
+                event,
+            });
+        }
+        fatal
+    }
+
+    /// The device whose async fd is `fd` was removed or failed: its listeners stop serving
+    /// (their listening IDs are kept until nothing made on the device is left, then let go of
+    /// it), every reactor tears its data path there down, its async fd is no longer watched,
+    /// and the listeners try to listen again every `RELISTEN_INTERVAL`. A second report of the
+    /// same removal finds nothing left to do.
+    pub(super) fn device_removed(
+        &mut self,
+        registry: &Registry,
+        fd: std::os::fd::RawFd,
+        cause: &str,
+    ) {
+        // Events already queued (LAST_WQE of the QPs the removal failed) reach the reactors
+        // ahead of the removal.
+        let slot = self
+            .async_devs
+            .iter()
+            .position(|d| d.as_ref().is_some_and(|d| d.async_fd() == fd));
+        if let Some(slot) = slot {
+            self.route_async(slot);
+            let _ = registry.deregister(&mut mio::unix::SourceFd(&fd));
+            self.async_devs[slot] = None;
+        }
+        let now = Instant::now();
+        let mut any = false;
+        for i in 0..self.cm.len() {
+            let c = &mut self.cm[i];
+            if c.device.as_ref().is_none_or(|d| d.async_fd() != fd) {
+                continue;
+            }
+            // The control thread's own handles on the device go now (its async fd above).
+            c.device = None;
+            if let Some(id) = c.id.take() {
+                c.retiring = Some(Retiring {
+                    id,
+                    since: now,
+                    overdue: false,
+                    failed: false,
+                });
+            }
+            c.relisten_at = Some(now + RELISTEN_INTERVAL);
+            c.relisten_error = None;
+            c.device_removals += 1;
+            if let Some(st) = self.listeners.get_mut(i) {
+                st.serving = false;
+                st.reason = Some(DEVICE_REMOVED.to_owned());
+                warn!(self.log, "device removed: the listener stops serving and everything on the device is torn down; it listens again when the device returns";
+                      "listener" => i, "address" => &st.address, "port" => st.port, "cause" => cause);
+            }
+            self.tell_reactors(|| ReactorCmd::RemoveDevice { listener: i });
+            any = true;
+        }
+        if any {
+            self.notifier.status(&self.status_line());
+        }
+    }
+
+    /// Every tick: listeners whose device was removed let go of it once nothing made on it is
+    /// left, then try to listen again every `RELISTEN_INTERVAL`.
+    pub(super) fn relisten(&mut self, registry: &Registry, now: Instant) {
+        for i in 0..self.cm.len() {
+            self.release_removed(i, now);
+            let c = &mut self.cm[i];
+            // Listening again needs the address, which the old ID may hold: after
+            // RELEASE_TIMEOUT it is tried anyway.
+            if c.retiring.as_ref().is_some_and(|r| !r.overdue)
+                || c.relisten_at.is_none_or(|at| now < at)
+            {
+                continue;
+            }
+            match self.listen(registry, i) {
+                Ok(()) => self.listener_returned(i),
+                Err(e) => {
+                    let c = &mut self.cm[i];
+                    c.relisten_at = Some(now + RELISTEN_INTERVAL);
+                    if c.relisten_error.as_deref() != Some(e.as_str()) {
+                        info!(self.log, "listener still waiting for its device"; "listener" => i, "error" => &e);
+                        c.relisten_error = Some(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Listener `i`'s device was removed: once the reactors' data paths on it are gone (and
+    /// with them every QP, CQ, SRQ, memory region and PD made on it), its old listening ID
+    /// lets go of the device (with rdma_cm, librdmacm's context for it; see
+    /// `release_removed_device`) and is destroyed: the kernel can then finish removing a
+    /// device that waits for its users (rxe, siw). Bounded by `RELEASE_TIMEOUT`, after which
+    /// what still holds it is logged and the listener tries to listen again anyway.
+    pub(super) fn release_removed(&mut self, i: usize, now: Instant) {
+        let Some(r) = self.cm.get_mut(i).and_then(|c| c.retiring.as_mut()) else {
+            return;
+        };
+        let waited = now.duration_since(r.since);
+        match r.id.release_removed_device() {
+            Ok(DeviceRelease::Released) => {
+                self.cm[i].retiring = None;
+                info!(self.log, "removed device released: nothing nvmfd made on it is left (QPs, CQs, SRQs, memory regions, PDs, CM IDs) and its verbs context is closed, so the kernel can finish removing it";
+                      "listener" => i, "after" => ?waited);
+            }
+            Ok(DeviceRelease::Present) if waited >= RELEASE_TIMEOUT => {
+                self.cm[i].retiring = None;
+                warn!(self.log, "nothing nvmfd made on the failed device is left, but the device is still there: its old listening ID goes and the listener tries to listen on it again";
+                      "listener" => i, "after" => ?waited);
+            }
+            Ok(DeviceRelease::InUse(holders)) if waited >= RELEASE_TIMEOUT && !r.overdue => {
+                r.overdue = true;
+                warn!(self.log, "the removed device is still held: the kernel cannot finish removing it while it is; the listener tries to listen again meanwhile";
+                      "listener" => i, "after" => ?waited, "holders" => holders);
+            }
+            Err(e) if !r.failed => {
+                r.failed = true;
+                r.overdue = true;
+                error!(self.log, "cannot let go of the removed device: the kernel cannot finish removing it";
+                       "listener" => i, "error" => %e);
+            }
+            _ => {}
+        }
+    }
+
+    /// Listener `i` listens again: every reactor builds a data path on its device.
+    pub(super) fn listener_returned(&mut self, i: usize) {
+        let Some(c) = self.cm.get_mut(i) else { return };
+        c.relisten_at = None;
+        c.relisten_error = None;
+        c.returns += 1;
+        let Some(dev) = c.device.clone() else { return };
+        if let Some(st) = self.listeners.get_mut(i) {
+            st.serving = true;
+            st.reason = None;
+            info!(self.log, "device returned: the listener serves again";
+                  "listener" => i, "address" => &st.address, "port" => st.port);
+        }
+        self.tell_reactors(|| ReactorCmd::AddPath {
+            listener: i,
+            device: dev.clone(),
+        });
+        self.notifier.status(&self.status_line());
+    }
+
+    /// Test hook: removes or restores listener `i`'s soft device.
+    pub(super) fn inject_fault(&self, fault: Fault, i: usize) -> Result<serde_json::Value, String> {
+        let l = self
+            .cfg
+            .listeners
+            .get(i)
+            .ok_or_else(|| format!("no listener {i}"))?;
+        if l.provider != nvmfd_config::Provider::Soft {
+            return Err(format!(
+                "listener {i} uses the {} provider: faults can be injected on the soft provider only",
+                l.provider
+            ));
+        }
+        let (fabric, dev) = self
+            .soft_fabric
+            .as_ref()
+            .and_then(|f| Some((f, f.device_at(l.address)?)))
+            .ok_or_else(|| format!("listener {i} has no soft device (it never listened)"))?;
+        match fault {
+            Fault::RemoveDevice => fabric.remove_device(&dev),
+            Fault::RestoreDevice => fabric
+                .restore_device(&dev)
+                .map_err(|e| format!("listener {i}'s device cannot come back yet: {e}"))?,
+        }
+        warn!(self.log, "test hook: fault injected"; "fault" => ?fault, "listener" => i,
+              "device" => %l.address);
+        Ok(serde_json::json!({ "fault": fault, "listener": i, "device": l.address.to_string() }))
+    }
+}
