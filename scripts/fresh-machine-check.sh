@@ -44,7 +44,7 @@ flock -n 9 || { echo "fresh-machine-check: another run holds $FRESH_DIR/.lock" >
 : > "$LOG"
 
 t_start=$EPOCHREALTIME
-since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN {printf "%.1f", b - a}'; }
+since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN {printf "%.2f", b - a}'; }
 summary=()
 # Lines of cargo's and apt's progress that go to the log only.
 QUIET='^ *(Compiling|Downloaded|Downloading|Updating crates.io|Locking|Adding|Blocking) '
@@ -172,6 +172,15 @@ deb $SECURITY_MIRROR bookworm-security main
 SRC
   sed 's/^/apt: /' "$ROOT/etc/apt/sources.list"
   cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
+  # The CA certificates added on this host (a network that inspects TLS, say): when
+  # install-deps installs ca-certificates, they are trusted in there as they are here.
+  local crts=(/usr/local/share/ca-certificates/*.crt)
+  if [ -e "${crts[0]}" ]; then
+    mkdir -p "$ROOT/usr/local/share/ca-certificates"
+    cp "${crts[@]}" "$ROOT/usr/local/share/ca-certificates/"
+    [ ! -x "$ROOT/usr/sbin/update-ca-certificates" ] || chroot "$ROOT" update-ca-certificates >/dev/null 2>&1
+    echo "CA certificates added on this host: ${crts[*]##*/}"
+  fi
   # Packages do not start services from inside a chroot (they would run on this host).
   printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"; chmod 0755 "$ROOT/usr/sbin/policy-rc.d"
   mount -t proc proc "$ROOT/proc"
@@ -180,7 +189,7 @@ SRC
   mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs "$ROOT/run"
   ip netns add "$NS"
   ip netns exec "$NS" ip link set lo up
-  echo "mounted /proc, /sys, /dev and /run; DNS from the host; network namespace $NS for nvmfd"
+  echo "mounted /proc, /sys, /dev and /run; DNS from this host; network namespace $NS for nvmfd"
 }
 step "apt sources, DNS, mounts" setup
 
