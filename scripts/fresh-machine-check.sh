@@ -233,7 +233,7 @@ start_nvmfd() {
     fi
     sleep 0.2
   done
-  echo "nvmfd (pid $pid) answers:"; cat "$FRESH_DIR/status.out"
+  echo "nvmfd (pid $pid) answers nvmfctl status: $(grep -Eo 'state +[a-z]+' "$FRESH_DIR/status.out" | tr -s ' ')"
 }
 step "quick start: ./scripts/quickstart.sh in the background until nvmfctl status answers" start_nvmfd
 
