@@ -65,7 +65,7 @@ impl DeviceInfo {
     /// Checks that `offset..offset+len` is a non-empty whole number of blocks inside the device.
     pub fn check_range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
         let bs = u64::from(self.logical_block_size);
-        if len == 0 || offset % bs != 0 || len % bs != 0 {
+        if len == 0 || !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
             return Err(BlockError::Misaligned {
                 offset,
                 len,
@@ -164,7 +164,7 @@ impl Device {
             )));
         }
         let ram = |kind: Kind| {
-            if spec.size == 0 || spec.size % u64::from(spec.block_size) != 0 {
+            if spec.size == 0 || !spec.size.is_multiple_of(u64::from(spec.block_size)) {
                 return Err(bad(format!(
                     "size {} is not a non-zero number of {}-byte blocks",
                     spec.size, spec.block_size

@@ -93,7 +93,7 @@ impl fmt::Display for ByteSize {
         const UNITS: [(&str, u32); 4] = [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)];
         for (name, shift) in UNITS {
             let unit = 1u64 << shift;
-            if self.0 >= unit && self.0 % unit == 0 {
+            if self.0 >= unit && self.0.is_multiple_of(unit) {
                 return write!(f, "{}{}", self.0 / unit, name);
             }
         }

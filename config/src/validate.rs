@@ -235,7 +235,7 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
         );
     }
     let icd = t.in_capsule_data_size;
-    if icd.0 % 16 != 0 {
+    if !icd.0.is_multiple_of(16) {
         c.fail(
             p.key("in_capsule_data_size"),
             format!("{icd} is not a multiple of 16 bytes (IOCCSZ counts 16-byte units)"),

@@ -1643,7 +1643,8 @@ fn serving_io_allocates_nothing_on_the_reactor() {
             (2, 32, 4096),
         ] {
             let data = pattern(seed + u64::from(blocks), blocks as usize * bs);
-            io.write(nsid, 64, blocks, &data, seed % 2 == 0).unwrap();
+            io.write(nsid, 64, blocks, &data, seed.is_multiple_of(2))
+                .unwrap();
             let mut back = vec![0u8; data.len()];
             io.read(nsid, 64, blocks, &mut back).unwrap();
             assert!(back == data);
@@ -1713,7 +1714,7 @@ fn a_dataset_management_command_is_answered_only_when_all_its_ranges_completed()
         while !st.load(Relaxed) || n < 50 {
             let lba = 1_000_000 + n % 64;
             let data = pattern(n + 7, 4096);
-            other.write(3, lba, 1, &data, n % 5 == 0).unwrap();
+            other.write(3, lba, 1, &data, n.is_multiple_of(5)).unwrap();
             let mut back = vec![0u8; 4096];
             other.read(3, lba, 1, &mut back).unwrap();
             assert!(back == data, "round {n}, lba {lba}: read back differs");

@@ -936,7 +936,11 @@ impl SoftTcpEnv {
     fn channel(&self) -> nvmfd_rdma::soft::cm::CmChannel {
         let n = self.n.get();
         self.n.set(n + 1);
-        let f = if n % 2 == 0 { &self.a } else { &self.b };
+        let f = if n.is_multiple_of(2) {
+            &self.a
+        } else {
+            &self.b
+        };
         nvmfd_rdma::soft::cm::CmChannel::new(f).unwrap()
     }
     /// A host in another process is not told the depths its peer accepted with.
