@@ -1,0 +1,363 @@
+//! The in-process wire: a send work request executes when posted (SEND, RDMA READ and
+//! WRITE between two QPs of the fabric), and messages wait for receives.
+
+use super::*;
+
+impl State {
+    pub(super) fn complete_send(
+        &mut self,
+        qpn: u32,
+        wr_id: u64,
+        signaled: bool,
+        status: WcStatus,
+        opcode: WcOpcode,
+    ) {
+        let Some(q) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        let cq = q.send_cq;
+        // Errors always complete; a signaled success retires the unsignaled run before it.
+        if status != WcStatus::Success || signaled {
+            q.unsignaled_run = 0;
+            self.push_wc(
+                cq,
+                Wc {
+                    wr_id,
+                    status,
+                    opcode,
+                    qp_num: qpn,
+                    ..Wc::default()
+                },
+            );
+        } else {
+            q.unsignaled_run += 1;
+        }
+    }
+
+    /// Delivers a message into the next receive of QP `dst`; false when there is none (RNR).
+    ///
+    /// A QP that is not ready to receive (ERR, or not yet RTR) takes no message: nothing of
+    /// its SRQ is consumed and the sender's work request fails. So no receive completion is
+    /// ever made for a QP in ERR: its receive completions in a CQ are those of messages that
+    /// arrived before it entered ERR.
+    pub(super) fn deliver(&mut self, dst: u32, m: &Pending) -> Option<Result<(), ()>> {
+        let q = self.qps.get(&dst)?;
+        if !matches!(q.state, QpState::Rtr | QpState::Rts) {
+            return Some(Err(()));
+        }
+        let (dev, pd, recv_cq) = (q.dev, q.pd, q.recv_cq);
+        let srq_id = q.srq?;
+        let srq = self.srqs.get_mut(&srq_id)?;
+        let r = srq.recvs.pop_front()?;
+        let remaining = u32::try_from(srq.recvs.len()).unwrap_or(u32::MAX);
+        if srq.limit > 0 && remaining < srq.limit {
+            srq.limit = 0; // one-shot: re-armed by modify
+            let sdev = srq.dev;
+            self.event(sdev, AsyncEvent::SrqLimitReached(srq_id));
+        }
+        let room = self.check_local(dev, pd, &r.sges, Access::LOCAL_WRITE);
+        let fits = room.is_some_and(|room| room >= m.data.len() as u64);
+        if !fits {
+            let status = if room.is_none() {
+                WcStatus::LocProtErr
+            } else {
+                WcStatus::LocLenErr
+            };
+            self.push_wc(
+                recv_cq,
+                Wc {
+                    wr_id: r.wr_id,
+                    status,
+                    opcode: WcOpcode::Recv,
+                    qp_num: dst,
+                    ..Wc::default()
+                },
+            );
+            self.qp_error(dst);
+            return Some(Err(()));
+        }
+        scatter(&r.sges, &m.data);
+        if let Some(k) = m.invalidate {
+            if let Some(mr) = self.mrs.get_mut(&k) {
+                mr.valid = false;
+            }
+        }
+        let wc = Wc {
+            wr_id: r.wr_id,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len: u32::try_from(m.data.len()).unwrap_or(u32::MAX),
+            qp_num: dst,
+            invalidated_rkey: m.invalidate,
+        };
+        self.push_wc(recv_cq, wc);
+        Some(Ok(()))
+    }
+
+    /// Delivers what waits for receives on the QPs of SRQ `srq` (after a post).
+    pub(super) fn drain_inbound(&mut self, srq: u32) {
+        let qpns: Vec<u32> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| q.srq == Some(srq) && !q.inbound.is_empty())
+            .map(|(n, _)| *n)
+            .collect();
+        for dst in qpns {
+            while let Some(m) = self.qps.get_mut(&dst).and_then(|q| q.inbound.pop_front()) {
+                match self.deliver(dst, &m) {
+                    None => {
+                        if let Some(q) = self.qps.get_mut(&dst) {
+                            q.inbound.push_front(m);
+                        }
+                        break;
+                    }
+                    Some(r) if m.remote.is_some() => {
+                        let (link, seq) = m.remote.unwrap_or_default();
+                        let status = if r.is_ok() {
+                            0
+                        } else {
+                            tcp::status_code(WcStatus::RemInvReqErr)
+                        };
+                        self.send_frame(link, tcp::Frame::Ack { seq, status });
+                    }
+                    Some(r) => {
+                        if let Some(src) = self.qps.get_mut(&m.from_qpn) {
+                            src.deferred = src.deferred.saturating_sub(1);
+                        }
+                        let st = if r.is_ok() {
+                            WcStatus::Success
+                        } else {
+                            WcStatus::RemInvReqErr
+                        };
+                        self.complete_send(m.from_qpn, m.wr_id, m.signaled, st, WcOpcode::Send);
+                        if r.is_err() {
+                            self.qp_error(m.from_qpn);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Copies `data` into the regions of `sges`, in order.
+pub(super) fn scatter(sges: &[Sge], data: &[u8]) {
+    let mut at = 0;
+    for s in sges {
+        if at >= data.len() {
+            break;
+        }
+        let n = (s.length as usize).min(data.len() - at);
+        // SAFETY: `check_local` verified that addr..addr+length lies in a registered region
+        // whose owner keeps it mapped while registered; like a NIC's DMA, the copy is raw.
+        unsafe { std::ptr::copy(data[at..].as_ptr(), s.addr as *mut u8, n) };
+        at += n;
+    }
+}
+
+/// Reads the bytes of `sges`, in order.
+pub(super) fn gather(sges: &[Sge]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+    for s in sges {
+        // SAFETY: as in `scatter` (the caller checked the SGEs or they are inline data that
+        // the poster guarantees readable).
+        let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
+        out.extend_from_slice(src);
+    }
+    out
+}
+
+/// Runs one send WR on the in-process wire.
+pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
+    let (dev, pd, peer, rnr_retry) = {
+        let q = &s.qps[&qpn];
+        (q.dev, q.pd, q.peer, q.rnr_retry)
+    };
+    let fail = |s: &mut State, st: WcStatus| {
+        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
+        s.qp_error(qpn);
+    };
+    // The local side: gather (SEND/WRITE) needs readable regions, READ needs writable ones.
+    let local_ok = w.inline || {
+        let need = if matches!(w.op, SendOp::RdmaRead { .. }) {
+            Access::LOCAL_WRITE
+        } else {
+            Access(0)
+        };
+        s.check_local(dev, pd, w.sges, need).is_some()
+    };
+    if !local_ok {
+        return fail(s, WcStatus::LocProtErr);
+    }
+    let held = s.qps.get(&qpn).is_some_and(|q| !q.delayed.is_empty());
+    if !s.releasing
+        && (held
+            || (s.faults.delay_per_million > 0 && s.draw() < u64::from(s.faults.delay_per_million)))
+    {
+        let inline = w.inline.then(|| gather(w.sges));
+        if let Some(q) = s.qps.get_mut(&qpn) {
+            q.deferred += 1;
+            q.delayed.push_back(DelayedWr {
+                wr_id: w.wr_id,
+                op: w.op,
+                sges: w.sges.to_vec(),
+                signaled: w.signaled,
+                inline,
+                opcode,
+            });
+        }
+        return;
+    }
+    if s.faults.qp_fatal_per_million > 0 && s.draw() < u64::from(s.faults.qp_fatal_per_million) {
+        s.event(dev, AsyncEvent::QpFatal(qpn));
+        return fail(s, WcStatus::WrFlushErr);
+    }
+    if s.faults.srq_error_per_million > 0
+        && matches!(w.op, SendOp::Send | SendOp::SendWithInvalidate { .. })
+        && s.draw() < u64::from(s.faults.srq_error_per_million)
+    {
+        if let Some(srq) = peer.and_then(|p| s.qps.get(&p)).and_then(|q| q.srq) {
+            s.srq_error(srq);
+        }
+    }
+    if s.faults.drop_per_million > 0 && s.draw() < u64::from(s.faults.drop_per_million) {
+        return fail(s, WcStatus::RetryExcErr);
+    }
+    if let Some(link) = s.qps.get(&qpn).and_then(|q| q.remote) {
+        let Some(q) = s.qps.get_mut(&qpn) else { return };
+        q.next_seq += 1;
+        let seq = q.next_seq;
+        q.deferred += 1;
+        let read_sges = if matches!(w.op, SendOp::RdmaRead { .. }) {
+            w.sges.to_vec()
+        } else {
+            Vec::new()
+        };
+        q.remote_pending.insert(
+            seq,
+            RemoteWr {
+                wr_id: w.wr_id,
+                signaled: w.signaled,
+                opcode,
+                read_sges,
+            },
+        );
+        let frame = match w.op {
+            SendOp::Send => tcp::Frame::Send {
+                seq,
+                invalidate: None,
+                data: gather(w.sges),
+            },
+            SendOp::SendWithInvalidate { rkey } => tcp::Frame::Send {
+                seq,
+                invalidate: Some(rkey),
+                data: gather(w.sges),
+            },
+            SendOp::RdmaWrite { remote_addr, rkey } => tcp::Frame::Write {
+                seq,
+                addr: remote_addr,
+                rkey,
+                data: gather(w.sges),
+            },
+            SendOp::RdmaRead { remote_addr, rkey } => {
+                let len: u32 = w.sges.iter().map(|g| g.length).sum();
+                tcp::Frame::Read {
+                    seq,
+                    addr: remote_addr,
+                    rkey,
+                    len,
+                }
+            }
+        };
+        s.send_frame(link, frame);
+        return;
+    }
+    let Some(peer) = peer.filter(|p| {
+        s.qps
+            .get(p)
+            .is_some_and(|q| matches!(q.state, QpState::Rtr | QpState::Rts))
+    }) else {
+        return fail(s, WcStatus::RetryExcErr);
+    };
+    let (pdev, ppd) = (s.qps[&peer].dev, s.qps[&peer].pd);
+    match w.op {
+        SendOp::RdmaWrite { remote_addr, rkey } => {
+            let data = gather(w.sges);
+            if !s.check_remote(
+                pdev,
+                ppd,
+                remote_addr,
+                data.len() as u64,
+                rkey,
+                Access::REMOTE_WRITE,
+            ) {
+                return fail(s, WcStatus::RemAccessErr);
+            }
+            scatter(
+                &[Sge {
+                    addr: remote_addr,
+                    length: u32::try_from(data.len()).unwrap_or(u32::MAX),
+                    lkey: 0,
+                }],
+                &data,
+            );
+            s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
+        }
+        SendOp::RdmaRead { remote_addr, rkey } => {
+            let len: u64 = w.sges.iter().map(|g| u64::from(g.length)).sum();
+            if !s.check_remote(pdev, ppd, remote_addr, len, rkey, Access::REMOTE_READ) {
+                return fail(s, WcStatus::RemAccessErr);
+            }
+            let data = gather(&[Sge {
+                addr: remote_addr,
+                length: u32::try_from(len).unwrap_or(u32::MAX),
+                lkey: 0,
+            }]);
+            scatter(w.sges, &data);
+            s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
+        }
+        SendOp::Send | SendOp::SendWithInvalidate { .. } => {
+            let invalidate = match w.op {
+                SendOp::SendWithInvalidate { rkey } => Some(rkey),
+                _ => None,
+            };
+            let m = Pending {
+                from_qpn: qpn,
+                wr_id: w.wr_id,
+                signaled: w.signaled,
+                data: gather(w.sges),
+                invalidate,
+                remote: None,
+            };
+            let waiting = s.qps.get(&peer).is_some_and(|q| !q.inbound.is_empty());
+            let r = if waiting { None } else { s.deliver(peer, &m) };
+            match r {
+                Some(Ok(())) => {
+                    s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode)
+                }
+                Some(Err(())) => fail(s, WcStatus::RemInvReqErr),
+                None if rnr_retry >= 7 => {
+                    // Receiver Not Ready, retried forever: the message waits for a receive.
+                    if let Some(q) = s.qps.get_mut(&qpn) {
+                        q.deferred += 1;
+                    }
+                    if let Some(p) = s.qps.get_mut(&peer) {
+                        p.inbound.push_back(m);
+                    }
+                }
+                None => fail(s, WcStatus::RnrRetryExcErr),
+            }
+        }
+    }
+}
+
+/// Connects two QPs as RC peers and moves both to RTS (what the CM's accept does).
+pub(crate) fn link(s: &mut State, a: u32, b: u32) {
+    for (x, y) in [(a, b), (b, a)] {
+        if let Some(q) = s.qps.get_mut(&x) {
+            q.peer = Some(y);
+            q.state = QpState::Rts;
+            q.last_wqe_sent = false;
+        }
+    }
+}

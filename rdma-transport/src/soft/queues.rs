@@ -1,0 +1,325 @@
+//! Completion queues, shared receive queues and queue pairs.
+
+use super::*;
+
+/// A completion queue.
+#[derive(Debug)]
+pub struct Cq {
+    pub(super) fabric: Fabric,
+    pub(super) id: u32,
+    pub(super) channel: Arc<EventFd>,
+}
+
+impl Cq {
+    /// Polls up to `out.len()` completions; an overflowed CQ is an error.
+    pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
+        let _scope = ProviderScope::enter();
+        let mut s = self.fabric.lock();
+        s.release_delayed();
+        let c = s
+            .cqs
+            .get_mut(&self.id)
+            .ok_or(VerbsError::os("poll_cq", libc::EINVAL))?;
+        if c.overflowed {
+            return Err(VerbsError::os("poll_cq", libc::EOVERFLOW));
+        }
+        let n = out.len().min(c.entries.len());
+        for (slot, wc) in out.iter_mut().zip(c.entries.drain(..n)) {
+            *slot = wc;
+        }
+        for wc in &out[..n] {
+            if wc.opcode == WcOpcode::RdmaRead {
+                if let Some(q) = s.qps.get_mut(&wc.qp_num) {
+                    q.reads_out = q.reads_out.saturating_sub(1);
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// Arms the completion channel: its fd turns readable at the next completion (once).
+    pub fn req_notify(&self) -> Result<(), VerbsError> {
+        let mut s = self.fabric.lock();
+        let c = s
+            .cqs
+            .get_mut(&self.id)
+            .ok_or(VerbsError::os("req_notify_cq", libc::EINVAL))?;
+        c.armed = true;
+        Ok(())
+    }
+
+    /// Takes the channel's notification, if one came; true when it did.
+    pub fn ack_event(&self) -> bool {
+        let mut v: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from our eventfd (non-blocking).
+        let n = unsafe { libc::read(self.channel.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        n == 8
+    }
+
+    /// The completion channel's fd: readable once after `req_notify` and a completion.
+    pub fn channel_fd(&self) -> RawFd {
+        self.channel.as_raw_fd()
+    }
+
+    /// An ID, as async events name it.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        self.fabric.lock().cqs.remove(&self.id);
+    }
+}
+
+/// A shared receive queue.
+#[derive(Debug)]
+pub struct Srq {
+    pub(super) fabric: Fabric,
+    pub(super) id: u32,
+}
+
+impl Srq {
+    /// Posts receives, in order, as a provider does: it stops at the first one with too many
+    /// SGEs (`EINVAL`) or that finds the SRQ full (`ENOMEM`); those before it are posted, and
+    /// the error's [`VerbsError::posted`] says how many.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        let _scope = ProviderScope::enter();
+        let mut s = self.fabric.lock();
+        if s.broken_srqs.contains(&self.id) {
+            return Err(VerbsError::post("post_srq_recv", libc::EIO, 0));
+        }
+        let q =
+            s.srqs
+                .get_mut(&self.id)
+                .ok_or(VerbsError::post("post_srq_recv", libc::EINVAL, 0))?;
+        let mut stop = None;
+        for (i, w) in wrs.iter().enumerate() {
+            if w.sges.len() > q.max_sge as usize {
+                stop = Some((i, libc::EINVAL));
+                break;
+            }
+            if q.recvs.len() >= q.max_wr as usize {
+                stop = Some((i, libc::ENOMEM));
+                break;
+            }
+            q.recvs.push_back(PostedRecv {
+                wr_id: w.wr_id,
+                sges: w.sges.to_vec(),
+            });
+        }
+        s.drain_inbound(self.id);
+        match stop {
+            Some((posted, errno)) => Err(VerbsError::post("post_srq_recv", errno, posted)),
+            None => Ok(()),
+        }
+    }
+
+    /// Arms the limit: `SrqLimitReached` fires once when fewer than `limit` receives remain.
+    pub fn arm_limit(&self, limit: u32) -> Result<(), VerbsError> {
+        let mut s = self.fabric.lock();
+        let q = s
+            .srqs
+            .get_mut(&self.id)
+            .ok_or(VerbsError::os("modify_srq", libc::EINVAL))?;
+        if limit > q.max_wr {
+            return Err(VerbsError::os("modify_srq", libc::EINVAL));
+        }
+        q.limit = limit;
+        Ok(())
+    }
+
+    /// Attributes.
+    pub fn query(&self) -> Result<SrqAttr, VerbsError> {
+        let s = self.fabric.lock();
+        let q = s
+            .srqs
+            .get(&self.id)
+            .ok_or(VerbsError::os("query_srq", libc::EINVAL))?;
+        Ok(SrqAttr {
+            max_wr: q.max_wr,
+            max_sge: q.max_sge,
+            srq_limit: q.limit,
+        })
+    }
+
+    /// Receives posted and not yet consumed.
+    pub fn posted(&self) -> usize {
+        self.fabric
+            .lock()
+            .srqs
+            .get(&self.id)
+            .map_or(0, |q| q.recvs.len())
+    }
+
+    /// An ID, as async events name it.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for Srq {
+    fn drop(&mut self) {
+        self.fabric.lock().srqs.remove(&self.id);
+    }
+}
+
+/// An RC queue pair.
+#[derive(Debug)]
+pub struct Qp {
+    pub(crate) fabric: Fabric,
+    pub(crate) qpn: u32,
+}
+
+impl Qp {
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// State.
+    pub fn state(&self) -> QpState {
+        self.fabric
+            .lock()
+            .qps
+            .get(&self.qpn)
+            .map_or(QpState::Err, |q| q.state)
+    }
+
+    /// Sets how often a SEND meeting an empty receive queue is retried (7: forever).
+    pub fn set_rnr_retry(&self, n: u8) {
+        if let Some(q) = self.fabric.lock().qps.get_mut(&self.qpn) {
+            q.rnr_retry = n.min(7);
+        }
+    }
+
+    /// Moves the QP to ERR (flushing outstanding work, then LAST_WQE_REACHED).
+    pub fn to_error(&self) {
+        self.fabric.lock().qp_error(self.qpn);
+    }
+
+    /// Posts a chain of send work requests, in order, as a provider does: it stops at the
+    /// first one it refuses (too many SGEs, inline data too long or on an RDMA READ,
+    /// SEND_WITH_INVALIDATE where the device has none: `EINVAL`; no room left in the send
+    /// queue as it was when the call began, counting unsignaled work requests not yet
+    /// retired: `ENOMEM`; an injected failure, [`Fabric::inject_post_failure`] and
+    /// [`Faults::post_failure_per_million`]: `ENOMEM`). Those before it are posted and
+    /// complete as usual; the error's [`VerbsError::posted`] is its index. A chain longer
+    /// than [`MAX_SEND_CHAIN`](crate::types::MAX_SEND_CHAIN), or a QP that cannot take work
+    /// (before RTS), is refused whole.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        let _scope = ProviderScope::enter();
+        let mut s = self.fabric.lock();
+        s.release_delayed();
+        let q = s
+            .qps
+            .get(&self.qpn)
+            .ok_or(VerbsError::post("post_send", libc::EINVAL, 0))?;
+        let flush = match q.state {
+            QpState::Rts => false,
+            QpState::Err => true,
+            _ => return Err(VerbsError::post("post_send", libc::EINVAL, 0)),
+        };
+        if wrs.len() > crate::types::MAX_SEND_CHAIN {
+            return Err(VerbsError::post("post_send", libc::EINVAL, 0));
+        }
+        let room =
+            (q.caps.max_send_wr as usize).saturating_sub((q.unsignaled_run + q.deferred) as usize);
+        let (max_sge, max_inline) = (q.caps.max_send_sge.max(1) as usize, q.caps.max_inline_data);
+        let invalidate_ok = !s.faults.no_send_with_invalidate;
+        let injected = s.injected_post_failure(self.qpn, wrs.len());
+        let refused = wrs.iter().enumerate().find_map(|(i, w)| {
+            let len: u64 = w.sges.iter().map(|s| u64::from(s.length)).sum();
+            let errno = if i >= room {
+                libc::ENOMEM
+            } else if w.sges.len() > max_sge
+                || (w.inline
+                    && (len > u64::from(max_inline) || matches!(w.op, SendOp::RdmaRead { .. })))
+                || (!invalidate_ok && matches!(w.op, SendOp::SendWithInvalidate { .. }))
+            {
+                libc::EINVAL
+            } else if injected == Some(i) {
+                libc::ENOMEM
+            } else {
+                return None;
+            };
+            Some((i, errno))
+        });
+        let wrs = &wrs[..refused.map_or(wrs.len(), |(i, _)| i)];
+        let reads = wrs
+            .iter()
+            .filter(|w| w.signaled && matches!(w.op, SendOp::RdmaRead { .. }))
+            .count();
+        if reads > 0 {
+            if let Some(q) = s.qps.get_mut(&self.qpn) {
+                q.reads_out += u32::try_from(reads).unwrap_or(u32::MAX);
+                q.reads_peak = q.reads_peak.max(q.reads_out);
+                if q.read_depth > 0 && q.reads_out > q.read_depth {
+                    s.read_depth_exceeded += 1;
+                }
+            }
+        }
+        for w in wrs {
+            let opcode = match w.op {
+                SendOp::Send | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
+                SendOp::RdmaWrite { .. } => WcOpcode::RdmaWrite,
+                SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
+            };
+            if flush || s.qps.get(&self.qpn).is_none_or(|q| q.state == QpState::Err) {
+                s.complete_send(self.qpn, w.wr_id, w.signaled, WcStatus::WrFlushErr, opcode);
+                continue;
+            }
+            execute(&mut s, self.qpn, w, opcode);
+        }
+        match refused {
+            Some((posted, errno)) => Err(VerbsError::post("post_send", errno, posted)),
+            None => Ok(()),
+        }
+    }
+}
+
+thread_local! {
+    static PROVIDER_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks this thread as inside the soft provider's posting and polling calls, where the
+/// wire's own bookkeeping (copies standing in for a NIC's DMA) allocates. A test counting a
+/// data path's allocations leaves those out with [`in_provider`].
+pub(super) struct ProviderScope;
+
+impl ProviderScope {
+    pub(super) fn enter() -> ProviderScope {
+        let _ = PROVIDER_DEPTH.try_with(|d| d.set(d.get() + 1));
+        ProviderScope
+    }
+}
+
+impl Drop for ProviderScope {
+    fn drop(&mut self) {
+        let _ = PROVIDER_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+/// Whether this thread is inside a soft provider post or poll call. Safe to call from a
+/// global allocator (a const-initialized thread-local, no allocation).
+pub fn in_provider() -> bool {
+    PROVIDER_DEPTH.try_with(std::cell::Cell::get).unwrap_or(0) > 0
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let mut s = self.fabric.lock();
+        s.qp_error(self.qpn);
+        s.post_failures.remove(&self.qpn);
+        if s.faults.destroy_drops_completions {
+            s.drop_completions_of(self.qpn);
+        }
+        if let Some(p) = s.qps.get(&self.qpn).and_then(|q| q.peer) {
+            if let Some(pq) = s.qps.get_mut(&p) {
+                pq.peer = None;
+            }
+        }
+        s.qps.remove(&self.qpn);
+    }
+}
