@@ -224,54 +224,74 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         return fail(s, WcStatus::RetryExcErr);
     }
     if let Some(link) = s.qps.get(&qpn).and_then(|q| q.remote) {
-        let Some(q) = s.qps.get_mut(&qpn) else { return };
-        q.next_seq += 1;
-        let seq = q.next_seq;
-        q.deferred += 1;
-        let read_sges = if matches!(w.op, SendOp::RdmaRead { .. }) {
-            w.sges.to_vec()
-        } else {
-            Vec::new()
-        };
-        q.remote_pending.insert(
+        return send_remote(s, qpn, w, opcode, link);
+    }
+    run_local(s, qpn, w, opcode, (peer, rnr_retry));
+}
+
+/// Sends one send WR of QP `qpn` over the TCP wire (`link`): its completion comes with the
+/// peer's answer.
+fn send_remote(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode, link: u32) {
+    let Some(q) = s.qps.get_mut(&qpn) else { return };
+    q.next_seq += 1;
+    let seq = q.next_seq;
+    q.deferred += 1;
+    let read_sges = if matches!(w.op, SendOp::RdmaRead { .. }) {
+        w.sges.to_vec()
+    } else {
+        Vec::new()
+    };
+    q.remote_pending.insert(
+        seq,
+        RemoteWr {
+            wr_id: w.wr_id,
+            signaled: w.signaled,
+            opcode,
+            read_sges,
+        },
+    );
+    let frame = match w.op {
+        SendOp::Send => tcp::Frame::Send {
             seq,
-            RemoteWr {
-                wr_id: w.wr_id,
-                signaled: w.signaled,
-                opcode,
-                read_sges,
-            },
-        );
-        let frame = match w.op {
-            SendOp::Send => tcp::Frame::Send {
-                seq,
-                invalidate: None,
-                data: gather(w.sges),
-            },
-            SendOp::SendWithInvalidate { rkey } => tcp::Frame::Send {
-                seq,
-                invalidate: Some(rkey),
-                data: gather(w.sges),
-            },
-            SendOp::RdmaWrite { remote_addr, rkey } => tcp::Frame::Write {
+            invalidate: None,
+            data: gather(w.sges),
+        },
+        SendOp::SendWithInvalidate { rkey } => tcp::Frame::Send {
+            seq,
+            invalidate: Some(rkey),
+            data: gather(w.sges),
+        },
+        SendOp::RdmaWrite { remote_addr, rkey } => tcp::Frame::Write {
+            seq,
+            addr: remote_addr,
+            rkey,
+            data: gather(w.sges),
+        },
+        SendOp::RdmaRead { remote_addr, rkey } => {
+            let len: u32 = w.sges.iter().map(|g| g.length).sum();
+            tcp::Frame::Read {
                 seq,
                 addr: remote_addr,
                 rkey,
-                data: gather(w.sges),
-            },
-            SendOp::RdmaRead { remote_addr, rkey } => {
-                let len: u32 = w.sges.iter().map(|g| g.length).sum();
-                tcp::Frame::Read {
-                    seq,
-                    addr: remote_addr,
-                    rkey,
-                    len,
-                }
+                len,
             }
-        };
-        s.send_frame(link, frame);
-        return;
-    }
+        }
+    };
+    s.send_frame(link, frame);
+}
+
+/// Runs one send WR of QP `qpn` on the in-process wire, against its peer's memory and receives.
+fn run_local(
+    s: &mut State,
+    qpn: u32,
+    w: &SendWr<'_>,
+    opcode: WcOpcode,
+    (peer, rnr_retry): (Option<u32>, u8),
+) {
+    let fail = |s: &mut State, st: WcStatus| {
+        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
+        s.qp_error(qpn);
+    };
     let Some(peer) = peer.filter(|p| {
         s.qps
             .get(p)
@@ -317,37 +337,51 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
             s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
         }
         SendOp::Send | SendOp::SendWithInvalidate { .. } => {
-            let invalidate = match w.op {
-                SendOp::SendWithInvalidate { rkey } => Some(rkey),
-                _ => None,
-            };
-            let m = Pending {
-                from_qpn: qpn,
-                wr_id: w.wr_id,
-                signaled: w.signaled,
-                data: gather(w.sges),
-                invalidate,
-                remote: None,
-            };
-            let waiting = s.qps.get(&peer).is_some_and(|q| !q.inbound.is_empty());
-            let r = if waiting { None } else { s.deliver(peer, &m) };
-            match r {
-                Some(Ok(())) => {
-                    s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode)
-                }
-                Some(Err(())) => fail(s, WcStatus::RemInvReqErr),
-                None if rnr_retry >= 7 => {
-                    // Receiver Not Ready, retried forever: the message waits for a receive.
-                    if let Some(q) = s.qps.get_mut(&qpn) {
-                        q.deferred += 1;
-                    }
-                    if let Some(p) = s.qps.get_mut(&peer) {
-                        p.inbound.push_back(m);
-                    }
-                }
-                None => fail(s, WcStatus::RnrRetryExcErr),
+            send_local(s, qpn, w, opcode, (peer, rnr_retry));
+        }
+    }
+}
+
+/// A SEND of QP `qpn` to its in-process `peer`: delivered into a receive, or (RNR, retried
+/// forever) waiting for one.
+fn send_local(
+    s: &mut State,
+    qpn: u32,
+    w: &SendWr<'_>,
+    opcode: WcOpcode,
+    (peer, rnr_retry): (u32, u8),
+) {
+    let fail = |s: &mut State, st: WcStatus| {
+        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
+        s.qp_error(qpn);
+    };
+    let invalidate = match w.op {
+        SendOp::SendWithInvalidate { rkey } => Some(rkey),
+        _ => None,
+    };
+    let m = Pending {
+        from_qpn: qpn,
+        wr_id: w.wr_id,
+        signaled: w.signaled,
+        data: gather(w.sges),
+        invalidate,
+        remote: None,
+    };
+    let waiting = s.qps.get(&peer).is_some_and(|q| !q.inbound.is_empty());
+    let r = if waiting { None } else { s.deliver(peer, &m) };
+    match r {
+        Some(Ok(())) => s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode),
+        Some(Err(())) => fail(s, WcStatus::RemInvReqErr),
+        None if rnr_retry >= 7 => {
+            // Receiver Not Ready, retried forever: the message waits for a receive.
+            if let Some(q) = s.qps.get_mut(&qpn) {
+                q.deferred += 1;
+            }
+            if let Some(p) = s.qps.get_mut(&peer) {
+                p.inbound.push_back(m);
             }
         }
+        None => fail(s, WcStatus::RnrRetryExcErr),
     }
 }
 
