@@ -351,114 +351,116 @@ impl State {
                 seq,
                 invalidate,
                 data,
-            } => {
-                let Some(dst) = self.link_qp(link) else {
-                    return self.send_frame(
-                        link,
-                        Frame::Ack {
-                            seq,
-                            status: status_code(WcStatus::RetryExcErr),
-                        },
-                    );
-                };
-                let m = Pending {
-                    from_qpn: 0,
-                    wr_id: 0,
-                    signaled: false,
-                    data,
-                    invalidate,
-                    remote: Some((link, seq)),
-                };
-                let waiting = self.qps.get(&dst).is_some_and(|q| !q.inbound.is_empty());
-                match if waiting { None } else { self.deliver(dst, &m) } {
-                    Some(Ok(())) => self.send_frame(link, Frame::Ack { seq, status: 0 }),
-                    Some(Err(())) => self.send_frame(
-                        link,
-                        Frame::Ack {
-                            seq,
-                            status: status_code(WcStatus::RemInvReqErr),
-                        },
-                    ),
-                    None => {
-                        // Receiver not ready: the message waits (rnr_retry 7 at the sender).
-                        if let Some(q) = self.qps.get_mut(&dst) {
-                            q.inbound.push_back(m);
-                        }
-                    }
-                }
-            }
+            } => self.on_send(link, seq, invalidate, data),
             Frame::Write {
                 seq,
                 addr,
                 rkey,
                 data,
-            } => {
-                let ok = self
-                    .link_qp(link)
-                    .and_then(|q| self.qps.get(&q).map(|q| (q.dev, q.pd)))
-                    .is_some_and(|(dev, pd)| {
-                        self.check_remote(
-                            dev,
-                            pd,
-                            addr,
-                            data.len() as u64,
-                            rkey,
-                            Access::REMOTE_WRITE,
-                        )
-                    });
-                if ok {
-                    super::scatter(
-                        &[Sge {
-                            addr,
-                            length: u32::try_from(data.len()).unwrap_or(u32::MAX),
-                            lkey: 0,
-                        }],
-                        &data,
-                    );
-                }
-                let status = if ok {
-                    0
-                } else {
-                    status_code(WcStatus::RemAccessErr)
-                };
-                self.send_frame(link, Frame::Ack { seq, status });
-            }
+            } => self.on_write(link, seq, (addr, rkey), &data),
             Frame::Read {
                 seq,
                 addr,
                 rkey,
                 len,
-            } => {
-                let ok = self
-                    .link_qp(link)
-                    .and_then(|q| self.qps.get(&q).map(|q| (q.dev, q.pd)))
-                    .is_some_and(|(dev, pd)| {
-                        self.check_remote(dev, pd, addr, u64::from(len), rkey, Access::REMOTE_READ)
-                    });
-                let resp = if ok {
-                    Frame::ReadResp {
-                        seq,
-                        status: 0,
-                        data: super::gather(&[Sge {
-                            addr,
-                            length: len,
-                            lkey: 0,
-                        }]),
-                    }
-                } else {
-                    Frame::ReadResp {
-                        seq,
-                        status: status_code(WcStatus::RemAccessErr),
-                        data: Vec::new(),
-                    }
-                };
-                self.send_frame(link, resp);
-            }
+            } => self.on_read(link, seq, (addr, rkey), len),
             Frame::Ack { seq, status } => self.remote_done(link, seq, code_status(status), None),
             Frame::ReadResp { seq, status, data } => {
                 self.remote_done(link, seq, code_status(status), Some(data))
             }
         }
+    }
+
+    /// A SEND from the peer: into a receive of the linked QP's SRQ, or waiting for one.
+    fn on_send(&mut self, link: u32, seq: u64, invalidate: Option<u32>, data: Vec<u8>) {
+        let Some(dst) = self.link_qp(link) else {
+            return self.send_frame(
+                link,
+                Frame::Ack {
+                    seq,
+                    status: status_code(WcStatus::RetryExcErr),
+                },
+            );
+        };
+        let m = Pending {
+            from_qpn: 0,
+            wr_id: 0,
+            signaled: false,
+            data,
+            invalidate,
+            remote: Some((link, seq)),
+        };
+        let waiting = self.qps.get(&dst).is_some_and(|q| !q.inbound.is_empty());
+        match if waiting { None } else { self.deliver(dst, &m) } {
+            Some(Ok(())) => self.send_frame(link, Frame::Ack { seq, status: 0 }),
+            Some(Err(())) => self.send_frame(
+                link,
+                Frame::Ack {
+                    seq,
+                    status: status_code(WcStatus::RemInvReqErr),
+                },
+            ),
+            None => {
+                // Receiver not ready: the message waits (rnr_retry 7 at the sender).
+                if let Some(q) = self.qps.get_mut(&dst) {
+                    q.inbound.push_back(m);
+                }
+            }
+        }
+    }
+
+    /// An RDMA WRITE from the peer into memory registered on the linked QP's device.
+    fn on_write(&mut self, link: u32, seq: u64, (addr, rkey): (u64, u32), data: &[u8]) {
+        let ok = self
+            .link_qp(link)
+            .and_then(|q| self.qps.get(&q).map(|q| (q.dev, q.pd)))
+            .is_some_and(|(dev, pd)| {
+                self.check_remote(dev, pd, addr, data.len() as u64, rkey, Access::REMOTE_WRITE)
+            });
+        if ok {
+            super::scatter(
+                &[Sge {
+                    addr,
+                    length: u32::try_from(data.len()).unwrap_or(u32::MAX),
+                    lkey: 0,
+                }],
+                data,
+            );
+        }
+        let status = if ok {
+            0
+        } else {
+            status_code(WcStatus::RemAccessErr)
+        };
+        self.send_frame(link, Frame::Ack { seq, status });
+    }
+
+    /// An RDMA READ from the peer of memory registered on the linked QP's device.
+    fn on_read(&mut self, link: u32, seq: u64, (addr, rkey): (u64, u32), len: u32) {
+        let ok = self
+            .link_qp(link)
+            .and_then(|q| self.qps.get(&q).map(|q| (q.dev, q.pd)))
+            .is_some_and(|(dev, pd)| {
+                self.check_remote(dev, pd, addr, u64::from(len), rkey, Access::REMOTE_READ)
+            });
+        let resp = if ok {
+            Frame::ReadResp {
+                seq,
+                status: 0,
+                data: super::gather(&[Sge {
+                    addr,
+                    length: len,
+                    lkey: 0,
+                }]),
+            }
+        } else {
+            Frame::ReadResp {
+                seq,
+                status: status_code(WcStatus::RemAccessErr),
+                data: Vec::new(),
+            }
+        };
+        self.send_frame(link, resp);
     }
 
     /// The responder answered a request of ours.
