@@ -1953,11 +1953,16 @@ fn through_the_reactor_thread_io_of_every_size_and_a_fatal_qp_leave_every_pool_f
     }
     let kept = write_verified(&mut ios[0], 100, 7);
     // The second I/O queue's QP fails; the reactor hears of it through its inbox.
+    // The reactor's SRQ is the one its three QPs share (each host queue has an SRQ of its own).
     let victim = *s
         .fabric
-        .srq_qps(s.fabric.srq_ids()[0])
+        .srq_ids()
+        .into_iter()
+        .map(|id| s.fabric.srq_qps(id))
+        .find(|qps| qps.len() == 3)
+        .expect("the reactor's SRQ has the admin and two I/O QPs")
         .last()
-        .expect("the reactor's SRQ has QPs");
+        .unwrap();
     s.fabric.inject_qp_fatal(victim);
     let mut b = vec![0u8; 4096];
     assert!(
