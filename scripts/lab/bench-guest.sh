@@ -165,6 +165,7 @@ echo
 echo "Means over $ROUNDS rounds (clat: fio's completion latency; ratio = nvmfd / kernel)"
 awk -F'\t' '
   { k = $1 SUBSEP $3; n[k]++; iops[k] += $4; mean[k] += $5; p99[k] += $6; mx[k] += $7
+    if ($7 > worst[k]) worst[k] = $7
     if (!($3 in seen)) { seen[$3] = 1; order[++jobs] = $3 } }
   function row(j, what, a, unit, fmt,   x, y) {
     x = a["nvmfd" SUBSEP j] / n["nvmfd" SUBSEP j]; y = a["kernel" SUBSEP j] / n["kernel" SUBSEP j]
@@ -176,6 +177,7 @@ awk -F'\t' '
       j = order[i]
       row(j, "IOPS", iops, "", "%10.0f"); row(j, "clat mean", mean, "us", "%10.1f")
       row(j, "clat p99", p99, "us", "%10.1f"); row(j, "clat max", mx, "ms", "%10.2f")
+      printf "%-17s %-15s %10.2f %10.2f\n", j, "worst max (ms)", worst["nvmfd" SUBSEP j], worst["kernel" SUBSEP j]
     }
   }' $RESULTS | sed 's/ ()/   /'
 echo
