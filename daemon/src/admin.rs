@@ -62,6 +62,31 @@ pub enum Fault {
     RemoveDevice,
     /// The device comes back (`PORT_ACTIVE`).
     RestoreDevice,
+    /// Seeded random faults on the listener's fabric from now on, replacing those in force
+    /// (all rates 0: none). The answer, as for every fault, counts those injected so far.
+    Seeded(SeededFaults),
+    /// Nothing changes: the answer counts the seeded faults injected so far.
+    Count,
+}
+
+/// Seeded random faults of the soft provider, as chances per million of a send work request
+/// (see `nvmfd_rdma::soft::Faults`): the same seed and the same operations give the same
+/// faults.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SeededFaults {
+    /// Seed of the fault stream.
+    pub seed: u64,
+    /// Lost beyond retries: the QP goes to ERR.
+    pub drop_per_million: u32,
+    /// Held up on the wire until the fabric's next operation.
+    pub delay_per_million: u32,
+    /// The QP fails fatally (`QP_FATAL`).
+    pub qp_fatal_per_million: u32,
+    /// The SRQ of the QP a SEND is for fails (`SRQ_ERR`).
+    pub srq_error_per_million: u32,
+    /// A `post_send` chain is refused part-way.
+    pub post_failure_per_million: u32,
 }
 
 /// An answer: `{"ok": true, "data": ...}` or `{"ok": false, "error": "..."}`.

@@ -1,9 +1,13 @@
 //! The NVMe-oF host over RDMA: one connected queue ([`RdmaQueue`]) that carries the commands
 //! of `nvmfd_nvme::host` (admin and I/O queues, discovery) over either verbs provider.
 //!
-//! Commands are sent one at a time: data up to the in-capsule size travels in the capsule,
-//! larger writes and every read go through a registered buffer the target reaches with RDMA
-//! READ and WRITE (keyed SGL). The `nvmf` command line tool is not written yet.
+//! [`RdmaQueue`] sends commands one at a time; [`PipelinedQueue`] keeps up to its depth of
+//! them outstanding and hands back completions as they come. Data up to the in-capsule size
+//! travels in the capsule, larger writes and every read go through a registered buffer the
+//! target reaches with RDMA READ and WRITE (keyed SGL).
+
+mod pipeline;
+pub use pipeline::{Done, Payload, PipelinedQueue};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -139,41 +143,7 @@ impl RdmaQueue {
             }])
             .map_err(transport)?;
         }
-        let req = RdmaCmRequest {
-            recfmt: U16::new(0),
-            qid: U16::new(qid),
-            hrqsize: U16::new(sqsize.saturating_add(1)),
-            hsqsize: U16::new(sqsize),
-            cntlid: U16::new(0),
-            rsvd: [0; 22],
-        };
-        id.set_responder_resources(opts.responder_resources);
-        id.connect(req.as_bytes()).map_err(transport)?;
-        let end = Instant::now() + Duration::from_secs(10);
-        loop {
-            match ch.next_event() {
-                Some(CmEvent::Established { .. }) => break,
-                Some(CmEvent::Rejected { private_data, .. }) => {
-                    let sts = private_data
-                        .get(2..4)
-                        .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
-                    return Err(HostError::Transport(format!(
-                        "the target rejected the connection (NVMe/RDMA status {sts:#x})"
-                    )));
-                }
-                Some(CmEvent::Unreachable { .. }) => {
-                    return Err(HostError::Transport(format!("{addr} is unreachable")))
-                }
-                Some(CmEvent::ConnectError { .. }) => {
-                    return Err(HostError::Transport(format!(
-                        "the connection to {addr} could not be set up"
-                    )))
-                }
-                Some(_) => {}
-                None if Instant::now() > end => return Err(HostError::Timeout("the connection")),
-                None => std::thread::yield_now(),
-            }
-        }
+        establish(&ch, &id, addr, qid, sqsize, opts.responder_resources)?;
         Ok(RdmaQueue {
             ch,
             id,
@@ -192,6 +162,53 @@ impl RdmaQueue {
     pub fn disconnect(&self) {
         let _ = self.id.disconnect();
         let _ = self.ch.next_event();
+    }
+}
+
+/// Connects `id` (its QP made) to the target at `addr` as queue `qid` of `sqsize` (0's based)
+/// and waits until the connection is established; a rejection says the target's status.
+fn establish(
+    ch: &CmChannel,
+    id: &CmId,
+    addr: SocketAddr,
+    qid: u16,
+    sqsize: u16,
+    responder_resources: u8,
+) -> Result<(), HostError> {
+    let req = RdmaCmRequest {
+        recfmt: U16::new(0),
+        qid: U16::new(qid),
+        hrqsize: U16::new(sqsize.saturating_add(1)),
+        hsqsize: U16::new(sqsize),
+        cntlid: U16::new(0),
+        rsvd: [0; 22],
+    };
+    id.set_responder_resources(responder_resources);
+    id.connect(req.as_bytes()).map_err(transport)?;
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        match ch.next_event() {
+            Some(CmEvent::Established { .. }) => return Ok(()),
+            Some(CmEvent::Rejected { private_data, .. }) => {
+                let sts = private_data
+                    .get(2..4)
+                    .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+                return Err(HostError::Transport(format!(
+                    "the target rejected the connection (NVMe/RDMA status {sts:#x})"
+                )));
+            }
+            Some(CmEvent::Unreachable { .. }) => {
+                return Err(HostError::Transport(format!("{addr} is unreachable")))
+            }
+            Some(CmEvent::ConnectError { .. }) => {
+                return Err(HostError::Transport(format!(
+                    "the connection to {addr} could not be set up"
+                )))
+            }
+            Some(_) => {}
+            None if Instant::now() > end => return Err(HostError::Timeout("the connection")),
+            None => std::thread::yield_now(),
+        }
     }
 }
 

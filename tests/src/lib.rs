@@ -9,20 +9,23 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
 
+pub mod stress;
+
 /// How long any wait in these tests may take before it fails.
 pub const WAIT: Duration = Duration::from_secs(20);
 
-/// The path of a workspace binary built next to the test executable (`target/<profile>/`).
+/// The path of a workspace binary built next to the test executable (`target/<profile>/`,
+/// above the test's `deps/`) or next to this program when it is itself a binary.
 ///
 /// Cargo builds a package's binaries only for that package's own tests, so the test command
 /// builds them first (`cargo build --bins`); this fails with that advice when one is missing or
 /// older than the sources it is built from.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps");
+    let mut dir = exe.parent().expect("target/<profile>");
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir = dir.parent().expect("target/<profile>/deps");
+    }
     let path = dir.join(name);
     let built = std::fs::metadata(&path)
         .and_then(|m| m.modified())

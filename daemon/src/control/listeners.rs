@@ -474,9 +474,28 @@ impl Daemon {
             Fault::RestoreDevice => fabric
                 .restore_device(&dev)
                 .map_err(|e| format!("listener {i}'s device cannot come back yet: {e}"))?,
+            Fault::Seeded(f) => fabric.set_faults(nvmfd_rdma::soft::Faults {
+                seed: f.seed,
+                drop_per_million: f.drop_per_million,
+                delay_per_million: f.delay_per_million,
+                qp_fatal_per_million: f.qp_fatal_per_million,
+                srq_error_per_million: f.srq_error_per_million,
+                post_failure_per_million: f.post_failure_per_million,
+                ..Default::default()
+            }),
+            Fault::Count => {}
         }
-        warn!(self.log, "test hook: fault injected"; "fault" => ?fault, "listener" => i,
-              "device" => %l.address);
-        Ok(serde_json::json!({ "fault": fault, "listener": i, "device": l.address.to_string() }))
+        if fault != Fault::Count {
+            warn!(self.log, "test hook: fault injected"; "fault" => ?fault, "listener" => i,
+                  "device" => %l.address);
+        }
+        let n = fabric.injected();
+        Ok(serde_json::json!({
+            "fault": fault, "listener": i, "device": l.address.to_string(),
+            "injected": {
+                "drops": n.drops, "delays": n.delays, "qp_fatals": n.qp_fatals,
+                "srq_errors": n.srq_errors, "post_failures": n.post_failures,
+            },
+        }))
     }
 }

@@ -190,10 +190,12 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         return fail(s, WcStatus::LocProtErr);
     }
     let held = s.qps.get(&qpn).is_some_and(|q| !q.delayed.is_empty());
-    if !s.releasing
-        && (held
-            || (s.faults.delay_per_million > 0 && s.draw() < u64::from(s.faults.delay_per_million)))
-    {
+    let delay = !s.releasing
+        && !held
+        && s.faults.delay_per_million > 0
+        && s.draw() < u64::from(s.faults.delay_per_million);
+    s.injected.delays += u64::from(delay);
+    if !s.releasing && (held || delay) {
         let inline = w.inline.then(|| gather(w.sges));
         if let Some(q) = s.qps.get_mut(&qpn) {
             q.deferred += 1;
@@ -209,6 +211,7 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         return;
     }
     if s.faults.qp_fatal_per_million > 0 && s.draw() < u64::from(s.faults.qp_fatal_per_million) {
+        s.injected.qp_fatals += 1;
         s.event(dev, AsyncEvent::QpFatal(qpn));
         return fail(s, WcStatus::WrFlushErr);
     }
@@ -217,10 +220,12 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         && s.draw() < u64::from(s.faults.srq_error_per_million)
     {
         if let Some(srq) = peer.and_then(|p| s.qps.get(&p)).and_then(|q| q.srq) {
+            s.injected.srq_errors += 1;
             s.srq_error(srq);
         }
     }
     if s.faults.drop_per_million > 0 && s.draw() < u64::from(s.faults.drop_per_million) {
+        s.injected.drops += 1;
         return fail(s, WcStatus::RetryExcErr);
     }
     if let Some(link) = s.qps.get(&qpn).and_then(|q| q.remote) {

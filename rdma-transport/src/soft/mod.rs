@@ -65,7 +65,8 @@ pub struct Faults {
     /// `QP_FATAL` is reported, the QP goes to ERR, the work request flushes.
     pub qp_fatal_per_million: u32,
     /// Chance, per million, that a SEND fails the SRQ of the QP it is for: `SRQ_ERR` is
-    /// reported and every QP on that SRQ goes to ERR.
+    /// reported and every QP on that SRQ goes to ERR. Over the TCP wire, the fabric of the
+    /// receiving side draws it.
     pub srq_error_per_million: u32,
     /// Chance, per million, that a `post_send` chain is refused part-way, as a provider
     /// refuses the first work request it cannot take (`ENOMEM`, as from a full send queue):
@@ -95,6 +96,21 @@ pub struct DestroyDrops {
     pub receives: u64,
     /// Send completions (successful or flushed).
     pub sends: u64,
+}
+
+/// The seeded faults a fabric has injected since it was made, by kind ([`Fabric::injected`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Injected {
+    /// Send work requests lost beyond retries ([`Faults::drop_per_million`]).
+    pub drops: u64,
+    /// Send work requests held up on the wire ([`Faults::delay_per_million`]).
+    pub delays: u64,
+    /// QPs failed fatally ([`Faults::qp_fatal_per_million`]).
+    pub qp_fatals: u64,
+    /// SRQs failed ([`Faults::srq_error_per_million`]).
+    pub srq_errors: u64,
+    /// `post_send` chains refused part-way ([`Faults::post_failure_per_million`]).
+    pub post_failures: u64,
 }
 
 /// One soft RDMA fabric: the devices that can reach each other in this process.
@@ -157,6 +173,12 @@ impl Fabric {
     /// ([`Faults::destroy_drops_completions`]).
     pub fn destroy_drops(&self) -> DestroyDrops {
         self.lock().destroy_drops
+    }
+
+    /// The seeded faults injected so far, by kind (those injected by a direct call, such as
+    /// [`Fabric::inject_qp_fatal`], are not counted).
+    pub fn injected(&self) -> Injected {
+        self.lock().injected
     }
 
     /// QP `qpn`'s RDMA READ depths, once its connection was accepted with

@@ -133,6 +133,8 @@ pub(crate) struct State {
     pub(super) post_failures: HashMap<u32, usize>,
     /// Completions dropped by destroying their QP.
     pub(super) destroy_drops: DestroyDrops,
+    /// Seeded faults injected, by kind.
+    pub(super) injected: super::Injected,
 }
 
 impl State {
@@ -191,6 +193,7 @@ impl State {
         {
             return None;
         }
+        self.injected.post_failures += 1;
         usize::try_from(self.draw()).ok().map(|d| d % len)
     }
 

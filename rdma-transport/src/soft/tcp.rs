@@ -382,6 +382,16 @@ impl State {
                 },
             );
         };
+        // The SRQ of the QP it is for fails (`Faults::srq_error_per_million`): drawn here,
+        // by the fabric that holds the SRQ, as the in-process wire draws it at the sender.
+        if self.faults.srq_error_per_million > 0
+            && self.draw() < u64::from(self.faults.srq_error_per_million)
+        {
+            if let Some(srq) = self.qps.get(&dst).and_then(|q| q.srq) {
+                self.injected.srq_errors += 1;
+                self.srq_error(srq);
+            }
+        }
         let m = Pending {
             from_qpn: 0,
             wr_id: 0,
