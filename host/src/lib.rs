@@ -6,6 +6,7 @@
 //! travels in the capsule, larger writes and every read go through a registered buffer the
 //! target reaches with RDMA READ and WRITE (keyed SGL).
 
+pub mod bench;
 mod pipeline;
 pub use pipeline::{Done, Payload, PipelinedQueue};
 

@@ -4,6 +4,7 @@
 //!     nvmf discover --addr 127.0.0.1:4420
 //!     nvmf identify --addr 127.0.0.1:4420 --nqn nqn.2024-01.io.nvmfd:ram0
 //!     nvmf verify   --addr 127.0.0.1:4420 --nqn nqn.2024-01.io.nvmfd:ram0 --nsid 1
+//!     nvmf bench    --addr 127.0.0.1:4420 --nqn nqn.2024-01.io.nvmfd:ram0 -q 32 -o 4k -w randread -t 10
 
 // Pattern bytes are masked to 8 bits before the cast.
 #![allow(clippy::cast_possible_truncation)]
@@ -12,7 +13,8 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use nvmf_host::RdmaQueue;
+use nvmf_host::bench::{self, Pattern};
+use nvmf_host::{PipelinedQueue, RdmaQueue};
 use nvmfd_nvme::host::{discovery_entry_text, AdminQueue, HostError, HostId, IoQueue};
 use nvmfd_nvme::{wire, DISCOVERY_NQN};
 use nvmfd_rdma::any::cm::CmChannel;
@@ -66,6 +68,61 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         nsid: u32,
     },
+    /// Measure IOPS, bandwidth and latency: each I/O queue kept at its depth with reads or
+    /// writes of one size (writes destroy the namespace's data).
+    Bench(BenchArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Workload {
+    /// Sequential reads (each queue in its own part of the namespace).
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Random reads.
+    Randread,
+    /// Random writes.
+    Randwrite,
+    /// Random reads and writes, `-M` percent reads.
+    Randrw,
+}
+
+#[derive(clap::Args, Debug)]
+struct BenchArgs {
+    /// Subsystem NQN.
+    #[arg(long)]
+    nqn: String,
+    /// Namespace.
+    #[arg(long, default_value_t = 1)]
+    nsid: u32,
+    /// Commands each queue keeps outstanding.
+    #[arg(short = 'q', long = "depth", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    depth: u16,
+    /// Bytes per I/O: a number of bytes, or with k/KiB or m/MiB (powers of two, as fio).
+    #[arg(short = 'o', long = "size", default_value = "4k", value_parser = io_size)]
+    size: u32,
+    /// Access pattern.
+    #[arg(short = 'w', long = "workload", value_enum, default_value = "randread")]
+    workload: Workload,
+    /// Percentage of reads in `randrw`.
+    #[arg(short = 'M', long = "read-pct", default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=100))]
+    read_pct: u32,
+    /// I/O queues.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    queues: u16,
+    /// Threads driving the queues (default: one per queue; fewer puts several queues on a
+    /// thread).
+    #[arg(long)]
+    threads: Option<u16>,
+    /// Measured seconds.
+    #[arg(short = 't', long = "time", default_value_t = 10.0)]
+    time: f64,
+    /// Seconds run first and not measured.
+    #[arg(long, default_value_t = 2.0)]
+    warmup: f64,
+    /// Print the figures as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 fn channel(p: Provider) -> Result<CmChannel, String> {
@@ -97,10 +154,144 @@ fn queue(cli: &Cli, qid: u16, sqsize: u16) -> Result<RdmaQueue, String> {
 }
 
 fn admin(cli: &Cli, nqn: &str, host: &HostId) -> Result<AdminQueue<RdmaQueue>, String> {
-    let mut a = AdminQueue::connect(queue(cli, 0, 31)?, host, nqn, 31, 30_000)
-        .map_err(|e: HostError| e.to_string())?;
+    let mut a = AdminQueue::connect(queue(cli, 0, 31)?, host, nqn, 31, 30_000).map_err(
+        |e: HostError| {
+            // Connect's Invalid Parameters says which field (dw0: IATTR, IPO); 0x84 is
+            // Connect Invalid Host.
+            let hint = match &e {
+                HostError::Status {
+                    dw0: 0x0001_0100, ..
+                } => " (no such subsystem there)",
+                HostError::Status {
+                    dw0: 0x0001_0200, ..
+                } => " (the host NQN is refused)",
+                HostError::Status { status, .. } if status.sct() == 1 && status.sc() == 0x84 => {
+                    " (this host is not allowed)"
+                }
+                _ => "",
+            };
+            format!("connecting to {nqn} at {}: {e}{hint}", cli.addr)
+        },
+    )?;
     a.enable().map_err(|e| e.to_string())?;
     Ok(a)
+}
+
+/// `4096`, `4k`, `4KiB`, `128k`, `1m`, `1MiB`: bytes, k and m in powers of two.
+fn io_size(s: &str) -> Result<u32, String> {
+    let t = s.trim();
+    let at = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(at);
+    let n: u32 = n.parse().map_err(|_| format!("`{s}` is not a size"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" | "kb" => 10,
+        "m" | "mib" | "mb" => 20,
+        _ => return Err(format!("`{s}`: the unit is k, KiB, m or MiB")),
+    };
+    n.checked_mul(1 << shift)
+        .filter(|&v| v > 0)
+        .ok_or_else(|| format!("`{s}` is not a size from 1 byte to 4 GiB"))
+}
+
+fn seconds(what: &str, s: f64) -> Result<std::time::Duration, String> {
+    std::time::Duration::try_from_secs_f64(s)
+        .map_err(|_| format!("{what}: {s} is not a duration in seconds"))
+}
+
+fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
+    let mut a = admin(cli, &b.nqn, host)?;
+    let ns = a
+        .identify_namespace(b.nsid)
+        .map_err(|e| format!("namespace {} of {}: {e}", b.nsid, b.nqn))?;
+    if ns.nsze.get() == 0 {
+        return Err(format!("namespace {} is not active in {}", b.nsid, b.nqn));
+    }
+    let granted = a.set_queue_count(b.queues).map_err(|e| e.to_string())?;
+    if granted < b.queues {
+        return Err(format!(
+            "the target grants {granted} I/O queues, {} were asked for",
+            b.queues
+        ));
+    }
+    let io_size = b.size;
+    let job = bench::Job {
+        nsid: b.nsid,
+        block_size: 1u32 << ns.lbaf[usize::from(ns.flbas & 0xf)].lbads,
+        blocks: ns.nsze.get(),
+        io_size,
+        depth: b.depth,
+        pattern: match b.workload {
+            Workload::Read => Pattern::Read,
+            Workload::Write => Pattern::Write,
+            Workload::Randread => Pattern::RandRead,
+            Workload::Randwrite => Pattern::RandWrite,
+            Workload::Randrw => Pattern::RandRw,
+        },
+        read_pct: b.read_pct,
+        queues: b.queues,
+        threads: b.threads.unwrap_or(b.queues).max(1),
+        time: seconds("-t", b.time)?,
+        warmup: seconds("--warmup", b.warmup)?,
+    };
+    let cntlid = a.cntlid;
+    let connect = |qid: u16| {
+        let ch = channel(cli.provider).map_err(HostError::Transport)?;
+        let q = PipelinedQueue::connect(ch, cli.addr, qid, b.depth, 4096, io_size.max(4096))?;
+        IoQueue::connect(q, host, &b.nqn, cntlid, qid, b.depth - 1)
+    };
+    let bar = if b.json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new_spinner()
+    };
+    let mut last = (0u64, std::time::Duration::ZERO);
+    let mut tick = |ios: u64, at: std::time::Duration| {
+        let dt = (at - last.1).as_secs_f64();
+        if dt >= 0.5 {
+            let iops = (ios - last.0) as f64 / dt;
+            bar.set_message(format!(
+                "{:>4.0}s {:>10.0} IOPS {:>9.1} MiB/s",
+                at.as_secs_f64(),
+                iops,
+                iops * f64::from(io_size) / f64::from(1u32 << 20)
+            ));
+            bar.tick();
+            last = (ios, at);
+        }
+    };
+    let figures = bench::run(&job, &connect, &mut tick);
+    bar.finish_and_clear();
+    let _ = a.shutdown();
+    let figures = figures?;
+    let report = bench::report(&job, &figures);
+    if b.json {
+        println!("{report:#}");
+        return Ok(());
+    }
+    println!(
+        "{} {} B, depth {}, {} queue(s) on {} thread(s), {:.1} s after {:.1} s of warm-up",
+        format!("{:?}", b.workload).to_lowercase(),
+        io_size,
+        b.depth,
+        b.queues,
+        job.threads.min(b.queues),
+        b.time,
+        b.warmup
+    );
+    if let Some(qs) = report["queues"].as_array() {
+        if qs.len() > 1 {
+            for q in qs {
+                println!(
+                    "queue {:>4}: {}",
+                    q["qid"].as_u64().unwrap_or(0),
+                    bench::line(q)
+                );
+            }
+        }
+    }
+    println!("total     : {}", bench::line(&report["total"]));
+    Ok(())
 }
 
 fn run(cli: &Cli) -> Result<(), String> {
@@ -109,6 +300,7 @@ fn run(cli: &Cli) -> Result<(), String> {
         id: [0x6e; 16],
     };
     match &cli.command {
+        Command::Bench(b) => run_bench(cli, &host, b)?,
         Command::Discover => {
             let mut d = admin(cli, DISCOVERY_NQN, &host)?;
             for e in d.discover().map_err(|e| e.to_string())? {

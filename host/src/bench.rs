@@ -1,0 +1,309 @@
+//! `nvmf bench`: a load generator over [`PipelinedQueue`]s. Each thread connects its own
+//! I/O queues and keeps each at its depth: reads and writes of one size, sequential (each
+//! queue in its own part of the namespace) or random, mixed by a read percentage. Latency is
+//! from submission to the completion's arrival, kept in an HDR histogram per queue; a
+//! warm-up is run first and not counted.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use nvmfd_nvme::host::{HostError, IoQueue};
+use nvmfd_nvme::wire::{self, io_opcode, Sqe};
+use serde_json::{json, Value};
+use zerocopy::little_endian::U32;
+
+use crate::{Payload, PipelinedQueue};
+
+/// The access pattern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Random reads.
+    RandRead,
+    /// Random writes.
+    RandWrite,
+    /// Random reads and writes, mixed by the read percentage.
+    RandRw,
+}
+
+impl Pattern {
+    fn random(self) -> bool {
+        matches!(
+            self,
+            Pattern::RandRead | Pattern::RandWrite | Pattern::RandRw
+        )
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Job {
+    /// The namespace.
+    pub nsid: u32,
+    /// Its block size and blocks.
+    pub block_size: u32,
+    /// Its capacity in blocks.
+    pub blocks: u64,
+    /// Bytes per I/O (a whole number of blocks).
+    pub io_size: u32,
+    /// Commands each queue keeps outstanding.
+    pub depth: u16,
+    /// The pattern.
+    pub pattern: Pattern,
+    /// Percentage of reads (`RandRw`; the others imply 100 or 0).
+    pub read_pct: u32,
+    /// I/O queues.
+    pub queues: u16,
+    /// Threads (each drives `queues / threads` queues, or one more).
+    pub threads: u16,
+    /// Measured time.
+    pub time: Duration,
+    /// Unmeasured time before it.
+    pub warmup: Duration,
+}
+
+/// One queue's figures.
+#[derive(Debug)]
+pub struct QueueFigures {
+    /// Queue ID.
+    pub qid: u16,
+    /// I/Os completed in the measured time.
+    pub ios: u64,
+    /// Latencies in nanoseconds.
+    pub latency: Histogram<u64>,
+}
+
+/// Counts shared with the progress line.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// I/Os completed (warm-up included).
+    pub ios: AtomicU64,
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds")
+}
+
+/// The work of one thread: queues `qids`, connected by `connect`.
+fn thread_main(
+    job: &Job,
+    qids: &[u16],
+    connect: &(dyn Fn(u16) -> Result<IoQueue<PipelinedQueue>, HostError> + Sync),
+    start: &Barrier,
+    stop: &AtomicBool,
+    progress: &Progress,
+) -> Result<Vec<QueueFigures>, String> {
+    let mut queues = Vec::new();
+    for &qid in qids {
+        let q = connect(qid);
+        // Everyone waits for every connection, failed or not.
+        queues.push(q.map_err(|e| format!("connecting I/O queue {qid}: {e}")));
+    }
+    start.wait();
+    let mut queues = queues.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let io_blocks = u64::from(job.io_size / job.block_size);
+    let slots = job.blocks / io_blocks;
+    if slots == 0 {
+        return Err("the namespace is smaller than one I/O".into());
+    }
+    let data: Vec<u8> = (0..job.io_size).map(|i| (i % 251) as u8).collect();
+    let mut rng = fastrand::Rng::with_seed(u64::from(qids.first().copied().unwrap_or(0)));
+    let mut figures: Vec<QueueFigures> = qids
+        .iter()
+        .map(|&qid| QueueFigures {
+            qid,
+            ios: 0,
+            latency: histogram(),
+        })
+        .collect();
+    let n = u64::from(job.queues);
+    let mut next: Vec<u64> = qids
+        .iter()
+        .map(|&q| (u64::from(q) - 1) * (slots / n))
+        .collect();
+    let mut sent_at: Vec<Vec<Instant>> = queues
+        .iter()
+        .map(|_| vec![Instant::now(); usize::from(job.depth) + 1])
+        .collect();
+    let began = Instant::now();
+    let mut measuring = job.warmup.is_zero();
+    let mut done = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        if !measuring && began.elapsed() >= job.warmup {
+            measuring = true;
+            for f in &mut figures {
+                f.ios = 0;
+                f.latency.reset();
+            }
+        }
+        for (k, io) in queues.iter_mut().enumerate() {
+            let q = io.transport();
+            while q.outstanding() < usize::from(job.depth) {
+                let at = if job.pattern.random() {
+                    rng.u64(0..slots)
+                } else {
+                    let at = next[k];
+                    next[k] = (at + 1) % slots;
+                    at
+                };
+                let read = match job.pattern {
+                    Pattern::Read | Pattern::RandRead => true,
+                    Pattern::Write | Pattern::RandWrite => false,
+                    Pattern::RandRw => rng.u32(0..100) < job.read_pct,
+                };
+                let mut s: Sqe = wire::zeroed();
+                let lba = at * io_blocks;
+                s.opcode = if read {
+                    io_opcode::READ
+                } else {
+                    io_opcode::WRITE
+                };
+                s.nsid = U32::new(job.nsid);
+                s.cdw10 = U32::new(wire::lo32(lba));
+                s.cdw11 = U32::new(wire::hi32(lba));
+                s.cdw12 = U32::new(wire::sat(io_blocks - 1));
+                let payload = if read {
+                    Payload::In(job.io_size as usize)
+                } else {
+                    Payload::Out(&data)
+                };
+                let slot = q
+                    .submit(0, s, payload)
+                    .map_err(|e| format!("I/O queue {}: {e}", figures[k].qid))?;
+                sent_at[k][usize::from(slot)] = Instant::now();
+            }
+            q.poll(&mut done);
+            let now = Instant::now();
+            for d in done.drain(..) {
+                d.ok()
+                    .map_err(|e| format!("I/O error on queue {}: {e}", figures[k].qid))?;
+                progress.ios.fetch_add(1, Ordering::Relaxed);
+                if measuring {
+                    let ns = now
+                        .duration_since(sent_at[k][usize::from(d.slot)])
+                        .as_nanos();
+                    let f = &mut figures[k];
+                    f.ios += 1;
+                    let _ = f
+                        .latency
+                        .record(u64::try_from(ns).unwrap_or(u64::MAX).max(1));
+                }
+            }
+        }
+    }
+    for io in &mut queues {
+        io.transport().disconnect();
+    }
+    Ok(figures)
+}
+
+/// Runs `job`; `connect(qid)` connects I/O queue `qid` (with `job.depth` slots). Calls
+/// `tick` with the I/Os so far about every 200 ms (the progress line).
+pub fn run(
+    job: &Job,
+    connect: &(dyn Fn(u16) -> Result<IoQueue<PipelinedQueue>, HostError> + Sync),
+    tick: &mut dyn FnMut(u64, Duration),
+) -> Result<Vec<QueueFigures>, String> {
+    if job.io_size == 0 || !job.io_size.is_multiple_of(job.block_size) {
+        return Err(format!(
+            "the I/O size ({} bytes) must be a whole number of {}-byte blocks",
+            job.io_size, job.block_size
+        ));
+    }
+    let threads = job.threads.clamp(1, job.queues.max(1));
+    let stop = AtomicBool::new(false);
+    let progress = Progress::default();
+    let start = Barrier::new(usize::from(threads) + 1);
+    let results = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let qids: Vec<u16> = (1..=job.queues)
+                    .filter(|q| (q - 1) % threads == t)
+                    .collect();
+                let (stop, progress, start) = (&stop, &progress, &start);
+                scope.spawn(move || thread_main(job, &qids, connect, start, stop, progress))
+            })
+            .collect();
+        start.wait();
+        let began = Instant::now();
+        let end = began + job.warmup + job.time;
+        while Instant::now() < end && !handles.iter().any(|h| h.is_finished()) {
+            std::thread::sleep(Duration::from_millis(200).min(end - Instant::now()));
+            tick(progress.ios.load(Ordering::Relaxed), began.elapsed());
+        }
+        stop.store(true, Ordering::Relaxed);
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a bench thread panicked".into()))
+            })
+            .collect::<Vec<_>>()
+    });
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    all.sort_by_key(|f| f.qid);
+    Ok(all)
+}
+
+/// IOPS, MiB/s and latencies (µs) of `ios` I/Os of `io_size` bytes over `time`.
+pub fn summary(ios: u64, io_size: u32, time: Duration, h: &Histogram<u64>) -> Value {
+    let secs = time.as_secs_f64().max(1e-9);
+    let us = |v: u64| (v as f64) / 1000.0;
+    json!({
+        "ios": ios,
+        "iops": (ios as f64) / secs,
+        "mib_per_s": (ios as f64) * f64::from(io_size) / secs / f64::from(1u32 << 20),
+        "latency_us": {
+            "min": us(h.min()),
+            "mean": h.mean() / 1000.0,
+            "p50": us(h.value_at_quantile(0.50)),
+            "p90": us(h.value_at_quantile(0.90)),
+            "p99": us(h.value_at_quantile(0.99)),
+            "p99_9": us(h.value_at_quantile(0.999)),
+            "max": us(h.max()),
+        },
+    })
+}
+
+/// The figures of every queue and their total.
+pub fn report(job: &Job, figures: &[QueueFigures]) -> Value {
+    let mut total = histogram();
+    for f in figures {
+        let _ = total.add(&f.latency);
+    }
+    let ios = figures.iter().map(|f| f.ios).sum();
+    json!({
+        "queues": figures.iter().map(|f| {
+            let mut v = summary(f.ios, job.io_size, job.time, &f.latency);
+            v["qid"] = json!(f.qid);
+            v
+        }).collect::<Vec<_>>(),
+        "total": summary(ios, job.io_size, job.time, &total),
+    })
+}
+
+/// One line of `summary`'s figures.
+pub fn line(v: &Value) -> String {
+    let l = &v["latency_us"];
+    let f = |k: &str| l[k].as_f64().unwrap_or(0.0);
+    format!(
+        "{:>10.0} IOPS {:>9.1} MiB/s  latency µs: min {:.1} mean {:.1} p50 {:.1} p90 {:.1} p99 {:.1} p99.9 {:.1} max {:.1}",
+        v["iops"].as_f64().unwrap_or(0.0),
+        v["mib_per_s"].as_f64().unwrap_or(0.0),
+        f("min"),
+        f("mean"),
+        f("p50"),
+        f("p90"),
+        f("p99"),
+        f("p99_9"),
+        f("max")
+    )
+}

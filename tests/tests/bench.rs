@@ -1,0 +1,153 @@
+//! `nvmf bench` against the real nvmfd over the soft provider's TCP wire: figures per queue
+//! and in total, in text and JSON, and clear errors with a non-zero exit.
+
+use std::process::Command;
+
+use nvmfd_tests::{bin, Daemon, Options};
+use serde_json::Value;
+
+const SUB: &str = "nqn.2024-01.io.nvmfd.test:ram0";
+
+fn addr(d: &Daemon) -> String {
+    let cfg = std::fs::read_to_string(d.dir.path().join("nvmfd.toml")).unwrap();
+    let port = cfg
+        .lines()
+        .find_map(|l| l.strip_prefix("port = "))
+        .unwrap()
+        .trim()
+        .to_string();
+    format!("127.0.0.1:{port}")
+}
+
+fn nvmf(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(bin("nvmf"))
+        .args(args)
+        .output()
+        .expect("run nvmf");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v["latency_us"][k]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{k} in {v}"))
+}
+
+#[test]
+fn bench_reports_every_queue_and_the_total_in_json() {
+    let d = Daemon::start(Options::default());
+    let a = addr(&d);
+    let (ok, out, err) = nvmf(&[
+        "bench",
+        "--addr",
+        &a,
+        "--nqn",
+        SUB,
+        "-q",
+        "4",
+        "-o",
+        "8k",
+        "-w",
+        "randrw",
+        "-M",
+        "70",
+        "--queues",
+        "3",
+        "--threads",
+        "2",
+        "-t",
+        "1",
+        "--warmup",
+        "0.2",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let queues = v["queues"].as_array().unwrap();
+    assert_eq!(queues.len(), 3, "{v}");
+    let total = &v["total"];
+    let sum: u64 = queues.iter().map(|q| q["ios"].as_u64().unwrap()).sum();
+    assert_eq!(total["ios"].as_u64().unwrap(), sum);
+    assert!(sum > 0, "{v}");
+    for q in queues.iter().chain([total]) {
+        assert!(q["ios"].as_u64().unwrap() > 0, "{q}");
+        assert!(f(q, "min") > 0.0);
+        assert!(
+            f(q, "min") <= f(q, "p50") && f(q, "p50") <= f(q, "p90"),
+            "{q}"
+        );
+        assert!(
+            f(q, "p90") <= f(q, "p99") && f(q, "p99") <= f(q, "p99_9"),
+            "{q}"
+        );
+        assert!(f(q, "p99_9") <= f(q, "max"), "{q}");
+        // 8 KiB per I/O over one measured second.
+        let mib = q["mib_per_s"].as_f64().unwrap();
+        let iops = q["iops"].as_f64().unwrap();
+        assert!(
+            (mib - iops * 8192.0 / 1048576.0).abs() < 1e-6 * (1.0 + mib),
+            "{q}"
+        );
+    }
+    // The target served the reads and the writes of the mix.
+    let stats = d.data("stats");
+    let dp = &stats["datapath"][0];
+    assert!(dp["read_bytes_total"].as_u64().unwrap() > 0, "{dp}");
+    assert!(dp["write_bytes_total"].as_u64().unwrap() > 0, "{dp}");
+}
+
+#[test]
+fn bench_prints_a_line_per_queue_and_a_total() {
+    let d = Daemon::start(Options::default());
+    let a = addr(&d);
+    let (ok, out, err) = nvmf(&[
+        "bench", "--addr", &a, "--nqn", SUB, "-q", "2", "-o", "128k", "-w", "write", "--queues",
+        "2", "-t", "0.5", "--warmup", "0",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.starts_with("write 131072 B, depth 2, 2 queue(s)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("queue    1:") && out.contains("queue    2:"),
+        "{out}"
+    );
+    assert!(
+        out.contains("total     :") && out.contains("IOPS") && out.contains("p99.9"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bench_errors_are_clear_and_exit_non_zero() {
+    let d = Daemon::start(Options::default());
+    let a = addr(&d);
+    let cases: [(&[&str], &str); 4] = [
+        (&["--nsid", "9"], "namespace 9 of"),
+        (&["-o", "1000"], "whole number of 512-byte blocks"),
+        (&["-o", "4q"], "the unit is k, KiB, m or MiB"),
+        (
+            &["--nqn", "nqn.2024-01.io.nvmfd.test:none"],
+            "(no such subsystem there)",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["bench", "--addr", &a, "-t", "0.2", "--warmup", "0"];
+        if !extra.contains(&"--nqn") {
+            args.extend_from_slice(&["--nqn", SUB]);
+        }
+        args.extend_from_slice(extra);
+        let (ok, _, err) = nvmf(&args);
+        assert!(!ok, "{extra:?} succeeded");
+        assert!(err.contains(want), "{extra:?}: `{want}` not in: {err}");
+    }
+    // Nobody listens there.
+    let (ok, _, err) = nvmf(&["bench", "--addr", "127.0.0.1:9", "--nqn", SUB, "-t", "0.2"]);
+    assert!(!ok);
+    assert!(err.starts_with("nvmf: "), "{err}");
+}
