@@ -5,6 +5,7 @@ pub mod admin;
 pub mod control;
 pub mod ctl;
 pub mod datapath;
+pub mod inproc;
 pub mod logging;
 pub mod notify;
 pub mod paths;

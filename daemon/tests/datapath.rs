@@ -89,17 +89,13 @@ struct Served {
     thread: Option<std::thread::JoinHandle<()>>,
     fabric: Fabric,
     addr: SocketAddr,
-    /// Served by a real reactor thread (`serve_on_reactor`): `thread` is then the control
-    /// loop's stand-in, which hands it connections and events.
-    reactor: Option<nvmfd::reactor::ReactorHandle>,
+    /// Served by a real reactor thread and its control stand-in (`serve_on_reactor`).
+    inproc: Option<nvmfd::inproc::InProcTarget>,
 }
 
 impl Drop for Served {
     fn drop(&mut self) {
-        if let Some(mut r) = self.reactor.take() {
-            r.shared.request_stop();
-            r.join();
-        }
+        self.inproc.take();
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -313,14 +309,13 @@ fn serve_opts(
         thread: Some(thread),
         fabric,
         addr,
-        reactor: None,
+        inproc: None,
     }
 }
 
-/// A target as the daemon runs it: a real reactor thread (`ReactorHandle`, the poll loop
-/// that arms, sleeps and folds counters) serving the data path of `serve`'s namespaces, and
-/// a thread standing in for the control thread: it sleeps on the CM channel and the
-/// device's async fd and hands connections and events to the reactor's inbox, waking it.
+/// A target as the daemon runs it (`nvmfd::inproc`): a real reactor thread serving the data
+/// path of `serve`'s namespaces, and a thread standing in for the control thread, handing it
+/// connections and events and waking it.
 fn serve_on_reactor(
     port: u16,
     cfg: nvmfd::reactor::LoopConfig,
@@ -338,141 +333,46 @@ fn serve_on_reactor_with(
     srq: SrqConfig,
     connect_timeout: Duration,
 ) -> Served {
-    use nvmfd::paths::{PathBuilder, ReactorCmd, ReactorPaths};
-    let fabric = Fabric::new();
-    fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
-    let addr: SocketAddr = format!("10.0.0.1:{port}").parse().unwrap();
     let mk = |bs: u32| {
         let mut spec = DeviceSpec::new(Kind::Malloc);
         spec.size = 16 << 20;
         spec.block_size = bs;
         Device::open(&spec).unwrap()
     };
-    let (d1, d2) = (mk(512), mk(4096));
-    let ns = |nsid, d: &Arc<Device>| Namespace {
-        nsid,
-        info: d.info().clone(),
-        uuid: None,
-        nguid: None,
-    };
-    let limits = Limits::default();
-    let target = Target::new(
-        vec![Subsystem {
-            nqn: SUB.into(),
-            serial: "RDMA1".into(),
-            model: "nvmfd".into(),
-            allow_any_host: true,
-            hosts: vec![],
-            namespaces: vec![ns(1, &d1), ns(2, &d2)],
-        }],
-        vec![Port {
-            addr: addr.ip(),
-            port: addr.port(),
-        }],
-        limits,
-    );
-    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).unwrap());
-    let listener = ch.listen(addr, 16).unwrap();
-    let dev = listener.device().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let log = slog::Logger::root(slog::Discard, slog::o!());
-    let builder = PathBuilder {
-        target,
-        namespaces: vec![(SUB.into(), 1, d1), (SUB.into(), 2, d2)],
-        cfg: DataPathConfig {
-            srq,
-            in_capsule: limits.in_capsule_data_size,
-            buffers: 16,
-            max_io: limits.max_io_size,
-            requests: 32,
-            connect_timeout,
-        },
-        registrar: Registrar::spawn().unwrap(),
-        log: log.clone(),
-    };
-    let devices = vec![Some(dev.clone())];
-    let factory: nvmfd::reactor::WorkFactory =
-        Box::new(move || Box::new(ReactorPaths::new(&devices, builder, counters, rx)));
-    let reactor = nvmfd::reactor::ReactorHandle::spawn(0, 0, cfg, &log, Some(factory)).unwrap();
-    let shared = Arc::clone(&reactor.shared);
-    let stop = Arc::new(AtomicBool::new(false));
-    let st = Arc::clone(&stop);
-    let hold_cm = Arc::new(AtomicBool::new(false));
-    let hcm = Arc::clone(&hold_cm);
-    let thread = std::thread::spawn(move || {
-        use mio::unix::SourceFd;
-        let mut poll = mio::Poll::new().unwrap();
-        for (n, fd) in [ch.fd(), dev.async_fd()].into_iter().enumerate() {
-            poll.registry()
-                .register(&mut SourceFd(&fd), mio::Token(n), mio::Interest::READABLE)
-                .unwrap();
-        }
-        let mut events = mio::Events::with_capacity(8);
-        while !st.load(Ordering::Relaxed) {
-            let _ = poll.poll(&mut events, Some(Duration::from_millis(20)));
-            while let Some(ev) = (!hcm.load(Ordering::Relaxed))
-                .then(|| ch.next_event())
-                .flatten()
-            {
-                let cmd = match ev {
-                    CmEvent::ConnectRequest {
-                        id,
-                        private_data,
-                        initiator_depth,
-                        ..
-                    } => match check_request(&private_data, &limits) {
-                        Ok(req) => ReactorCmd::Adopt {
-                            listener: 0,
-                            id,
-                            req: req.with_read_depth(initiator_depth),
-                        },
-                        Err(status) => {
-                            let _ = id.reject(&reject_private_data(status));
-                            continue;
-                        }
-                    },
-                    CmEvent::Disconnected { id } => ReactorCmd::Disconnected { token: id },
-                    CmEvent::Rejected { id, .. } => ReactorCmd::ConnectFailed {
-                        token: id,
-                        why: ConnectFailure::Rejected,
-                    },
-                    CmEvent::Unreachable { id } => ReactorCmd::ConnectFailed {
-                        token: id,
-                        why: ConnectFailure::Unreachable,
-                    },
-                    CmEvent::ConnectError { id } => ReactorCmd::ConnectFailed {
-                        token: id,
-                        why: ConnectFailure::ConnectError,
-                    },
-                    _ => continue,
-                };
-                tx.send(cmd).unwrap();
-                shared.wake();
-            }
-            while let Some(event) = dev.next_event() {
-                tx.send(ReactorCmd::DeviceEvent {
-                    async_fd: dev.async_fd(),
-                    event,
-                })
-                .unwrap();
-                shared.wake();
-            }
-        }
-        drop(listener);
-    });
+    let t = nvmfd::inproc::InProcTarget::start(nvmfd::inproc::InProcOptions {
+        nqn: SUB.into(),
+        namespaces: vec![(1, mk(512)), (2, mk(4096))],
+        port,
+        srq,
+        buffers: 16,
+        requests: 32,
+        connect_timeout,
+        loop_cfg: cfg,
+        counters,
+        core: 0,
+    })
+    .unwrap();
     Served {
-        stop,
+        stop: Arc::new(AtomicBool::new(false)),
         paused: Arc::new(AtomicBool::new(false)),
         hold_events: Arc::new(AtomicBool::new(false)),
-        hold_cm,
+        hold_cm: Arc::clone(&t.hold_cm),
         allocations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         turns: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         srq_id: 0,
-        thread: Some(thread),
-        fabric,
-        addr,
-        reactor: Some(reactor),
+        thread: None,
+        fabric: t.fabric.clone(),
+        addr: t.addr,
+        inproc: Some(t),
     }
+}
+
+/// The reactor of a target `serve_on_reactor` started.
+fn reactor(s: &Served) -> &nvmfd::reactor::ReactorHandle {
+    s.inproc
+        .as_ref()
+        .and_then(|t| t.reactor.as_ref())
+        .expect("served on a reactor thread")
 }
 
 fn queue(s: &Served, qid: u16, sqsize: u16) -> RdmaQueue {
@@ -1364,14 +1264,7 @@ fn failed_connects_are_released_through_the_real_reactor_thread_while_it_sleeps(
     ] {
         fail_connects(&s, &c, &mut want, how, 100);
     }
-    let sleeps = s
-        .reactor
-        .as_ref()
-        .unwrap()
-        .shared
-        .counters
-        .sleeps
-        .load(Relaxed);
+    let sleeps = reactor(&s).shared.counters.sleeps.load(Relaxed);
     assert!(sleeps > 0, "the reactor never slept");
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
     let (_admin, mut ios) = controller(&s, 1);
@@ -1785,7 +1678,7 @@ fn through_the_reactor_thread_every_command_sent_to_a_sleeping_reactor_wakes_it_
     let io = &mut ios[0];
     let data = pattern(3, 4096);
     io.write(2, 9, 1, &data, false).unwrap();
-    let reactor = &s.reactor.as_ref().unwrap().shared.counters;
+    let reactor = &reactor(&s).shared.counters;
     let mut back = vec![0u8; 4096];
     let mut from_sleep = Vec::with_capacity(1000);
     // Sleeps before the last command was sent: the reactor woke from the last of them for
@@ -1978,14 +1871,7 @@ fn through_the_reactor_thread_io_of_every_size_and_a_fatal_qp_leave_every_pool_f
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
     assert_eq!(c.stale_completions.load(Relaxed), 0);
     assert!(
-        s.reactor
-            .as_ref()
-            .unwrap()
-            .shared
-            .counters
-            .sleeps
-            .load(Relaxed)
-            > 0,
+        reactor(&s).shared.counters.sleeps.load(Relaxed) > 0,
         "the reactor slept between commands"
     );
 }
