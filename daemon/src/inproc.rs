@@ -65,6 +65,24 @@ pub struct InProcTarget {
 impl InProcTarget {
     /// Starts the reactor and the control stand-in.
     pub fn start(o: InProcOptions) -> std::io::Result<InProcTarget> {
+        Self::build(o, true).map(|(t, _)| t)
+    }
+
+    /// Starts the control stand-in only, and returns the reactor's work for the caller to
+    /// poll on its own thread (`ReactorWork::poll`): one thread then runs host and target,
+    /// turn by turn, and nothing spins (what an instruction count needs).
+    pub fn start_manual(
+        o: InProcOptions,
+    ) -> std::io::Result<(InProcTarget, Box<dyn crate::reactor::ReactorWork>)> {
+        let (t, work) = Self::build(o, false)?;
+        let work = work.ok_or_else(|| std::io::Error::other("no work was built"))?;
+        Ok((t, work()))
+    }
+
+    fn build(
+        o: InProcOptions,
+        spawn: bool,
+    ) -> std::io::Result<(InProcTarget, Option<crate::reactor::WorkFactory>)> {
         let err = |e: nvmfd_rdma::VerbsError| std::io::Error::other(e.to_string());
         let fabric = Fabric::new();
         fabric.add_device([10, 0, 0, 1].into()).map_err(err)?;
@@ -94,7 +112,8 @@ impl InProcTarget {
             }],
             limits,
         );
-        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).map_err(err)?);
+        let ch =
+            any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).map_err(err)?);
         let listener = ch.listen(addr, 128).map_err(err)?;
         let dev = listener.device().map_err(err)?;
         let (tx, rx) = std::sync::mpsc::channel();
@@ -121,9 +140,19 @@ impl InProcTarget {
         let counters = o.counters;
         let factory: crate::reactor::WorkFactory =
             Box::new(move || Box::new(ReactorPaths::new(&devices, builder, counters, rx)));
-        let reactor = ReactorHandle::spawn(0, o.core, o.loop_cfg, &log, Some(factory))
-            .map_err(|e| std::io::Error::other(e.to_string()))?;
-        let shared = Arc::clone(&reactor.shared);
+        let (reactor, manual) = if spawn {
+            let r = ReactorHandle::spawn(0, o.core, o.loop_cfg, &log, Some(factory))
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            (Some(r), None)
+        } else {
+            (None, Some(factory))
+        };
+        let shared = reactor.as_ref().map(|r| Arc::clone(&r.shared));
+        let wake = move || {
+            if let Some(s) = &shared {
+                s.wake();
+            }
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let hold_cm = Arc::new(AtomicBool::new(false));
         let (st, hcm) = (Arc::clone(&stop), Arc::clone(&hold_cm));
@@ -131,7 +160,9 @@ impl InProcTarget {
             .name("inproc-control".into())
             .spawn(move || {
                 use mio::unix::SourceFd;
-                let Ok(mut poll) = mio::Poll::new() else { return };
+                let Ok(mut poll) = mio::Poll::new() else {
+                    return;
+                };
                 for (n, fd) in [ch.fd(), dev.async_fd()].into_iter().enumerate() {
                     let _ = poll.registry().register(
                         &mut SourceFd(&fd),
@@ -146,30 +177,36 @@ impl InProcTarget {
                         .then(|| ch.next_event())
                         .flatten()
                     {
-                        let Some(cmd) = command(ev, &limits) else { continue };
+                        let Some(cmd) = command(ev, &limits) else {
+                            continue;
+                        };
                         if tx.send(cmd).is_err() {
                             return;
                         }
-                        shared.wake();
+                        wake();
                     }
                     while let Some(event) = dev.next_event() {
                         let async_fd = dev.async_fd();
-                        if tx.send(ReactorCmd::DeviceEvent { async_fd, event }).is_err() {
+                        if tx
+                            .send(ReactorCmd::DeviceEvent { async_fd, event })
+                            .is_err()
+                        {
                             return;
                         }
-                        shared.wake();
+                        wake();
                     }
                 }
                 drop(listener);
             })?;
-        Ok(InProcTarget {
+        let t = InProcTarget {
             fabric,
             addr,
-            reactor: Some(reactor),
+            reactor,
             hold_cm,
             stop,
             control: Some(control),
-        })
+        };
+        Ok((t, manual))
     }
 }
 
