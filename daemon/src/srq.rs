@@ -393,26 +393,33 @@ impl ElasticSrq {
         std::ptr::NonNull::new(addr as *mut u8).map(|p| (p, self.icd_pages * PAGE))
     }
 
-    /// Copies the capsule of completed receive `wr_id` (`len` bytes) to `out`.
-    pub fn capsule(&self, wr_id: u64, len: usize, out: &mut Vec<u8>) {
-        out.clear();
+    /// Copies the capsule of completed receive `wr_id` (`len` bytes) to the start of `out`
+    /// and returns how many bytes it copied (the command, then no more in-capsule data than a
+    /// receive holds or `out` has room for). Nothing else of `out` is written: it is kept
+    /// at its full size, so no capsule zero-fills it first.
+    pub fn capsule(&self, wr_id: u64, len: usize, out: &mut [u8]) -> usize {
         let (idx, slot) = self.split(wr_id);
         let Some(c) = self.chunks.get(idx).and_then(Option::as_ref) else {
-            return;
+            return 0;
         };
-        if slot >= c.slots {
-            return;
+        if slot >= c.slots || out.len() < 64 {
+            return 0;
         }
         let s = slot as usize;
         let cmd = len.min(64);
-        out.resize(cmd, 0);
-        c.mr.read(s * 64, out);
-        if len > 64 {
-            let icd = (len - 64).min(self.icd_pages * PAGE);
-            out.resize(64 + icd, 0);
-            let data = (c.slots as usize * 64).next_multiple_of(PAGE) + s * self.icd_pages * PAGE;
-            c.mr.read(data, &mut out[64..]);
+        c.mr.read(s * 64, &mut out[..cmd]);
+        if len <= 64 {
+            return cmd;
         }
+        let icd = (len - 64).min(self.icd_pages * PAGE).min(out.len() - 64);
+        let data = (c.slots as usize * 64).next_multiple_of(PAGE) + s * self.icd_pages * PAGE;
+        c.mr.read(data, &mut out[64..64 + icd]);
+        64 + icd
+    }
+
+    /// The in-capsule data a receive of this SRQ holds, in bytes.
+    pub fn in_capsule_room(&self) -> usize {
+        self.icd_pages * PAGE
     }
 
     /// A poll found `n` receive completions: before any is re-posted, that many fewer

@@ -17,7 +17,10 @@
 //! - `conn.rs`: connections adopted, and ended through the one teardown path;
 //! - this file: the data path's state, and one turn of it (`poll`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+// Completions and requests find their connection by QP number: with a fast hasher.
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -142,7 +145,8 @@ pub struct DataPath {
     /// Requests whose next block operation the engine had no room for (`QueueFull`), in
     /// order: they go on as operations complete.
     blocked: VecDeque<usize>,
-    /// The capsule being started (kept, so that no command allocates).
+    /// The capsule being started (kept at its full size, so that no command allocates or
+    /// zero-fills it).
     capsule: Vec<u8>,
     counters: Arc<crate::stats::DataPathCounters>,
     /// Commands admitted at once: each holds one request slot and at most one buffer, so
@@ -247,7 +251,7 @@ impl DataPath {
             u32::try_from(namespaces.len().max(1)).unwrap_or(1),
             std::slice::from_ref(&pool),
         )?;
-        let mut devs = HashMap::new();
+        let mut devs = HashMap::default();
         for (nqn, nsid, d) in namespaces {
             let dev = engine.attach(d)?;
             if let Some(sub) = target.subsystems().iter().position(|s| s.nqn == *nqn) {
@@ -264,12 +268,12 @@ impl DataPath {
             pool,
             pd,
             devs,
-            conns: HashMap::new(),
+            conns: HashMap::default(),
             reqs: (0..cfg.requests).map(|_| None).collect(),
             generations: vec![0; cfg.requests as usize],
             free: (0..cfg.requests as usize).rev().collect(),
             blocked: VecDeque::with_capacity(cfg.requests as usize),
-            capsule: Vec::with_capacity(64 + cfg.in_capsule as usize),
+            capsule: vec![0; 64 + (cfg.in_capsule as usize).next_multiple_of(4096)],
             counters,
             limit: cfg.requests.min(cfg.buffers) as usize,
             incoming: VecDeque::with_capacity(cfg.srq.max as usize),
@@ -278,7 +282,7 @@ impl DataPath {
             max_read_depth: attr.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH),
             max_qp_wr: attr.max_qp_wr.max(8),
             sends_in_flight: 0,
-            draining: HashMap::new(),
+            draining: HashMap::default(),
             lingering: Vec::new(),
             cq_empty_polls: 0,
             settling: 0,

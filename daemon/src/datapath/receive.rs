@@ -39,11 +39,16 @@ impl DataPath {
     /// back to the SRQ first) and lets the core decide what it means.
     pub(super) fn start_command(&mut self, qpn: u32, wr: u64, len: u32, now: Instant) {
         let mut capsule = std::mem::take(&mut self.capsule);
-        self.srq.capsule(wr, len as usize, &mut capsule);
+        let room = 64 + self.srq.in_capsule_room();
+        if capsule.len() < room {
+            // Once, at the first command: from then on it keeps its size.
+            capsule.resize(room, 0);
+        }
+        let n = self.srq.capsule(wr, len as usize, &mut capsule);
         // An in-capsule write keeps its receive (`begin`); any other goes back right after
         // the core has seen the command, before any response is posted.
         let mut arrived = Arrived {
-            capsule: &capsule,
+            capsule: &capsule[..n],
             recv: Some(wr),
         };
         if let Some(i) = self.free.pop() {

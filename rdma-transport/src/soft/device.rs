@@ -303,7 +303,7 @@ impl Pd {
                 inbound: VecDeque::new(),
                 last_wqe_sent: false,
                 remote: None,
-                remote_pending: HashMap::new(),
+                remote_pending: HashMap::default(),
                 next_seq: 0,
                 delayed: VecDeque::new(),
                 read_depth: 0,

@@ -18,7 +18,10 @@ mod queues;
 mod state;
 mod tcp;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+// Every work request looks its QP, CQs, SRQ and memory regions up by ID: with a fast hasher.
+use rustc_hash::FxHashMap as HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
