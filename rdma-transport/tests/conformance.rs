@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use nvmfd_rdma::*;
 
-const RW: Access = Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0);
+/// Every right.
+const RW: Access = Access::all();
 const CAPS: QpCaps = QpCaps {
     max_send_wr: 64,
     max_send_sge: 4,
@@ -702,7 +703,7 @@ macro_rules! suite {
             #[test]
             fn a_host_gone_after_the_accept_is_rejected_at_the_accepting_side() {
                 let Some(env) = <$env>::new() else { return };
-                let p = pending(&env, 4435);
+                let p = pending(&env, 4438);
                 p.s.accept(b"accepted").unwrap();
                 // The host goes away before it took its ESTABLISHED, so before its RTU: its
                 // ID is destroyed (with rdma_cm, once the objects made on its device are gone
@@ -723,7 +724,7 @@ macro_rules! suite {
             #[test]
             fn a_host_gone_before_the_accept_fails_the_accept_or_is_rejected() {
                 let Some(env) = <$env>::new() else { return };
-                let p = pending(&env, 4436);
+                let p = pending(&env, 4439);
                 drop((p.c, p.h));
                 // Its REJ is not reported before the accept (the kernel's ucma drops the
                 // events of a connection userspace has not accepted): the accept fails, or,
