@@ -77,7 +77,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut engine = Engine::new(a.qd, 1, registered)?;
     let id = engine.attach(&dev)?;
     let blocks = dev.info().size / a.bs as u64;
-    let mut rng: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut rng = fastrand::Rng::with_seed(0x2545_f491_4f6c_dd1d);
     let mut next_seq = 0u64;
     let mut done_ops = 0u64;
     let mut errors = 0u64;
@@ -97,12 +97,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         while engine.in_flight() < a.qd as usize {
             let buf = spare.pop().or_else(|| pool.take()).expect("qd buffers");
             let block = match a.mode {
-                Mode::Randread => {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    rng % blocks
-                }
+                Mode::Randread => rng.u64(0..blocks),
                 Mode::Seqwrite => {
                     let b = next_seq;
                     next_seq = (next_seq + 1) % blocks;

@@ -4,7 +4,7 @@
 //! RDMA device's address, on ibverbs. `scripts/bench-rdma.sh` runs both (ibverbs on rxe0 in
 //! the VM lab). One line per figure; a benchmark, not a test.
 //!
-//!     verbs-bench [soft|ibverbs] [seconds]
+//!     verbs-bench [soft|ibverbs] [SECONDS]
 
 // Counters and sizes here are small and known: casts cannot truncate.
 #![allow(clippy::cast_possible_truncation)]
@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use nvmfd_rdma::*;
 
-const RW: Access = Access(Access::LOCAL_WRITE.0 | Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0);
+/// Every right.
+const RW: Access = Access::all();
 const CAPS: QpCaps = QpCaps {
     max_send_wr: 128,
     max_send_sge: 1,
@@ -177,14 +178,31 @@ bench!(soft_bench, soft);
 #[cfg(feature = "ibverbs")]
 bench!(verbs_bench, ibverbs);
 
+/// Which provider.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Provider {
+    /// The soft provider's in-process wire.
+    Soft,
+    /// An RDMA device through rdma-core (its address in `RDMA_IP`).
+    Ibverbs,
+}
+
+/// SEND message rate and RDMA WRITE bandwidth of a verbs provider.
+#[derive(clap::Parser, Debug)]
+struct Cli {
+    /// The provider.
+    #[arg(value_enum, default_value = "soft")]
+    provider: Provider,
+    /// Seconds per figure.
+    #[arg(default_value_t = 2.0)]
+    seconds: f64,
+}
+
 fn main() {
-    let which = std::env::args().nth(1).unwrap_or_else(|| "soft".into());
-    let secs: f64 = std::env::args()
-        .nth(2)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2.0);
-    match which.as_str() {
-        "soft" => {
+    let cli = <Cli as clap::Parser>::parse();
+    let secs = cli.seconds;
+    match cli.provider {
+        Provider::Soft => {
             let fabric = nvmfd_rdma::soft::Fabric::new();
             fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
             let f = fabric.clone();
@@ -195,7 +213,7 @@ fn main() {
             );
         }
         #[cfg(feature = "ibverbs")]
-        "ibverbs" => {
+        Provider::Ibverbs => {
             let ip = std::env::var("RDMA_IP").expect("RDMA_IP names the RDMA device's address");
             let addr: SocketAddr = format!("{ip}:4420").parse().expect("an IPv4 RDMA_IP");
             verbs_bench(
@@ -204,8 +222,9 @@ fn main() {
                 secs,
             );
         }
-        other => {
-            eprintln!("usage: verbs-bench [soft|ibverbs] [seconds] (not {other})");
+        #[cfg(not(feature = "ibverbs"))]
+        Provider::Ibverbs => {
+            eprintln!("verbs-bench: built without the ibverbs feature");
             std::process::exit(2);
         }
     }

@@ -2,28 +2,16 @@
 
 use std::fmt;
 
-/// Memory region access rights.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Access(pub u32);
-
-impl Access {
-    /// Local write (receives and RDMA READ land here).
-    pub const LOCAL_WRITE: Access = Access(1);
-    /// Remote peers may RDMA WRITE into the region.
-    pub const REMOTE_WRITE: Access = Access(1 << 1);
-    /// Remote peers may RDMA READ from the region.
-    pub const REMOTE_READ: Access = Access(1 << 2);
-
-    /// Whether every right of `other` is granted.
-    pub fn contains(self, other: Access) -> bool {
-        self.0 & other.0 == other.0
-    }
-}
-
-impl std::ops::BitOr for Access {
-    type Output = Access;
-    fn bitor(self, o: Access) -> Access {
-        Access(self.0 | o.0)
+bitflags::bitflags! {
+    /// Memory region access rights, with the values of `IBV_ACCESS_*`.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+    pub struct Access: u32 {
+        /// Local write (receives and RDMA READ land here).
+        const LOCAL_WRITE = 1;
+        /// Remote peers may RDMA WRITE into the region.
+        const REMOTE_WRITE = 1 << 1;
+        /// Remote peers may RDMA READ from the region.
+        const REMOTE_READ = 1 << 2;
     }
 }
 

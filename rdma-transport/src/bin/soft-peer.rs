@@ -14,11 +14,17 @@ use nvmfd_rdma::soft::cm::CmChannel;
 use nvmfd_rdma::soft::Fabric;
 use nvmfd_rdma::*;
 
+/// A soft-provider peer for the cross-process test of the TCP wire: accepts one connection on
+/// 127.0.0.1:PORT and echoes its SENDs until it disconnects.
+#[derive(clap::Parser, Debug)]
+#[command(version)]
+struct Cli {
+    /// The port to listen on.
+    port: u16,
+}
+
 fn main() {
-    let port: u16 = std::env::args()
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .expect("usage: soft-peer PORT");
+    let port = <Cli as clap::Parser>::parse().port;
     let fabric = Fabric::networked();
     fabric.add_device("127.0.0.1".parse().unwrap()).unwrap();
     let ch = CmChannel::new(&fabric).unwrap();

@@ -65,7 +65,7 @@ impl Pd {
         len: usize,
         access: Access,
     ) -> Result<Mr, VerbsError> {
-        let flags = i32::try_from(access.0).unwrap_or(0);
+        let flags = i32::try_from(access.bits()).unwrap_or(0);
         // SAFETY: the caller keeps the memory mapped; the PD is live.
         let mr = unsafe { ibv_reg_mr(self.inner.pd.as_ptr(), addr.cast(), len, flags) };
         let mr = NonNull::new(mr).ok_or_else(|| VerbsError::os("reg_mr", errno()))?;

@@ -182,7 +182,7 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         let need = if matches!(w.op, SendOp::RdmaRead { .. }) {
             Access::LOCAL_WRITE
         } else {
-            Access(0)
+            Access::empty()
         };
         s.check_local(dev, pd, w.sges, need).is_some()
     };

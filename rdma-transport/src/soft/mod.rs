@@ -149,7 +149,7 @@ impl Fabric {
     /// Sets the faults in force (and reseeds the fault generator).
     pub fn set_faults(&self, f: Faults) {
         let mut s = self.lock();
-        s.rng = f.seed | 1;
+        s.rng = fastrand::Rng::with_seed(f.seed);
         s.faults = f;
     }
 

@@ -119,7 +119,7 @@ pub(crate) struct State {
     pub(crate) qps: HashMap<u32, QpState_>,
     pub(crate) cm: cm::CmState,
     pub(super) faults: Faults,
-    pub(super) rng: u64,
+    pub(super) rng: fastrand::Rng,
     /// Set while delayed work runs, so that it is not delayed again.
     pub(super) releasing: bool,
     pub(super) tcp: bool,
@@ -161,7 +161,6 @@ impl State {
             + self.qps.values().filter(|q| q.dev == dev).count()
     }
 
-    /// The fabric's seeded fault generator (xorshift64): a number below a million.
     /// SRQ `srq` fails: `SRQ_ERR`, and every QP on it goes to ERR.
     pub(super) fn srq_error(&mut self, srq: u32) {
         let Some(dev) = self.srqs.get(&srq).map(|q| q.dev) else {
@@ -197,11 +196,9 @@ impl State {
         usize::try_from(self.draw()).ok().map(|d| d % len)
     }
 
+    /// The fabric's seeded fault generator: a number below a million.
     pub(super) fn draw(&mut self) -> u64 {
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        self.rng % 1_000_000
+        self.rng.u64(0..1_000_000)
     }
 
     /// Runs the work held up by injected delays, in order per QP.
