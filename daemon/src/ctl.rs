@@ -155,38 +155,123 @@ fn render_into(out: &mut String, title: Option<&str>, v: &Value) {
 /// Keys whose values label a series rather than being one.
 const LABEL_KEYS: [&str; 2] = ["id", "core"];
 
-/// Renders a stats tree as Prometheus text exposition (version 0.0.4).
+/// Renders a stats tree in the Prometheus (OpenMetrics) text format, with prometheus-client's
+/// encoder.
 ///
 /// Numbers and booleans become samples named `nvmfd_<path>`; in arrays of objects the strings
-/// and the keys `id` and `core` become labels. Names ending in `_total` are counters, the rest
-/// gauges.
+/// and the keys `id` and `core` become labels. Names ending in `_total` are counters (the
+/// family is named without the suffix, each sample with it), the rest gauges. A family's
+/// help is the path of its values in the stats tree.
 pub fn render_prometheus(stats: &Value) -> String {
-    let mut samples: Vec<(String, String, String)> = Vec::new();
-    collect(&mut samples, "nvmfd", &[], stats);
-    let mut typed: Vec<String> = Vec::new();
-    for (name, _, _) in &samples {
-        if !typed.contains(name) {
-            typed.push(name.clone());
+    use prometheus_client::encoding::text::encode;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::gauge::Gauge;
+    use prometheus_client::registry::Registry;
+    type Labels = Vec<(String, String)>;
+
+    let mut samples: Vec<Sample> = Vec::new();
+    collect(&mut samples, "", "", &[], stats);
+    let mut names: Vec<&str> = Vec::new();
+    for s in &samples {
+        if !names.contains(&s.name.as_str()) {
+            names.push(&s.name);
         }
     }
-    // Group each metric's samples under its TYPE line, as the format requires.
-    let mut grouped = String::new();
-    for name in &typed {
-        grouped.push_str(&format!(
-            "# TYPE {name} {}\n",
-            if name.ends_with("_total") {
-                "counter"
-            } else {
-                "gauge"
+    let mut registry = Registry::with_prefix("nvmfd");
+    for name in names {
+        let of = || samples.iter().filter(move |s| s.name == name);
+        let help = of().next().map_or(String::new(), |s| s.path.clone());
+        let whole = of().all(|s| s.int.is_some());
+        if let [single] = of().collect::<Vec<_>>()[..] {
+            if single.labels.is_empty() {
+                // One series without labels: a plain metric, not a family.
+                register_single(&mut registry, name, help, single);
+                continue;
             }
-        ));
-        for (n, labels, value) in &samples {
-            if n == name {
-                grouped.push_str(&format!("{n}{labels} {value}\n"));
+        }
+        match (name.strip_suffix("_total"), whole) {
+            (Some(base), true) => {
+                let f = Family::<Labels, Counter>::default();
+                of().for_each(|s| {
+                    f.get_or_create(&s.labels).inc_by(s.int.unwrap_or(0));
+                });
+                registry.register(base, help, f);
+            }
+            (Some(base), false) => {
+                let f = Family::<Labels, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+                of().for_each(|s| {
+                    f.get_or_create(&s.labels).inc_by(s.value);
+                });
+                registry.register(base, help, f);
+            }
+            (None, true) => {
+                let f = Family::<Labels, Gauge>::default();
+                of().for_each(|s| {
+                    f.get_or_create(&s.labels)
+                        .set(i64::try_from(s.int.unwrap_or(0)).unwrap_or(i64::MAX));
+                });
+                registry.register(name, help, f);
+            }
+            (None, false) => {
+                let f = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+                of().for_each(|s| {
+                    f.get_or_create(&s.labels).set(s.value);
+                });
+                registry.register(name, help, f);
             }
         }
     }
-    grouped
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = encode(&mut out, &registry);
+    out
+}
+
+/// Registers `name`'s one series, without labels.
+fn register_single(
+    registry: &mut prometheus_client::registry::Registry,
+    name: &str,
+    help: String,
+    s: &Sample,
+) {
+    let value = s.value;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::gauge::Gauge;
+    use std::sync::atomic::AtomicU64;
+    match (name.strip_suffix("_total"), s.int) {
+        (Some(base), Some(n)) => {
+            let c = Counter::<u64>::default();
+            c.inc_by(n);
+            registry.register(base, help, c);
+        }
+        (Some(base), None) => {
+            let c = Counter::<f64, AtomicU64>::default();
+            c.inc_by(value);
+            registry.register(base, help, c);
+        }
+        (None, Some(n)) => {
+            let g = Gauge::<i64>::default();
+            g.set(i64::try_from(n).unwrap_or(i64::MAX));
+            registry.register(name, help, g);
+        }
+        (None, None) => {
+            let g = Gauge::<f64, AtomicU64>::default();
+            g.set(value);
+            registry.register(name, help, g);
+        }
+    }
+}
+
+/// One sample of the stats tree: its metric name (without the `nvmfd_` prefix), the path of
+/// its values in the tree, its labels and value.
+struct Sample {
+    name: String,
+    path: String,
+    labels: Vec<(String, String)>,
+    value: f64,
+    /// The value, when it is a whole number that is not negative.
+    int: Option<u64>,
 }
 
 fn metric_name(s: &str) -> String {
@@ -208,32 +293,40 @@ fn escape_label(s: &str) -> String {
 }
 
 fn collect(
-    out: &mut Vec<(String, String, String)>,
+    out: &mut Vec<Sample>,
     prefix: &str,
+    path: &str,
     labels: &[(String, String)],
     v: &Value,
 ) {
-    let label_text = |labels: &[(String, String)]| {
-        if labels.is_empty() {
-            String::new()
+    let join = |a: &str, b: &str| {
+        if a.is_empty() {
+            b.to_owned()
         } else {
-            let inner: Vec<String> = labels
-                .iter()
-                .map(|(k, v)| format!("{}=\"{}\"", metric_name(k), escape_label(v)))
-                .collect();
-            format!("{{{}}}", inner.join(","))
+            format!("{a}_{b}")
         }
     };
+    let sample = |value: f64, int: Option<u64>| Sample {
+        name: prefix.to_owned(),
+        path: path.to_owned(),
+        labels: labels
+            .iter()
+            .map(|(k, v)| (metric_name(k), escape_label(v)))
+            .collect(),
+        value,
+        int,
+    };
     match v {
-        Value::Number(n) => out.push((prefix.to_owned(), label_text(labels), n.to_string())),
-        Value::Bool(b) => out.push((
-            prefix.to_owned(),
-            label_text(labels),
-            u8::from(*b).to_string(),
-        )),
+        Value::Number(n) => out.push(sample(n.as_f64().unwrap_or(0.0), n.as_u64())),
+        Value::Bool(b) => out.push(sample(f64::from(u8::from(*b)), Some(u64::from(*b)))),
         Value::Object(m) => {
             for (k, x) in m {
-                collect(out, &format!("{prefix}_{}", metric_name(k)), labels, x);
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                collect(out, &join(prefix, &metric_name(k)), &p, labels, x);
             }
         }
         Value::Array(items) => {
@@ -249,7 +342,8 @@ fn collect(
                 }
                 for (k, x) in m {
                     if !(LABEL_KEYS.contains(&k.as_str()) || x.is_string()) {
-                        collect(out, &format!("{base}_{}", metric_name(k)), &l, x);
+                        let p = format!("{path}[].{k}");
+                        collect(out, &join(&base, &metric_name(k)), &p, &l, x);
                     }
                 }
             }
@@ -283,32 +377,64 @@ mod tests {
                 {"id": 0, "core": 2, "turns_total": 10, "stalled": false},
                 {"id": 1, "core": 3, "turns_total": 20, "stalled": true}
             ],
-            "admin": {"clients": 1, "requests_total": 7}
+            "admin": {"clients": 1, "requests_total": 7},
+            "busy_ratio": 0.25
         });
         let text = render_prometheus(&stats);
         let expected = "\
+# HELP nvmfd_uptime_seconds uptime_seconds.
 # TYPE nvmfd_uptime_seconds gauge
 nvmfd_uptime_seconds 5
-# TYPE nvmfd_reactor_turns_total counter
+# HELP nvmfd_reactor_turns reactors[].turns_total.
+# TYPE nvmfd_reactor_turns counter
 nvmfd_reactor_turns_total{id=\"0\",core=\"2\"} 10
 nvmfd_reactor_turns_total{id=\"1\",core=\"3\"} 20
+# HELP nvmfd_reactor_stalled reactors[].stalled.
 # TYPE nvmfd_reactor_stalled gauge
 nvmfd_reactor_stalled{id=\"0\",core=\"2\"} 0
 nvmfd_reactor_stalled{id=\"1\",core=\"3\"} 1
+# HELP nvmfd_admin_clients admin.clients.
 # TYPE nvmfd_admin_clients gauge
 nvmfd_admin_clients 1
-# TYPE nvmfd_admin_requests_total counter
+# HELP nvmfd_admin_requests admin.requests_total.
+# TYPE nvmfd_admin_requests counter
 nvmfd_admin_requests_total 7
+# HELP nvmfd_busy_ratio busy_ratio.
+# TYPE nvmfd_busy_ratio gauge
+nvmfd_busy_ratio 0.25
+# EOF
 ";
-        assert_eq!(text, expected);
+        // Within a family the series come in no particular order.
+        fn sorted(t: &str) -> Vec<&str> {
+            let mut l: Vec<&str> = t.lines().collect();
+            l.sort_unstable();
+            l
+        }
+        assert_eq!(sorted(&text), sorted(expected), "{text}");
+        let meta = |t: &str| {
+            t.lines()
+                .filter(|l| l.starts_with('#'))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(meta(&text), meta(expected), "families in the tree's order");
+        // Every sample follows its family's TYPE line.
+        let mut family = "";
+        for l in text.lines() {
+            if let Some(t) = l.strip_prefix("# TYPE ") {
+                family = t.split(' ').next().unwrap_or("");
+            } else if !l.starts_with('#') {
+                assert!(l.starts_with(family), "{l} outside its family {family}");
+            }
+        }
     }
 
     #[test]
     fn label_values_are_escaped() {
         let text = render_prometheus(&json!({"qps": [{"host": "a\"b\\c", "n": 1}]}));
-        assert_eq!(
-            text,
-            "# TYPE nvmfd_qp_n gauge\nnvmfd_qp_n{host=\"a\\\"b\\\\c\"} 1\n"
+        assert!(
+            text.contains("nvmfd_qp_n{host=\"a\\\"b\\\\c\"} 1\n"),
+            "{text}"
         );
     }
 

@@ -327,7 +327,7 @@ fn nvmfctl_prints_tables_json_toml_and_prometheus() {
         let (ok, out, err) = nvmfctl(&d, &["stats", "--prometheus"]);
         assert!(ok, "{err}");
         assert!(
-            out.contains("# TYPE nvmfd_reactor_turns_total counter\n"),
+            out.contains("# TYPE nvmfd_reactor_turns counter\n") && out.ends_with("# EOF\n"),
             "{out}"
         );
         let turns = out
