@@ -100,7 +100,7 @@ impl InProcTarget {
                     .iter()
                     .map(|(nsid, d)| Namespace {
                         nsid: *nsid,
-                        info: d.info().clone(),
+                        info: crate::serve::namespace_info(d.info()),
                         uuid: None,
                         nguid: None,
                     })

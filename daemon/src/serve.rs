@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use nvmfd_blockdev::{Device as BlockDevice, DeviceSpec, Kind};
+use nvmfd_blockdev::{BlockError, Device as BlockDevice, DeviceInfo, DeviceSpec, Kind};
 use nvmfd_config::{Backend, Config};
-use nvmfd_nvme::{Limits, Namespace, Port, Subsystem, Target};
+use nvmfd_nvme::{BlockFailure, Limits, Namespace, NamespaceInfo, Port, Subsystem, Target};
 
 /// A namespace's device, by subsystem NQN and NSID.
 pub type NamespaceDevices = Vec<(String, u32, Arc<BlockDevice>)>;
@@ -20,6 +20,34 @@ pub fn limits(cfg: &Config) -> Limits {
         max_io_size: u32::try_from(t.max_io_size.0).unwrap_or(1 << 23),
         kato_min: t.keep_alive_timeout_min.0,
         kato_max: t.keep_alive_timeout_max.0,
+    }
+}
+
+/// What the NVMe core is told of a namespace's device.
+pub fn namespace_info(d: &DeviceInfo) -> NamespaceInfo {
+    NamespaceInfo {
+        size: d.size,
+        logical_block_size: d.logical_block_size,
+        physical_block_size: d.physical_block_size,
+        read_only: d.read_only,
+        write_zeroes: d.write_zeroes,
+        deallocate: d.deallocate,
+        deallocate_max_blocks: d.deallocate_max_blocks,
+        volatile_cache: d.volatile_cache,
+    }
+}
+
+/// What the NVMe core is told of a failed block operation (its command's status follows).
+pub fn block_failure(e: &BlockError) -> BlockFailure {
+    match e {
+        BlockError::Misaligned { .. } => BlockFailure::Misaligned,
+        BlockError::OutOfRange { .. } => BlockFailure::OutOfRange,
+        BlockError::ReadOnly => BlockFailure::ReadOnly,
+        BlockError::Unsupported(_) => BlockFailure::Unsupported,
+        BlockError::NoSpace => BlockFailure::NoSpace,
+        BlockError::QueueFull => BlockFailure::QueueFull,
+        BlockError::UnknownDevice => BlockFailure::UnknownDevice,
+        BlockError::ShortTransfer { .. } | BlockError::Io(_) => BlockFailure::Io,
     }
 }
 
@@ -54,7 +82,7 @@ pub fn build_target(cfg: &Config) -> Result<(Target, NamespaceDevices), String> 
                 .map_err(|e| format!("subsystem[{si}].namespace[{ni}] (nsid {}): {e}", ns.nsid))?;
             namespaces.push(Namespace {
                 nsid: ns.nsid,
-                info: dev.info().clone(),
+                info: namespace_info(dev.info()),
                 uuid: ns.uuid.map(|u| *u.as_bytes()),
                 nguid: ns.nguid.as_deref().and_then(nguid),
             });
@@ -78,4 +106,68 @@ pub fn build_target(cfg: &Config) -> Result<(Target, NamespaceDevices), String> 
         })
         .collect();
     Ok((Target::new(subsystems, ports, limits(cfg)), devices))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_block_error_reaches_the_core_as_its_failure() {
+        let cases = [
+            (
+                BlockError::Misaligned {
+                    offset: 1,
+                    len: 1,
+                    block_size: 512,
+                },
+                BlockFailure::Misaligned,
+            ),
+            (
+                BlockError::OutOfRange {
+                    offset: 0,
+                    len: 1,
+                    size: 0,
+                },
+                BlockFailure::OutOfRange,
+            ),
+            (BlockError::ReadOnly, BlockFailure::ReadOnly),
+            (BlockError::Unsupported("x"), BlockFailure::Unsupported),
+            (BlockError::QueueFull, BlockFailure::QueueFull),
+            (BlockError::UnknownDevice, BlockFailure::UnknownDevice),
+            (BlockError::NoSpace, BlockFailure::NoSpace),
+            (
+                BlockError::ShortTransfer {
+                    expected: 4096,
+                    done: 512,
+                },
+                BlockFailure::Io,
+            ),
+            (BlockError::Io(5), BlockFailure::Io),
+        ];
+        for (e, want) in cases {
+            assert_eq!(block_failure(&e), want, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn the_core_sees_the_devices_size_blocks_and_capabilities() {
+        let mut spec = DeviceSpec::new(Kind::Malloc);
+        spec.size = 1 << 20;
+        spec.block_size = 4096;
+        let d = BlockDevice::open(&spec).unwrap();
+        let i = namespace_info(d.info());
+        assert_eq!(i.blocks(), d.info().blocks());
+        assert_eq!(i.logical_block_size, 4096);
+        assert_eq!(
+            (i.read_only, i.write_zeroes, i.deallocate, i.volatile_cache),
+            (
+                d.info().read_only,
+                d.info().write_zeroes,
+                d.info().deallocate,
+                d.info().volatile_cache
+            )
+        );
+        assert_eq!(i.deallocate_max_blocks, d.info().deallocate_max_blocks);
+    }
 }

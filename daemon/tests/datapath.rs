@@ -198,7 +198,7 @@ fn serve_opts(
         });
         let ns = |nsid, d: &Arc<Device>| Namespace {
             nsid,
-            info: d.info().clone(),
+            info: nvmfd::serve::namespace_info(d.info()),
             uuid: None,
             nguid: None,
         };

@@ -298,7 +298,7 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
             wire::put_str(&mut id.mn, &s.model, b' ');
             wire::put_str(&mut id.subnqn, &s.nqn, 0);
             id.cntrltype = 1;
-            let all = |f: fn(&nvmfd_blockdev::DeviceInfo) -> bool| {
+            let all = |f: fn(&crate::NamespaceInfo) -> bool| {
                 !s.namespaces.is_empty() && s.namespaces.iter().all(|n| f(&n.info))
             };
             let mut oncs = 0u16;

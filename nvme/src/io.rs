@@ -1,6 +1,6 @@
 //! NVM command set I/O commands: validation, and their translation into block operations.
 
-use nvmfd_blockdev::BlockError;
+use crate::block::BlockFailure;
 
 use crate::queue::{Action, Command, DataRef, IoOp, IoRequest, Queue};
 use crate::target::{Controller, Subsystem};
@@ -209,18 +209,18 @@ pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data
 }
 
 /// The NVMe status for a failed block operation.
-pub fn block_error_status(e: &BlockError, op: &IoOp) -> Status {
+pub fn block_error_status(e: &BlockFailure, op: &IoOp) -> Status {
     let read = matches!(op, IoOp::Read { .. });
     match e {
-        BlockError::Misaligned { .. } => status::INVALID_FIELD,
-        BlockError::OutOfRange { .. } => status::LBA_OUT_OF_RANGE,
-        BlockError::ReadOnly => status::NAMESPACE_WRITE_PROTECTED,
-        BlockError::Unsupported(_) => status::INVALID_OPCODE,
-        BlockError::NoSpace => status::CAPACITY_EXCEEDED,
+        BlockFailure::Misaligned => status::INVALID_FIELD,
+        BlockFailure::OutOfRange => status::LBA_OUT_OF_RANGE,
+        BlockFailure::ReadOnly => status::NAMESPACE_WRITE_PROTECTED,
+        BlockFailure::Unsupported => status::INVALID_OPCODE,
+        BlockFailure::NoSpace => status::CAPACITY_EXCEEDED,
         // Back-pressure is the transport's to absorb; should it escape, the host may retry.
-        BlockError::QueueFull => Status::retryable(0, 0x06),
-        BlockError::UnknownDevice => status::INVALID_NAMESPACE,
-        BlockError::ShortTransfer { .. } | BlockError::Io(_) => {
+        BlockFailure::QueueFull => Status::retryable(0, 0x06),
+        BlockFailure::UnknownDevice => status::INVALID_NAMESPACE,
+        BlockFailure::Io => {
             if read {
                 status::UNRECOVERED_READ_ERROR
             } else if matches!(op, IoOp::Write { .. } | IoOp::WriteZeroes { .. }) {
@@ -229,5 +229,55 @@ pub fn block_error_status(e: &BlockError, op: &IoOp) -> Status {
                 status::INTERNAL_ERROR
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_block_failure_has_its_status_and_io_errors_depend_on_the_operation() {
+        let read = IoOp::Read {
+            offset: 0,
+            len: 512,
+        };
+        let write = IoOp::Write {
+            offset: 0,
+            len: 512,
+            fua: true,
+        };
+        let zeroes = IoOp::WriteZeroes {
+            offset: 0,
+            len: 512,
+        };
+        let dealloc = IoOp::Deallocate {
+            ranges: vec![(0, 512)],
+        };
+        for (failure, want) in [
+            (BlockFailure::Misaligned, status::INVALID_FIELD),
+            (BlockFailure::OutOfRange, status::LBA_OUT_OF_RANGE),
+            (BlockFailure::ReadOnly, status::NAMESPACE_WRITE_PROTECTED),
+            (BlockFailure::Unsupported, status::INVALID_OPCODE),
+            (BlockFailure::NoSpace, status::CAPACITY_EXCEEDED),
+            (BlockFailure::QueueFull, Status::retryable(0, 0x06)),
+            (BlockFailure::UnknownDevice, status::INVALID_NAMESPACE),
+        ] {
+            for op in [&read, &write, &zeroes, &dealloc, &IoOp::Flush] {
+                assert_eq!(block_error_status(&failure, op), want, "{failure:?} {op:?}");
+            }
+        }
+        let io = BlockFailure::Io;
+        assert_eq!(
+            block_error_status(&io, &read),
+            status::UNRECOVERED_READ_ERROR
+        );
+        assert_eq!(block_error_status(&io, &write), status::WRITE_FAULT);
+        assert_eq!(block_error_status(&io, &zeroes), status::WRITE_FAULT);
+        assert_eq!(block_error_status(&io, &dealloc), status::INTERNAL_ERROR);
+        assert_eq!(
+            block_error_status(&io, &IoOp::Flush),
+            status::INTERNAL_ERROR
+        );
     }
 }

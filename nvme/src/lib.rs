@@ -2,19 +2,22 @@
 //! transport-agnostic target ([`Target`], [`Queue`]): subsystems, namespaces, discovery,
 //! Fabrics Connect and properties, admin and I/O commands. The core is sans-I/O: a transport
 //! hands over capsules and carries out the [`Action`]s that come back (move data, run a block
-//! operation, send a completion). [`host`] is the other side, and [`loopback`] connects the
-//! two in one process for tests.
+//! operation, send a completion). [`host`] is the other side. Block devices reach the core
+//! only as [`NamespaceInfo`] and [`BlockFailure`]: it depends on no block layer. (The tests'
+//! loopback transport, in `tests/support/`, connects host and target in one process over
+//! real `nvmfd-blockdev` devices.)
 
 mod admin;
+mod block;
 pub mod host;
 mod io;
-pub mod loopback;
 mod queue;
 pub mod rdma_cm;
 mod target;
 pub mod wire;
 
 pub use admin::AER_LIMIT;
+pub use block::{BlockFailure, NamespaceInfo};
 pub use io::{block_error_status, DsmLimits, DSM_MAX_RANGES};
 pub use queue::{
     keyed_segments, Action, CmParams, Command, DataRef, IoOp, IoRequest, Queue,

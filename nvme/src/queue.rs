@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvmfd_blockdev::{BlockError, OpKind};
+use crate::block::BlockFailure;
 use zerocopy::little_endian::{U16, U32};
 use zerocopy::IntoBytes;
 
@@ -165,20 +165,6 @@ pub enum IoOp {
         /// Namespaces.
         nsids: Vec<u32>,
     },
-}
-
-impl IoOp {
-    /// The blockdev operation kind (for ranges and flushes, the kind of each part).
-    pub fn kind(&self) -> OpKind {
-        match self {
-            IoOp::Read { .. } => OpKind::Read,
-            IoOp::Write { fua: false, .. } => OpKind::Write,
-            IoOp::Write { fua: true, .. } => OpKind::WriteFua,
-            IoOp::Flush | IoOp::FlushAll { .. } => OpKind::Flush,
-            IoOp::WriteZeroes { .. } => OpKind::WriteZeroes,
-            IoOp::Deallocate { .. } => OpKind::Deallocate,
-        }
-    }
 }
 
 /// What the transport must do next for a command.
@@ -524,7 +510,7 @@ impl Queue {
 
     /// Reports a finished block operation; returns what to send (its data, for reads, is
     /// already in the transport's buffer: push it, then send the completion).
-    pub fn io_done(&mut self, req: &IoRequest, result: Result<u32, BlockError>) -> Cqe {
+    pub fn io_done(&mut self, req: &IoRequest, result: Result<u32, BlockFailure>) -> Cqe {
         let qid = self.qid_or_zero();
         if let IoOp::FlushAll { .. } = req.op {
             let mut csts = 0;

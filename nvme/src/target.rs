@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use nvmfd_blockdev::DeviceInfo;
+use crate::block::NamespaceInfo;
 
 /// The discovery subsystem's NQN.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
@@ -24,7 +24,7 @@ pub struct Namespace {
     /// Namespace ID.
     pub nsid: u32,
     /// Size, block sizes and capabilities of the device behind it.
-    pub info: DeviceInfo,
+    pub info: NamespaceInfo,
     /// UUID, when configured.
     pub uuid: Option<[u8; 16]>,
     /// NGUID, when configured.

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use nvmfd_blockdev::{Device, DeviceSpec, Kind};
 use nvmfd_nvme::host::{AdminQueue, DataDir, HostError, HostId, IoQueue};
-use nvmfd_nvme::loopback::{Backend, Loopback};
+#[path = "support/loopback.rs"]
+mod loopback;
+use loopback::{namespace_info, Backend, Loopback};
 use nvmfd_nvme::wire::{self, status, SglDesc, Sqe, Status};
 use nvmfd_nvme::*;
 use zerocopy::little_endian::{U16, U32};
@@ -48,7 +50,7 @@ fn world() -> World {
     let d4 = malloc(SIZE, 512, false);
     let ns = |nsid: u32, d: &Arc<Device>, id: Option<u8>| Namespace {
         nsid,
-        info: d.info().clone(),
+        info: namespace_info(d.info()),
         uuid: id.map(|b| [b; 16]),
         nguid: id.map(|b| [b ^ 0xff; 16]),
     };
@@ -917,7 +919,7 @@ fn limits_world(max1: u32, max2: u32) -> World {
     let d2 = malloc(SIZE, 4096, false);
     let d3 = malloc(SIZE, 512, false);
     let ns = |nsid: u32, d: &Arc<Device>, max: u32, deallocate: bool| {
-        let mut info = d.info().clone();
+        let mut info = namespace_info(d.info());
         info.deallocate_max_blocks = max;
         info.deallocate = deallocate;
         Namespace {

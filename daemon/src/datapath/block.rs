@@ -286,7 +286,11 @@ impl DataPath {
         let Some(conn) = self.conns.get_mut(&qpn) else {
             return self.end_req(i);
         };
-        let cqe = conn.queue.io_done(&io, r.failed.take().map_or(Ok(0), Err));
+        let result = r
+            .failed
+            .take()
+            .map_or(Ok(0), |e| Err(crate::serve::block_failure(&e)));
+        let cqe = conn.queue.io_done(&io, result);
         let ok = cqe.status().is_success();
         r.cqe = cqe;
         match (ok, &io.op) {

@@ -13,7 +13,10 @@ use std::rc::Rc;
 use libfuzzer_sys::fuzz_target;
 use nvmfd_blockdev::{Device, DeviceSpec, Kind};
 use nvmfd_nvme::host::{AdminQueue, HostId, IoQueue};
-use nvmfd_nvme::loopback::{Backend, Loopback};
+#[path = "../../tests/support/loopback.rs"]
+#[allow(dead_code)] // The fuzz target uses part of the tests' transport.
+mod loopback;
+use loopback::{namespace_info, Backend, Loopback};
 use nvmfd_nvme::{Limits, Namespace, Port, Subsystem, Target};
 
 const SUB: &str = "nqn.2024-01.io.nvmfd.fuzz:ram";
@@ -53,8 +56,8 @@ fn world() -> World {
         allow_any_host: true,
         hosts: vec![],
         namespaces: vec![
-            Namespace { nsid: 1, info: dev.info().clone(), uuid: Some([1; 16]), nguid: None },
-            Namespace { nsid: 2, info: null.info().clone(), uuid: None, nguid: Some([2; 16]) },
+            Namespace { nsid: 1, info: namespace_info(dev.info()), uuid: Some([1; 16]), nguid: None },
+            Namespace { nsid: 2, info: namespace_info(null.info()), uuid: None, nguid: Some([2; 16]) },
         ],
     }];
     let limits = Limits { max_io_size: 16384, ..Limits::default() };

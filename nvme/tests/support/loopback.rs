@@ -1,4 +1,5 @@
-//! An in-memory transport: a host and the target core in one process, for tests and fuzzing.
+//! An in-memory transport: a host and the target core in one process, for the core's tests and
+//! its fuzz target (which include this file).
 //!
 //! It does what an RDMA transport does, with plain copies: the host "registers" buffers under
 //! keys, the target fetches and pushes data by key with bounds checked on every access (a bad
@@ -11,13 +12,15 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use nvmfd_blockdev::{BlockError, BufPool, DevId, Device, Engine};
+use nvmfd_blockdev::{BlockError, BufPool, DevId, Device, DeviceInfo, Engine};
 use zerocopy::IntoBytes;
 
-use crate::host::{DataDir, HostError, HostTransport};
-use crate::queue::{Action, CmParams, DataRef, IoOp, IoRequest, Queue, SQE_SIZE};
-use crate::target::Target;
-use crate::wire::{Cqe, SglDesc, Sqe};
+use nvmfd_nvme::host::{DataDir, HostError, HostTransport};
+use nvmfd_nvme::wire::{Cqe, SglDesc, Sqe};
+use nvmfd_nvme::Target;
+use nvmfd_nvme::{
+    Action, BlockFailure, CmParams, DataRef, IoOp, IoRequest, NamespaceInfo, Queue, SQE_SIZE,
+};
 
 /// The block devices behind the target's namespaces, and one engine to reach them (shared by
 /// every loopback connection of a test, as a reactor's is).
@@ -44,7 +47,7 @@ impl Backend {
         let pool = BufPool::new(8, max_io_size as usize, false)?;
         let mut engine = Engine::new(
             16,
-            crate::wire::sat(devices.len().max(1)),
+            nvmfd_nvme::wire::sat(devices.len().max(1)),
             std::slice::from_ref(&pool),
         )?;
         let mut devs = HashMap::new();
@@ -221,8 +224,9 @@ impl Loopback {
             DataRef::KeyedList { offset, count, len } => {
                 let mut out = Vec::with_capacity(len as usize);
                 let icd = capsule.get(SQE_SIZE..).unwrap_or(&[]);
-                for (addr, l, key) in crate::queue::keyed_segments(icd, offset, count) {
-                    let n = l.min(len.saturating_sub(crate::wire::sat::<u32, usize>(out.len())));
+                for (addr, l, key) in nvmfd_nvme::keyed_segments(icd, offset, count) {
+                    let n =
+                        l.min(len.saturating_sub(nvmfd_nvme::wire::sat::<u32, usize>(out.len())));
                     out.extend_from_slice(self.region(addr, n, key)?);
                 }
                 Ok(out)
@@ -235,9 +239,9 @@ impl Loopback {
             DataRef::KeyedList { offset, count, len } => {
                 let icd = capsule.get(SQE_SIZE..).unwrap_or(&[]);
                 let mut rest = &data[..(len as usize).min(data.len())];
-                for (addr, l, key) in crate::queue::keyed_segments(icd, offset, count) {
+                for (addr, l, key) in nvmfd_nvme::keyed_segments(icd, offset, count) {
                     let n = (l as usize).min(rest.len());
-                    let r = self.region(addr, crate::wire::sat(n), key)?;
+                    let r = self.region(addr, nvmfd_nvme::wire::sat(n), key)?;
                     r.copy_from_slice(&rest[..n]);
                     rest = &rest[n..];
                 }
@@ -245,7 +249,7 @@ impl Loopback {
             }
             DataRef::Keyed { addr, len, key, .. } => {
                 let n = (len as usize).min(data.len());
-                let r = self.region(addr, crate::wire::sat(n), key)?;
+                let r = self.region(addr, nvmfd_nvme::wire::sat(n), key)?;
                 r.copy_from_slice(&data[..n]);
                 Ok(())
             }
@@ -288,7 +292,7 @@ impl Loopback {
         if let (Ok(_), Some(bytes), Some(dest)) = (&result, read, req.data) {
             self.push(capsule, &bytes, dest)?;
         }
-        Ok(self.queue.io_done(req, result))
+        Ok(self.queue.io_done(req, result.map_err(|e| failure(&e))))
     }
 
     /// Sends a raw capsule (SQE plus in-capsule data) and runs the target until it answers,
@@ -318,7 +322,7 @@ impl Loopback {
                     .io(capsule, &req)
                     .map(|cqe| Some(Action::Respond { cqe, data: None })),
                 Action::Hold => {
-                    if let Some(s) = crate::wire::read::<Sqe>(capsule) {
+                    if let Some(s) = nvmfd_nvme::wire::read::<Sqe>(capsule) {
                         self.held.push(s.cid.get());
                     }
                     self.events.extend(self.queue.poll_events());
@@ -373,15 +377,15 @@ impl HostTransport for Loopback {
         match &data {
             DataDir::None => sqe.dptr = SglDesc::keyed(0, 0, 0, false),
             DataDir::ToTarget(d) if d.len() <= self.in_capsule as usize => {
-                sqe.dptr = SglDesc::in_capsule(0, crate::wire::sat(d.len()));
+                sqe.dptr = SglDesc::in_capsule(0, nvmfd_nvme::wire::sat(d.len()));
             }
             DataDir::ToTarget(d) => {
                 let (addr, key) = self.register(d.to_vec());
-                sqe.dptr = SglDesc::keyed(addr, crate::wire::sat(d.len()), key, false);
+                sqe.dptr = SglDesc::keyed(addr, nvmfd_nvme::wire::sat(d.len()), key, false);
             }
             DataDir::FromTarget(b) => {
                 let (addr, key) = self.register(vec![0u8; b.len()]);
-                sqe.dptr = SglDesc::keyed(addr, crate::wire::sat(b.len()), key, false);
+                sqe.dptr = SglDesc::keyed(addr, nvmfd_nvme::wire::sat(b.len()), key, false);
                 readback = Some(key);
             }
         }
@@ -404,5 +408,33 @@ impl HostTransport for Loopback {
                 "the command was held (an asynchronous event request)".into(),
             )),
         }
+    }
+}
+
+/// What the core is told of a block error.
+fn failure(e: &BlockError) -> BlockFailure {
+    match e {
+        BlockError::Misaligned { .. } => BlockFailure::Misaligned,
+        BlockError::OutOfRange { .. } => BlockFailure::OutOfRange,
+        BlockError::ReadOnly => BlockFailure::ReadOnly,
+        BlockError::Unsupported(_) => BlockFailure::Unsupported,
+        BlockError::NoSpace => BlockFailure::NoSpace,
+        BlockError::QueueFull => BlockFailure::QueueFull,
+        BlockError::UnknownDevice => BlockFailure::UnknownDevice,
+        BlockError::ShortTransfer { .. } | BlockError::Io(_) => BlockFailure::Io,
+    }
+}
+
+/// What the core is told of a device.
+pub fn namespace_info(d: &DeviceInfo) -> NamespaceInfo {
+    NamespaceInfo {
+        size: d.size,
+        logical_block_size: d.logical_block_size,
+        physical_block_size: d.physical_block_size,
+        read_only: d.read_only,
+        write_zeroes: d.write_zeroes,
+        deallocate: d.deallocate,
+        deallocate_max_blocks: d.deallocate_max_blocks,
+        volatile_cache: d.volatile_cache,
     }
 }
