@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::little_endian::{U128, U16, U32, U64};
 use zerocopy::IntoBytes;
 
 use crate::queue::{refresh_ready, Action, Command, DataRef, IoOp, IoRequest, Queue};
@@ -60,9 +60,13 @@ pub(crate) fn property(
     set: bool,
     _now: Instant,
 ) -> Action {
-    let bytes = cmd.sqe.as_bytes();
-    let attrib = bytes[40] & 0x7;
-    let offset = u32::from_le_bytes([bytes[44], bytes[45], bytes[46], bytes[47]]);
+    // Property Get and Set share the place of the attributes and the offset; Set's value
+    // follows them.
+    let Some(prop) = wire::read::<wire::PropertySetCmd>(cmd.sqe.as_bytes()) else {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    };
+    let attrib = prop.attrib & 0x7;
+    let offset = prop.offset.get();
     let size8 = match attrib {
         0 => false,
         1 => true,
@@ -99,9 +103,7 @@ pub(crate) fn property(
     if offset != property::CC || size8 {
         return q.respond(&cmd, status::INVALID_FIELD, 0);
     }
-    let value = wire::lo32(u64::from_le_bytes(
-        bytes[48..56].try_into().unwrap_or([0; 8]),
-    ));
+    let value = wire::lo32(prop.value.get());
     let mut st = ctrl.lock();
     let was_enabled = st.cc & 1 == 1;
     let enable = value & 1 == 1;
@@ -222,8 +224,8 @@ fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Actio
         0x01 => data.extend_from_slice(identify_controller(q, ctrl).as_bytes()),
         0x06 => {
             // Only an I/O controller has an I/O command set, and nvmfd's is the NVM one.
-            let csi = cmd.sqe.cdw11.get().to_le_bytes()[3]; // CDW11 bits 31:24
-            let Some(s) = q.subsystem().filter(|_| csi == wire::csi::NVM) else {
+            let csi = cmd.sqe.cdw11.get() >> 24; // CDW11 bits 31:24
+            let Some(s) = q.subsystem().filter(|_| csi == u32::from(wire::csi::NVM)) else {
                 return q.respond(&cmd, status::INVALID_FIELD, 0);
             };
             data.extend_from_slice(identify_controller_nvm(s).as_bytes());
@@ -243,15 +245,17 @@ fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Actio
             if nsid >= 0xFFFF_FFFE {
                 return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
             }
-            data.resize(4096, 0);
+            let mut list = [U32::ZERO; 1024];
             let ids = q
                 .subsystem()
                 .into_iter()
                 .flat_map(|s| s.namespaces.iter().map(|n| n.nsid))
                 .filter(|&i| i > nsid);
-            for (i, id) in ids.take(1024).enumerate() {
-                data[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+            for (slot, id) in list.iter_mut().zip(ids) {
+                *slot = U32::new(id);
             }
+            data.clear();
+            data.extend_from_slice(list.as_bytes());
         }
         0x03 => {
             let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
@@ -425,15 +429,17 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
             wire::put_str(&mut page[8..16], crate::target::FIRMWARE_REVISION, b' ');
         }
         (log_page::CHANGED_NAMESPACES, true) => {
-            page.resize(4096, 0);
+            let mut list = [U32::ZERO; 1024];
             let mut st = ctrl.lock();
             if st.changed_nsids.len() > 1024 {
-                page[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+                list[0] = U32::new(u32::MAX);
             } else {
-                for (i, id) in st.changed_nsids.iter().enumerate() {
-                    page[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+                for (slot, &id) in list.iter_mut().zip(st.changed_nsids.iter()) {
+                    *slot = U32::new(id);
                 }
             }
+            page.clear();
+            page.extend_from_slice(list.as_bytes());
             if !rae {
                 st.changed_nsids.clear();
             }
@@ -467,11 +473,11 @@ fn smart_log(ctrl: &Controller) -> wire::SmartLog {
     s.avail_spare = 100;
     s.spare_thresh = 10;
     // Data units are thousands of 512-byte units, rounded up.
-    let units = |bytes: u64| (bytes.div_ceil(512)).div_ceil(1000) as u128;
-    s.data_units_read = units(ctrl.bytes_read.load(Ordering::Relaxed)).to_le_bytes();
-    s.data_units_written = units(ctrl.bytes_written.load(Ordering::Relaxed)).to_le_bytes();
-    s.host_reads = (ctrl.host_reads.load(Ordering::Relaxed) as u128).to_le_bytes();
-    s.host_writes = (ctrl.host_writes.load(Ordering::Relaxed) as u128).to_le_bytes();
+    let units = |bytes: u64| u128::from(bytes.div_ceil(512).div_ceil(1000));
+    s.data_units_read = U128::new(units(ctrl.bytes_read.load(Ordering::Relaxed)));
+    s.data_units_written = U128::new(units(ctrl.bytes_written.load(Ordering::Relaxed)));
+    s.host_reads = U128::new(u128::from(ctrl.host_reads.load(Ordering::Relaxed)));
+    s.host_writes = U128::new(u128::from(ctrl.host_writes.load(Ordering::Relaxed)));
     s
 }
 

@@ -456,13 +456,16 @@ impl<T: HostTransport> IoQueue<T> {
         s.nsid = U32::new(nsid);
         s.cdw10 = U32::new(wire::sat(ranges.len().saturating_sub(1)));
         s.cdw11 = U32::new(1 << 2);
-        let mut data = Vec::with_capacity(ranges.len() * 16);
-        for &(slba, nlb) in ranges {
-            data.extend_from_slice(&0u32.to_le_bytes());
-            data.extend_from_slice(&nlb.to_le_bytes());
-            data.extend_from_slice(&slba.to_le_bytes());
-        }
-        check(self.t.execute(s, DataDir::ToTarget(&data))?).map(drop)
+        let list: Vec<wire::DsmRange> = ranges
+            .iter()
+            .map(|&(slba, nlb)| wire::DsmRange {
+                cattr: U32::ZERO,
+                nlb: U32::new(nlb),
+                slba: zerocopy::little_endian::U64::new(slba),
+            })
+            .collect();
+        let data = list.as_bytes();
+        check(self.t.execute(s, DataDir::ToTarget(data))?).map(drop)
     }
 
     /// Sends a command built by the caller (cid filled in here).

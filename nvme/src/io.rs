@@ -1,5 +1,7 @@
 //! NVM command set I/O commands: validation, and their translation into block operations.
 
+use zerocopy::FromBytes;
+
 use crate::block::BlockFailure;
 
 use crate::queue::{Action, Command, DataRef, IoOp, IoRequest, Queue};
@@ -186,9 +188,11 @@ pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data
     // Ranges longer than the reported DMRSL are processed whole (the data path splits what a
     // backend takes in one operation): the specification forbids refusing them while ONCS
     // offers Dataset Management.
-    for r in data[..need].chunks_exact(16) {
-        let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
-        let slba = u64::from_le_bytes([r[8], r[9], r[10], r[11], r[12], r[13], r[14], r[15]]);
+    let Ok(list) = <[wire::DsmRange]>::ref_from_bytes(&data[..need]) else {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    };
+    for r in list {
+        let (nlb, slba) = (u64::from(r.nlb.get()), r.slba.get());
         if nlb == 0 {
             continue;
         }

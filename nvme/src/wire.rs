@@ -4,7 +4,7 @@
 //! the specification's and parsing untrusted bytes is a bounds-checked copy that cannot panic.
 //! `tests/layout.rs` checks every field's offset and size against the specification's tables.
 
-use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::little_endian::{U128, U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 /// Derives shared by every wire type.
@@ -536,6 +536,18 @@ wire! {
     }
 }
 
+wire! {
+    /// Dataset Management range: 16 bytes, up to 256 of them in the command's data.
+    pub struct DsmRange {
+        /// Context attributes.
+        pub cattr: U32,
+        /// Length in logical blocks.
+        pub nlb: U32,
+        /// Starting LBA.
+        pub slba: U64,
+    }
+}
+
 /// Controller properties (register offsets).
 pub mod property {
     /// Controller Capabilities (8 bytes).
@@ -970,13 +982,13 @@ wire! {
         /// Reserved.
         pub rsvd7: [u8; 25],
         /// Data units read (thousands of 512-byte units).
-        pub data_units_read: [u8; 16],
+        pub data_units_read: U128,
         /// Data units written.
-        pub data_units_written: [u8; 16],
+        pub data_units_written: U128,
         /// Host read commands.
-        pub host_reads: [u8; 16],
+        pub host_reads: U128,
         /// Host write commands.
-        pub host_writes: [u8; 16],
+        pub host_writes: U128,
         /// Controller busy time, minutes.
         pub ctrl_busy_time: [u8; 16],
         /// Power cycles.

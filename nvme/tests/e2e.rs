@@ -825,10 +825,10 @@ fn smart_log_counts_io() {
     ios[0].read(1, 0, 8, &mut b).unwrap();
     let log = a.get_log_page(wire::log_page::SMART, 0, 512).unwrap();
     let s: wire::SmartLog = wire::read(&log).unwrap();
-    assert_eq!(u128::from_le_bytes(s.host_writes), 3);
-    assert_eq!(u128::from_le_bytes(s.host_reads), 1);
+    assert_eq!(s.host_writes.get(), 3);
+    assert_eq!(s.host_reads.get(), 1);
     assert_eq!(
-        u128::from_le_bytes(s.data_units_written),
+        s.data_units_written.get(),
         1,
         "24 units of 512 B, rounded up to one thousand"
     );

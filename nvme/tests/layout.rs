@@ -70,6 +70,7 @@ fn fabrics_commands_and_connect_data() {
     layout!(ConnectData, size 1024; hostid @ 0, 16; cntlid @ 16, 2; subnqn @ 256, 256; hostnqn @ 512, 256;);
     layout!(PropertySetCmd, size 64; fctype @ 4, 1; attrib @ 40, 1; offset @ 44, 4; value @ 48, 8;);
     layout!(PropertyGetCmd, size 64; fctype @ 4, 1; attrib @ 40, 1; offset @ 44, 4;);
+    layout!(DsmRange, size 16; cattr @ 0, 4; nlb @ 4, 4; slba @ 8, 8;);
 }
 
 #[test]

@@ -292,9 +292,12 @@ impl Host {
                 s.cdw10 = U32::new(ranges.len() as u32 - 1);
                 s.cdw11 = U32::new(1 << 2);
                 for &(lba, nlb) in &ranges {
-                    data.extend_from_slice(&0u32.to_le_bytes());
-                    data.extend_from_slice(&nlb.to_le_bytes());
-                    data.extend_from_slice(&lba.to_le_bytes());
+                    let r = wire::DsmRange {
+                        cattr: U32::ZERO,
+                        nlb: U32::new(nlb),
+                        slba: zerocopy::little_endian::U64::new(lba),
+                    };
+                    data.extend_from_slice(zerocopy::IntoBytes::as_bytes(&r));
                 }
                 payload_in = None;
             }
