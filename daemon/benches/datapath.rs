@@ -19,11 +19,10 @@ use nvmfd::inproc::{InProcOptions, InProcTarget};
 use nvmfd::reactor::{LoopConfig, ReactorWork};
 use nvmfd::srq::SrqConfig;
 use nvmfd_blockdev::{Device, DeviceSpec, Kind};
-use nvmfd_nvme::host::{AdminQueue, HostId, IoQueue};
-use nvmfd_nvme::wire::{self, io_opcode, Sqe};
+use nvmfd_nvme::host::{rw_sqe, AdminQueue, HostId, IoQueue};
+use nvmfd_nvme::wire::{self, io_opcode};
 use nvmfd_rdma::any::cm::CmChannel;
 use serde_json::json;
-use zerocopy::little_endian::U32;
 
 const NQN: &str = "nqn.2024-01.io.nvmfd.bench:null";
 
@@ -178,16 +177,12 @@ fn run(t: &InProcTarget, runner: &mut Runner<'_>, case: Case, limit: Limit) -> F
         while !until(n, start) {
             while q.outstanding() < usize::from(case.depth) {
                 let lba = rng.u64(0..slots) * blocks;
-                let mut s: Sqe = wire::zeroed();
-                s.opcode = if case.read {
+                let op = if case.read {
                     io_opcode::READ
                 } else {
                     io_opcode::WRITE
                 };
-                s.nsid = U32::new(1);
-                s.cdw10 = U32::new(wire::lo32(lba));
-                s.cdw11 = U32::new(wire::hi32(lba));
-                s.cdw12 = U32::new(wire::sat(blocks - 1));
+                let s = rw_sqe(op, 1, lba, wire::sat(blocks), false);
                 let p = if case.read {
                     Payload::In(case.size as usize)
                 } else {

@@ -88,30 +88,7 @@ impl InProcTarget {
         fabric.add_device([10, 0, 0, 1].into()).map_err(err)?;
         let addr = SocketAddr::new([10, 0, 0, 1].into(), o.port);
         let limits = Limits::default();
-        let target = Target::new(
-            vec![Subsystem {
-                nqn: o.nqn.clone(),
-                serial: "INPROC".into(),
-                model: "nvmfd".into(),
-                allow_any_host: true,
-                hosts: vec![],
-                namespaces: o
-                    .namespaces
-                    .iter()
-                    .map(|(nsid, d)| Namespace {
-                        nsid: *nsid,
-                        info: crate::serve::namespace_info(d.info()),
-                        uuid: None,
-                        nguid: None,
-                    })
-                    .collect(),
-            }],
-            vec![Port {
-                addr: addr.ip(),
-                port: addr.port(),
-            }],
-            limits,
-        );
+        let target = target_of(&o, addr, limits);
         let ch =
             any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).map_err(err)?);
         let listener = ch.listen(addr, 128).map_err(err)?;
@@ -159,43 +136,13 @@ impl InProcTarget {
         let control = std::thread::Builder::new()
             .name("inproc-control".into())
             .spawn(move || {
-                use mio::unix::SourceFd;
-                let Ok(mut poll) = mio::Poll::new() else {
-                    return;
+                let cm = Control {
+                    ch,
+                    dev,
+                    tx,
+                    limits,
                 };
-                for (n, fd) in [ch.fd(), dev.async_fd()].into_iter().enumerate() {
-                    let _ = poll.registry().register(
-                        &mut SourceFd(&fd),
-                        mio::Token(n),
-                        mio::Interest::READABLE,
-                    );
-                }
-                let mut events = mio::Events::with_capacity(8);
-                while !st.load(Ordering::Relaxed) {
-                    let _ = poll.poll(&mut events, Some(Duration::from_millis(20)));
-                    while let Some(ev) = (!hcm.load(Ordering::Relaxed))
-                        .then(|| ch.next_event())
-                        .flatten()
-                    {
-                        let Some(cmd) = command(ev, &limits) else {
-                            continue;
-                        };
-                        if tx.send(cmd).is_err() {
-                            return;
-                        }
-                        wake();
-                    }
-                    while let Some(event) = dev.next_event() {
-                        let async_fd = dev.async_fd();
-                        if tx
-                            .send(ReactorCmd::DeviceEvent { async_fd, event })
-                            .is_err()
-                        {
-                            return;
-                        }
-                        wake();
-                    }
-                }
+                cm.run(&st, &hcm, &wake);
                 drop(listener);
             })?;
         let t = InProcTarget {
@@ -207,6 +154,88 @@ impl InProcTarget {
             control: Some(control),
         };
         Ok((t, manual))
+    }
+}
+
+/// The target of `o`: one subsystem, any host allowed, listening at `addr`.
+fn target_of(o: &InProcOptions, addr: SocketAddr, limits: Limits) -> Target {
+    Target::new(
+        vec![Subsystem {
+            nqn: o.nqn.clone(),
+            serial: "INPROC".into(),
+            model: "nvmfd".into(),
+            allow_any_host: true,
+            hosts: vec![],
+            namespaces: o
+                .namespaces
+                .iter()
+                .map(|(nsid, d)| Namespace {
+                    nsid: *nsid,
+                    info: crate::serve::namespace_info(d.info()),
+                    uuid: None,
+                    nguid: None,
+                })
+                .collect(),
+        }],
+        vec![Port {
+            addr: addr.ip(),
+            port: addr.port(),
+        }],
+        limits,
+    )
+}
+
+/// The control thread's stand-in: the listener's CM channel and device, and the reactor's
+/// inbox.
+struct Control {
+    ch: any::cm::CmChannel,
+    dev: any::Device,
+    tx: std::sync::mpsc::Sender<ReactorCmd>,
+    limits: Limits,
+}
+
+impl Control {
+    /// Sleeps on the CM channel and the device's async fd; hands connections and events to
+    /// the reactor (and `wake`s it) until `stop`. CM events wait while `hold` is set.
+    fn run(&self, stop: &AtomicBool, hold: &AtomicBool, wake: &dyn Fn()) {
+        use mio::unix::SourceFd;
+        let Ok(mut poll) = mio::Poll::new() else {
+            return;
+        };
+        for (n, fd) in [self.ch.fd(), self.dev.async_fd()].into_iter().enumerate() {
+            let _ = poll.registry().register(
+                &mut SourceFd(&fd),
+                mio::Token(n),
+                mio::Interest::READABLE,
+            );
+        }
+        let mut events = mio::Events::with_capacity(8);
+        while !stop.load(Ordering::Relaxed) {
+            let _ = poll.poll(&mut events, Some(Duration::from_millis(20)));
+            while let Some(ev) = (!hold.load(Ordering::Relaxed))
+                .then(|| self.ch.next_event())
+                .flatten()
+            {
+                let Some(cmd) = command(ev, &self.limits) else {
+                    continue;
+                };
+                if self.tx.send(cmd).is_err() {
+                    return;
+                }
+                wake();
+            }
+            while let Some(event) = self.dev.next_event() {
+                let async_fd = self.dev.async_fd();
+                if self
+                    .tx
+                    .send(ReactorCmd::DeviceEvent { async_fd, event })
+                    .is_err()
+                {
+                    return;
+                }
+                wake();
+            }
+        }
     }
 }
 

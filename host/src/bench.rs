@@ -9,12 +9,11 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use nvmfd_nvme::host::{HostError, IoQueue};
-use nvmfd_nvme::wire::{self, io_opcode, Sqe};
+use nvmfd_nvme::host::{rw_sqe, HostError, IoQueue};
+use nvmfd_nvme::wire::{self, io_opcode};
 use serde_json::{json, Value};
-use zerocopy::little_endian::U32;
 
-use crate::{Payload, PipelinedQueue};
+use crate::{Done, Payload, PipelinedQueue};
 
 /// The access pattern.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +88,90 @@ fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid bounds")
 }
 
+/// One queue of a thread: where it is in its part of the namespace, when each of its
+/// commands left, and its figures.
+struct Lane {
+    io: IoQueue<PipelinedQueue>,
+    next: u64,
+    sent_at: Vec<Instant>,
+    figures: QueueFigures,
+}
+
+/// What every lane of a thread shares.
+struct Shape<'a> {
+    job: &'a Job,
+    /// Blocks per I/O, and I/O-sized places in the namespace.
+    io_blocks: u64,
+    places: u64,
+    data: Vec<u8>,
+}
+
+impl Lane {
+    /// Submits commands until the queue is at its depth.
+    fn fill(&mut self, sh: &Shape<'_>, rng: &mut fastrand::Rng) -> Result<(), String> {
+        let job = sh.job;
+        let q = self.io.transport();
+        while q.outstanding() < usize::from(job.depth) {
+            let at = if job.pattern.random() {
+                rng.u64(0..sh.places)
+            } else {
+                let at = self.next;
+                self.next = (at + 1) % sh.places;
+                at
+            };
+            let read = match job.pattern {
+                Pattern::Read | Pattern::RandRead => true,
+                Pattern::Write | Pattern::RandWrite => false,
+                Pattern::RandRw => rng.u32(0..100) < job.read_pct,
+            };
+            let opcode = if read {
+                io_opcode::READ
+            } else {
+                io_opcode::WRITE
+            };
+            let nlb = wire::sat(sh.io_blocks);
+            let s = rw_sqe(opcode, job.nsid, at * sh.io_blocks, nlb, false);
+            let payload = if read {
+                Payload::In(job.io_size as usize)
+            } else {
+                Payload::Out(&sh.data)
+            };
+            let slot = q
+                .submit(0, s, payload)
+                .map_err(|e| format!("I/O queue {}: {e}", self.figures.qid))?;
+            self.sent_at[usize::from(slot)] = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Takes the completions in; counts them (and their latency when `measuring`).
+    fn reap(
+        &mut self,
+        done: &mut Vec<Done>,
+        measuring: bool,
+        progress: &Progress,
+    ) -> Result<(), String> {
+        self.io.transport().poll(done);
+        let now = Instant::now();
+        for d in done.drain(..) {
+            d.ok()
+                .map_err(|e| format!("I/O error on queue {}: {e}", self.figures.qid))?;
+            progress.ios.fetch_add(1, Ordering::Relaxed);
+            if measuring {
+                let ns = now
+                    .duration_since(self.sent_at[usize::from(d.slot)])
+                    .as_nanos();
+                self.figures.ios += 1;
+                let _ = self
+                    .figures
+                    .latency
+                    .record(u64::try_from(ns).unwrap_or(u64::MAX).max(1));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The work of one thread: queues `qids`, connected by `connect`.
 fn thread_main(
     job: &Job,
@@ -105,30 +188,33 @@ fn thread_main(
         queues.push(q.map_err(|e| format!("connecting I/O queue {qid}: {e}")));
     }
     start.wait();
-    let mut queues = queues.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let queues = queues.into_iter().collect::<Result<Vec<_>, _>>()?;
     let io_blocks = u64::from(job.io_size / job.block_size);
-    let slots = job.blocks / io_blocks;
-    if slots == 0 {
+    let places = job.blocks / io_blocks;
+    if places == 0 {
         return Err("the namespace is smaller than one I/O".into());
     }
-    let data: Vec<u8> = (0..job.io_size).map(|i| (i % 251) as u8).collect();
+    let sh = Shape {
+        job,
+        io_blocks,
+        places,
+        data: (0..job.io_size).map(|i| (i % 251) as u8).collect(),
+    };
     let mut rng = fastrand::Rng::with_seed(u64::from(qids.first().copied().unwrap_or(0)));
-    let mut figures: Vec<QueueFigures> = qids
-        .iter()
-        .map(|&qid| QueueFigures {
-            qid,
-            ios: 0,
-            latency: histogram(),
+    let mut lanes: Vec<Lane> = queues
+        .into_iter()
+        .zip(qids)
+        .map(|(io, &qid)| Lane {
+            io,
+            // Sequential patterns: each queue in its own part of the namespace.
+            next: (u64::from(qid) - 1) * (places / u64::from(job.queues)),
+            sent_at: vec![Instant::now(); usize::from(job.depth) + 1],
+            figures: QueueFigures {
+                qid,
+                ios: 0,
+                latency: histogram(),
+            },
         })
-        .collect();
-    let n = u64::from(job.queues);
-    let mut next: Vec<u64> = qids
-        .iter()
-        .map(|&q| (u64::from(q) - 1) * (slots / n))
-        .collect();
-    let mut sent_at: Vec<Vec<Instant>> = queues
-        .iter()
-        .map(|_| vec![Instant::now(); usize::from(job.depth) + 1])
         .collect();
     let began = Instant::now();
     let mut measuring = job.warmup.is_zero();
@@ -136,70 +222,23 @@ fn thread_main(
     while !stop.load(Ordering::Relaxed) {
         if !measuring && began.elapsed() >= job.warmup {
             measuring = true;
-            for f in &mut figures {
-                f.ios = 0;
-                f.latency.reset();
+            for l in &mut lanes {
+                l.figures.ios = 0;
+                l.figures.latency.reset();
             }
         }
-        for (k, io) in queues.iter_mut().enumerate() {
-            let q = io.transport();
-            while q.outstanding() < usize::from(job.depth) {
-                let at = if job.pattern.random() {
-                    rng.u64(0..slots)
-                } else {
-                    let at = next[k];
-                    next[k] = (at + 1) % slots;
-                    at
-                };
-                let read = match job.pattern {
-                    Pattern::Read | Pattern::RandRead => true,
-                    Pattern::Write | Pattern::RandWrite => false,
-                    Pattern::RandRw => rng.u32(0..100) < job.read_pct,
-                };
-                let mut s: Sqe = wire::zeroed();
-                let lba = at * io_blocks;
-                s.opcode = if read {
-                    io_opcode::READ
-                } else {
-                    io_opcode::WRITE
-                };
-                s.nsid = U32::new(job.nsid);
-                s.cdw10 = U32::new(wire::lo32(lba));
-                s.cdw11 = U32::new(wire::hi32(lba));
-                s.cdw12 = U32::new(wire::sat(io_blocks - 1));
-                let payload = if read {
-                    Payload::In(job.io_size as usize)
-                } else {
-                    Payload::Out(&data)
-                };
-                let slot = q
-                    .submit(0, s, payload)
-                    .map_err(|e| format!("I/O queue {}: {e}", figures[k].qid))?;
-                sent_at[k][usize::from(slot)] = Instant::now();
-            }
-            q.poll(&mut done);
-            let now = Instant::now();
-            for d in done.drain(..) {
-                d.ok()
-                    .map_err(|e| format!("I/O error on queue {}: {e}", figures[k].qid))?;
-                progress.ios.fetch_add(1, Ordering::Relaxed);
-                if measuring {
-                    let ns = now
-                        .duration_since(sent_at[k][usize::from(d.slot)])
-                        .as_nanos();
-                    let f = &mut figures[k];
-                    f.ios += 1;
-                    let _ = f
-                        .latency
-                        .record(u64::try_from(ns).unwrap_or(u64::MAX).max(1));
-                }
-            }
+        for l in &mut lanes {
+            l.fill(&sh, &mut rng)?;
+            l.reap(&mut done, measuring, progress)?;
         }
     }
-    for io in &mut queues {
-        io.transport().disconnect();
-    }
-    Ok(figures)
+    Ok(lanes
+        .into_iter()
+        .map(|mut l| {
+            l.io.transport().disconnect();
+            l.figures
+        })
+        .collect())
 }
 
 /// Runs `job`; `connect(qid)` connects I/O queue `qid` (with `job.depth` slots). Calls

@@ -88,6 +88,17 @@ fn sqe(opcode: u8, cid: u16) -> Sqe {
     }
 }
 
+/// A command on `nlb` blocks (at least 1) at `slba` of namespace `nsid`: Read, Write (with
+/// `fua`), Write Zeroes and the like; the command identifier and SGL are the transport's.
+pub fn rw_sqe(opcode: u8, nsid: u32, slba: u64, nlb: u32, fua: bool) -> Sqe {
+    let mut s = sqe(opcode, 0);
+    s.nsid = U32::new(nsid);
+    s.cdw10 = U32::new(wire::lo32(slba));
+    s.cdw11 = U32::new(wire::hi32(slba));
+    s.cdw12 = U32::new(nlb.saturating_sub(1) | (u32::from(fua) << 30));
+    s
+}
+
 /// What a Connect asks for.
 struct ConnectArgs {
     qid: u16,
@@ -404,11 +415,8 @@ impl<T: HostTransport> IoQueue<T> {
     }
 
     fn rw(&mut self, opcode: u8, nsid: u32, slba: u64, nlb: u32, fua: bool) -> Sqe {
-        let mut s = sqe(opcode, self.next_cid());
-        s.nsid = U32::new(nsid);
-        s.cdw10 = U32::new(wire::lo32(slba));
-        s.cdw11 = U32::new(wire::hi32(slba));
-        s.cdw12 = U32::new((nlb - 1) | (u32::from(fua) << 30));
+        let mut s = rw_sqe(opcode, nsid, slba, nlb, fua);
+        s.cid = U16::new(self.next_cid());
         s
     }
 

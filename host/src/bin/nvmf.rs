@@ -264,15 +264,20 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     bar.finish_and_clear();
     let _ = a.shutdown();
     let figures = figures?;
-    let report = bench::report(&job, &figures);
+    print_bench(b, &job, &bench::report(&job, &figures));
+    Ok(())
+}
+
+/// The figures of a bench run, as JSON or as lines.
+fn print_bench(b: &BenchArgs, job: &bench::Job, report: &serde_json::Value) {
     if b.json {
         println!("{report:#}");
-        return Ok(());
+        return;
     }
     println!(
         "{} {} B, depth {}, {} queue(s) on {} thread(s), {:.1} s after {:.1} s of warm-up",
         format!("{:?}", b.workload).to_lowercase(),
-        io_size,
+        job.io_size,
         b.depth,
         b.queues,
         job.threads.min(b.queues),
@@ -291,7 +296,6 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
         }
     }
     println!("total     : {}", bench::line(&report["total"]));
-    Ok(())
 }
 
 fn run(cli: &Cli) -> Result<(), String> {

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use nvmf_host::{Done, Payload, PipelinedQueue, RdmaQueue};
-use nvmfd_nvme::host::{AdminQueue, HostError, HostId, IoQueue};
+use nvmfd_nvme::host::{rw_sqe, AdminQueue, HostError, HostId, IoQueue};
 use nvmfd_nvme::wire::{self, io_opcode, Sqe};
 use nvmfd_rdma::any::cm::CmChannel;
 use nvmfd_rdma::soft::Fabric;
@@ -50,6 +50,15 @@ struct Inflight {
     ns: usize,
     ranges: Vec<(u64, u32)>,
     version: u32,
+}
+
+/// A command ready to go: what it covers and carries.
+struct Built {
+    sqe: Sqe,
+    ranges: Vec<(u64, u32)>,
+    version: u32,
+    data: Vec<u8>,
+    read_len: Option<usize>,
 }
 
 /// A connected controller.
@@ -262,91 +271,39 @@ impl Host {
             84..=91 => Kind::WriteZeroes,
             _ => Kind::Deallocate,
         };
-        let (nsid, bs) = (self.ns[ns].nsid, self.ns[ns].block_size);
-        let mut s: Sqe = wire::zeroed();
-        s.nsid = U32::new(nsid);
-        let mut ranges = Vec::new();
-        let mut version = 0;
-        let mut data: Vec<u8> = Vec::new();
-        let payload_in;
-        match kind {
+        let built = match kind {
             Kind::Flush => {
+                let mut s: Sqe = wire::zeroed();
                 s.opcode = io_opcode::FLUSH;
-                payload_in = None;
+                s.nsid = U32::new(self.ns[ns].nsid);
+                Some(Built {
+                    sqe: s,
+                    ranges: Vec::new(),
+                    version: 0,
+                    data: Vec::new(),
+                    read_len: None,
+                })
             }
-            Kind::Deallocate => {
-                let n = self.rng.u32(1..=8);
-                for _ in 0..n {
-                    if let Some(r) = self.pick_range(ns, 64, true) {
-                        if ranges.iter().all(|&(l, k): &(u64, u32)| {
-                            r.0 + u64::from(r.1) <= l || l + u64::from(k) <= r.0
-                        }) {
-                            ranges.push(r);
-                        }
-                    }
-                }
-                if ranges.is_empty() {
-                    return false;
-                }
-                s.opcode = io_opcode::DATASET_MANAGEMENT;
-                s.cdw10 = U32::new(ranges.len() as u32 - 1);
-                s.cdw11 = U32::new(1 << 2);
-                for &(lba, nlb) in &ranges {
-                    let r = wire::DsmRange {
-                        cattr: U32::ZERO,
-                        nlb: U32::new(nlb),
-                        slba: zerocopy::little_endian::U64::new(lba),
-                    };
-                    data.extend_from_slice(zerocopy::IntoBytes::as_bytes(&r));
-                }
-                payload_in = None;
-            }
-            _ => {
-                let write = kind != Kind::Read;
-                let max = if kind == Kind::WriteZeroes {
-                    256
-                } else {
-                    u32::MAX
-                };
-                let Some((lba, nlb)) = self.pick_range(ns, max, write) else {
-                    return false;
-                };
-                ranges.push((lba, nlb));
-                s.opcode = match kind {
-                    Kind::Read => io_opcode::READ,
-                    Kind::WriteZeroes => io_opcode::WRITE_ZEROES,
-                    _ => io_opcode::WRITE,
-                };
-                s.cdw10 = U32::new(wire::lo32(lba));
-                s.cdw11 = U32::new(wire::hi32(lba));
-                s.cdw12 = U32::new((nlb - 1) | (u32::from(kind == Kind::WriteFua) << 30));
-                payload_in = (kind == Kind::Read).then_some(nlb as usize * bs);
-                if matches!(kind, Kind::Write | Kind::WriteFua) {
-                    version = self.next_version;
-                    self.next_version = self.next_version.wrapping_add(1).max(1);
-                    data.resize(nlb as usize * bs, 0);
-                    for (k, b) in data.chunks_exact_mut(bs).enumerate() {
-                        fill_block(b, nsid, lba + k as u64, version);
-                    }
-                }
-            }
-        }
-        let payload = match payload_in {
-            Some(n) => Payload::In(n),
-            None if data.is_empty() => Payload::None,
-            None => Payload::Out(&data),
+            Kind::Deallocate => self.deallocation(ns),
+            _ => self.transfer(ns, kind),
         };
-        for &(lba, nlb) in &ranges {
+        let Some(b) = built else { return false };
+        let payload = match b.read_len {
+            Some(n) => Payload::In(n),
+            None if b.data.is_empty() => Payload::None,
+            None => Payload::Out(&b.data),
+        };
+        for &(lba, nlb) in &b.ranges {
             self.ns[ns].hold(lba, nlb);
         }
         let tag = self.tag(Inflight {
             kind,
             ns,
-            ranges,
-            version,
+            ranges: b.ranges,
+            version: b.version,
         });
         let io = self.ctrls[c].as_mut().expect("connected").ios[q].transport();
-        if io.submit(tag as u64, s, payload).is_err() {
+        if io.submit(tag as u64, b.sqe, payload).is_err() {
             // The queue is broken: the command never left, so it changed nothing.
             let f = self.inflight[tag].take().expect("just tagged");
             for &(lba, nlb) in &f.ranges {
@@ -356,6 +313,76 @@ impl Host {
             return false;
         }
         true
+    }
+
+    /// A Dataset Management (deallocate) of one to eight free ranges of namespace `ns`.
+    fn deallocation(&mut self, ns: usize) -> Option<Built> {
+        let mut ranges: Vec<(u64, u32)> = Vec::new();
+        for _ in 0..self.rng.u32(1..=8) {
+            let Some(r) = self.pick_range(ns, 64, true) else {
+                continue;
+            };
+            let apart = |&(l, k): &(u64, u32)| r.0 + u64::from(r.1) <= l || l + u64::from(k) <= r.0;
+            if ranges.iter().all(apart) {
+                ranges.push(r);
+            }
+        }
+        if ranges.is_empty() {
+            return None;
+        }
+        let mut s: Sqe = wire::zeroed();
+        s.opcode = io_opcode::DATASET_MANAGEMENT;
+        s.nsid = U32::new(self.ns[ns].nsid);
+        s.cdw10 = U32::new(ranges.len() as u32 - 1);
+        s.cdw11 = U32::new(1 << 2);
+        let list: Vec<wire::DsmRange> = ranges
+            .iter()
+            .map(|&(lba, nlb)| wire::DsmRange {
+                cattr: U32::ZERO,
+                nlb: U32::new(nlb),
+                slba: zerocopy::little_endian::U64::new(lba),
+            })
+            .collect();
+        Some(Built {
+            sqe: s,
+            ranges,
+            version: 0,
+            data: zerocopy::IntoBytes::as_bytes(list.as_slice()).to_vec(),
+            read_len: None,
+        })
+    }
+
+    /// A read, write (FUA or not) or write zeroes of a free range of namespace `ns`; a write
+    /// carries a new version of each of its blocks.
+    fn transfer(&mut self, ns: usize, kind: Kind) -> Option<Built> {
+        let (nsid, bs) = (self.ns[ns].nsid, self.ns[ns].block_size);
+        let max = if kind == Kind::WriteZeroes {
+            256
+        } else {
+            u32::MAX
+        };
+        let (lba, nlb) = self.pick_range(ns, max, kind != Kind::Read)?;
+        let opcode = match kind {
+            Kind::Read => io_opcode::READ,
+            Kind::WriteZeroes => io_opcode::WRITE_ZEROES,
+            _ => io_opcode::WRITE,
+        };
+        let mut b = Built {
+            sqe: rw_sqe(opcode, nsid, lba, nlb, kind == Kind::WriteFua),
+            ranges: vec![(lba, nlb)],
+            version: 0,
+            data: Vec::new(),
+            read_len: (kind == Kind::Read).then_some(nlb as usize * bs),
+        };
+        if matches!(kind, Kind::Write | Kind::WriteFua) {
+            b.version = self.next_version;
+            self.next_version = self.next_version.wrapping_add(1).max(1);
+            b.data.resize(nlb as usize * bs, 0);
+            for (k, blk) in b.data.chunks_exact_mut(bs).enumerate() {
+                fill_block(blk, nsid, lba + k as u64, b.version);
+            }
+        }
+        Some(b)
     }
 
     /// What completion `d` tells the model.

@@ -1,0 +1,363 @@
+#!/usr/bin/env bash
+# A throwaway Ceph cluster on 127.0.0.1 from Debian 12's own packages, for the tests of the RBD
+# backend (nvmfd opens its images with librbd): one monitor, three OSDs on memstore (their data
+# lives in memory), no manager (RBD needs none), cephx, and one replicated pool (size 3,
+# min_size 2) initialised for RBD. Every daemon runs as root, daemonised, with its pid file, log
+# and admin socket in the state directory; no systemd, nothing written outside that directory.
+# Run as root.
+#
+#   scripts/ceph-dev-cluster.sh start      installs ceph-mon, ceph-osd, ceph-common and
+#                                          librbd-dev if missing, creates the cluster, waits until
+#                                          every PG is active+clean and prints the ceph.conf to
+#                                          use (it names the admin keyring: rbd -c CONF ls works).
+#                                          Already running: prints the ceph.conf and exits 0
+#   scripts/ceph-dev-cluster.sh stop       kills every daemon of the cluster, waits for them to
+#                                          exit and removes the state directory
+#   scripts/ceph-dev-cluster.sh status     whether it runs, and ceph -s
+#   scripts/ceph-dev-cluster.sh osd-kill N    kill -9 of OSD N (marked down within a second)
+#   scripts/ceph-dev-cluster.sh osd-start N   starts OSD N again (it backfills from the others)
+#   scripts/ceph-dev-cluster.sh mon-stop      stops the monitor (new clients cannot connect)
+#   scripts/ceph-dev-cluster.sh mon-start     starts it again
+#
+# Knobs: NVMFD_CEPH_DIR (state directory, default /tmp/nvmfd-ceph), NVMFD_CEPH_PORT (the
+# monitor's msgr2 port, its msgr1 port is the next one; default 3300 and 6789, or the first free
+# pair from 3302/3303 on), NVMFD_CEPH_POOL (default rbd), NVMFD_CEPH_OSD_MB (the memstore size
+# of each OSD, default 512: every OSD holds a copy of all the data), NVMFD_CEPH_TIMEOUT (seconds
+# start waits for active+clean, default 60).
+# Without a manager, ceph -s and ceph pg stat know no PG states: start reads them from the OSDs'
+# admin sockets (status prints them too).
+set -euo pipefail
+DIR=${NVMFD_CEPH_DIR:-/tmp/nvmfd-ceph}
+POOL=${NVMFD_CEPH_POOL:-rbd}
+OSD_MB=${NVMFD_CEPH_OSD_MB:-512}
+TIMEOUT=${NVMFD_CEPH_TIMEOUT:-60}
+OSDS=(0 1 2)
+PG_NUM=32
+say() { echo "ceph-dev-cluster: $*"; }
+die() { echo "ceph-dev-cluster: $*" >&2; exit 1; }
+usage() { sed -n '2,/^set -e/{/^set -e/d;s/^# \{0,1\}//;p}' "$0"; }
+
+[[ $OSD_MB =~ ^[1-9][0-9]*$ && $TIMEOUT =~ ^[1-9][0-9]*$ ]] \
+  || die "NVMFD_CEPH_OSD_MB and NVMFD_CEPH_TIMEOUT must be positive integers"
+[[ $POOL =~ ^[A-Za-z0-9_.-]+$ ]] || die "NVMFD_CEPH_POOL '$POOL': letters, digits, _ . - only"
+[[ $DIR = /* ]] || DIR=$PWD/$DIR
+[[ $DIR =~ ^/[A-Za-z0-9_./+-]+$ ]] || die "NVMFD_CEPH_DIR '$DIR': no spaces or odd characters"
+DIR=${DIR%/}
+CONF=$DIR/ceph.conf
+ADMIN_KEYRING=$DIR/ceph.client.admin.keyring
+RUN=$DIR/run
+
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN {printf "%.1f", b - a}'; }
+
+# ---- daemons and their pid files ----
+pidfile() { echo "$RUN/$1.pid"; }   # pidfile mon.a | osd.N
+# The pid of a daemon of this cluster (its command line names this ceph.conf), or nothing.
+daemon_pid() {
+  local f pid
+  f=$(pidfile "$1")
+  [ -s "$f" ] || return 0
+  pid=$(cat "$f")
+  [[ $pid =~ ^[0-9]+$ ]] || return 0
+  if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "-c $CONF"; then echo "$pid"; fi
+}
+running() { [ -n "$(daemon_pid "$1")" ]; }
+# Every ceph-mon or ceph-osd process started with this ceph.conf, pid files or not.
+dir_pids() {
+  ps -eo pid=,args= | awk -v c="-c $CONF" '($2 ~ /ceph-(mon|osd)$/) && index($0, c) {print $1}'
+}
+# Waits (polling) until none of the given pids is alive; false after $2 seconds.
+wait_gone() {   # wait_gone "PIDS" SECONDS
+  local pids=$1 deadline p alive
+  deadline=$(( $(date +%s) + $2 ))
+  while :; do
+    alive=
+    for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ -z "$alive" ] && return 0
+    [ "$(date +%s)" -lt "$deadline" ] || return 1
+    sleep 0.05
+  done
+}
+stop_daemon() {   # stop_daemon NAME SIGNAL
+  local pid
+  pid=$(daemon_pid "$1")
+  [ -n "$pid" ] || return 0
+  kill "-$2" "$pid" 2>/dev/null || true
+  wait_gone "$pid" 30 || { kill -KILL "$pid" 2>/dev/null || true; wait_gone "$pid" 5; } \
+    || die "$1 (pid $pid) does not exit"
+  rm -f "$(pidfile "$1")"
+}
+start_mon() { ceph-mon -i a -c "$CONF"; }
+start_osd() { ceph-osd -i "$1" -c "$CONF"; }
+
+# ---- the ceph commands, as client.admin ----
+cephc() { ceph -c "$CONF" --connect-timeout 10 "$@"; }
+
+# PGs (of every pool) and how many of them are active+clean. Without a manager the monitor knows
+# no PG states, so they come from the OSDs: the primary of each PG reports it
+# Started/Primary/Active/Clean in its admin socket's dump_pgstate_history.
+pg_total() { cephc osd dump -f json | grep -o '"pg_num":[0-9]*' | awk -F: '{s += $2} END {print s + 0}'; }
+pg_clean() {
+  local n c=0
+  for n in "${OSDS[@]}"; do
+    running "osd.$n" || continue
+    n=$(ceph --admin-daemon "$RUN/osd.$n.asok" dump_pgstate_history 2>/dev/null \
+      | grep -c '"currently": "Started/Primary/Active/Clean"' || true)
+    c=$((c + n))
+  done
+  echo "$c"
+}
+osd_counts() {   # "up in"
+  cephc osd stat -f json | sed -E 's/.*"num_up_osds":([0-9]+).*"num_in_osds":([0-9]+).*/\1 \2/'
+}
+# Waits until every OSD is up and in and every PG active+clean; false after TIMEOUT seconds.
+wait_clean() {
+  local deadline total clean ui
+  deadline=$(( $(date +%s) + TIMEOUT ))
+  while :; do
+    ui=$(osd_counts 2>/dev/null || true)
+    total=$(pg_total 2>/dev/null || echo 0)
+    clean=$(pg_clean)
+    if [ "$ui" = "${#OSDS[@]} ${#OSDS[@]}" ] && [ "$total" -gt 0 ] && [ "$clean" -eq "$total" ]; then
+      return 0
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+      say "after ${TIMEOUT}s: OSDs up/in ${ui:-?}, PGs active+clean $clean of $total" >&2
+      return 1
+    fi
+    sleep 0.2
+  done
+}
+
+# ---- start ----
+install_pkgs() {
+  local groups=(
+    "ceph-mon|the monitor"
+    "ceph-osd|the OSDs (memstore)"
+    "ceph-common|the ceph, rbd and ceph-authtool commands"
+    "librbd-dev|librbd's headers and library, which nvmfd's RBD backend links"
+  )
+  local g todo=() names=()
+  for g in "${groups[@]}"; do
+    dpkg-query -W -f='${Status}' "${g%%|*}" 2>/dev/null | grep -q "install ok installed" || todo+=("$g")
+  done
+  [ ${#todo[@]} -gt 0 ] || return 0
+  [ "$(id -u)" -eq 0 ] || die "not root: the packages $(printf '%s ' "${todo[@]%%|*}")are missing"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get -o DPkg::Lock::Timeout=600 update -qq
+  for g in "${todo[@]}"; do names+=("${g%%|*}"); done
+  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${names[@]}" >/dev/null
+  for g in "${todo[@]}"; do say "installed ${g%%|*}: ${g#*|}"; done
+}
+
+port_busy() { [ -n "$(ss -Hltn "( sport = :$1 )")" ]; }
+pick_ports() {   # sets V2 and V1
+  local p
+  if [ -n "${NVMFD_CEPH_PORT:-}" ]; then
+    if ! [[ $NVMFD_CEPH_PORT =~ ^[1-9][0-9]*$ ]] || [ "$NVMFD_CEPH_PORT" -ge 65535 ]; then
+      die "NVMFD_CEPH_PORT '$NVMFD_CEPH_PORT' is not a port"
+    fi
+    V2=$NVMFD_CEPH_PORT; V1=$((V2 + 1))
+    if port_busy "$V2" || port_busy "$V1"; then die "port $V2 or $V1 (NVMFD_CEPH_PORT) is in use"; fi
+    return 0
+  fi
+  V2=3300; V1=6789
+  ! port_busy "$V2" && ! port_busy "$V1" && return 0
+  for ((p = 3302; p < 3400; p += 2)); do
+    V2=$p; V1=$((p + 1))
+    ! port_busy "$V2" && ! port_busy "$V1" && return 0
+  done
+  die "no free port pair for the monitor in 3300-3399"
+}
+
+write_conf() {
+  local fsid=$1
+  cat >"$CONF" <<EOF
+# A throwaway cluster of scripts/ceph-dev-cluster.sh: one monitor, ${#OSDS[@]} memstore OSDs.
+[global]
+fsid = $fsid
+mon_host = [v2:127.0.0.1:$V2,v1:127.0.0.1:$V1]
+mon_initial_members = a
+auth_cluster_required = cephx
+auth_service_required = cephx
+auth_client_required = cephx
+auth_allow_insecure_global_id_reclaim = false
+run_dir = $RUN
+# One host: the default CRUSH rule picks OSDs, not hosts (before the monitor's mkfs).
+osd_crush_chooseleaf_type = 0
+osd_pool_default_size = 3
+osd_pool_default_min_size = 2
+osd_pool_default_pg_autoscale_mode = off
+mon_allow_pool_delete = true
+# A killed OSD is marked down within a second (its peers see the connection refused, or miss
+# its heartbeats), and out after 10 s.
+osd_heartbeat_interval = 1
+osd_heartbeat_grace = 3
+mon_osd_adjust_heartbeat_grace = false
+mon_osd_min_down_reporters = 1
+osd_fast_fail_on_connection_refused = true
+mon_osd_down_out_interval = 10
+mon_data_avail_warn = 2
+mon_data_avail_crit = 1
+
+[mon]
+mon_data = $DIR/mon/ceph-\$id
+public_addr = 127.0.0.1
+pid_file = $RUN/\$name.pid
+admin_socket = $RUN/\$name.asok
+log_file = $DIR/log/\$name.log
+
+[osd]
+osd_data = $DIR/osd/ceph-\$id
+osd_objectstore = memstore
+memstore_device_bytes = $((OSD_MB * 1024 * 1024))
+public_addr = 127.0.0.1
+cluster_addr = 127.0.0.1
+osd_op_num_shards = 2
+osd_op_num_threads_per_shard = 1
+pid_file = $RUN/\$name.pid
+admin_socket = $RUN/\$name.asok
+log_file = $DIR/log/\$name.log
+
+[client]
+keyring = $ADMIN_KEYRING
+EOF
+}
+
+authtool() { ceph-authtool "$@" >/dev/null; }
+create() {
+  local t0=$1 fsid n uuid pids=()
+  mkdir -p "$RUN" "$DIR/log" "$DIR/mon/ceph-a"
+  pick_ports
+  fsid=$(cat /proc/sys/kernel/random/uuid)
+  write_conf "$fsid"
+  # Keys: client.admin, mon., one per OSD; the monitor's mkfs takes them all into its database.
+  authtool --create-keyring "$ADMIN_KEYRING" --gen-key -n client.admin \
+    --cap mon 'allow *' --cap osd 'allow *' --cap mgr 'allow *' --cap mds 'allow *'
+  authtool --create-keyring "$DIR/mon.keyring" --gen-key -n mon. --cap mon 'allow *'
+  authtool "$DIR/mon.keyring" --import-keyring "$ADMIN_KEYRING"
+  for n in "${OSDS[@]}"; do
+    mkdir -p "$DIR/osd/ceph-$n"
+    authtool --create-keyring "$DIR/osd/ceph-$n/keyring" --gen-key -n "osd.$n" \
+      --cap mon 'allow profile osd' --cap mgr 'allow profile osd' --cap osd 'allow *'
+    authtool "$DIR/mon.keyring" --import-keyring "$DIR/osd/ceph-$n/keyring"
+  done
+  monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$V2,v1:127.0.0.1:$V1]" "$DIR/monmap" >/dev/null
+  ceph-mon --mkfs -i a -c "$CONF" --monmap "$DIR/monmap" --keyring "$DIR/mon.keyring"
+  start_mon
+  # The OSDs' stores, while the monitor starts.
+  for n in "${OSDS[@]}"; do
+    uuid=$(cat /proc/sys/kernel/random/uuid)
+    echo "$uuid" >"$DIR/osd/ceph-$n/uuid"
+    ceph-osd -i "$n" -c "$CONF" --no-mon-config --mkfs --osd-uuid "$uuid" 2>"$DIR/log/osd.$n.mkfs" &
+    pids+=($!)
+  done
+  for n in "${pids[@]}"; do wait "$n" || die "ceph-osd --mkfs failed: see $DIR/log"; done
+  for n in "${OSDS[@]}"; do
+    cephc osd new "$(cat "$DIR/osd/ceph-$n/uuid")" "$n" >/dev/null
+  done
+  # The pool before the OSDs boot: its PGs are created and peered once.
+  cephc osd pool create "$POOL" "$PG_NUM" "$PG_NUM" replicated --size 3 >/dev/null 2>&1
+  cephc osd pool set "$POOL" min_size 2 >/dev/null 2>&1
+  for n in "${OSDS[@]}"; do start_osd "$n"; done
+  wait_clean || die "the cluster did not become active+clean: see $DIR/log"
+  rbd -c "$CONF" pool init "$POOL"
+  touch "$DIR/ready"
+  say "up in $(since "$t0")s: 1 monitor (127.0.0.1:$V2 v2, :$V1 v1), ${#OSDS[@]} memstore OSDs, pool $POOL (size 3, min_size 2, rbd), all PGs active+clean"
+  echo "$CONF"
+}
+
+start() {
+  local t0 n osds_up=0 missing=()
+  t0=$(now)
+  install_pkgs
+  if [ -e "$DIR/ready" ]; then
+    for n in mon.a "${OSDS[@]/#/osd.}"; do
+      if running "$n"; then [ "$n" = mon.a ] || osds_up=$((osds_up + 1)); else missing+=("$n"); fi
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+      say "already running"
+      echo "$CONF"; return 0
+    fi
+    # An OSD still up holds the data (memstore keeps it in memory only): start the others.
+    if [ "$osds_up" -gt 0 ]; then
+      for n in "${missing[@]}"; do
+        say "starting $n"
+        if [ "$n" = mon.a ]; then start_mon; else start_osd "${n#osd.}"; fi
+      done
+      wait_clean || die "the cluster did not become active+clean: see $DIR/log"
+      say "running again in $(since "$t0")s"
+      echo "$CONF"; return 0
+    fi
+  fi
+  # Nothing of it runs, or it was never complete: anew.
+  if [ -e "$DIR" ]; then
+    say "removing the leftovers of an earlier cluster in $DIR"
+    teardown
+  fi
+  create "$t0"
+}
+
+# ---- stop ----
+teardown() {
+  local pids
+  pids=$(dir_pids)
+  if [ -n "$pids" ]; then
+    # shellcheck disable=SC2086 # a list of pids
+    kill -KILL $pids 2>/dev/null || true
+    wait_gone "$pids" 30 || die "daemons of $DIR still alive: $pids"
+  fi
+  rm -rf "$DIR"
+}
+stop() {
+  local pids
+  pids=$(dir_pids | tr '\n' ' ')
+  [ -e "$DIR" ] || [ -n "$pids" ] || { say "not running (no $DIR)"; return 0; }
+  teardown
+  [ -z "$(dir_pids)" ] || die "daemons of $DIR still alive"
+  say "stopped${pids:+ (killed ${pids% })}, $DIR removed"
+}
+
+status() {
+  local n
+  if [ ! -e "$DIR/ready" ]; then say "not running (no cluster in $DIR)"; return 1; fi
+  for n in mon.a "${OSDS[@]/#/osd.}"; do
+    if running "$n"; then say "$n: running (pid $(daemon_pid "$n"))"; else say "$n: not running"; fi
+  done
+  say "conf: $CONF"
+  if running mon.a; then
+    cephc -s || true
+    say "PGs active+clean (from the OSDs): $(pg_clean) of $(pg_total)"
+  fi
+}
+
+need_cluster() { [ -e "$DIR/ready" ] || die "no cluster in $DIR: run start first"; }
+osd_arg() {
+  local n
+  for n in "${OSDS[@]}"; do [ "${1:-}" = "$n" ] && return 0; done
+  die "which OSD? one of ${OSDS[*]}"
+}
+
+cmd=${1:-}
+case "$cmd" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  osd-kill)
+    need_cluster; osd_arg "${2:-}"
+    running "osd.$2" || die "osd.$2 is not running"
+    stop_daemon "osd.$2" KILL
+    say "osd.$2 killed" ;;
+  osd-start)
+    need_cluster; osd_arg "${2:-}"
+    if running "osd.$2"; then say "osd.$2 already running"; else start_osd "$2"; say "osd.$2 started"; fi ;;
+  mon-stop)
+    need_cluster
+    stop_daemon mon.a TERM
+    say "monitor stopped" ;;
+  mon-start)
+    need_cluster
+    if running mon.a; then say "monitor already running"; else start_mon; say "monitor started"; fi ;;
+  -h|--help|help) usage ;;
+  *) usage >&2; exit 2 ;;
+esac
