@@ -87,8 +87,21 @@ stop_daemon() {   # stop_daemon NAME SIGNAL
     || die "$1 (pid $pid) does not exit"
   rm -f "$(pidfile "$1")"
 }
-start_mon() { ceph-mon -i a -c "$CONF"; }
-start_osd() { ceph-osd -i "$1" -c "$CONF"; }
+# A daemon forks once initialised; what it says on stderr before goes to log/NAME.stderr.
+start_daemon() {   # start_daemon NAME COMMAND...
+  local name=$1
+  shift
+  "$@" 2>"$DIR/log/$name.stderr" \
+    || { tail -5 "$DIR/log/$name.stderr" >&2; die "$name did not start: see $DIR/log/$name.log"; }
+}
+start_mon() { start_daemon mon.a ceph-mon -i a -c "$CONF"; }
+start_osd() { start_daemon "osd.$1" ceph-osd -i "$1" -c "$CONF"; }
+# Starts the given OSDs at once and waits for them to have forked.
+start_osds() {
+  local n pids=()
+  for n in "$@"; do start_osd "$n" & pids+=($!); done
+  for n in "${pids[@]}"; do wait "$n" || exit 1; done
+}
 
 # ---- the ceph commands, as client.admin ----
 cephc() { ceph -c "$CONF" --connect-timeout 10 "$@"; }
@@ -108,7 +121,7 @@ pg_clean() {
   echo "$c"
 }
 osd_counts() {   # "up in"
-  cephc osd stat -f json | sed -E 's/.*"num_up_osds":([0-9]+).*"num_in_osds":([0-9]+).*/\1 \2/'
+  cephc osd stat -f json | tr -d '\n' | sed -E 's/.*"num_up_osds":([0-9]+).*"num_in_osds":([0-9]+).*/\1 \2/'
 }
 # Waits until every OSD is up and in and every PG active+clean; false after TIMEOUT seconds.
 wait_clean() {
@@ -201,6 +214,8 @@ mon_data_avail_warn = 2
 mon_data_avail_crit = 1
 
 [mon]
+# A map change is proposed at once, not after 1 s: every step of the start is one.
+paxos_propose_interval = 0.05
 mon_data = $DIR/mon/ceph-\$id
 public_addr = 127.0.0.1
 pid_file = $RUN/\$name.pid
@@ -225,6 +240,10 @@ EOF
 }
 
 authtool() { ceph-authtool "$@" >/dev/null; }
+quiet() {   # runs a command, showing its output only if it fails
+  local out
+  out=$("$@" 2>&1) || { echo "$out" >&2; die "failed: $*"; }
+}
 create() {
   local t0=$1 fsid n uuid pids=()
   mkdir -p "$RUN" "$DIR/log" "$DIR/mon/ceph-a"
@@ -254,12 +273,12 @@ create() {
   done
   for n in "${pids[@]}"; do wait "$n" || die "ceph-osd --mkfs failed: see $DIR/log"; done
   for n in "${OSDS[@]}"; do
-    cephc osd new "$(cat "$DIR/osd/ceph-$n/uuid")" "$n" >/dev/null
+    quiet cephc osd new "$(cat "$DIR/osd/ceph-$n/uuid")" "$n"
   done
   # The pool before the OSDs boot: its PGs are created and peered once.
-  cephc osd pool create "$POOL" "$PG_NUM" "$PG_NUM" replicated --size 3 >/dev/null 2>&1
-  cephc osd pool set "$POOL" min_size 2 >/dev/null 2>&1
-  for n in "${OSDS[@]}"; do start_osd "$n"; done
+  quiet cephc osd pool create "$POOL" "$PG_NUM" "$PG_NUM" replicated --size 3
+  quiet cephc osd pool set "$POOL" min_size 2
+  start_osds "${OSDS[@]}"
   wait_clean || die "the cluster did not become active+clean: see $DIR/log"
   rbd -c "$CONF" pool init "$POOL"
   touch "$DIR/ready"
@@ -281,10 +300,9 @@ start() {
     fi
     # An OSD still up holds the data (memstore keeps it in memory only): start the others.
     if [ "$osds_up" -gt 0 ]; then
-      for n in "${missing[@]}"; do
-        say "starting $n"
-        if [ "$n" = mon.a ]; then start_mon; else start_osd "${n#osd.}"; fi
-      done
+      say "starting ${missing[*]}"
+      if [ "${missing[0]}" = mon.a ]; then start_mon; missing=("${missing[@]:1}"); fi
+      [ ${#missing[@]} -eq 0 ] || start_osds "${missing[@]#osd.}"
       wait_clean || die "the cluster did not become active+clean: see $DIR/log"
       say "running again in $(since "$t0")s"
       echo "$CONF"; return 0
@@ -319,16 +337,19 @@ stop() {
 }
 
 status() {
-  local n
+  local n down=()
   if [ ! -e "$DIR/ready" ]; then say "not running (no cluster in $DIR)"; return 1; fi
+  for n in mon.a "${OSDS[@]/#/osd.}"; do running "$n" || down+=("$n"); done
+  if [ ${#down[@]} -eq $(( ${#OSDS[@]} + 1 )) ]; then say "not running (cluster in $DIR, every daemon down)"; return 1; fi
+  say "running${down[*]:+, not running: ${down[*]}}; conf $CONF"
   for n in mon.a "${OSDS[@]/#/osd.}"; do
-    if running "$n"; then say "$n: running (pid $(daemon_pid "$n"))"; else say "$n: not running"; fi
+    ! running "$n" || say "  $n pid $(daemon_pid "$n"), log $DIR/log/$n.log"
   done
-  say "conf: $CONF"
-  if running mon.a; then
-    cephc -s || true
-    say "PGs active+clean (from the OSDs): $(pg_clean) of $(pg_total)"
-  fi
+  running mon.a || return 0
+  cephc -s || true
+  # shellcheck disable=SC2016 # awk's
+  cephc osd pool ls detail | awk 'NF {print "ceph-dev-cluster: " $0}'
+  say "PGs active+clean, from the OSDs (without a manager ceph -s counts none): $(pg_clean) of $(pg_total)"
 }
 
 need_cluster() { [ -e "$DIR/ready" ] || die "no cluster in $DIR: run start first"; }

@@ -22,7 +22,9 @@ use std::path::Path;
 pub use error::{ConfigError, ConfigErrors, KeyPath, Seg};
 pub use schema::*;
 pub use units::{ByteSize, ByteSizeError, HumanDuration};
-pub use validate::{check_nqn, SystemFacts, DISCOVERY_NQN, IN_CAPSULE_MAX, NQN_MAX_BYTES};
+pub use validate::{
+    check_nqn, nqn_form, SystemFacts, DISCOVERY_NQN, IN_CAPSULE_MAX, NQN_MAX_BYTES,
+};
 
 /// Why a configuration file could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -118,6 +120,18 @@ impl Config {
             .collect();
         errors.sort_by_key(|e| (e.line, e.column));
         Err(ConfigErrors(errors))
+    }
+}
+
+impl Config {
+    /// What the configuration holds that is accepted but deserves a warning, one line each
+    /// with its key (`subsystem[0].nqn: ...`): NQNs outside the specification's form.
+    /// `nvmfd --check-config` prints them and the daemon logs them at start.
+    pub fn warnings(&self) -> Vec<String> {
+        validate::warnings(self)
+            .into_iter()
+            .map(|p| format!("{}: {}", p.path, p.message))
+            .collect()
     }
 }
 

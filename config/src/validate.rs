@@ -51,11 +51,13 @@ impl Checker<'_> {
     }
 }
 
-/// Checks an NVMe Qualified Name and says what is wrong with it.
-///
-/// Two forms are valid (NVMe Base Specification, "NVMe Qualified Names"):
-/// `nqn.yyyy-mm.<reverse domain>[:<string>]` and `nqn.2014-08.org.nvmexpress:uuid:<uuid>`.
+/// Checks what an NVMe Qualified Name must be for nvmfd to use it: not empty, at most
+/// [`NQN_MAX_BYTES`] bytes, no spaces or control characters. Its form is [`nqn_form`]'s
+/// concern: one outside the specification's is only warned about.
 pub fn check_nqn(nqn: &str) -> Result<(), String> {
+    if nqn.is_empty() {
+        return Err("an NQN may not be empty".into());
+    }
     if nqn.len() > NQN_MAX_BYTES {
         return Err(format!(
             "an NQN is at most {NQN_MAX_BYTES} bytes; this one has {}",
@@ -65,6 +67,16 @@ pub fn check_nqn(nqn: &str) -> Result<(), String> {
     if nqn.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err("an NQN may not contain spaces or control characters".into());
     }
+    Ok(())
+}
+
+/// Checks an NVMe Qualified Name's form and says how it departs from it.
+///
+/// Two forms are valid (NVMe Base Specification, "NVMe Qualified Names"):
+/// `nqn.yyyy-mm.<reverse domain>[:<string>]` and `nqn.2014-08.org.nvmexpress:uuid:<uuid>`.
+/// The Linux kernel's host and target take any other name too (blktests names its subsystems
+/// `blktests-subsystem-N`), and so does nvmfd, with a warning ([`crate::Config::warnings`]).
+pub fn nqn_form(nqn: &str) -> Result<(), String> {
     let shape = "expected nqn.yyyy-mm.reverse.domain[:name], e.g. nqn.2024-01.com.example:disk0";
     let Some(rest) = nqn.strip_prefix("nqn.") else {
         return Err(format!("`{nqn}` does not start with `nqn.`; {shape}"));
@@ -122,6 +134,35 @@ pub fn check_nqn(nqn: &str) -> Result<(), String> {
 
 fn printable_ascii(s: &str) -> bool {
     s.bytes().all(|b| (0x20..=0x7e).contains(&b))
+}
+
+/// What is accepted in `cfg` but worth a warning: NQNs outside the specification's form.
+pub(crate) fn warnings(cfg: &Config) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let accepted = "accepted, as the Linux kernel's host and target accept it, but a host that \
+                    checks the form may refuse it";
+    for (i, s) in cfg.subsystems.iter().enumerate() {
+        let p = KeyPath::default().key("subsystem").index(i);
+        if check_nqn(&s.nqn).is_ok() {
+            if let Err(e) = nqn_form(&s.nqn) {
+                out.push(Problem {
+                    path: p.key("nqn"),
+                    message: format!("{e}; {accepted}"),
+                });
+            }
+        }
+        for (k, h) in s.hosts.iter().enumerate() {
+            if check_nqn(h).is_ok() {
+                if let Err(e) = nqn_form(h) {
+                    out.push(Problem {
+                        path: p.key("hosts").index(k),
+                        message: format!("{e}; {accepted}"),
+                    });
+                }
+            }
+        }
+    }
+    out
 }
 
 pub(crate) fn validate(cfg: &Config, facts: &SystemFacts) -> Vec<Problem> {

@@ -378,39 +378,6 @@ error_case!(
     "shorter than keep_alive_timeout_min"
 );
 error_case!(
-    nqn_without_prefix,
-    with_listener("[[subsystem]]\nnqn = \"iqn.2024-01.com.example:a\"\nallow_any_host = true\n"),
-    "subsystem[0].nqn",
-    5,
-    1,
-    "does not start with `nqn.`"
-);
-error_case!(
-    nqn_bad_date,
-    with_listener("[[subsystem]]\nnqn = \"nqn.2024-13.com.example:a\"\nallow_any_host = true\n"),
-    "subsystem[0].nqn",
-    5,
-    1,
-    "no valid yyyy-mm date"
-);
-error_case!(
-    nqn_bad_domain,
-    with_listener("[[subsystem]]\nnqn = \"nqn.2024-01.com..example:a\"\nallow_any_host = true\n"),
-    "subsystem[0].nqn",
-    5,
-    1,
-    "reverse domain name"
-);
-error_case!(
-    nqn_empty_name,
-    with_listener("[[subsystem]]\nnqn = \"nqn.2024-01.com.example:\"\nallow_any_host = true\n"),
-    "subsystem[0].nqn",
-    5,
-    1,
-    "no name after it"
-);
-error_case!(nqn_bad_uuid, with_listener("[[subsystem]]\nnqn = \"nqn.2014-08.org.nvmexpress:uuid:not-a-uuid\"\nallow_any_host = true\n"), "subsystem[0].nqn", 5, 1, "is not a UUID");
-error_case!(
     nqn_with_space,
     with_listener("[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a b\"\nallow_any_host = true\n"),
     "subsystem[0].nqn",
@@ -487,7 +454,7 @@ error_case!(
     1,
     "admits every host"
 );
-error_case!(bad_host_nqn, with_listener("[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a\"\nhosts = [\"nqn.2024-01.com.example:h\", \"host1\"]\n"), "subsystem[0].hosts[1]", 6, 39, "does not start with `nqn.`");
+error_case!(bad_host_nqn, with_listener("[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a\"\nhosts = [\"nqn.2024-01.com.example:h\", \"host 1\"]\n"), "subsystem[0].hosts[1]", 6, 39, "spaces");
 error_case!(duplicate_host_nqn, with_listener("[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a\"\nhosts = [\"nqn.2024-01.com.example:h\", \"nqn.2024-01.com.example:h\"]\n"), "subsystem[0].hosts[1]", 6, 39, "listed twice");
 error_case!(
     nsid_zero,

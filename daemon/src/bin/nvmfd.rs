@@ -31,6 +31,9 @@ fn main() -> ExitCode {
     if let Some(path) = cli.check_config {
         return match Config::load(&path, &facts) {
             Ok(cfg) => {
+                for w in cfg.warnings() {
+                    eprintln!("{}: warning: {w}", path.display());
+                }
                 let namespaces: usize = cfg.subsystems.iter().map(|s| s.namespaces.len()).sum();
                 println!(
                     "{}: valid: {} listener(s), {} subsystem(s), {} namespace(s), {} reactor(s)",
@@ -62,6 +65,9 @@ fn main() -> ExitCode {
     }
     info!(log, "nvmfd starting"; "version" => env!("CARGO_PKG_VERSION"),
           "config" => %cli.config.display(), "pid" => std::process::id());
+    for w in cfg.warnings() {
+        warn!(log, "configuration: {}", w);
+    }
     match control::run(cfg, log.clone()) {
         Ok(()) => {
             info!(log, "nvmfd stopped");
