@@ -59,12 +59,21 @@ daemon_pid() {
   [ -s "$f" ] || return 0
   pid=$(cat "$f")
   [[ $pid =~ ^[0-9]+$ ]] || return 0
-  if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "-c $CONF"; then echo "$pid"; fi
+  if { tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null | grep -qF -- "-c $CONF "; then echo "$pid"; fi
 }
 running() { [ -n "$(daemon_pid "$1")" ]; }
 # Every ceph-mon or ceph-osd process started with this ceph.conf, pid files or not.
 dir_pids() {
-  ps -eo pid=,args= | awk -v c="-c $CONF" '($2 ~ /ceph-(mon|osd)$/) && index($0, c) {print $1}'
+  ps -eo pid=,args= | awk -v c="$CONF" '$2 ~ /ceph-(mon|osd)$/ {
+    for (i = 3; i < NF; i++) if ($i == "-c" && $(i + 1) == c) {print $1; next}
+  }'
+}
+# Whether a process lives: a zombie does not (init here may reap it only seconds later).
+alive() {
+  local st
+  st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  st=${st##*) }
+  [ "${st%% *}" != Z ]
 }
 # Waits (polling) until none of the given pids is alive; false after $2 seconds.
 wait_gone() {   # wait_gone "PIDS" SECONDS
@@ -72,7 +81,7 @@ wait_gone() {   # wait_gone "PIDS" SECONDS
   deadline=$(( $(date +%s) + $2 ))
   while :; do
     alive=
-    for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+    for p in $pids; do alive "$p" && alive=1; done
     [ -z "$alive" ] && return 0
     [ "$(date +%s)" -lt "$deadline" ] || return 1
     sleep 0.05
@@ -122,6 +131,17 @@ pg_clean() {
 }
 osd_counts() {   # "up in"
   cephc osd stat -f json | tr -d '\n' | sed -E 's/.*"num_up_osds":([0-9]+).*"num_in_osds":([0-9]+).*/\1 \2/'
+}
+osd_up() { cephc osd dump | grep -q "^osd\.$1 up "; }
+# Polls a command until it succeeds; dies after TIMEOUT seconds.
+wait_for() {   # wait_for WHAT COMMAND...
+  local what=$1 deadline
+  shift
+  deadline=$(( $(date +%s) + TIMEOUT ))
+  until "$@" >/dev/null 2>&1; do
+    [ "$(date +%s)" -lt "$deadline" ] || die "still waiting for $what after ${TIMEOUT}s"
+    sleep 0.2
+  done
 }
 # Waits until every OSD is up and in and every PG active+clean; false after TIMEOUT seconds.
 wait_clean() {
@@ -347,7 +367,6 @@ status() {
   done
   running mon.a || return 0
   cephc -s || true
-  # shellcheck disable=SC2016 # awk's
   cephc osd pool ls detail | awk 'NF {print "ceph-dev-cluster: " $0}'
   say "PGs active+clean, from the OSDs (without a manager ceph -s counts none): $(pg_clean) of $(pg_total)"
 }
@@ -371,14 +390,30 @@ case "$cmd" in
     say "osd.$2 killed" ;;
   osd-start)
     need_cluster; osd_arg "${2:-}"
-    if running "osd.$2"; then say "osd.$2 already running"; else start_osd "$2"; say "osd.$2 started"; fi ;;
+    if running "osd.$2"; then say "osd.$2 already running"; exit 0; fi
+    t0=$(now)
+    start_osd "$2"
+    if ! running mon.a; then say "osd.$2 started (the monitor is stopped: it boots once it runs)"; exit 0; fi
+    all=1
+    for n in "${OSDS[@]}"; do running "osd.$n" || all=; done
+    if [ -n "$all" ]; then
+      wait_clean || die "osd.$2 started, but the cluster did not become active+clean"
+      say "osd.$2 started, all PGs active+clean again in $(since "$t0")s"
+    else
+      wait_for "osd.$2 up" osd_up "$2"
+      say "osd.$2 started and up in $(since "$t0")s (other OSDs are down)"
+    fi ;;
   mon-stop)
     need_cluster
     stop_daemon mon.a TERM
     say "monitor stopped" ;;
   mon-start)
     need_cluster
-    if running mon.a; then say "monitor already running"; else start_mon; say "monitor started"; fi ;;
+    if running mon.a; then say "monitor already running"; exit 0; fi
+    t0=$(now)
+    start_mon
+    wait_for "the monitor to answer" cephc health
+    say "monitor started, answering in $(since "$t0")s" ;;
   -h|--help|help) usage ;;
   *) usage >&2; exit 2 ;;
 esac

@@ -168,6 +168,12 @@ pub struct TransportConfig {
     /// Largest number of I/O queues one controller may have; 1 to 1024. Default 64.
     #[serde(default = "defaults::max_io_queues")]
     pub max_io_queues: u32,
+    /// The largest namespace ID a subsystem may have, 1 to 4294967294: what Identify
+    /// Controller reports as NN, so that every NSID up to it is valid (an inactive one has a
+    /// zeroed Identify Namespace) and namespaces can be added under new NSIDs while hosts
+    /// are connected. Default 1024.
+    #[serde(default = "defaults::max_nsid")]
+    pub max_nsid: u32,
     /// In-capsule data accepted with a command (IOCCSZ); a multiple of 16 bytes, at most 16KiB
     /// and at most `max_io_size`; 0 turns in-capsule data off. Default `"4KiB"`.
     #[serde(default = "defaults::in_capsule_data_size")]
@@ -221,6 +227,7 @@ impl Default for TransportConfig {
         Self {
             max_queue_depth: defaults::max_queue_depth(),
             max_io_queues: defaults::max_io_queues(),
+            max_nsid: defaults::max_nsid(),
             in_capsule_data_size: defaults::in_capsule_data_size(),
             max_io_size: defaults::max_io_size(),
             srq_initial: defaults::srq_initial(),
@@ -344,6 +351,10 @@ pub mod defaults {
     /// `transport.max_queue_depth`
     pub fn max_queue_depth() -> u32 {
         128
+    }
+    /// `transport.max_nsid`
+    pub fn max_nsid() -> u32 {
+        1024
     }
     /// `transport.max_io_queues`
     pub fn max_io_queues() -> u32 {

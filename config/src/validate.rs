@@ -268,6 +268,12 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
             format!("{} is outside {IO_QUEUES_RANGE:?}", t.max_io_queues),
         );
     }
+    if t.max_nsid == 0 || t.max_nsid >= 0xFFFF_FFFF {
+        c.fail(
+            p.key("max_nsid"),
+            format!("{} is outside 1..=4294967294", t.max_nsid),
+        );
+    }
     let io = t.max_io_size;
     if !io.0.is_power_of_two() || io < MAX_IO_SIZE_MIN || io > MAX_IO_SIZE_MAX {
         c.fail(
@@ -381,6 +387,14 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
                 c.fail(
                     np.key("nsid"),
                     format!("{} is not a valid namespace ID (1 to 4294967294)", ns.nsid),
+                );
+            } else if ns.nsid > cfg.transport.max_nsid {
+                c.fail(
+                    np.key("nsid"),
+                    format!(
+                        "{} is above transport.max_nsid ({}), the largest NSID hosts are told of",
+                        ns.nsid, cfg.transport.max_nsid
+                    ),
                 );
             } else if let Some(first) = nsids.insert(ns.nsid, j) {
                 c.fail(

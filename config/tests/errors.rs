@@ -629,3 +629,19 @@ fn load_names_the_file_and_read_errors_name_the_path() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+error_case!(
+    max_nsid_zero,
+    with_listener("[transport]\nmax_nsid = 0\n"),
+    "transport.max_nsid",
+    5,
+    1,
+    "outside 1..=4294967294"
+);
+error_case!(
+    nsid_above_max_nsid,
+    namespace("nsid = 1025\nbackend = \"null\"\nsize = \"1MiB\"\n"),
+    "subsystem[0].namespace[0].nsid",
+    8,
+    1,
+    "above transport.max_nsid (1024)"
+);

@@ -16,6 +16,7 @@ pub fn limits(cfg: &Config) -> Limits {
     Limits {
         max_queue_depth: u16::try_from(t.max_queue_depth).unwrap_or(1024),
         max_io_queues: u16::try_from(t.max_io_queues).unwrap_or(1024),
+        max_nsid: t.max_nsid,
         in_capsule_data_size: u32::try_from(t.in_capsule_data_size.0).unwrap_or(16384),
         max_io_size: u32::try_from(t.max_io_size.0).unwrap_or(1 << 23),
         kato_min: t.keep_alive_timeout_min.0,

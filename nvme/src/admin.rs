@@ -233,14 +233,16 @@ fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Actio
         0x00 | 0x02 | 0x03 if ctrl.subsystem.is_none() => {
             return q.respond(&cmd, status::INVALID_FIELD, 0)
         }
-        0x00 => {
-            let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
-                return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
-            };
-            data.extend_from_slice(
+        0x00 => match q.subsystem().and_then(|s| s.namespace(nsid)) {
+            Some(ns) => data.extend_from_slice(
                 identify_namespace(ns, q.target().limits().max_io_size).as_bytes(),
-            );
-        }
+            ),
+            // An inactive NSID within NN: a zeroed structure, as the specification says.
+            None if nsid != 0 && nsid <= max_nsid(q) => {
+                data.extend_from_slice(wire::zeroed::<wire::IdentifyNamespace>().as_bytes());
+            }
+            None => return q.respond(&cmd, status::INVALID_NAMESPACE, 0),
+        },
         0x02 => {
             if nsid >= 0xFFFF_FFFE {
                 return q.respond(&cmd, status::INVALID_NAMESPACE, 0);
@@ -266,6 +268,15 @@ fn identify(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Actio
         _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
     };
     respond_data(q, &cmd, data, icd)
+}
+
+/// The largest valid NSID of the queue's subsystem (NN).
+fn max_nsid(q: &Queue) -> u32 {
+    let highest = q
+        .subsystem()
+        .and_then(|s| s.namespaces.iter().map(|n| n.nsid).max())
+        .unwrap_or(0);
+    q.target().limits().max_nsid.max(highest)
 }
 
 fn ns_descriptors(ns: &crate::target::Namespace, out: &mut Vec<u8>) {
@@ -314,7 +325,9 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
             }
             id.oncs = U16::new(oncs);
             id.vwc = u8::from(s.namespaces.iter().any(|n| n.info.volatile_cache));
-            id.nn = U32::new(s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0));
+            // Every NSID up to the limit is valid (the inactive ones have a zeroed Identify
+            // Namespace), so that a namespace added later has a valid NSID.
+            id.nn = U32::new(max_nsid(q));
             id.mnan = id.nn;
             id.oaes = U32::new(1 << 8); // Namespace Attribute Notices
         }

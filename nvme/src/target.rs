@@ -67,6 +67,8 @@ pub struct Limits {
     pub max_queue_depth: u16,
     /// Largest number of I/O queues per controller.
     pub max_io_queues: u16,
+    /// Largest NSID of a subsystem (Identify Controller's NN): every NSID up to it is valid.
+    pub max_nsid: u32,
     /// In-capsule data bytes accepted per command.
     pub in_capsule_data_size: u32,
     /// Largest transfer per command, bytes (a power of two, at least 4 KiB).
@@ -83,6 +85,7 @@ impl Default for Limits {
         Limits {
             max_queue_depth: 128,
             max_io_queues: 64,
+            max_nsid: 1024,
             in_capsule_data_size: 4096,
             max_io_size: 128 * 1024,
             kato_min: Duration::from_secs(1),

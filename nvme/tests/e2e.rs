@@ -257,7 +257,9 @@ fn identify_reports_what_the_linux_host_checks() {
     assert_eq!(id.mdts, 5, "128 KiB in 4 KiB pages");
     assert_eq!((id.sqes, id.cqes), (0x66, 0x44));
     assert_eq!(id.maxcmd.get(), 128);
-    assert_eq!(id.nn.get(), 3);
+    // NN is the configured largest NSID, not the largest in use: namespaces can come later.
+    assert_eq!(id.nn.get(), Limits::default().max_nsid);
+    assert_eq!(id.mnan.get(), id.nn.get());
     assert_eq!(id.oncs.get() & 0b1100, 0b1100, "DSM and Write Zeroes");
     assert_eq!(
         u32::from(id.msdbd),
@@ -277,7 +279,20 @@ fn identify_reports_what_the_linux_host_checks() {
         ids,
         vec![(2, vec![7 ^ 0xff; 16]), (3, vec![7; 16]), (4, vec![0])]
     );
-    assert!(status_of(a.identify_namespace(9)).same_code(status::INVALID_NAMESPACE));
+    // An inactive NSID within NN: a zeroed structure; past NN (and 0): Invalid Namespace.
+    let inactive = a.identify_namespace(9).unwrap();
+    assert!(inactive.as_bytes().iter().all(|&b| b == 0));
+    let nn = Limits::default().max_nsid;
+    assert!(a
+        .identify_namespace(nn)
+        .unwrap()
+        .as_bytes()
+        .iter()
+        .all(|&b| b == 0));
+    assert!(status_of(a.identify_namespace(nn + 1)).same_code(status::INVALID_NAMESPACE));
+    assert!(status_of(a.identify_namespace(0)).same_code(status::INVALID_NAMESPACE));
+    // I/O to an inactive NSID is still refused.
+    assert!(status_of(a.namespace_ids(9)).same_code(status::INVALID_NAMESPACE));
     let mut s: Sqe = wire::zeroed();
     s.opcode = wire::admin_opcode::IDENTIFY;
     s.cdw10 = U32::new(0x55);
