@@ -268,7 +268,7 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
             format!("{} is outside {IO_QUEUES_RANGE:?}", t.max_io_queues),
         );
     }
-    if t.max_nsid == 0 || t.max_nsid >= 0xFFFF_FFFF {
+    if t.max_nsid == 0 || t.max_nsid == u32::MAX {
         c.fail(
             p.key("max_nsid"),
             format!("{} is outside 1..=4294967294", t.max_nsid),
