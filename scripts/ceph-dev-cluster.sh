@@ -3,29 +3,35 @@
 # backend (nvmfd opens its images with librbd): one monitor, three OSDs on memstore (their data
 # lives in memory), no manager (RBD needs none), cephx, and one replicated pool (size 3,
 # min_size 2) initialised for RBD. Every daemon runs as root, daemonised, with its pid file, log
-# and admin socket in the state directory; no systemd, nothing written outside that directory.
-# Run as root.
+# and admin socket in the state directory; no systemd, nothing of the cluster outside that
+# directory. Run as root.
 #
-#   scripts/ceph-dev-cluster.sh start      installs ceph-mon, ceph-osd, ceph-common and
-#                                          librbd-dev if missing, creates the cluster, waits until
-#                                          every PG is active+clean and prints the ceph.conf to
-#                                          use (it names the admin keyring: rbd -c CONF ls works).
-#                                          Already running: prints the ceph.conf and exits 0
-#   scripts/ceph-dev-cluster.sh stop       kills every daemon of the cluster, waits for them to
-#                                          exit and removes the state directory
-#   scripts/ceph-dev-cluster.sh status     whether it runs, and ceph -s
-#   scripts/ceph-dev-cluster.sh osd-kill N    kill -9 of OSD N (marked down within a second)
-#   scripts/ceph-dev-cluster.sh osd-start N   starts OSD N again (it backfills from the others)
-#   scripts/ceph-dev-cluster.sh mon-stop      stops the monitor (new clients cannot connect)
-#   scripts/ceph-dev-cluster.sh mon-start     starts it again
+#   scripts/ceph-dev-cluster.sh start        installs ceph-mon, ceph-osd, ceph-common and
+#       librbd-dev if missing, creates the cluster, waits until every PG is active+clean (about 4 s)
+#       and prints the time it took, then on its last line the ceph.conf to use, which names the
+#       admin keyring: rbd -c CONF ls works. Already running: prints the ceph.conf and exits 0;
+#       some daemons down: starts them again; all of them down: a new cluster
+#   scripts/ceph-dev-cluster.sh stop         kills every daemon of the cluster, waits for them to
+#       exit, removes the state directory
+#   scripts/ceph-dev-cluster.sh status       whether it runs, its daemons, ceph -s, the pool and
+#       the states of its PGs; exits 1 if it does not run
+#   scripts/ceph-dev-cluster.sh osd-kill N   kill -9 of OSD N (0, 1 or 2): the monitor marks it
+#       down within a second, I/O goes on with the two others (min_size 2)
+#   scripts/ceph-dev-cluster.sh osd-start N  starts OSD N again and waits until every PG is
+#       active+clean (it comes back empty, memstore, and is backfilled from the others)
+#   scripts/ceph-dev-cluster.sh mon-stop     stops the monitor: clients cannot connect (rbd
+#       --client-mount-timeout 3, ceph --connect-timeout 3 fail), connected ones go on with the
+#       OSDs until they need the monitor
+#   scripts/ceph-dev-cluster.sh mon-start    starts it again and waits until it answers
 #
 # Knobs: NVMFD_CEPH_DIR (state directory, default /tmp/nvmfd-ceph), NVMFD_CEPH_PORT (the
-# monitor's msgr2 port, its msgr1 port is the next one; default 3300 and 6789, or the first free
-# pair from 3302/3303 on), NVMFD_CEPH_POOL (default rbd), NVMFD_CEPH_OSD_MB (the memstore size
-# of each OSD, default 512: every OSD holds a copy of all the data), NVMFD_CEPH_TIMEOUT (seconds
-# start waits for active+clean, default 60).
-# Without a manager, ceph -s and ceph pg stat know no PG states: start reads them from the OSDs'
-# admin sockets (status prints them too).
+# monitor's msgr2 port, its msgr1 port is the next one; default 3300 and 6789, or if either is
+# taken the first free pair from 3302/3303 on), NVMFD_CEPH_POOL (default rbd), NVMFD_CEPH_OSD_MB
+# (the memstore size of each OSD, default 512: every OSD holds a copy of all the data),
+# NVMFD_CEPH_TIMEOUT (seconds to wait for active+clean, default 60). Commands on state
+# directories of one parent directory run one at a time (flock on that parent).
+# Without a manager the monitor knows no PG states (ceph -s shows no pools, ceph pg stat hangs):
+# the PG states come from the OSDs' admin sockets.
 set -euo pipefail
 DIR=${NVMFD_CEPH_DIR:-/tmp/nvmfd-ceph}
 POOL=${NVMFD_CEPH_POOL:-rbd}
@@ -87,6 +93,17 @@ wait_gone() {   # wait_gone "PIDS" SECONDS
     sleep 0.05
   done
 }
+reaped() {   # reaped "PIDS" SECONDS: polls until no pid is left in /proc, zombie or not
+  local deadline p left
+  deadline=$(( $(date +%s) + $2 ))
+  while :; do
+    left=
+    for p in $1; do [ ! -e "/proc/$p" ] || left=1; done
+    [ -z "$left" ] && return 0
+    [ "$(date +%s)" -lt "$deadline" ] || return 1
+    sleep 0.05
+  done
+}
 stop_daemon() {   # stop_daemon NAME SIGNAL
   local pid
   pid=$(daemon_pid "$1")
@@ -96,12 +113,13 @@ stop_daemon() {   # stop_daemon NAME SIGNAL
     || die "$1 (pid $pid) does not exit"
   rm -f "$(pidfile "$1")"
 }
-# A daemon forks once initialised; what it says on stderr before goes to log/NAME.stderr.
+# A daemon forks once initialised; what it prints before goes to log/NAME.out, so that it holds
+# neither the caller's stdout and stderr (a test reading them to their end) nor the lock (fd 9).
 start_daemon() {   # start_daemon NAME COMMAND...
   local name=$1
   shift
-  "$@" 2>"$DIR/log/$name.stderr" \
-    || { tail -5 "$DIR/log/$name.stderr" >&2; die "$name did not start: see $DIR/log/$name.log"; }
+  "$@" >"$DIR/log/$name.out" 2>&1 9<&- \
+    || { tail -5 "$DIR/log/$name.out" >&2; die "$name did not start: see $DIR/log/$name.log"; }
 }
 start_mon() { start_daemon mon.a ceph-mon -i a -c "$CONF"; }
 start_osd() { start_daemon "osd.$1" ceph-osd -i "$1" -c "$CONF"; }
@@ -115,19 +133,40 @@ start_osds() {
 # ---- the ceph commands, as client.admin ----
 cephc() { ceph -c "$CONF" --connect-timeout 10 "$@"; }
 
-# PGs (of every pool) and how many of them are active+clean. Without a manager the monitor knows
-# no PG states, so they come from the OSDs: the primary of each PG reports it
-# Started/Primary/Active/Clean in its admin socket's dump_pgstate_history.
+# The PGs of every pool, and their states. Without a manager the monitor knows no PG states (ceph
+# pg stat, ceph -s show none), so they come from the OSDs: each running OSD's admin socket lists
+# its PGs (dump_pgstate_history), and the primary of each tells its state (pg PGID query).
 pg_total() { cephc osd dump -f json | grep -o '"pg_num":[0-9]*' | awk -F: '{s += $2} END {print s + 0}'; }
-pg_clean() {
-  local n c=0
-  for n in "${OSDS[@]}"; do
-    running "osd.$n" || continue
-    n=$(ceph --admin-daemon "$RUN/osd.$n.asok" dump_pgstate_history 2>/dev/null \
-      | grep -c '"currently": "Started/Primary/Active/Clean"' || true)
-    c=$((c + n))
-  done
-  echo "$c"
+pg_states() {   # prints "CLEAN STATE:COUNT,...": how many PGs are active+clean, and every state
+  local n socks=()
+  for n in "${OSDS[@]}"; do running "osd.$n" && socks+=("$RUN/osd.$n.asok"); done
+  /usr/bin/python3 - "${socks[@]}" <<'PY'
+import collections, json, socket, struct, sys
+def asok(path, cmd):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(json.dumps(dict(cmd, format="json")).encode() + b"\0")
+        def recv(n):
+            b = b""
+            while len(b) < n:
+                c = s.recv(n - len(b))
+                if not c:
+                    raise EOFError
+                b += c
+            return b
+        return json.loads(recv(struct.unpack(">I", recv(4))[0]))
+state = {}
+for path in sys.argv[1:]:
+    try:
+        for pg in asok(path, {"prefix": "dump_pgstate_history"})["pgs"]:
+            if pg["currently"].startswith("Started/Primary"):
+                state[pg["pg"]] = asok(path, {"prefix": "pg", "pgid": pg["pg"], "cmd": "query"})["state"]
+    except (OSError, EOFError, ValueError, KeyError, TypeError):
+        pass  # an OSD starting or stopping: its PGs count as not clean
+count = collections.Counter(state.values())
+print(count["active+clean"], ",".join(f"{k}:{v}" for k, v in sorted(count.items())) or "-")
+PY
 }
 osd_counts() {   # "up in"
   cephc osd stat -f json | tr -d '\n' | sed -E 's/.*"num_up_osds":([0-9]+).*"num_in_osds":([0-9]+).*/\1 \2/'
@@ -145,17 +184,18 @@ wait_for() {   # wait_for WHAT COMMAND...
 }
 # Waits until every OSD is up and in and every PG active+clean; false after TIMEOUT seconds.
 wait_clean() {
-  local deadline total clean ui
+  local deadline total clean states ui
   deadline=$(( $(date +%s) + TIMEOUT ))
   while :; do
     ui=$(osd_counts 2>/dev/null || true)
     total=$(pg_total 2>/dev/null || echo 0)
-    clean=$(pg_clean)
+    read -r clean states < <(pg_states) || true
+    clean=${clean:-0}
     if [ "$ui" = "${#OSDS[@]} ${#OSDS[@]}" ] && [ "$total" -gt 0 ] && [ "$clean" -eq "$total" ]; then
       return 0
     fi
     if [ "$(date +%s)" -ge "$deadline" ]; then
-      say "after ${TIMEOUT}s: OSDs up/in ${ui:-?}, PGs active+clean $clean of $total" >&2
+      say "after ${TIMEOUT}s: OSDs up/in ${ui:-?}, PGs active+clean $clean of $total ($states)" >&2
       return 1
     fi
     sleep 0.2
@@ -170,16 +210,19 @@ install_pkgs() {
     "ceph-common|the ceph, rbd and ceph-authtool commands"
     "librbd-dev|librbd's headers and library, which nvmfd's RBD backend links"
   )
-  local g todo=() names=()
+  local g log todo=() names=()
   for g in "${groups[@]}"; do
     dpkg-query -W -f='${Status}' "${g%%|*}" 2>/dev/null | grep -q "install ok installed" || todo+=("$g")
   done
   [ ${#todo[@]} -gt 0 ] || return 0
   [ "$(id -u)" -eq 0 ] || die "not root: the packages $(printf '%s ' "${todo[@]%%|*}")are missing"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get -o DPkg::Lock::Timeout=600 update -qq
   for g in "${todo[@]}"; do names+=("${g%%|*}"); done
-  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${names[@]}" >/dev/null
+  log=$(mktemp)
+  { apt-get -o DPkg::Lock::Timeout=600 update -qq \
+      && apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${names[@]}"
+  } >"$log" 2>&1 || { tail -20 "$log" >&2; rm -f "$log"; die "apt-get install ${names[*]} failed"; }
+  rm -f "$log"
   for g in "${todo[@]}"; do say "installed ${g%%|*}: ${g#*|}"; done
 }
 
@@ -232,6 +275,8 @@ osd_fast_fail_on_connection_refused = true
 mon_osd_down_out_interval = 10
 mon_data_avail_warn = 2
 mon_data_avail_crit = 1
+# No manager: no MGR_DOWN health error 2 minutes after the mkfs (10 years: more overflows).
+mon_mgr_mkfs_grace = 315360000
 
 [mon]
 # A map change is proposed at once, not after 1 s: every step of the start is one.
@@ -250,6 +295,10 @@ public_addr = 127.0.0.1
 cluster_addr = 127.0.0.1
 osd_op_num_shards = 2
 osd_op_num_threads_per_shard = 1
+# A restarted OSD comes back empty (memstore): its PGs are backfilled all at once, not one by one.
+osd_max_backfills = 32
+osd_recovery_max_active = 16
+osd_recovery_sleep = 0
 pid_file = $RUN/\$name.pid
 admin_socket = $RUN/\$name.asok
 log_file = $DIR/log/\$name.log
@@ -266,8 +315,8 @@ quiet() {   # runs a command, showing its output only if it fails
 }
 create() {
   local t0=$1 fsid n uuid pids=()
-  mkdir -p "$RUN" "$DIR/log" "$DIR/mon/ceph-a"
   pick_ports
+  mkdir -p "$RUN" "$DIR/log" "$DIR/mon/ceph-a"
   fsid=$(cat /proc/sys/kernel/random/uuid)
   write_conf "$fsid"
   # Keys: client.admin, mon., one per OSD; the monitor's mkfs takes them all into its database.
@@ -288,7 +337,7 @@ create() {
   for n in "${OSDS[@]}"; do
     uuid=$(cat /proc/sys/kernel/random/uuid)
     echo "$uuid" >"$DIR/osd/ceph-$n/uuid"
-    ceph-osd -i "$n" -c "$CONF" --no-mon-config --mkfs --osd-uuid "$uuid" 2>"$DIR/log/osd.$n.mkfs" &
+    ceph-osd -i "$n" -c "$CONF" --no-mon-config --mkfs --osd-uuid "$uuid" >"$DIR/log/osd.$n.mkfs" 2>&1 &
     pids+=($!)
   done
   for n in "${pids[@]}"; do wait "$n" || die "ceph-osd --mkfs failed: see $DIR/log"; done
@@ -302,7 +351,7 @@ create() {
   wait_clean || die "the cluster did not become active+clean: see $DIR/log"
   rbd -c "$CONF" pool init "$POOL"
   touch "$DIR/ready"
-  say "up in $(since "$t0")s: 1 monitor (127.0.0.1:$V2 v2, :$V1 v1), ${#OSDS[@]} memstore OSDs, pool $POOL (size 3, min_size 2, rbd), all PGs active+clean"
+  say "up in $(since "$t0")s: Ceph $(ceph-mon --version | awk '{print $3}'), 1 monitor (127.0.0.1:$V2 v2, :$V1 v1), ${#OSDS[@]} memstore OSDs of ${OSD_MB} MiB, pool $POOL (size 3, min_size 2, rbd), all $PG_NUM PGs active+clean, $(cephc health)"
   echo "$CONF"
 }
 
@@ -344,6 +393,8 @@ teardown() {
     # shellcheck disable=SC2086 # a list of pids
     kill -KILL $pids 2>/dev/null || true
     wait_gone "$pids" 30 || die "daemons of $DIR still alive: $pids"
+    # Dead, they may stay zombies until init reaps them: give it a few seconds, no more.
+    reaped "$pids" 5 || true
   fi
   rm -rf "$DIR"
 }
@@ -357,7 +408,7 @@ stop() {
 }
 
 status() {
-  local n down=()
+  local n clean states down=()
   if [ ! -e "$DIR/ready" ]; then say "not running (no cluster in $DIR)"; return 1; fi
   for n in mon.a "${OSDS[@]/#/osd.}"; do running "$n" || down+=("$n"); done
   if [ ${#down[@]} -eq $(( ${#OSDS[@]} + 1 )) ]; then say "not running (cluster in $DIR, every daemon down)"; return 1; fi
@@ -368,7 +419,9 @@ status() {
   running mon.a || return 0
   cephc -s || true
   cephc osd pool ls detail | awk 'NF {print "ceph-dev-cluster: " $0}'
-  say "PGs active+clean, from the OSDs (without a manager ceph -s counts none): $(pg_clean) of $(pg_total)"
+  read -r clean states < <(pg_states) || true
+  clean=${clean:-0}
+  say "PGs (from the OSDs: without a manager ceph -s counts none): $clean active+clean of $(pg_total): $states"
 }
 
 need_cluster() { [ -e "$DIR/ready" ] || die "no cluster in $DIR: run start first"; }
@@ -378,7 +431,21 @@ osd_arg() {
   die "which OSD? one of ${OSDS[*]}"
 }
 
+# One command at a time changes the clusters of a directory: concurrent starts (parallel tests)
+# neither build one cluster twice nor pick the same free port. The lock is on the parent of the
+# state directory, which is left behind anyway.
+lock() {
+  local parent=${DIR%/*}
+  parent=${parent:-/}
+  mkdir -p "$parent"
+  exec 9<"$parent"
+  flock -w 300 9 || die "another ceph-dev-cluster command on $parent has run for 5 minutes"
+}
+
 cmd=${1:-}
+case "$cmd" in
+  start|stop|osd-kill|osd-start|mon-stop|mon-start) lock ;;
+esac
 case "$cmd" in
   start) start ;;
   stop) stop ;;
@@ -387,7 +454,7 @@ case "$cmd" in
     need_cluster; osd_arg "${2:-}"
     running "osd.$2" || die "osd.$2 is not running"
     stop_daemon "osd.$2" KILL
-    say "osd.$2 killed" ;;
+    say "osd.$2 killed (kill -9)" ;;
   osd-start)
     need_cluster; osd_arg "${2:-}"
     if running "osd.$2"; then say "osd.$2 already running"; exit 0; fi
