@@ -113,12 +113,19 @@ stop_daemon() {   # stop_daemon NAME SIGNAL
     || die "$1 (pid $pid) does not exit"
   rm -f "$(pidfile "$1")"
 }
-# A daemon forks once initialised; what it prints before goes to log/NAME.out, so that it holds
-# neither the caller's stdout and stderr (a test reading them to their end) nor the lock (fd 9).
+# A daemon forks once initialised; what it prints before goes to log/NAME.out, and it inherits no
+# descriptor but those three: not the caller's stdout and stderr (a test reading them to their
+# end), not this script's lock (fd 9), not a lock its caller holds (`flock FILE cmd`).
 start_daemon() {   # start_daemon NAME COMMAND...
   local name=$1
   shift
-  "$@" >"$DIR/log/$name.out" 2>&1 9<&- \
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+    done
+    exec "$@"
+  ) >"$DIR/log/$name.out" 2>&1 \
     || { tail -5 "$DIR/log/$name.out" >&2; die "$name did not start: see $DIR/log/$name.log"; }
 }
 start_mon() { start_daemon mon.a ceph-mon -i a -c "$CONF"; }

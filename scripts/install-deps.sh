@@ -33,6 +33,7 @@ build_pkgs=(
   "clang|bindgen asks clang for the C system include paths"
   "libibverbs-dev|the verbs library the ibverbs provider links"
   "librdmacm-dev|the RDMA connection manager library the ibverbs provider links"
+  "librbd-dev|the RBD backend's bindings are generated from librbd's and librados's headers (the libraries are loaded when an RBD namespace is opened)"
   "ibverbs-providers|the user-space drivers of RDMA NICs and of Soft-RoCE (rxe)"
   "rdma-core|loads the RDMA kernel modules (the unit starts after rdma-load-modules@rdma.service)"
   "iproute2|rdma and ip: RDMA links (rdma link add for Soft-RoCE) and the listener's address"
@@ -42,6 +43,9 @@ build_pkgs=(
 )
 test_pkgs=(
   "fio|scripts/bench-blockdev.sh compares the io_uring backend with fio"
+  "ceph-mon|scripts/ceph-dev-cluster.sh runs the RBD tests' cluster: its monitor"
+  "ceph-osd|scripts/ceph-dev-cluster.sh: its OSDs"
+  "ceph-common|scripts/ceph-dev-cluster.sh: the ceph and rbd commands"
 )
 pkgs=("${build_pkgs[@]}")
 [ "$mode" = build ] || pkgs+=("${test_pkgs[@]}")

@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
+# The RBD tests start a Ceph cluster on 127.0.0.1 (scripts/ceph-dev-cluster.sh): gone at the end.
+trap 'scripts/ceph-dev-cluster.sh stop > /dev/null 2>&1 || true' EXIT
 step() { echo; echo "==> $* ($(( $(date +%s) - t0 ))s)"; }
 step "dependencies"
 scripts/install-deps.sh

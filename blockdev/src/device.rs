@@ -24,6 +24,25 @@ pub enum Kind {
     Malloc,
     /// Discards writes, reads zeroes.
     Null,
+    /// A Ceph RBD image, through librbd (the `rbd` feature).
+    Rbd,
+}
+
+/// Where an RBD image is and how to reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RbdSpec {
+    /// The pool.
+    pub pool: String,
+    /// The image.
+    pub image: String,
+    /// The RADOS namespace in the pool, if any.
+    pub namespace: Option<String>,
+    /// The cluster's configuration file.
+    pub ceph_conf: PathBuf,
+    /// The cephx user, without `client.` (its keyring from the usual places).
+    pub client_id: String,
+    /// Create the image (of the device spec's size) when it does not exist.
+    pub create: bool,
 }
 
 /// What a device is and what it can do.
@@ -100,6 +119,8 @@ pub struct DeviceSpec {
     pub direct: bool,
     /// Back RAM with huge pages when available (malloc).
     pub huge_pages: bool,
+    /// The image (rbd); `size` is the size to create it with.
+    pub rbd: Option<RbdSpec>,
 }
 
 impl DeviceSpec {
@@ -113,6 +134,7 @@ impl DeviceSpec {
             read_only: false,
             direct: true,
             huge_pages: false,
+            rbd: None,
         }
     }
 }
@@ -121,6 +143,9 @@ pub(crate) enum Backing {
     File(File),
     Malloc(DmaRegion),
     Null,
+    /// The device's own handle (engines open theirs from it).
+    #[cfg(feature = "rbd")]
+    Rbd(crate::rbd::Image),
 }
 
 /// An open device, shared by the reactors that serve it (each attaches it to its own engine).
@@ -200,6 +225,7 @@ impl Device {
                 backing: Backing::Null,
                 fallback_reason: None,
             })),
+            Kind::Rbd => open_rbd(spec),
             Kind::File | Kind::Bdev => {
                 let path = spec
                     .path
@@ -340,6 +366,51 @@ fn open_path(
         backing: Backing::File(file),
         fallback_reason,
     }))
+}
+
+#[cfg(feature = "rbd")]
+fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
+    let r = spec.rbd.as_ref().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an rbd device needs its pool and image",
+        )
+    })?;
+    let image = crate::rbd::Image::open(r, spec.size, spec.read_only)?;
+    let bs = u64::from(spec.block_size);
+    let size = image.size()? / bs * bs;
+    if size == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("image `{}` is smaller than one block", r.image),
+        ));
+    }
+    Ok(Arc::new(Device {
+        info: DeviceInfo {
+            kind: Kind::Rbd,
+            path: None,
+            size,
+            logical_block_size: spec.block_size,
+            physical_block_size: spec.block_size.max(4096),
+            read_only: spec.read_only,
+            direct: true,
+            write_zeroes: !spec.read_only,
+            deallocate: !spec.read_only,
+            deallocate_max_blocks: 0,
+            // librbd's cache is off (see `rbd.rs`): an acknowledged write is on the OSDs.
+            volatile_cache: false,
+        },
+        backing: Backing::Rbd(image),
+        fallback_reason: None,
+    }))
+}
+
+#[cfg(not(feature = "rbd"))]
+fn open_rbd(_: &DeviceSpec) -> io::Result<Arc<Device>> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "this nvmfd was built without RBD support (the `rbd` feature)",
+    ))
 }
 
 /// Reads one block at offset 0 with O_DIRECT: file systems that accept the open may still

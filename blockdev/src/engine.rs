@@ -12,6 +12,11 @@ use crate::device::{Backing, Device};
 use crate::mem::{BufPool, DmaBuf};
 use crate::BlockError;
 
+#[cfg(feature = "rbd")]
+mod rbd;
+#[cfg(feature = "rbd")]
+use rbd::RbdState;
+
 /// A device attached to one engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DevId(pub u32);
@@ -60,6 +65,9 @@ struct Attached {
     /// Index in the ring's registered file table (files and block devices).
     file: Option<u32>,
     in_flight: usize,
+    /// This engine's own handle on an RBD image, notifying the engine's eventfd.
+    #[cfg(feature = "rbd")]
+    rbd: Option<crate::rbd::Image>,
 }
 
 struct Slot {
@@ -86,6 +94,8 @@ pub struct Engine {
     ready: VecDeque<(u32, Completion)>,
     unsubmitted: usize,
     max_devices: u32,
+    #[cfg(feature = "rbd")]
+    rbd: RbdState,
 }
 
 impl std::fmt::Debug for Engine {
@@ -131,6 +141,8 @@ impl Engine {
             ready: VecDeque::with_capacity(depth as usize),
             unsubmitted: 0,
             max_devices: max_devices.max(1),
+            #[cfg(feature = "rbd")]
+            rbd: RbdState::default(),
         })
     }
 
@@ -160,10 +172,17 @@ impl Engine {
             }
             _ => None,
         };
+        #[cfg(feature = "rbd")]
+        let rbd = match &dev.backing {
+            Backing::Rbd(image) => Some(self.rbd_handle(image)?),
+            _ => None,
+        };
         self.devices[index] = Some(Attached {
             dev: Arc::clone(dev),
             file,
             in_flight: 0,
+            #[cfg(feature = "rbd")]
+            rbd,
         });
         Ok(DevId(slot))
     }
@@ -336,8 +355,17 @@ impl Engine {
         let is_file = self.devices[dev_index as usize]
             .as_ref()
             .is_some_and(|a| a.file.is_some());
+        #[cfg(feature = "rbd")]
+        let is_rbd = self.devices[dev_index as usize]
+            .as_ref()
+            .is_some_and(|a| a.rbd.is_some());
+        #[cfg(not(feature = "rbd"))]
+        let is_rbd = false;
         if is_file {
             self.push_sqe(slot);
+        } else if is_rbd {
+            #[cfg(feature = "rbd")]
+            self.start_rbd(slot);
         } else {
             self.complete_in_memory(slot);
         }
@@ -465,6 +493,8 @@ impl Engine {
                 }
             }
             (Backing::File(_), _) => unreachable!("files go through the ring"),
+            #[cfg(feature = "rbd")]
+            (Backing::Rbd(_), _) => unreachable!("images go through librbd"),
         }
         let done = if matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua) {
             s.len
@@ -526,6 +556,8 @@ impl Engine {
         if self.unsubmitted == 0 && self.ring.submission().taskrun() {
             let _ = self.ring.submit();
         }
+        #[cfg(feature = "rbd")]
+        self.reap_rbd();
         loop {
             let Some(cqe) = self.ring.completion().next() else {
                 break;
@@ -572,7 +604,10 @@ impl Engine {
     /// Submits what is queued and blocks until at least `min` operations have finished (or
     /// none is in flight). For benchmarks and shutdown; a reactor polls instead.
     pub fn wait(&mut self, min: usize) -> io::Result<()> {
-        let kernel_owned = self.in_flight() - self.ready.len();
+        let kernel_owned = self.ring_owned();
+        if self.ready.is_empty() && kernel_owned == 0 && self.librbd_owned() > 0 {
+            return self.wait_librbd();
+        }
         if !self.ready.is_empty() || kernel_owned == 0 {
             return self.submit().map(drop);
         }
@@ -597,17 +632,39 @@ impl Engine {
     pub fn drain(&mut self, mut f: impl FnMut(Completion)) -> io::Result<()> {
         while self.in_flight() > 0 || !self.ready.is_empty() {
             self.submit()?;
-            let kernel_owned = self.in_flight() - self.ready.len();
+            let kernel_owned = self.ring_owned();
             if kernel_owned > 0 && self.ready.is_empty() {
                 match self.ring.submit_and_wait(1) {
                     Ok(_) => self.unsubmitted = 0,
                     Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
                     Err(e) => return Err(e),
                 }
+            } else if self.ready.is_empty() && self.librbd_owned() > 0 {
+                self.wait_librbd()?;
             }
             self.reap(&mut f);
         }
         Ok(())
+    }
+
+    /// Operations the kernel has (in the ring, not yet completed).
+    fn ring_owned(&self) -> usize {
+        self.in_flight() - self.ready.len() - self.librbd_owned()
+    }
+
+    /// Without RBD images, nothing waits at librbd.
+    #[cfg(not(feature = "rbd"))]
+    #[allow(clippy::unused_self, clippy::unnecessary_wraps)]
+    fn wait_librbd(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// Operations librbd has.
+    fn librbd_owned(&self) -> usize {
+        #[cfg(feature = "rbd")]
+        return self.rbd.out;
+        #[cfg(not(feature = "rbd"))]
+        0
     }
 }
 

@@ -2,18 +2,22 @@
 //!
 //! - [`BufPool`] / [`DmaBuf`]: page-aligned memory that io_uring registers as fixed buffers and
 //!   the RDMA layer as memory regions, so a block goes from disk to wire with no copy.
-//! - [`Device`]: an open file, block device, RAM disk (`malloc`) or `null` device, with a
-//!   [`DeviceInfo`] saying its size, block sizes and capabilities.
+//! - [`Device`]: an open file, block device, RAM disk (`malloc`), `null` device or Ceph RBD
+//!   image (the `rbd` feature), with a [`DeviceInfo`] saying its size, block sizes and
+//!   capabilities.
 //! - [`Engine`]: one per reactor. It owns one io_uring, queues read, write (optionally FUA),
 //!   flush, write-zeroes and deallocate operations, submits them with one system call per loop
 //!   turn, and reaps completions without blocking. An operation owns its buffer until its
-//!   completion hands it back.
+//!   completion hands it back. RBD operations go through librbd's asynchronous calls on the
+//!   engine's own image handle and are polled in from its event queue.
 
 mod device;
 mod engine;
 mod mem;
+#[cfg(feature = "rbd")]
+mod rbd;
 
-pub use device::{Device, DeviceInfo, DeviceSpec, Kind};
+pub use device::{Device, DeviceInfo, DeviceSpec, Kind, RbdSpec};
 pub use engine::{Completion, DevId, Engine, OpKind, Rejected};
 pub use mem::{BufPool, DmaBuf, DmaRegion, DMA_ALIGN};
 

@@ -1,5 +1,6 @@
 //! The same tests against every backend: a file on disk, a file on tmpfs, a loop block device,
-//! RAM and null.
+//! RAM, null, and an RBD image of the test cluster (`scripts/ceph-dev-cluster.sh`, started by
+//! the first test that needs it; skipped, and listed, where it cannot start).
 
 // Sizes and counters in this file are small and known: casts cannot truncate.
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
@@ -43,6 +44,8 @@ struct Fixture {
     pool: BufPool,
     dev: DevId,
     device: Arc<Device>,
+    /// What the device was opened with.
+    spec: DeviceSpec,
     /// Reads return what was written (false for null).
     stores: bool,
     _cleanup: Option<Cleanup>,
@@ -138,6 +141,28 @@ fn fixture(kind: &str, block_size: u32) -> Option<Fixture> {
             s.block_size = block_size;
             (s, None, true)
         }
+        #[cfg(feature = "rbd")]
+        "rbd" => {
+            let conf = match ceph_cluster() {
+                Ok(c) => c,
+                Err(why) => {
+                    skip(&format!("blockdev rbd {block_size}"), &why);
+                    return None;
+                }
+            };
+            let mut s = DeviceSpec::new(Kind::Rbd);
+            s.size = SIZE;
+            s.block_size = block_size;
+            s.rbd = Some(nvmfd_blockdev::RbdSpec {
+                pool: "rbd".into(),
+                image: image_name(),
+                namespace: None,
+                ceph_conf: conf,
+                client_id: "admin".into(),
+                create: true,
+            });
+            (s, None, true)
+        }
         "null" => {
             let mut s = DeviceSpec::new(Kind::Null);
             s.size = SIZE;
@@ -156,6 +181,7 @@ fn fixture(kind: &str, block_size: u32) -> Option<Fixture> {
         pool,
         dev,
         device,
+        spec,
         stores,
         _cleanup: cleanup,
     })
@@ -250,8 +276,62 @@ macro_rules! per_backend {
             fn null_512() {
                 super::$test(super::fixture("null", 512).unwrap())
             }
+            #[cfg(feature = "rbd")]
+            #[test]
+            fn rbd_512() {
+                if let Some(f) = super::fixture("rbd", 512) {
+                    super::$test(f)
+                }
+            }
+            #[cfg(feature = "rbd")]
+            #[test]
+            fn rbd_4096() {
+                if let Some(f) = super::fixture("rbd", 4096) {
+                    super::$test(f)
+                }
+            }
         }
     };
+}
+
+/// The ceph.conf of the test cluster (`scripts/ceph-dev-cluster.sh start`, once per test
+/// process), or why there is none.
+#[cfg(feature = "rbd")]
+fn ceph_cluster() -> Result<PathBuf, String> {
+    static CONF: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    CONF.get_or_init(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ceph-dev-cluster.sh");
+        let out = Command::new(script)
+            .arg("start")
+            .output()
+            .map_err(|e| format!("cannot run scripts/ceph-dev-cluster.sh: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "the test cluster did not start: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let conf = stdout.lines().last().unwrap_or("").trim();
+        Ok(PathBuf::from(conf))
+    })
+    .clone()
+}
+
+/// An RBD image name no other test (or run) uses.
+#[cfg(feature = "rbd")]
+fn image_name() -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "t{}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+        nanos
+    )
 }
 
 fn data_round_trips_across_block_boundaries(mut f: Fixture) {
@@ -479,11 +559,7 @@ fn read_only_devices_refuse_writes(f: Fixture) {
     if f.device.info().kind == Kind::Bdev {
         return; // the loop device is opened read-write by the fixture; files cover read-only
     }
-    let info = f.device.info().clone();
-    let mut spec = DeviceSpec::new(info.kind);
-    spec.path = info.path.clone();
-    spec.size = info.size;
-    spec.block_size = info.logical_block_size;
+    let mut spec = f.spec.clone();
     spec.read_only = true;
     let ro = Device::open(&spec).unwrap();
     let mut engine = Engine::new(4, 1, std::slice::from_ref(&f.pool)).unwrap();
@@ -601,4 +677,61 @@ fn opening_checks_kind_and_geometry() {
         .unwrap_err()
         .to_string()
         .contains("not 512 or 4096"));
+}
+
+#[cfg(feature = "rbd")]
+fn rbd_spec(conf: PathBuf, pool: &str, image: &str, create: bool) -> DeviceSpec {
+    let mut s = DeviceSpec::new(Kind::Rbd);
+    s.size = SIZE;
+    s.rbd = Some(nvmfd_blockdev::RbdSpec {
+        pool: pool.into(),
+        image: image.into(),
+        namespace: None,
+        ceph_conf: conf,
+        client_id: "admin".into(),
+        create,
+    });
+    s
+}
+
+/// A missing image, a missing pool and a cluster nobody answers for are refused at open, each
+/// with an error that names it.
+#[cfg(feature = "rbd")]
+#[test]
+fn rbd_open_errors_name_the_image_the_pool_and_the_cluster() {
+    let conf = match ceph_cluster() {
+        Ok(c) => c,
+        Err(why) => return skip("rbd open errors", &why),
+    };
+    let name = image_name();
+    let e = Device::open(&rbd_spec(conf.clone(), "rbd", &name, false)).unwrap_err();
+    assert!(
+        e.to_string().contains(&format!("image `rbd/{name}`"))
+            && e.kind() == std::io::ErrorKind::NotFound,
+        "{e}"
+    );
+    let e = Device::open(&rbd_spec(conf.clone(), "nopool", &name, true)).unwrap_err();
+    assert!(e.to_string().contains("pool `nopool`"), "{e}");
+    // Created on demand, then opened as it is (its size, not the spec's).
+    let d = Device::open(&rbd_spec(conf.clone(), "rbd", &name, true)).unwrap();
+    assert_eq!(d.info().size, SIZE);
+    let mut again = rbd_spec(conf, "rbd", &name, true);
+    again.size = 2 * SIZE;
+    assert_eq!(Device::open(&again).unwrap().info().size, SIZE);
+    // A cluster whose monitor nobody serves: refused within the mount timeout.
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("ceph.conf");
+    std::fs::write(
+        &dead,
+        "[global]\nmon_host = 127.0.0.1:9\nauth_client_required = none\n",
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    let e = Device::open(&rbd_spec(dead, "rbd", &name, false)).unwrap_err();
+    assert!(e.to_string().contains("connecting to the cluster"), "{e}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        t.elapsed()
+    );
 }

@@ -127,8 +127,11 @@ fn bench_prints_a_line_per_queue_and_a_total() {
 fn bench_errors_are_clear_and_exit_non_zero() {
     let d = Daemon::start(Options::default());
     let a = addr(&d);
-    let cases: [(&[&str], &str); 4] = [
-        (&["--nsid", "9"], "namespace 9 of"),
+    let cases: [(&[&str], &str); 5] = [
+        // Within NN (transport.max_nsid) but not configured: inactive.
+        (&["--nsid", "9"], "namespace 9 is not active in"),
+        // Past NN: Identify fails with Invalid Namespace.
+        (&["--nsid", "4096"], "namespace 4096 of"),
         (&["-o", "1000"], "whole number of 512-byte blocks"),
         (&["-o", "4q"], "the unit is k, KiB, m or MiB"),
         (

@@ -1,0 +1,453 @@
+//! Ceph RBD images through librbd: a cluster connection per process and configuration, shared
+//! by every image opened through it; an image handle per engine, whose asynchronous
+//! operations complete into librbd's event queue for that handle and raise the engine's
+//! eventfd (`rbd_set_image_notification`), so the reactor that issued them polls them in
+//! (`rbd_poll_io_events`) without a callback on librbd's threads and without blocking.
+//!
+//! librbd's cache is turned off on the connection: a write librbd acknowledges is on the
+//! OSDs, so FUA needs nothing more and flush has nothing to write back (the device reports
+//! no volatile cache).
+
+use std::ffi::{c_char, c_void, CString};
+use std::io;
+use std::os::fd::RawFd;
+use std::path::{Path, PathBuf};
+
+use crate::device::RbdSpec;
+use std::ptr;
+use std::sync::{Arc, Mutex, Weak};
+
+/// librados, loaded at the first use.
+#[allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    dead_code,
+    missing_debug_implementations,
+    unsafe_op_in_unsafe_fn,
+    clippy::all,
+    clippy::undocumented_unsafe_blocks,
+    clippy::missing_safety_doc
+)]
+mod rados_ffi {
+    include!(concat!(env!("OUT_DIR"), "/rados_bindings.rs"));
+}
+
+/// librbd, loaded at the first use.
+#[allow(
+    non_camel_case_types,
+    non_upper_case_globals,
+    non_snake_case,
+    dead_code,
+    missing_debug_implementations,
+    unsafe_op_in_unsafe_fn,
+    clippy::all,
+    clippy::undocumented_unsafe_blocks,
+    clippy::missing_safety_doc
+)]
+mod ffi {
+    include!(concat!(env!("OUT_DIR"), "/rbd_bindings.rs"));
+}
+
+/// The two libraries.
+struct Libs {
+    rados: rados_ffi::Rados,
+    rbd: ffi::Rbd,
+}
+
+static LIBS: std::sync::OnceLock<Result<Libs, String>> = std::sync::OnceLock::new();
+
+/// The libraries, once [`libs`] has loaded them: every handle of this module exists only
+/// after a successful [`connect`], which loads them first.
+fn lib() -> &'static Libs {
+    match LIBS.get() {
+        Some(Ok(l)) => l,
+        _ => unreachable!("librados and librbd are loaded before any handle exists"),
+    }
+}
+
+/// librados and librbd, loaded once; an error says which is missing.
+fn libs() -> io::Result<&'static Libs> {
+    let loaded = LIBS.get_or_init(|| {
+        let missing = |lib: &str, e: libloading::Error| {
+            format!("{lib} cannot be loaded ({e}): install librbd1 (it brings librados2)")
+        };
+        // SAFETY: loading the system's Ceph client libraries runs their initialisers, which
+        // have no preconditions; the symbols are checked against the generated signatures by
+        // name only, which is what linking against them would do too.
+        unsafe {
+            let rados =
+                rados_ffi::Rados::new("librados.so.2").map_err(|e| missing("librados.so.2", e))?;
+            let rbd = ffi::Rbd::new("librbd.so.1").map_err(|e| missing("librbd.so.1", e))?;
+            Ok(Libs { rados, rbd })
+        }
+    });
+    loaded
+        .as_ref()
+        .map_err(|e| io::Error::new(io::ErrorKind::Unsupported, e.clone()))
+}
+
+fn err(op: &str, rc: i32) -> io::Error {
+    let e = io::Error::from_raw_os_error(rc.saturating_abs());
+    io::Error::new(e.kind(), format!("{op}: {e}"))
+}
+
+fn cstr(what: &str, s: &str) -> io::Result<CString> {
+    CString::new(s).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{what} `{s}` holds a NUL byte"),
+        )
+    })
+}
+
+/// A connection to a cluster (`rados_t`), shut down when the last user goes.
+struct Cluster(rados_ffi::rados_t);
+
+// SAFETY: librados handles are thread-safe (its documentation: "all functions are
+// thread-safe" unless noted); the handle is only shut down in `Drop`, once.
+unsafe impl Send for Cluster {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Cluster {}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SAFETY: the handle was connected in `connect` and nothing uses it any more (every
+        // pool and image holds an `Arc` of it).
+        unsafe { lib().rados.rados_shutdown(self.0) };
+    }
+}
+
+/// A connection's configuration file and user.
+type ClusterKey = (PathBuf, String);
+
+/// Connections by configuration file and user: one per process (`Weak`, so that the last
+/// image closed shuts it down).
+static CLUSTERS: Mutex<Vec<(ClusterKey, Weak<Cluster>)>> = Mutex::new(Vec::new());
+
+fn connect(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
+    libs()?;
+    let key = (conf.to_owned(), client.to_owned());
+    let mut all = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
+    all.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(c) = all
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return Ok(c);
+    }
+    let id = cstr("client_id", client)?;
+    let path = cstr("ceph_conf", &conf.to_string_lossy())?;
+    let mut h: rados_ffi::rados_t = ptr::null_mut();
+    // SAFETY: `h` receives a new handle; `id` is a NUL-terminated string that outlives the call.
+    let rc = unsafe { lib().rados.rados_create(&mut h, id.as_ptr()) };
+    if rc < 0 {
+        return Err(err("rados_create", rc));
+    }
+    let cluster = Cluster(h);
+    // SAFETY: `h` is a created, unconnected handle; the strings are NUL-terminated.
+    let rc = unsafe { lib().rados.rados_conf_read_file(h, path.as_ptr()) };
+    if rc < 0 {
+        return Err(err(&format!("reading {}", conf.display()), rc));
+    }
+    for (k, v) in [
+        (c"rbd_cache", c"false"),
+        // A deallocated range reads back as zeroes, however small (by default librbd skips
+        // discards of less than an object's extent).
+        (c"rbd_skip_partial_discard", c"false"),
+        // Give up on an unreachable cluster in seconds, at start and per operation.
+        (c"client_mount_timeout", c"10"),
+        (c"rados_mon_op_timeout", c"10"),
+        (c"rados_osd_op_timeout", c"30"),
+    ] {
+        // SAFETY: as above; unknown options are refused with an error, not UB.
+        let rc = unsafe { lib().rados.rados_conf_set(h, k.as_ptr(), v.as_ptr()) };
+        if rc < 0 {
+            return Err(err("rados_conf_set", rc));
+        }
+    }
+    // SAFETY: a configured handle; blocks until connected or `client_mount_timeout`.
+    let rc = unsafe { lib().rados.rados_connect(h) };
+    if rc < 0 {
+        return Err(err(
+            &format!(
+                "connecting to the cluster of {} as client.{client}",
+                conf.display()
+            ),
+            rc,
+        ));
+    }
+    let cluster = Arc::new(cluster);
+    all.push((key, Arc::downgrade(&cluster)));
+    Ok(cluster)
+}
+
+/// A pool (and RADOS namespace) of a cluster: an I/O context.
+pub(crate) struct Pool {
+    ioctx: ffi::rados_ioctx_t,
+    _cluster: Arc<Cluster>,
+}
+
+// SAFETY: I/O contexts are thread-safe in librados; destroyed once, in `Drop`, after every
+// image opened on it (each holds an `Arc` of the pool).
+unsafe impl Send for Pool {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Pool {}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // SAFETY: created in `open_pool`; no image of it is open (they hold the pool).
+        unsafe { lib().rados.rados_ioctx_destroy(self.ioctx) };
+    }
+}
+
+fn open_pool(spec: &RbdSpec) -> io::Result<Arc<Pool>> {
+    let cluster = connect(&spec.ceph_conf, &spec.client_id)?;
+    let name = cstr("pool", &spec.pool)?;
+    let mut ioctx: ffi::rados_ioctx_t = ptr::null_mut();
+    // SAFETY: a connected cluster; `ioctx` receives the context.
+    let rc = unsafe {
+        lib()
+            .rados
+            .rados_ioctx_create(cluster.0, name.as_ptr(), &mut ioctx)
+    };
+    if rc < 0 {
+        return Err(err(&format!("pool `{}`", spec.pool), rc));
+    }
+    let pool = Arc::new(Pool {
+        ioctx,
+        _cluster: cluster,
+    });
+    if let Some(ns) = &spec.namespace {
+        let ns = cstr("namespace", ns)?;
+        // SAFETY: a live context; the string is copied by librados.
+        unsafe {
+            lib()
+                .rados
+                .rados_ioctx_set_namespace(pool.ioctx, ns.as_ptr())
+        };
+    }
+    Ok(pool)
+}
+
+/// An open image handle.
+pub(crate) struct Image {
+    handle: ffi::rbd_image_t,
+    pool: Arc<Pool>,
+    name: CString,
+    read_only: bool,
+}
+
+// SAFETY: librbd image handles may be used from any thread (librbd serialises internally);
+// each engine's handle is used by its reactor only, and closed once in `Drop`.
+unsafe impl Send for Image {}
+// SAFETY: as for `Send`: the device's own handle is only read (its size) after opening.
+unsafe impl Sync for Image {}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        // SAFETY: opened in `open_handle`; an engine closes its handle only once no operation
+        // of it is in flight (the engine drains first).
+        unsafe { lib().rbd.rbd_close(self.handle) };
+    }
+}
+
+fn open_handle(pool: &Arc<Pool>, name: &CString, read_only: bool) -> Result<Image, i32> {
+    let mut handle: ffi::rbd_image_t = ptr::null_mut();
+    // SAFETY: a live I/O context; the name is NUL-terminated; no snapshot (NULL).
+    let rc = unsafe {
+        if read_only {
+            lib()
+                .rbd
+                .rbd_open_read_only(pool.ioctx, name.as_ptr(), &mut handle, ptr::null())
+        } else {
+            lib()
+                .rbd
+                .rbd_open(pool.ioctx, name.as_ptr(), &mut handle, ptr::null())
+        }
+    };
+    if rc < 0 {
+        return Err(rc);
+    }
+    Ok(Image {
+        handle,
+        pool: Arc::clone(pool),
+        name: name.clone(),
+        read_only,
+    })
+}
+
+impl Image {
+    /// Opens (and with `spec.create`, creates with `size` bytes first when it does not exist)
+    /// the image of `spec`: the device's own handle, which keeps the connection and says the
+    /// size.
+    pub(crate) fn open(spec: &RbdSpec, size: u64, read_only: bool) -> io::Result<Image> {
+        let pool = open_pool(spec)?;
+        let name = cstr("image", &spec.image)?;
+        let what = || {
+            format!(
+                "image `{}/{}{}`",
+                spec.pool,
+                spec.namespace
+                    .as_deref()
+                    .map(|n| format!("{n}/"))
+                    .unwrap_or_default(),
+                spec.image
+            )
+        };
+        match open_handle(&pool, &name, read_only) {
+            Ok(i) => Ok(i),
+            Err(rc) if rc == -libc::ENOENT && spec.create => {
+                if size == 0 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!(
+                            "{} does not exist and no size is given to create it",
+                            what()
+                        ),
+                    ));
+                }
+                let mut order: i32 = 0;
+                // Layering only, no exclusive lock: the reactors (and other daemons) that
+                // open the image each hold a handle, and none should have to wait for a
+                // lock the others hold.
+                let features = u64::from(ffi::RBD_FEATURE_LAYERING);
+                // SAFETY: a live context, a NUL-terminated name; `order` 0 is the default.
+                let rc = unsafe {
+                    lib()
+                        .rbd
+                        .rbd_create2(pool.ioctx, name.as_ptr(), size, features, &mut order)
+                };
+                if rc < 0 && rc != -libc::EEXIST {
+                    return Err(err(&format!("creating {}", what()), rc));
+                }
+                open_handle(&pool, &name, read_only).map_err(|rc| err(&what(), rc))
+            }
+            Err(rc) => Err(err(&what(), rc)),
+        }
+    }
+
+    /// Another handle on the same image (an engine's own).
+    pub(crate) fn reopen(&self) -> io::Result<Image> {
+        open_handle(&self.pool, &self.name, self.read_only)
+            .map_err(|rc| err("opening the image again", rc))
+    }
+
+    /// The image's size in bytes.
+    pub(crate) fn size(&self) -> io::Result<u64> {
+        let mut size = 0u64;
+        // SAFETY: an open handle; `size` receives the value.
+        let rc = unsafe { lib().rbd.rbd_get_size(self.handle, &mut size) };
+        if rc < 0 {
+            return Err(err("rbd_get_size", rc));
+        }
+        Ok(size)
+    }
+
+    /// Completions of this handle go to its event queue and write to `eventfd`.
+    pub(crate) fn notify(&self, eventfd: RawFd) -> io::Result<()> {
+        // SAFETY: an open handle and an eventfd the engine keeps open as long as the handle.
+        let rc = unsafe {
+            lib().rbd.rbd_set_image_notification(
+                self.handle,
+                eventfd,
+                ffi::EVENT_TYPE_EVENTFD as i32,
+            )
+        };
+        if rc < 0 {
+            return Err(err("rbd_set_image_notification", rc));
+        }
+        Ok(())
+    }
+
+    fn completion(arg: usize) -> Result<ffi::rbd_completion_t, i32> {
+        let mut c: ffi::rbd_completion_t = ptr::null_mut();
+        // SAFETY: no callback: the completion is polled from the image's event queue; `arg`
+        // is a number carried as a pointer, never dereferenced.
+        let rc = unsafe {
+            lib()
+                .rbd
+                .rbd_aio_create_completion(arg as *mut c_void, None, &mut c)
+        };
+        if rc < 0 {
+            return Err(rc);
+        }
+        Ok(c)
+    }
+
+    /// Starts an operation; `arg` comes back with its completion from [`Image::poll`].
+    ///
+    /// # Safety
+    ///
+    /// For reads and writes `buf` must point to `len` bytes that stay valid (and, for a read,
+    /// unaliased) until the completion has been polled.
+    pub(crate) unsafe fn start(
+        &self,
+        op: Op,
+        off: u64,
+        len: u64,
+        buf: *mut u8,
+        arg: usize,
+    ) -> Result<(), i32> {
+        let c = Self::completion(arg)?;
+        let h = self.handle;
+        // SAFETY: an open handle and a fresh completion; the caller keeps `buf` valid.
+        let rc = unsafe {
+            match op {
+                Op::Read => lib().rbd.rbd_aio_read(h, off, len, buf.cast::<c_char>(), c),
+                Op::Write => {
+                    lib()
+                        .rbd
+                        .rbd_aio_write(h, off, len, buf.cast::<c_char>().cast_const(), c)
+                }
+                Op::Flush => lib().rbd.rbd_aio_flush(h, c),
+                Op::Discard => lib().rbd.rbd_aio_discard(h, off, len, c),
+                Op::WriteZeroes => lib().rbd.rbd_aio_write_zeroes(h, off, len, c, 0, 0),
+            }
+        };
+        if rc < 0 {
+            // SAFETY: the completion was never handed to an operation.
+            unsafe { lib().rbd.rbd_aio_release(c) };
+            return Err(rc);
+        }
+        Ok(())
+    }
+
+    /// Completed operations of this handle: `(arg, return value)`, into `out`.
+    pub(crate) fn poll(&self, out: &mut Vec<(usize, i64)>) {
+        let mut comps: [ffi::rbd_completion_t; 32] = [ptr::null_mut(); 32];
+        loop {
+            // SAFETY: an open handle with notification set; `comps` has room for 32.
+            let n = unsafe {
+                lib()
+                    .rbd
+                    .rbd_poll_io_events(self.handle, comps.as_mut_ptr(), 32)
+            };
+            let Ok(n) = usize::try_from(n) else { return };
+            for &c in &comps[..n] {
+                // SAFETY: a completion librbd has completed and handed back once.
+                let (arg, rv) = unsafe {
+                    let arg = lib().rbd.rbd_aio_get_arg(c) as usize;
+                    let rv = lib().rbd.rbd_aio_get_return_value(c);
+                    lib().rbd.rbd_aio_release(c);
+                    (arg, rv)
+                };
+                out.push((arg, rv));
+            }
+            if n < comps.len() {
+                return;
+            }
+        }
+    }
+}
+
+/// An RBD operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    Read,
+    Write,
+    Flush,
+    Discard,
+    WriteZeroes,
+}
