@@ -274,17 +274,18 @@ pub struct Subsystem {
 pub struct Namespace {
     /// Namespace ID, 1 to 4294967294, unique in its subsystem.
     pub nsid: u32,
-    /// What stores the data: `file`, `bdev` (a block device), `malloc` (RAM) or `null`
-    /// (discards writes, reads zeroes; for transport benchmarks).
+    /// What stores the data: `file`, `bdev` (a block device), `rbd` (a Ceph RBD image),
+    /// `malloc` (RAM) or `null` (discards writes, reads zeroes; for transport benchmarks).
     pub backend: Backend,
     /// Path of the file or block device (`file` and `bdev` only).
     #[serde(default)]
     pub path: Option<PathBuf>,
-    /// Capacity (`malloc` and `null` only; a file or block device has its own size).
+    /// Capacity (`malloc` and `null`; `rbd` with `create`, the size of a new image; a file,
+    /// a block device or an existing image has its own size).
     #[serde(default)]
     pub size: Option<ByteSize>,
-    /// Logical block size, 512 or 4096 bytes (`malloc`, `null` and `file`; a block device
-    /// reports its own). Default 512.
+    /// Logical block size, 512 or 4096 bytes (`malloc`, `null`, `file` and `rbd`; a block
+    /// device reports its own). Default 512.
     #[serde(default = "defaults::block_size")]
     pub block_size: ByteSize,
     /// Refuse writes to this namespace. Default `false`.
@@ -297,6 +298,40 @@ pub struct Namespace {
     /// Namespace Globally Unique Identifier, 32 hex digits. Default: none reported.
     #[serde(default)]
     pub nguid: Option<String>,
+    /// The RADOS pool of the image (`rbd` only, required).
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// The RBD image (`rbd` only, required).
+    #[serde(default)]
+    pub image: Option<String>,
+    /// The RADOS namespace in the pool (`rbd` only). Default: the pool's default namespace.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// The Ceph configuration file (`rbd` only). Default `/etc/ceph/ceph.conf`.
+    #[serde(default)]
+    pub ceph_conf: Option<PathBuf>,
+    /// The cephx user without `client.` (`rbd` only); its keyring is found where Ceph looks
+    /// (the `keyring` option of `ceph_conf`, /etc/ceph/ceph.client.ID.keyring, ...). Default
+    /// `admin`.
+    #[serde(default)]
+    pub client_id: Option<String>,
+    /// Create the image with `size` when it does not exist (`rbd` only). Default `false`.
+    #[serde(default)]
+    pub create: bool,
+}
+
+impl Namespace {
+    /// `ceph_conf`, or its default.
+    pub fn ceph_conf(&self) -> PathBuf {
+        self.ceph_conf
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/etc/ceph/ceph.conf"))
+    }
+
+    /// `client_id`, or its default.
+    pub fn client_id(&self) -> String {
+        self.client_id.clone().unwrap_or_else(|| "admin".into())
+    }
 }
 
 /// Namespace storage backend.
@@ -307,6 +342,8 @@ pub enum Backend {
     File,
     /// A block device, through io_uring.
     Bdev,
+    /// A Ceph RBD image, through librbd.
+    Rbd,
     /// RAM.
     Malloc,
     /// No storage: writes are discarded, reads return zeroes.

@@ -363,6 +363,7 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
     let mut uuids = HashMap::new();
     let mut nguids = HashMap::new();
     let mut paths = HashMap::new();
+    let mut images = HashMap::new();
     for (i, s) in cfg.subsystems.iter().enumerate() {
         let p = KeyPath::default().key("subsystem").index(i);
         if let Err(e) = check_nqn(&s.nqn) {
@@ -431,6 +432,20 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
                     );
                 }
             }
+            if let (Backend::Rbd, Some(pool), Some(image)) = (ns.backend, &ns.pool, &ns.image) {
+                let key = (
+                    ns.ceph_conf(),
+                    pool.clone(),
+                    ns.namespace.clone(),
+                    image.clone(),
+                );
+                if let Some(first) = images.insert(key, np.clone()) {
+                    c.fail(
+                        np.key("image"),
+                        format!("image `{image}` of pool `{pool}` already backs {first}: two namespaces on one image corrupt each other"),
+                    );
+                }
+            }
         }
     }
 }
@@ -494,28 +509,21 @@ fn namespace(c: &mut Checker<'_>, np: &KeyPath, ns: &Namespace) {
                 format!("backend `{b}` takes its size from the file or device: remove `size`"),
             );
         }
+    } else if ns.path.is_some() {
+        let why = if ns.backend == Backend::Rbd {
+            "names its image with `pool` and `image`"
+        } else {
+            "has no `path`; it needs a `size`"
+        };
+        c.fail(np.key("path"), format!("backend `{b}` {why}"));
+    }
+    if ns.backend == Backend::Rbd {
+        rbd(c, np, ns);
     } else {
-        if ns.path.is_some() {
-            c.fail(
-                np.key("path"),
-                format!("backend `{b}` has no `path`; it needs a `size`"),
-            );
-        }
-        match ns.size {
-            None => c.fail(
-                np.clone(),
-                format!("backend `{b}` needs a `size`, e.g. size = \"1GiB\""),
-            ),
-            Some(ByteSize(0)) => c.fail(np.key("size"), "a namespace cannot be empty"),
-            Some(size) if size.0 % ns.block_size.0.max(1) != 0 => c.fail(
-                np.key("size"),
-                format!(
-                    "{size} is not a whole number of {}-byte blocks",
-                    ns.block_size.0
-                ),
-            ),
-            Some(_) => {}
-        }
+        not_rbd(c, np, ns, &b);
+    }
+    if !ns.backend.has_path() {
+        size(c, np, ns, &b);
     }
     if ns.block_size != ByteSize(512) && ns.block_size != ByteSize(4096) {
         c.fail(
@@ -527,5 +535,116 @@ fn namespace(c: &mut Checker<'_>, np: &KeyPath, ns: &Namespace) {
             np.key("block_size"),
             "a block device reports its own logical block size: remove `block_size`",
         );
+    }
+}
+
+/// `size` of a backend without a path: required (for `rbd`, with `create` only).
+fn size(c: &mut Checker<'_>, np: &KeyPath, ns: &Namespace, b: &str) {
+    if ns.backend == Backend::Rbd && !ns.create {
+        if ns.size.is_some() {
+            c.fail(
+                np.key("size"),
+                "an existing image has its own size: remove `size`, or set create = true to create the image of this size when it is missing",
+            );
+        }
+        return;
+    }
+    match ns.size {
+        None if ns.backend == Backend::Rbd => c.fail(
+            np.clone(),
+            "create = true needs the `size` of the image to create, e.g. size = \"10GiB\"",
+        ),
+        None => c.fail(
+            np.clone(),
+            format!("backend `{b}` needs a `size`, e.g. size = \"1GiB\""),
+        ),
+        Some(ByteSize(0)) => c.fail(np.key("size"), "a namespace cannot be empty"),
+        Some(size) if size.0 % ns.block_size.0.max(1) != 0 => c.fail(
+            np.key("size"),
+            format!(
+                "{size} is not a whole number of {}-byte blocks",
+                ns.block_size.0
+            ),
+        ),
+        Some(_) => {}
+    }
+}
+
+/// The keys of an `rbd` namespace: which image, in which cluster, as whom.
+fn rbd(c: &mut Checker<'_>, np: &KeyPath, ns: &Namespace) {
+    let name = |c: &mut Checker<'_>, key: &str, v: &Option<String>, what: &str| match v {
+        None => c.fail(np.clone(), format!("backend `rbd` needs `{key}` ({what})")),
+        Some(v) => {
+            if let Err(e) = rados_name(v, key == "image") {
+                c.fail(np.key(key), e);
+            }
+        }
+    };
+    name(c, "pool", &ns.pool, "the RADOS pool of the image");
+    name(c, "image", &ns.image, "the RBD image's name");
+    if let Some(n) = &ns.namespace {
+        if let Err(e) = rados_name(n, false) {
+            c.fail(np.key("namespace"), e);
+        }
+    }
+    if let Some(conf) = &ns.ceph_conf {
+        if !conf.is_absolute() {
+            c.fail(
+                np.key("ceph_conf"),
+                format!("`{}` is not an absolute path", conf.display()),
+            );
+        }
+    }
+    if let Some(id) = &ns.client_id {
+        if let Some(bare) = id.strip_prefix("client.") {
+            c.fail(
+                np.key("client_id"),
+                format!("the cephx user is named without `client.`: client_id = \"{bare}\""),
+            );
+        } else if let Err(e) = rados_name(id, false) {
+            c.fail(np.key("client_id"), e);
+        }
+    }
+}
+
+/// A pool, RADOS namespace, image or user name: not empty, at most 255 bytes, printable
+/// ASCII without spaces; an image's also without `/` and `@` (the rbd tool's separators).
+fn rados_name(v: &str, image: bool) -> Result<(), String> {
+    if v.is_empty() {
+        return Err("an empty name".into());
+    }
+    if v.len() > 255 {
+        return Err(format!("`{v}` is longer than 255 bytes"));
+    }
+    if !v.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "`{v}` holds a space or a character outside printable ASCII"
+        ));
+    }
+    if image && v.contains(['/', '@']) {
+        return Err(format!(
+            "`{v}` holds `/` or `@`, which separate pool, image and snapshot"
+        ));
+    }
+    Ok(())
+}
+
+/// The `rbd` keys on a namespace of another backend.
+fn not_rbd(c: &mut Checker<'_>, np: &KeyPath, ns: &Namespace, b: &str) {
+    let keys = [
+        ("pool", ns.pool.is_some()),
+        ("image", ns.image.is_some()),
+        ("namespace", ns.namespace.is_some()),
+        ("ceph_conf", ns.ceph_conf.is_some()),
+        ("client_id", ns.client_id.is_some()),
+        ("create", ns.create),
+    ];
+    for (key, set) in keys {
+        if set {
+            c.fail(
+                np.key(key),
+                format!("`{key}` is for backend `rbd`, not `{b}`"),
+            );
+        }
     }
 }

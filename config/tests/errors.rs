@@ -645,3 +645,140 @@ error_case!(
     1,
     "above transport.max_nsid (1024)"
 );
+
+// `rbd` namespaces: which image, in which cluster, as whom.
+const RBD: &str = "nsid = 1\nbackend = \"rbd\"\n";
+
+error_case!(
+    rbd_needs_a_pool,
+    namespace(&format!("{RBD}image = \"vol1\"\n")),
+    "subsystem[0].namespace[0]",
+    7,
+    1,
+    "backend `rbd` needs `pool`"
+);
+error_case!(
+    rbd_needs_an_image,
+    namespace(&format!("{RBD}pool = \"rbd\"\n")),
+    "subsystem[0].namespace[0]",
+    7,
+    1,
+    "backend `rbd` needs `image`"
+);
+error_case!(
+    rbd_has_no_path,
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\npath = \"/dev/rbd0\"\n"
+    )),
+    "subsystem[0].namespace[0].path",
+    12,
+    1,
+    "names its image with `pool` and `image`"
+);
+error_case!(
+    rbd_existing_image_has_its_own_size,
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\nsize = \"1GiB\"\n"
+    )),
+    "subsystem[0].namespace[0].size",
+    12,
+    1,
+    "an existing image has its own size"
+);
+error_case!(
+    rbd_create_needs_a_size,
+    namespace(&format!("{RBD}pool = \"rbd\"\nimage = \"vol1\"\ncreate = true\n")),
+    "subsystem[0].namespace[0]",
+    7,
+    1,
+    "create = true needs the `size`"
+);
+error_case!(
+    rbd_create_size_in_whole_blocks,
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\ncreate = true\nsize = 1000\n"
+    )),
+    "subsystem[0].namespace[0].size",
+    13,
+    1,
+    "not a whole number of 512-byte blocks"
+);
+error_case!(
+    rbd_image_name_without_separators,
+    namespace(&format!("{RBD}pool = \"rbd\"\nimage = \"vol1@snap\"\n")),
+    "subsystem[0].namespace[0].image",
+    11,
+    1,
+    "separate pool, image and snapshot"
+);
+error_case!(
+    rbd_pool_name_printable,
+    namespace(&format!("{RBD}pool = \"my pool\"\nimage = \"vol1\"\n")),
+    "subsystem[0].namespace[0].pool",
+    10,
+    1,
+    "holds a space"
+);
+error_case!(
+    rbd_empty_rados_namespace,
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\nnamespace = \"\"\n"
+    )),
+    "subsystem[0].namespace[0].namespace",
+    12,
+    1,
+    "an empty name"
+);
+error_case!(
+    rbd_ceph_conf_absolute,
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\nceph_conf = \"ceph.conf\"\n"
+    )),
+    "subsystem[0].namespace[0].ceph_conf",
+    12,
+    1,
+    "not an absolute path"
+);
+error_case!(
+    rbd_client_id_without_prefix,
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\nclient_id = \"client.gw\"\n"
+    )),
+    "subsystem[0].namespace[0].client_id",
+    12,
+    1,
+    "client_id = \"gw\""
+);
+error_case!(
+    rbd_keys_on_another_backend,
+    namespace("nsid = 1\nbackend = \"malloc\"\nsize = \"1MiB\"\npool = \"rbd\"\n"),
+    "subsystem[0].namespace[0].pool",
+    11,
+    1,
+    "`pool` is for backend `rbd`, not `malloc`"
+);
+error_case!(
+    rbd_two_namespaces_on_one_image,
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"vol1\"\n"
+    )),
+    "subsystem[0].namespace[1].image",
+    16,
+    1,
+    "two namespaces on one image corrupt each other"
+);
+
+#[test]
+fn rbd_images_of_other_clusters_or_rados_namespaces_are_other_images() {
+    for other in [
+        "namespace = \"tenant2\"\n",
+        "ceph_conf = \"/etc/ceph/other.conf\"\n",
+    ] {
+        let text = namespace(&format!(
+            "{RBD}pool = \"rbd\"\nimage = \"vol1\"\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"vol1\"\n{other}"
+        ));
+        if let Err(e) = Config::parse(&text, &facts()) {
+            panic!("{other}: {e}");
+        }
+    }
+}

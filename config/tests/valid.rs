@@ -100,6 +100,22 @@ fn a_full_config_round_trips_through_json_and_toml() {
     assert_eq!(again, cfg);
 }
 
+/// An `rbd` namespace: the defaults of its optional keys.
+#[test]
+fn an_rbd_namespace_takes_the_usual_ceph_defaults() {
+    let cfg = Config::parse(
+        "[[listener]]\naddress = \"::1\"\n[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a\"\nallow_any_host = true\n\
+         [[subsystem.namespace]]\nnsid = 1\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"vol1\"\n",
+        &facts(),
+    )
+    .unwrap();
+    let ns = &cfg.subsystems[0].namespaces[0];
+    assert_eq!(ns.backend, Backend::Rbd);
+    assert_eq!(ns.ceph_conf(), Path::new("/etc/ceph/ceph.conf"));
+    assert_eq!(ns.client_id(), "admin");
+    assert_eq!((ns.namespace.as_deref(), ns.create, ns.size), (None, false, None));
+}
+
 /// Every key of the schema appears in docs/CONFIGURATION.md, so the reference cannot fall behind.
 #[test]
 fn every_key_is_documented() {
@@ -109,7 +125,8 @@ fn every_key_is_documented() {
     .unwrap();
     let cfg = Config::parse(
         "[[listener]]\naddress = \"::1\"\n[[subsystem]]\nnqn = \"nqn.2024-01.com.example:a\"\nserial = \"s\"\nallow_any_host = true\n\
-         [[subsystem.namespace]]\nnsid = 1\nbackend = \"null\"\nsize = 4096\nuuid = \"6c61622d-0000-4000-8000-000000000001\"\nnguid = \"0123456789abcdef0123456789abcdef\"\n",
+         [[subsystem.namespace]]\nnsid = 1\nbackend = \"null\"\nsize = 4096\nuuid = \"6c61622d-0000-4000-8000-000000000001\"\nnguid = \"0123456789abcdef0123456789abcdef\"\n\
+         [[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"i\"\nnamespace = \"n\"\nceph_conf = \"/c\"\nclient_id = \"u\"\ncreate = true\nsize = 4096\n",
         &facts(),
     )
     .unwrap();

@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
-use nvmfd_blockdev::{BlockError, Device as BlockDevice, DeviceInfo, DeviceSpec, Kind};
+use nvmfd_blockdev::{BlockError, Device as BlockDevice, DeviceInfo, DeviceSpec, Kind, RbdSpec};
 use nvmfd_config::{Backend, Config};
 use nvmfd_nvme::{BlockFailure, Limits, Namespace, NamespaceInfo, Port, Subsystem, Target};
+use serde::{Deserialize, Serialize};
 
 /// A namespace's device, by subsystem NQN and NSID.
 pub type NamespaceDevices = Vec<(String, u32, Arc<BlockDevice>)>;
@@ -61,31 +62,140 @@ fn nguid(hex: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
-/// Opens every namespace's device and builds the target. An error names the namespace.
-pub fn build_target(cfg: &Config) -> Result<(Target, NamespaceDevices), String> {
+/// One namespace in `status`: served, or why not.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct NamespaceStatus {
+    /// Its subsystem's NQN.
+    pub subsystem: String,
+    /// NSID.
+    pub nsid: u32,
+    /// `file`, `bdev`, `rbd`, `malloc` or `null`.
+    pub backend: String,
+    /// Capacity in bytes (0 when not served).
+    pub size: u64,
+    /// Whether hosts see it.
+    pub serving: bool,
+    /// Why not, when it is not served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// What [`build_target`] built.
+#[derive(Debug)]
+pub struct Built {
+    /// The NVMe target, with the namespaces that opened.
+    pub target: Target,
+    /// Their devices.
+    pub devices: NamespaceDevices,
+    /// Every configured namespace, served or not, in configuration order.
+    pub status: Vec<NamespaceStatus>,
+}
+
+/// The device spec of a configured namespace.
+pub fn device_spec(ns: &nvmfd_config::Namespace) -> DeviceSpec {
+    let kind = match ns.backend {
+        Backend::File => Kind::File,
+        Backend::Bdev => Kind::Bdev,
+        Backend::Rbd => Kind::Rbd,
+        Backend::Malloc => Kind::Malloc,
+        Backend::Null => Kind::Null,
+    };
+    let mut spec = DeviceSpec::new(kind);
+    spec.path = ns.path.clone();
+    spec.size = ns.size.map_or(0, |b| b.0);
+    spec.block_size = u32::try_from(ns.block_size.0).unwrap_or(512);
+    spec.read_only = ns.read_only;
+    if ns.backend == Backend::Rbd {
+        spec.rbd = Some(RbdSpec {
+            pool: ns.pool.clone().unwrap_or_default(),
+            image: ns.image.clone().unwrap_or_default(),
+            namespace: ns.namespace.clone(),
+            ceph_conf: ns.ceph_conf(),
+            client_id: ns.client_id(),
+            create: ns.create,
+        });
+    }
+    spec
+}
+
+/// Opens every namespace's device, each on its own thread, by subsystem.
+fn open_all(cfg: &Config) -> Vec<Vec<std::io::Result<Arc<BlockDevice>>>> {
+    let specs: Vec<Vec<DeviceSpec>> = cfg
+        .subsystems
+        .iter()
+        .map(|s| s.namespaces.iter().map(device_spec).collect())
+        .collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<Vec<_>> = specs
+            .iter()
+            .map(|sub| {
+                sub.iter()
+                    .map(|spec| scope.spawn(move || BlockDevice::open(spec)))
+                    .collect()
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|sub| {
+                sub.into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(std::io::Error::other("opening the device panicked"))
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    })
+}
+
+/// Opens every namespace's device, each on its own thread (an unreachable Ceph cluster takes
+/// its mount timeout once, not once per namespace), and builds the target. A file, block
+/// device or RAM namespace that does not open is an error naming it; an RBD namespace that
+/// does not open (cluster unreachable, image missing) is left out, with the reason in the
+/// returned status, so the others are served.
+pub fn build_target(cfg: &Config) -> Result<Built, String> {
+    let opened = open_all(cfg);
     let mut devices = Vec::new();
     let mut subsystems = Vec::new();
-    for (si, s) in cfg.subsystems.iter().enumerate() {
+    let mut status = Vec::new();
+    for ((si, s), opened) in cfg.subsystems.iter().enumerate().zip(opened) {
         let mut namespaces = Vec::new();
-        for (ni, ns) in s.namespaces.iter().enumerate() {
-            let kind = match ns.backend {
-                Backend::File => Kind::File,
-                Backend::Bdev => Kind::Bdev,
-                Backend::Malloc => Kind::Malloc,
-                Backend::Null => Kind::Null,
+        for ((ni, ns), dev) in s.namespaces.iter().enumerate().zip(opened) {
+            let backend = format!("{:?}", ns.backend).to_ascii_lowercase();
+            let dev = match dev {
+                Ok(dev) => dev,
+                Err(e) if ns.backend == Backend::Rbd => {
+                    status.push(NamespaceStatus {
+                        subsystem: s.nqn.clone(),
+                        nsid: ns.nsid,
+                        backend,
+                        size: 0,
+                        serving: false,
+                        reason: Some(e.to_string()),
+                    });
+                    continue;
+                }
+                Err(e) => {
+                    return Err(format!(
+                        "subsystem[{si}].namespace[{ni}] (nsid {}): {e}",
+                        ns.nsid
+                    ))
+                }
             };
-            let mut spec = DeviceSpec::new(kind);
-            spec.path = ns.path.clone();
-            spec.size = ns.size.map_or(0, |b| b.0);
-            spec.block_size = u32::try_from(ns.block_size.0).unwrap_or(512);
-            spec.read_only = ns.read_only;
-            let dev = BlockDevice::open(&spec)
-                .map_err(|e| format!("subsystem[{si}].namespace[{ni}] (nsid {}): {e}", ns.nsid))?;
             namespaces.push(Namespace {
                 nsid: ns.nsid,
                 info: namespace_info(dev.info()),
                 uuid: ns.uuid.map(|u| *u.as_bytes()),
                 nguid: ns.nguid.as_deref().and_then(nguid),
+            });
+            status.push(NamespaceStatus {
+                subsystem: s.nqn.clone(),
+                nsid: ns.nsid,
+                backend,
+                size: dev.info().size,
+                serving: true,
+                reason: None,
             });
             devices.push((s.nqn.clone(), ns.nsid, dev));
         }
@@ -106,7 +216,11 @@ pub fn build_target(cfg: &Config) -> Result<(Target, NamespaceDevices), String> 
             port: l.port,
         })
         .collect();
-    Ok((Target::new(subsystems, ports, limits(cfg)), devices))
+    Ok(Built {
+        target: Target::new(subsystems, ports, limits(cfg)),
+        devices,
+        status,
+    })
 }
 
 #[cfg(test)]

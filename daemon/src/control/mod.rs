@@ -94,7 +94,7 @@ pub struct ListenerStatus {
 pub struct SubsystemStatus {
     /// NQN.
     pub nqn: String,
-    /// Number of namespaces.
+    /// Number of namespaces served (see `Status::namespaces` for any that are not).
     pub namespaces: usize,
     /// Whether any host may connect.
     pub allow_any_host: bool,
@@ -132,6 +132,9 @@ pub struct Status {
     pub listeners: Vec<ListenerStatus>,
     /// Subsystems.
     pub subsystems: Vec<SubsystemStatus>,
+    /// Every configured namespace: served, or why not.
+    #[serde(default)]
+    pub namespaces: Vec<crate::serve::NamespaceStatus>,
 }
 
 /// Heartbeat tracking for one reactor.
@@ -149,6 +152,8 @@ struct Daemon {
     reactors: Vec<ReactorHandle>,
     heartbeats: Vec<Heartbeat>,
     listeners: Vec<ListenerStatus>,
+    /// Every configured namespace, served or not.
+    namespaces: Vec<crate::serve::NamespaceStatus>,
     test_hooks: bool,
     stopping: bool,
     target: Option<Target>,
@@ -199,6 +204,7 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
         reactors: Vec::new(),
         heartbeats: Vec::new(),
         listeners: Vec::new(),
+        namespaces: Vec::new(),
         test_hooks: std::env::var(TEST_HOOKS_ENV).is_ok_and(|v| v == "1"),
         stopping: false,
         target: None,
@@ -225,9 +231,16 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
 
 impl Daemon {
     fn start(&mut self, poll: &mut Poll, loop_cfg: LoopConfig) -> Result<AdminServer, DaemonError> {
-        let (target, namespaces) =
-            crate::serve::build_target(&self.cfg).map_err(DaemonError::Namespaces)?;
-        info!(self.log, "namespaces open"; "count" => namespaces.len());
+        let built = crate::serve::build_target(&self.cfg).map_err(DaemonError::Namespaces)?;
+        for n in built.status.iter().filter(|n| !n.serving) {
+            error!(self.log, "namespace not served: the others are";
+                   "subsystem" => &n.subsystem, "nsid" => n.nsid, "backend" => &n.backend,
+                   "reason" => n.reason.as_deref().unwrap_or(""));
+        }
+        info!(self.log, "namespaces open"; "count" => built.devices.len(),
+              "not served" => built.status.len() - built.devices.len());
+        let (target, namespaces) = (built.target, built.devices);
+        self.namespaces = built.status;
         // Listeners first: the reactors build a data path on each listener's device.
         for (i, l) in self.cfg.listeners.clone().iter().enumerate() {
             self.cm.push(Listening::default());
@@ -508,11 +521,16 @@ impl Daemon {
                 .iter()
                 .map(|s| SubsystemStatus {
                     nqn: s.nqn.clone(),
-                    namespaces: s.namespaces.len(),
+                    namespaces: self
+                        .namespaces
+                        .iter()
+                        .filter(|n| n.serving && n.subsystem == s.nqn)
+                        .count(),
                     allow_any_host: s.allow_any_host,
                     hosts: s.hosts.clone(),
                 })
                 .collect(),
+            namespaces: self.namespaces.clone(),
         }
     }
 
