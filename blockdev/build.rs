@@ -35,7 +35,7 @@ fn rbd() {
     };
     generate(
         "Rados",
-        "rados_(create|conf_read_file|conf_set|connect|shutdown|ioctx_create|ioctx_destroy|ioctx_set_namespace)",
+        "rados_(create|conf_read_file|conf_set|conf_get|connect|shutdown|ioctx_create|ioctx_destroy|ioctx_set_namespace)",
         "NONE",
         "rados_bindings.rs",
     );

@@ -151,20 +151,24 @@ fn connect(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
     if rc < 0 {
         return Err(err(&format!("reading {}", conf.display()), rc));
     }
+    // What an acknowledged write means and what a deallocated range reads, whatever the file
+    // says: no write-back cache, and a discard of any size reads back as zeroes (by default
+    // librbd skips discards of less than an object's extent).
     for (k, v) in [
         (c"rbd_cache", c"false"),
-        // A deallocated range reads back as zeroes, however small (by default librbd skips
-        // discards of less than an object's extent).
         (c"rbd_skip_partial_discard", c"false"),
-        // Give up on an unreachable cluster in seconds, at start and per operation.
-        (c"client_mount_timeout", c"10"),
-        (c"rados_mon_op_timeout", c"10"),
-        (c"rados_osd_op_timeout", c"30"),
     ] {
-        // SAFETY: as above; unknown options are refused with an error, not UB.
-        let rc = unsafe { lib().rados.rados_conf_set(h, k.as_ptr(), v.as_ptr()) };
-        if rc < 0 {
-            return Err(err("rados_conf_set", rc));
+        conf_set(h, k, v)?;
+    }
+    // Give up on an unreachable cluster in seconds, at start and per operation, unless the
+    // file sets these itself (Ceph's defaults: 300 s, and no timeout).
+    for (k, ceph_default, v) in [
+        (c"client_mount_timeout", "300", c"10"),
+        (c"rados_mon_op_timeout", "0", c"10"),
+        (c"rados_osd_op_timeout", "0", c"30"),
+    ] {
+        if conf_get(h, k).is_some_and(|now| now == ceph_default) {
+            conf_set(h, k, v)?;
         }
     }
     // SAFETY: a configured handle; blocks until connected or `client_mount_timeout`.
@@ -181,6 +185,32 @@ fn connect(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
     let cluster = Arc::new(cluster);
     all.push((key, Arc::downgrade(&cluster)));
     Ok(cluster)
+}
+
+fn conf_set(h: rados_ffi::rados_t, k: &std::ffi::CStr, v: &std::ffi::CStr) -> io::Result<()> {
+    // SAFETY: a created, unconnected handle; NUL-terminated strings; unknown options are
+    // refused with an error.
+    let rc = unsafe { lib().rados.rados_conf_set(h, k.as_ptr(), v.as_ptr()) };
+    if rc < 0 {
+        return Err(err(&format!("setting {}", k.to_string_lossy()), rc));
+    }
+    Ok(())
+}
+
+/// An option's value as the handle has it (file read), if it can be read.
+fn conf_get(h: rados_ffi::rados_t, k: &std::ffi::CStr) -> Option<String> {
+    let mut buf = [0u8; 64];
+    // SAFETY: a created handle; `buf` is writable for its length, which is passed.
+    let rc = unsafe {
+        lib()
+            .rados
+            .rados_conf_get(h, k.as_ptr(), buf.as_mut_ptr().cast(), buf.len() as _)
+    };
+    if rc < 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
 }
 
 /// A pool (and RADOS namespace) of a cluster: an I/O context.

@@ -687,7 +687,9 @@ error_case!(
 );
 error_case!(
     rbd_create_needs_a_size,
-    namespace(&format!("{RBD}pool = \"rbd\"\nimage = \"vol1\"\ncreate = true\n")),
+    namespace(&format!(
+        "{RBD}pool = \"rbd\"\nimage = \"vol1\"\ncreate = true\n"
+    )),
     "subsystem[0].namespace[0]",
     7,
     1,

@@ -113,7 +113,10 @@ fn an_rbd_namespace_takes_the_usual_ceph_defaults() {
     assert_eq!(ns.backend, Backend::Rbd);
     assert_eq!(ns.ceph_conf(), Path::new("/etc/ceph/ceph.conf"));
     assert_eq!(ns.client_id(), "admin");
-    assert_eq!((ns.namespace.as_deref(), ns.create, ns.size), (None, false, None));
+    assert_eq!(
+        (ns.namespace.as_deref(), ns.create, ns.size),
+        (None, false, None)
+    );
 }
 
 /// Every key of the schema appears in docs/CONFIGURATION.md, so the reference cannot fall behind.

@@ -49,8 +49,22 @@ pub fn block_failure(e: &BlockError) -> BlockFailure {
         BlockError::NoSpace => BlockFailure::NoSpace,
         BlockError::QueueFull => BlockFailure::QueueFull,
         BlockError::UnknownDevice => BlockFailure::UnknownDevice,
+        BlockError::Io(errno) if unavailable(*errno) => BlockFailure::Unavailable,
         BlockError::ShortTransfer { .. } | BlockError::Io(_) => BlockFailure::Io,
     }
+}
+
+/// Errors of a store that cannot be reached for now (an RBD image whose OSDs or monitors do
+/// not answer in `rados_osd_op_timeout`), which a later retry may get past.
+fn unavailable(errno: i32) -> bool {
+    [
+        libc::ETIMEDOUT,
+        libc::ENOTCONN,
+        libc::ESHUTDOWN,
+        libc::ECONNREFUSED,
+        libc::EHOSTUNREACH,
+    ]
+    .contains(&errno)
 }
 
 fn nguid(hex: &str) -> Option<[u8; 16]> {
@@ -259,6 +273,8 @@ mod tests {
                 BlockFailure::Io,
             ),
             (BlockError::Io(5), BlockFailure::Io),
+            (BlockError::Io(libc::ETIMEDOUT), BlockFailure::Unavailable),
+            (BlockError::Io(libc::ENOTCONN), BlockFailure::Unavailable),
         ];
         for (e, want) in cases {
             assert_eq!(block_failure(&e), want, "{e:?}");

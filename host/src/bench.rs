@@ -64,6 +64,9 @@ pub struct Job {
     pub time: Duration,
     /// Unmeasured time before it.
     pub warmup: Duration,
+    /// Stamp every written block with its LBA and a pattern, and check every block read
+    /// (a block never written reads as zeroes).
+    pub verify: bool,
 }
 
 /// One queue's figures.
@@ -75,6 +78,8 @@ pub struct QueueFigures {
     pub ios: u64,
     /// Latencies in nanoseconds.
     pub latency: Histogram<u64>,
+    /// Blocks read back and found intact (with `verify`).
+    pub verified: u64,
 }
 
 /// Counts shared with the progress line.
@@ -94,6 +99,11 @@ struct Lane {
     io: IoQueue<PipelinedQueue>,
     next: u64,
     sent_at: Vec<Instant>,
+    /// With `verify`: each slot's first LBA, when it is a read.
+    read_lba: Vec<Option<u64>>,
+    /// With `verify`: a write's data, or a read's.
+    scratch: Vec<u8>,
+    block_size: u32,
     figures: QueueFigures,
 }
 
@@ -131,8 +141,12 @@ impl Lane {
             };
             let nlb = wire::sat(sh.io_blocks);
             let s = rw_sqe(opcode, job.nsid, at * sh.io_blocks, nlb, false);
+            let lba = at * sh.io_blocks;
             let payload = if read {
                 Payload::In(job.io_size as usize)
+            } else if job.verify {
+                verify::stamp(&mut self.scratch, lba, job.block_size, rng.u64(..));
+                Payload::Out(&self.scratch)
             } else {
                 Payload::Out(&sh.data)
             };
@@ -140,6 +154,9 @@ impl Lane {
                 .submit(0, s, payload)
                 .map_err(|e| format!("I/O queue {}: {e}", self.figures.qid))?;
             self.sent_at[usize::from(slot)] = Instant::now();
+            if job.verify {
+                self.read_lba[usize::from(slot)] = read.then_some(lba);
+            }
         }
         Ok(())
     }
@@ -156,6 +173,16 @@ impl Lane {
         for d in done.drain(..) {
             d.ok()
                 .map_err(|e| format!("I/O error on queue {}: {e}", self.figures.qid))?;
+            if let Some(lba) = self
+                .read_lba
+                .get_mut(usize::from(d.slot))
+                .and_then(Option::take)
+            {
+                let q = self.io.transport();
+                q.data(d.slot, &mut self.scratch);
+                self.figures.verified += verify::check(&self.scratch, lba, self.block_size)
+                    .map_err(|e| format!("verify, queue {}: {e}", self.figures.qid))?;
+            }
             progress.ios.fetch_add(1, Ordering::Relaxed);
             if measuring {
                 let ns = now
@@ -209,10 +236,14 @@ fn thread_main(
             // Sequential patterns: each queue in its own part of the namespace.
             next: (u64::from(qid) - 1) * (places / u64::from(job.queues)),
             sent_at: vec![Instant::now(); usize::from(job.depth) + 1],
+            read_lba: vec![None; usize::from(job.depth) + 1],
+            scratch: vec![0; job.io_size as usize],
+            block_size: job.block_size,
             figures: QueueFigures {
                 qid,
                 ios: 0,
                 latency: histogram(),
+                verified: 0,
             },
         })
         .collect();
@@ -326,6 +357,7 @@ pub fn report(job: &Job, figures: &[QueueFigures]) -> Value {
             v
         }).collect::<Vec<_>>(),
         "total": summary(ios, job.io_size, job.time, &total),
+        "verified_blocks": job.verify.then(|| figures.iter().map(|f| f.verified).sum::<u64>()),
     })
 }
 
@@ -345,4 +377,85 @@ pub fn line(v: &Value) -> String {
         f("p99_9"),
         f("max")
     )
+}
+
+/// `--verify`: what a written block holds, and the check of a block read.
+///
+/// A block is a header (a tag, its LBA, a stamp chosen per write) and bytes drawn from a
+/// generator seeded by LBA and stamp, so a read finds any block that is torn, stale from
+/// another place (wrong LBA) or altered, and any block that is zeroes is one never written.
+pub mod verify {
+    const TAG: &[u8; 8] = b"nvmfdvfy";
+
+    fn fill(block: &mut [u8], lba: u64, stamp: u64) {
+        block[..8].copy_from_slice(TAG);
+        block[8..16].copy_from_slice(&lba.to_le_bytes());
+        block[16..24].copy_from_slice(&stamp.to_le_bytes());
+        let mut rng = fastrand::Rng::with_seed(lba ^ stamp.rotate_left(17));
+        rng.fill(&mut block[24..]);
+    }
+
+    /// Fills `buf` (whole blocks of `block_size` from `lba`) for a write stamped `stamp`.
+    pub fn stamp(buf: &mut [u8], lba: u64, block_size: u32, stamp: u64) {
+        for (i, block) in buf.chunks_mut(block_size as usize).enumerate() {
+            fill(block, lba + i as u64, stamp);
+        }
+    }
+
+    /// Checks the blocks of `buf`, read from `lba`: the blocks found written and intact, or
+    /// what is wrong with the first that is not.
+    pub fn check(buf: &[u8], lba: u64, block_size: u32) -> Result<u64, String> {
+        let mut expect = vec![0u8; block_size as usize];
+        let mut written = 0;
+        for (i, block) in buf.chunks(block_size as usize).enumerate() {
+            let at = lba + i as u64;
+            if block.iter().all(|&b| b == 0) {
+                continue;
+            }
+            if &block[..8] != TAG {
+                return Err(format!(
+                    "block {at} holds neither a written pattern nor zeroes"
+                ));
+            }
+            let found = u64::from_le_bytes(block[8..16].try_into().unwrap_or_default());
+            if found != at {
+                return Err(format!(
+                    "block {at} holds the data written to block {found}"
+                ));
+            }
+            let stamp = u64::from_le_bytes(block[16..24].try_into().unwrap_or_default());
+            fill(&mut expect[..block.len()], at, stamp);
+            if block != &expect[..block.len()] {
+                return Err(format!("block {at} is torn or altered after its header"));
+            }
+            written += 1;
+        }
+        Ok(written)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn a_written_block_checks_and_every_damage_is_named() {
+            let mut buf = vec![0u8; 4 * 512];
+            assert_eq!(check(&buf, 100, 512), Ok(0), "zeroes: never written");
+            stamp(&mut buf, 100, 512, 7);
+            assert_eq!(check(&buf, 100, 512), Ok(4));
+            assert!(check(&buf, 101, 512)
+                .unwrap_err()
+                .contains("written to block 100"));
+            let mut torn = buf.clone();
+            torn[512 + 300] ^= 1;
+            assert!(check(&torn, 100, 512)
+                .unwrap_err()
+                .contains("block 101 is torn"));
+            let mut junk = buf.clone();
+            junk[1024] = 0xff;
+            assert!(check(&junk, 100, 512)
+                .unwrap_err()
+                .contains("block 102 holds neither"));
+        }
+    }
 }

@@ -59,4 +59,8 @@ pub enum BlockFailure {
     /// The device failed the operation or transferred less than asked.
     #[error("I/O error")]
     Io,
+    /// The storage behind the device cannot be reached for now (a network store timed out):
+    /// the same command may succeed later.
+    #[error("storage unavailable")]
+    Unavailable,
 }

@@ -224,6 +224,8 @@ pub fn block_error_status(e: &BlockFailure, op: &IoOp) -> Status {
         // Back-pressure is the transport's to absorb; should it escape, the host may retry.
         BlockFailure::QueueFull => Status::retryable(0, 0x06),
         BlockFailure::UnknownDevice => status::INVALID_NAMESPACE,
+        // Namespace Not Ready without Do Not Retry: the host retries later.
+        BlockFailure::Unavailable => Status::retryable(0, 0x82),
         BlockFailure::Io => {
             if read {
                 status::UNRECOVERED_READ_ERROR
@@ -266,6 +268,7 @@ mod tests {
             (BlockFailure::NoSpace, status::CAPACITY_EXCEEDED),
             (BlockFailure::QueueFull, Status::retryable(0, 0x06)),
             (BlockFailure::UnknownDevice, status::INVALID_NAMESPACE),
+            (BlockFailure::Unavailable, Status::retryable(0, 0x82)),
         ] {
             for op in [&read, &write, &zeroes, &dealloc, &IoOp::Flush] {
                 assert_eq!(block_error_status(&failure, op), want, "{failure:?} {op:?}");

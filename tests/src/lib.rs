@@ -199,6 +199,18 @@ pub struct Daemon {
 }
 
 impl Daemon {
+    /// The address of its (first) soft listener, from its configuration file.
+    pub fn soft_addr(&self) -> std::net::SocketAddr {
+        let cfg = std::fs::read_to_string(self.dir.path().join("nvmfd.toml"))
+            .expect("the daemon's configuration");
+        let port: u16 = cfg
+            .lines()
+            .find_map(|l| l.strip_prefix("port = "))
+            .and_then(|p| p.trim().parse().ok())
+            .expect("a listener port");
+        std::net::SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
     /// Starts `nvmfd` and waits until its admin socket answers.
     pub fn start(opts: Options) -> Daemon {
         let d = Self::spawn(opts);
@@ -374,5 +386,80 @@ impl Drop for Daemon {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+/// Says that the running test is skipped, and why: on standard error, and in
+/// `target/tmp/skipped-tests.txt`, which the test command lists at its end.
+pub fn skip(why: &str) {
+    use std::io::Write;
+    let test = std::thread::current().name().unwrap_or("a test").to_owned();
+    let line = format!("SKIPPED {test}: {why}\n");
+    eprint!("{line}");
+    // target/<profile>/deps/<test> -> target/tmp
+    let Some(tmp) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.join("tmp")))
+    else {
+        return;
+    };
+    let _ = std::fs::create_dir_all(&tmp);
+    let path = tmp.join("skipped-tests.txt");
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        // One write per line: tests run in parallel and append to the same file.
+        let _ = f.write_all(line.as_bytes());
+    }
+}
+
+/// The test Ceph cluster of `scripts/ceph-dev-cluster.sh`.
+pub mod ceph {
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    /// Runs `scripts/ceph-dev-cluster.sh ARGS`: its standard output, or why it failed.
+    pub fn run(args: &[&str]) -> Result<String, String> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ceph-dev-cluster.sh");
+        let out = Command::new(script)
+            .args(args)
+            .output()
+            .map_err(|e| format!("cannot run scripts/ceph-dev-cluster.sh: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "ceph-dev-cluster.sh {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The ceph.conf of the test cluster, started once per test process, or why there is
+    /// none.
+    pub fn cluster() -> Result<PathBuf, String> {
+        static CONF: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+        CONF.get_or_init(|| {
+            let out =
+                run(&["start"]).map_err(|e| format!("the test cluster did not start: {e}"))?;
+            Ok(PathBuf::from(out.lines().last().unwrap_or("").trim()))
+        })
+        .clone()
+    }
+
+    /// An RBD image name no other test (or run) uses.
+    pub fn image_name() -> String {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!(
+            "e2e-{}-{nanos}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        )
     }
 }

@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use nvmfd_tests::{bin, wait_for, Daemon, Options};
+use nvmfd_tests::{bin, skip, wait_for, Daemon, Options};
 
 #[test]
 fn check_config_accepts_a_valid_file() {
@@ -287,23 +287,6 @@ fn logs_are_json_lines_off_a_terminal_and_nvmfd_log_overrides_the_level() {
             v["msg"].is_string() && v["level"].is_string() && v["ts"].is_string(),
             "{line}"
         );
-    }
-}
-
-/// Says that the running test is skipped, and why, where the test command lists skips.
-fn skip(why: &str) {
-    use std::io::Write;
-    let test = std::thread::current().name().unwrap_or("a test").to_owned();
-    let line = format!("SKIPPED {test}: {why}\n");
-    eprint!("{line}");
-    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
-    if let Ok(mut f) = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-    {
-        // One write per line: tests run in parallel and append to the same file.
-        let _ = f.write_all(line.as_bytes());
     }
 }
 

@@ -123,6 +123,11 @@ struct BenchArgs {
     /// Print the figures as JSON.
     #[arg(long)]
     json: bool,
+    /// Write every block with its LBA and a checkable pattern and check every block read
+    /// (never written: zeroes); the first bad block ends the run with an error. Run a write
+    /// or randrw job first, then reads.
+    #[arg(long)]
+    verify: bool,
 }
 
 fn channel(p: Provider) -> Result<CmChannel, String> {
@@ -233,6 +238,7 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
         threads: b.threads.unwrap_or(b.queues).max(1),
         time: seconds("-t", b.time)?,
         warmup: seconds("--warmup", b.warmup)?,
+        verify: b.verify,
     };
     let cntlid = a.cntlid;
     let connect = |qid: u16| {
@@ -296,6 +302,9 @@ fn print_bench(b: &BenchArgs, job: &bench::Job, report: &serde_json::Value) {
         }
     }
     println!("total     : {}", bench::line(&report["total"]));
+    if let Some(n) = report["verified_blocks"].as_u64() {
+        println!("verified  : {n} blocks read back intact");
+    }
 }
 
 fn run(cli: &Cli) -> Result<(), String> {

@@ -1,0 +1,337 @@
+//! nvmfd with namespaces on Ceph RBD images of the test cluster (`scripts/ceph-dev-cluster.sh`,
+//! started by the first test that needs it; the tests skip, and say so, where it cannot
+//! start), served over the soft provider's TCP wire: `nvmf verify` and `nvmf bench --verify`,
+//! two daemons on one image, an OSD killed during writes, the cluster gone and back, and a
+//! namespace whose cluster cannot be reached left out while the others are served.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use nvmf_host::RdmaQueue;
+use nvmfd_nvme::host::{AdminQueue, HostError, HostId, IoQueue};
+use nvmfd_rdma::any::cm::CmChannel;
+use nvmfd_rdma::soft::Fabric;
+use nvmfd_tests::{bin, ceph, skip, Daemon, Options};
+
+const SUB: &str = "nqn.2024-01.io.nvmfd.test:ram0";
+
+/// Tests that stop cluster daemons hold it for writing; the others for reading.
+static CLUSTER: RwLock<()> = RwLock::new(());
+
+fn shared() -> RwLockReadGuard<'static, ()> {
+    CLUSTER.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn exclusive() -> RwLockWriteGuard<'static, ()> {
+    CLUSTER.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The test cluster's ceph.conf, or `None` after saying the test is skipped.
+fn cluster() -> Option<String> {
+    match ceph::cluster() {
+        Ok(conf) => Some(conf.display().to_string()),
+        Err(why) => {
+            skip(&why);
+            None
+        }
+    }
+}
+
+/// A daemon whose namespace 1 is `keys` (instead of the test configuration's RAM disk).
+fn daemon_with(keys: &str) -> Daemon {
+    Daemon::start(Options {
+        replace: vec![(
+            "backend = \"malloc\"\nsize = \"64MiB\"\n".into(),
+            format!("{keys}\n"),
+        )],
+        ..Options::default()
+    })
+}
+
+/// A daemon serving image `image` of the test cluster as namespace 1 (created with 32 MiB).
+fn rbd_daemon(conf: &str, image: &str, extra: &str) -> Daemon {
+    daemon_with(&format!(
+        "backend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{conf}\"\n{extra}"
+    ))
+}
+
+fn nvmf(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(bin("nvmf"))
+        .args(args)
+        .output()
+        .expect("run nvmf");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn host() -> HostId {
+    HostId {
+        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000b1".into(),
+        id: [0xb1; 16],
+    }
+}
+
+/// A controller of the daemon at `d` with one I/O queue, over a soft fabric of its own.
+struct Host {
+    _fabric: Fabric,
+    admin: AdminQueue<RdmaQueue>,
+    io: IoQueue<RdmaQueue>,
+}
+
+impl Host {
+    fn connect(d: &Daemon) -> Host {
+        let f = Fabric::networked();
+        f.add_device("127.0.0.1".parse().unwrap()).unwrap();
+        let queue = |qid: u16| {
+            let ch = CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&f).unwrap());
+            RdmaQueue::connect(ch, d.soft_addr(), qid, 31, 4096, 128 * 1024)
+                .unwrap_or_else(|e| panic!("connect queue {qid}: {e}"))
+        };
+        let h = host();
+        let mut admin = AdminQueue::connect(queue(0), &h, SUB, 31, 0).unwrap();
+        admin.enable().unwrap();
+        admin.set_queue_count(1).unwrap();
+        let io = IoQueue::connect(queue(1), &h, SUB, admin.cntlid, 1, 31).unwrap();
+        Host {
+            _fabric: f,
+            admin,
+            io,
+        }
+    }
+
+    fn write(&mut self, lba: u64, data: &[u8]) -> Result<(), HostError> {
+        let nlb = u32::try_from(data.len() / 512).unwrap();
+        self.io.write(1, lba, nlb, data, false)
+    }
+
+    fn read(&mut self, lba: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        let nlb = u32::try_from(len / 512).unwrap();
+        self.io
+            .read(1, lba, nlb, &mut buf)
+            .unwrap_or_else(|e| panic!("read at {lba}: {e}"));
+        buf
+    }
+
+    fn close(mut self) {
+        self.io.transport().disconnect();
+        self.admin.transport().disconnect();
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fastrand::Rng::with_seed(seed).fill(&mut v);
+    v
+}
+
+#[test]
+fn an_rbd_namespace_passes_nvmf_verify_and_a_verified_bench() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let d = rbd_daemon(
+        &conf,
+        &ceph::image_name(),
+        "create = true\nsize = \"32MiB\"",
+    );
+    let addr = d.soft_addr().to_string();
+    let (ok, out, err) = nvmf(&["verify", "--addr", &addr, "--nqn", SUB]);
+    assert!(ok && out.contains("read back intact"), "{out}{err}");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench", "--addr", &addr, "--nqn", SUB, "--warmup", "0", "--verify", "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = nvmf(&args);
+        assert!(ok, "{extra:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (
+            v["verified_blocks"].as_u64().unwrap(),
+            v["total"]["ios"].as_u64().unwrap(),
+        )
+    };
+    // Sequential 128 KiB writes from block 0, then sequential reads of the same blocks.
+    let (_, writes) = bench(&["-w", "write", "-o", "128k", "-q", "8", "-t", "1.5"]);
+    assert!(writes > 0);
+    let (verified, _) = bench(&["-w", "read", "-o", "4k", "-q", "8", "-t", "1"]);
+    assert!(verified > 0, "no written block was read back");
+    // Mixed at random, each read checked against its write's stamp.
+    let (verified, ios) = bench(&["-w", "randrw", "-q", "32", "-t", "2"]);
+    eprintln!("randrw: {ios} I/Os, {verified} blocks verified");
+}
+
+#[test]
+fn a_second_daemon_on_the_image_reads_what_the_first_wrote() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let a = rbd_daemon(&conf, &image, "create = true\nsize = \"32MiB\"");
+    let b = rbd_daemon(&conf, &image, "read_only = true");
+    let mut ha = Host::connect(&a);
+    let mut hb = Host::connect(&b);
+    for (i, lba) in [0u64, 8, 4096, 65528].into_iter().enumerate() {
+        let data = pattern(i as u64 + 1, 4096);
+        ha.write(lba, &data).unwrap();
+        ha.io.flush(1).unwrap();
+        assert!(
+            hb.read(lba, 4096) == data,
+            "LBA {lba} differs through the second daemon"
+        );
+    }
+    // The second export is read-only: a write through it is refused with a status.
+    let e = hb.write(0, &[0u8; 512]).unwrap_err();
+    assert!(matches!(e, HostError::Status { .. }), "{e}");
+    ha.close();
+    hb.close();
+}
+
+#[test]
+fn an_osd_killed_during_writes_loses_no_acknowledged_write() {
+    let _c = exclusive();
+    let Some(conf) = cluster() else { return };
+    let d = rbd_daemon(
+        &conf,
+        &ceph::image_name(),
+        "create = true\nsize = \"32MiB\"",
+    );
+    let mut h = Host::connect(&d);
+    const WRITES: u64 = 240;
+    let mut killed_at = None;
+    for i in 0..WRITES {
+        if i == WRITES / 3 {
+            ceph::run(&["osd-kill", "1"]).unwrap();
+            killed_at = Some(Instant::now());
+        }
+        // 8 KiB apart, so every write is its own place in the image.
+        h.write(i * 16, &pattern(i, 4096))
+            .unwrap_or_else(|e| panic!("write {i} (after the OSD was killed: {killed_at:?}): {e}"));
+    }
+    eprintln!(
+        "{} writes after osd.1 was killed, in {:?}",
+        WRITES - WRITES / 3,
+        killed_at.unwrap().elapsed()
+    );
+    let check = |h: &mut Host, when: &str| {
+        for i in 0..WRITES {
+            assert!(
+                h.read(i * 16, 4096) == pattern(i, 4096),
+                "write {i} lost {when}"
+            );
+        }
+    };
+    check(&mut h, "with osd.1 down");
+    let out = ceph::run(&["osd-start", "1"]).unwrap();
+    eprint!("{out}");
+    check(&mut h, "after osd.1 was back and backfilled");
+    h.close();
+}
+
+#[test]
+fn io_fails_with_a_status_while_the_cluster_is_gone_and_works_when_it_returns() {
+    let _c = exclusive();
+    let Some(conf) = cluster() else { return };
+    let d = rbd_daemon(
+        &conf,
+        &ceph::image_name(),
+        "create = true\nsize = \"32MiB\"",
+    );
+    let mut h = Host::connect(&d);
+    h.write(0, &pattern(1, 4096)).unwrap();
+    // The monitor, and two OSDs of three: below the pool's min_size, nothing can answer.
+    ceph::run(&["mon-stop"]).unwrap();
+    ceph::run(&["osd-kill", "1"]).unwrap();
+    ceph::run(&["osd-kill", "2"]).unwrap();
+    let t0 = Instant::now();
+    let e = h.write(0, &pattern(2, 4096)).unwrap_err();
+    let took = t0.elapsed();
+    // Namespace Not Ready, without Do Not Retry: the host may try again later.
+    match &e {
+        HostError::Status { status, .. } => {
+            assert_eq!(
+                (status.sct(), status.sc(), status.dnr()),
+                (0, 0x82, false),
+                "{e}"
+            );
+        }
+        _ => panic!("{e}"),
+    }
+    eprintln!("a write with the cluster gone failed in {took:?}: {e}");
+    // The test cluster sets rados_osd_op_timeout = 8 (s); the host waits 30 s for a command.
+    assert!(took < Duration::from_secs(25), "{took:?}");
+    ceph::run(&["mon-start"]).unwrap();
+    ceph::run(&["osd-start", "1"]).unwrap();
+    ceph::run(&["osd-start", "2"]).unwrap();
+    // Same connection, same controller: served again.
+    h.write(0, &pattern(3, 4096)).unwrap();
+    assert!(h.read(0, 4096) == pattern(3, 4096));
+    let status = d.data("status");
+    assert_eq!(status["namespaces"][0]["serving"], true, "{status}");
+    h.close();
+}
+
+#[test]
+fn a_namespace_whose_cluster_is_unreachable_is_left_out_and_the_others_are_served() {
+    // No cluster needed: this one's monitor address has nobody behind it.
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("ceph.conf");
+    std::fs::write(
+        &dead,
+        "[global]\nmon_host = 127.0.0.1:1\nauth_client_required = none\nclient_mount_timeout = 2\n",
+    )
+    .unwrap();
+    let d = daemon_with(&format!(
+        "backend = \"malloc\"\nsize = \"16MiB\"\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"gone\"\nceph_conf = \"{}\"\n",
+        dead.display()
+    ));
+    let status = d.data("status");
+    let ns = status["namespaces"].as_array().unwrap();
+    assert_eq!(
+        (ns[0]["nsid"].as_u64(), &ns[0]["serving"]),
+        (Some(1), &true.into()),
+        "{status}"
+    );
+    assert_eq!(
+        (ns[1]["nsid"].as_u64(), &ns[1]["serving"]),
+        (Some(2), &false.into()),
+        "{status}"
+    );
+    let reason = ns[1]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("connecting to the cluster") || reason.contains("cannot be loaded"),
+        "{reason}"
+    );
+    assert_eq!(status["subsystems"][0]["namespaces"], 1, "{status}");
+    assert!(d.log().contains("namespace not served"), "{}", d.log());
+    // Namespace 1 is served; namespace 2 is not active.
+    let addr = d.soft_addr().to_string();
+    let (ok, out, err) = nvmf(&["verify", "--addr", &addr, "--nqn", SUB, "--nsid", "1"]);
+    assert!(ok, "{out}{err}");
+    let (ok, _, err) = nvmf(&[
+        "bench", "--addr", &addr, "--nqn", SUB, "--nsid", "2", "-t", "0.2",
+    ]);
+    assert!(!ok && err.contains("namespace 2 is not active"), "{err}");
+}
+
+#[test]
+fn a_missing_image_is_named_in_status() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let d = daemon_with(&format!(
+        "backend = \"malloc\"\nsize = \"16MiB\"\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"{}\"\nceph_conf = \"{conf}\"\n",
+        ceph::image_name()
+    ));
+    let status = d.data("status");
+    let reason = status["namespaces"][1]["reason"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        reason.contains("image `rbd/") && reason.contains("No such file"),
+        "{status}"
+    );
+    assert!(Path::new(&conf).exists());
+}
