@@ -9,6 +9,7 @@
 #   scripts/bench-lab.sh          Knobs: RUNTIME (s per job, default 10), ROUNDS (default 2)
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
+. "$top/scripts/lib/lab-env.sh"
 LAB=${LAB:-$top/../shared/lab}
 RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}
 [[ $RUNTIME =~ ^[1-9][0-9]*$ && $ROUNDS =~ ^[1-9][0-9]*$ ]] \

@@ -6,6 +6,7 @@
 #   scripts/bench-rdma.sh [seconds per figure, default 2]
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
+. "$top/scripts/lib/lab-env.sh"
 cd "$top"
 SECS=${1:-2}
 LAB=${LAB:-$top/../shared/lab}

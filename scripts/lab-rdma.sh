@@ -4,6 +4,7 @@
 # loudly, when the lab cannot be built or the test does not pass there.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
+. "$top/scripts/lib/lab-env.sh"
 LAB=${LAB:-$top/../shared/lab}
 [ -x "$LAB/run-in-vm.sh" ] || { echo "lab-rdma: no VM lab at $LAB" >&2; exit 1; }
 "$LAB/build.sh" --if-needed

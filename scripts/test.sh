@@ -31,6 +31,8 @@ step "the Linux kernel NVMe/RDMA host against nvmfd on rxe0 in the VM lab"
 scripts/lab-kernel-host.sh
 step "device removal on real verbs: rxe0 deleted under nvmfd and added back, in the VM lab"
 scripts/lab-device-removal.sh
+step "the Linux kernel host through nvmfd to Ceph RBD on rxe0, an OSD killed under fio, in the VM lab"
+scripts/lab-rbd.sh
 passed=$(grep -Eo '[0-9]+ passed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 skipped=0

@@ -6,6 +6,7 @@
 set -euo pipefail
 name=$1 guest=$2 pass=$3 success=$4
 top=$(cd "$(dirname "$0")/../.." && pwd)
+. "$top/scripts/lib/lab-env.sh"
 LAB=${LAB:-$top/../shared/lab}
 [ -x "$LAB/run-in-vm.sh" ] || { echo "$name: no VM lab at $LAB" >&2; exit 1; }
 "$LAB/build.sh" --if-needed
