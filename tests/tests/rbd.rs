@@ -242,8 +242,11 @@ fn io_fails_with_a_status_while_the_cluster_is_gone_and_works_when_it_returns() 
     );
     let mut h = Host::connect(&d);
     h.write(0, &pattern(1, 4096)).unwrap();
-    // The monitor, and two OSDs of three: below the pool's min_size, nothing can answer.
+    // The monitor alone: connected clients go on with the OSDs.
     ceph::run(&["mon-stop"]).unwrap();
+    h.write(8, &pattern(4, 4096)).unwrap();
+    assert!(h.read(8, 4096) == pattern(4, 4096));
+    // And two OSDs of three: below the pool's min_size, nothing can answer.
     ceph::run(&["osd-kill", "1"]).unwrap();
     ceph::run(&["osd-kill", "2"]).unwrap();
     let t0 = Instant::now();
