@@ -83,22 +83,24 @@ impl DeviceInfo {
 
     /// Checks that `offset..offset+len` is a non-empty whole number of blocks inside the device.
     pub fn check_range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
-        let bs = u64::from(self.logical_block_size);
-        if len == 0 || !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
-            return Err(BlockError::Misaligned {
-                offset,
-                len,
-                block_size: self.logical_block_size,
-            });
-        }
-        match offset.checked_add(len) {
-            Some(end) if end <= self.size => Ok(()),
-            _ => Err(BlockError::OutOfRange {
-                offset,
-                len,
-                size: self.size,
-            }),
-        }
+        check_range(self.size, self.logical_block_size, offset, len)
+    }
+}
+
+/// Checks that `offset..offset+len` is a non-empty whole number of `block_size` blocks within
+/// `size` bytes.
+fn check_range(size: u64, block_size: u32, offset: u64, len: u64) -> Result<(), BlockError> {
+    let bs = u64::from(block_size);
+    if len == 0 || !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
+        return Err(BlockError::Misaligned {
+            offset,
+            len,
+            block_size,
+        });
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(BlockError::OutOfRange { offset, len, size }),
     }
 }
 
@@ -150,7 +152,10 @@ pub(crate) enum Backing {
 
 /// An open device, shared by the reactors that serve it (each attaches it to its own engine).
 pub struct Device {
+    /// What it is; `info.size` is its capacity when opened (`size` is the capacity now).
     pub(crate) info: DeviceInfo,
+    /// Capacity now, in bytes: a resize changes it while reactors serve the device.
+    pub(crate) size: std::sync::atomic::AtomicU64,
     pub(crate) backing: Backing,
     /// Why O_DIRECT was not used, when it was wanted.
     pub(crate) fallback_reason: Option<String>,
@@ -215,12 +220,14 @@ impl Device {
                 let len = usize::try_from(spec.size).map_err(|_| bad("size too large".into()))?;
                 let region = DmaRegion::new(len, spec.huge_pages)?;
                 Ok(Arc::new(Device {
+                    size: info.size.into(),
                     info,
                     backing: Backing::Malloc(region),
                     fallback_reason: None,
                 }))
             }
             Kind::Null => Ok(Arc::new(Device {
+                size: spec.size.into(),
                 info: ram(Kind::Null)?,
                 backing: Backing::Null,
                 fallback_reason: None,
@@ -236,9 +243,95 @@ impl Device {
         }
     }
 
-    /// What the device is.
+    /// What the device is, as opened: its capacity now is [`Device::size`].
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// Capacity now, in bytes.
+    pub fn size(&self) -> u64 {
+        self.size.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// What the device is, with its capacity now.
+    pub fn current_info(&self) -> DeviceInfo {
+        DeviceInfo {
+            size: self.size(),
+            ..self.info.clone()
+        }
+    }
+
+    /// Checks that `offset..offset+len` is a non-empty whole number of blocks inside the
+    /// device's capacity now.
+    pub fn check_range(&self, offset: u64, len: u64) -> Result<(), BlockError> {
+        check_range(self.size(), self.info.logical_block_size, offset, len)
+    }
+
+    /// Changes the capacity: to `size` bytes (a file is truncated or extended, an RBD image
+    /// resized, a null device takes it, RAM within what was allocated at open), or, with
+    /// `None`, to what the backend reports now (a file, block device or RBD image resized
+    /// outside nvmfd). Returns the new capacity, a whole number of logical blocks.
+    pub fn resize(&self, size: Option<u64>) -> io::Result<u64> {
+        let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
+        let bs = u64::from(self.info.logical_block_size);
+        if let Some(n) = size {
+            if n == 0 || !n.is_multiple_of(bs) {
+                return Err(bad(format!(
+                    "size {n} is not a non-zero number of {bs}-byte blocks"
+                )));
+            }
+            if self.info.read_only {
+                return Err(bad("the namespace is read-only".into()));
+            }
+        }
+        let new = match (&self.backing, size) {
+            (Backing::File(f), Some(n)) if self.info.kind == Kind::File => {
+                f.set_len(n)?;
+                n
+            }
+            (Backing::File(_), Some(_)) => {
+                return Err(bad(
+                    "a block device's size is its own: resize the device, then resize the \
+                     namespace without a size"
+                        .into(),
+                ))
+            }
+            (Backing::File(f), None) if self.info.kind == Kind::File => f.metadata()?.len(),
+            (Backing::File(f), None) => {
+                let mut n: u64 = 0;
+                // SAFETY: the ioctl writes one u64 into the pointed-to local.
+                if unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64 as _, &mut n) } < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                n
+            }
+            (Backing::Malloc(region), Some(n)) => {
+                if n > region.len() as u64 {
+                    return Err(bad(format!(
+                        "a RAM namespace cannot grow past the {} bytes it was created with",
+                        region.len()
+                    )));
+                }
+                n
+            }
+            (Backing::Null, Some(n)) => n,
+            (Backing::Malloc(_) | Backing::Null, None) => {
+                return Err(bad("a RAM or null namespace needs the new size".into()))
+            }
+            #[cfg(feature = "rbd")]
+            (Backing::Rbd(image), n) => {
+                if let Some(n) = n {
+                    image.resize(n)?;
+                }
+                image.size()?
+            }
+        } / bs
+            * bs;
+        if new == 0 {
+            return Err(bad("the backend is smaller than one block".into()));
+        }
+        self.size.store(new, std::sync::atomic::Ordering::Release);
+        Ok(new)
     }
 
     /// Why buffered I/O is used although O_DIRECT was asked for.
@@ -350,6 +443,7 @@ fn open_path(
         }
     }
     Ok(Arc::new(Device {
+        size: size.into(),
         info: DeviceInfo {
             kind: spec.kind,
             path: Some(path.to_owned()),
@@ -386,6 +480,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         ));
     }
     Ok(Arc::new(Device {
+        size: size.into(),
         info: DeviceInfo {
             kind: Kind::Rbd,
             path: None,

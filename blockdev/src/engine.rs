@@ -327,7 +327,7 @@ impl Engine {
             }
             OpKind::Flush => {}
             _ => {
-                if let Err(e) = info.check_range(offset, len) {
+                if let Err(e) = a.dev.check_range(offset, len) {
                     return reject(e, buf);
                 }
             }

@@ -375,6 +375,16 @@ impl Image {
         Ok(size)
     }
 
+    /// Resizes the image to `size` bytes.
+    pub(crate) fn resize(&self, size: u64) -> io::Result<()> {
+        // SAFETY: an open handle.
+        let rc = unsafe { lib().rbd.rbd_resize(self.handle, size) };
+        if rc < 0 {
+            return Err(err("rbd_resize", rc));
+        }
+        Ok(())
+    }
+
     /// Completions of this handle go to its event queue and write to `eventfd`.
     pub(crate) fn notify(&self, eventfd: RawFd) -> io::Result<()> {
         // SAFETY: an open handle and an eventfd the engine keeps open as long as the handle.

@@ -95,12 +95,13 @@ impl InProcTarget {
         let dev = listener.device().map_err(err)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let log = slog::Logger::root(slog::Discard, slog::o!());
+        let sub = target.subsystem(&o.nqn).map_or(0, |s| s.id);
         let builder = PathBuilder {
             target,
             namespaces: o
                 .namespaces
                 .iter()
-                .map(|(nsid, d)| (o.nqn.clone(), *nsid, Arc::clone(d)))
+                .map(|(nsid, d)| (sub, *nsid, Arc::clone(d)))
                 .collect(),
             cfg: DataPathConfig {
                 srq: o.srq,
@@ -161,6 +162,7 @@ impl InProcTarget {
 fn target_of(o: &InProcOptions, addr: SocketAddr, limits: Limits) -> Target {
     Target::new(
         vec![Subsystem {
+            id: 0,
             nqn: o.nqn.clone(),
             serial: "INPROC".into(),
             model: "nvmfd".into(),
@@ -180,6 +182,7 @@ fn target_of(o: &InProcOptions, addr: SocketAddr, limits: Limits) -> Target {
         vec![Port {
             addr: addr.ip(),
             port: addr.port(),
+            id: 0,
         }],
         limits,
     )

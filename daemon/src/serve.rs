@@ -8,8 +8,8 @@ use nvmfd_config::{Backend, Config};
 use nvmfd_nvme::{BlockFailure, Limits, Namespace, NamespaceInfo, Port, Subsystem, Target};
 use serde::{Deserialize, Serialize};
 
-/// A namespace's device, by subsystem NQN and NSID.
-pub type NamespaceDevices = Vec<(String, u32, Arc<BlockDevice>)>;
+/// A namespace's device, by subsystem ID ([`Subsystem::id`]) and NSID.
+pub type NamespaceDevices = Vec<(u64, u32, Arc<BlockDevice>)>;
 
 /// The target's limits, from `[transport]`.
 pub fn limits(cfg: &Config) -> Limits {
@@ -197,44 +197,67 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                     ))
                 }
             };
-            namespaces.push(Namespace {
-                nsid: ns.nsid,
-                info: namespace_info(dev.info()),
-                uuid: ns.uuid.map(|u| *u.as_bytes()),
-                nguid: ns.nguid.as_deref().and_then(nguid),
-            });
+            namespaces.push(namespace(ns, &dev));
             status.push(NamespaceStatus {
                 subsystem: s.nqn.clone(),
                 nsid: ns.nsid,
                 backend,
-                size: dev.info().size,
+                size: dev.size(),
                 serving: true,
                 reason: None,
             });
             devices.push((s.nqn.clone(), ns.nsid, dev));
         }
-        subsystems.push(Subsystem {
-            nqn: s.nqn.clone(),
-            serial: s.serial_number(),
-            model: s.model.clone(),
-            allow_any_host: s.allow_any_host,
-            hosts: s.hosts.clone(),
-            namespaces,
-        });
+        subsystems.push(subsystem(s, namespaces));
     }
     let ports = cfg
         .listeners
         .iter()
-        .map(|l| Port {
-            addr: l.address,
-            port: l.port,
-        })
+        .enumerate()
+        .map(|(i, l)| port(l, i))
+        .collect();
+    let target = Target::new(subsystems, ports, limits(cfg));
+    let devices = devices
+        .into_iter()
+        .filter_map(|(nqn, nsid, dev)| Some((target.subsystem(&nqn)?.id, nsid, dev)))
         .collect();
     Ok(Built {
-        target: Target::new(subsystems, ports, limits(cfg)),
+        target,
         devices,
         status,
     })
+}
+
+/// What the NVMe core is told of a configured namespace whose device is `dev`.
+pub fn namespace(ns: &nvmfd_config::Namespace, dev: &BlockDevice) -> Namespace {
+    Namespace {
+        nsid: ns.nsid,
+        info: namespace_info(&dev.current_info()),
+        uuid: ns.uuid.map(|u| *u.as_bytes()),
+        nguid: ns.nguid.as_deref().and_then(nguid),
+    }
+}
+
+/// What the NVMe core is told of a configured subsystem, with `namespaces` (those served).
+pub fn subsystem(s: &nvmfd_config::Subsystem, namespaces: Vec<Namespace>) -> Subsystem {
+    Subsystem {
+        id: 0,
+        nqn: s.nqn.clone(),
+        serial: s.serial_number(),
+        model: s.model.clone(),
+        allow_any_host: s.allow_any_host,
+        hosts: s.hosts.clone(),
+        namespaces,
+    }
+}
+
+/// The discovery log's port for listener `l`, with PORTID `id`.
+pub fn port(l: &nvmfd_config::Listener, id: usize) -> Port {
+    Port {
+        addr: l.address,
+        port: l.port,
+        id: u16::try_from(id).unwrap_or(u16::MAX),
+    }
 }
 
 #[cfg(test)]

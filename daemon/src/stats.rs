@@ -114,6 +114,8 @@ pub struct DataPathCounters {
     pub late_receives: AtomicU64,
     /// Send or block completions that named no command in flight (dropped, never applied).
     pub stale_completions: AtomicU64,
+    /// Asynchronous Event Requests completed (an event reported to a host).
+    pub async_events: AtomicU64,
     /// In-capsule writes that went to the disk from the receive they arrived in.
     pub writes_from_receive: AtomicU64,
     /// Send work requests the provider refused to post.
@@ -202,6 +204,7 @@ impl DataPathCounters {
             srq_errors_total: g(&self.srq_errors),
             late_receives_total: g(&self.late_receives),
             stale_completions_total: g(&self.stale_completions),
+            async_events_total: g(&self.async_events),
             writes_from_receive_total: g(&self.writes_from_receive),
             post_errors_total: g(&self.post_errors),
             qps: g(&self.connections),
@@ -329,6 +332,7 @@ impl DataPathCounters {
             srq_errors,
             late_receives,
             stale_completions,
+            async_events,
             writes_from_receive,
             post_errors,
             connections: _,
@@ -380,6 +384,7 @@ impl DataPathCounters {
         mv(srq_errors, &to.srq_errors);
         mv(late_receives, &to.late_receives);
         mv(stale_completions, &to.stale_completions);
+        mv(async_events, &to.async_events);
         mv(writes_from_receive, &to.writes_from_receive);
         mv(post_errors, &to.post_errors);
         mv(connections_accepted, &to.connections_accepted);
@@ -459,6 +464,9 @@ pub struct DataPathStats {
     /// Send or block completions that named no command in flight, dropped.
     #[serde(default)]
     pub stale_completions_total: u64,
+    /// Asynchronous Event Requests completed (events reported to hosts).
+    #[serde(default)]
+    pub async_events_total: u64,
     /// In-capsule writes that went to the disk from the receive they arrived in (no copy).
     #[serde(default)]
     pub writes_from_receive_total: u64,

@@ -203,14 +203,16 @@ fn serve_opts(
             nguid: None,
         };
         let mut namespaces = vec![ns(1, &d1), ns(2, &d2)];
-        let mut devices = vec![(SUB.to_string(), 1, d1), (SUB.to_string(), 2, d2)];
+        // The target gives its first subsystem ID 1.
+        let mut devices = vec![(1, 1, d1), (1, 2, d2)];
         if let Some(d3) = d3 {
             namespaces.push(ns(3, &d3));
-            devices.push((SUB.to_string(), 3, d3));
+            devices.push((1, 3, d3));
         }
         let limits = Limits::default();
         let target = Target::new(
             vec![Subsystem {
+                id: 0,
                 nqn: SUB.into(),
                 serial: "RDMA1".into(),
                 model: "nvmfd".into(),
@@ -219,6 +221,7 @@ fn serve_opts(
                 namespaces,
             }],
             vec![Port {
+                id: 0,
                 addr: addr.ip(),
                 port: addr.port(),
             }],

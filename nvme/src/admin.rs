@@ -444,7 +444,7 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
         (log_page::CHANGED_NAMESPACES, true) => {
             let mut list = [U32::ZERO; 1024];
             let mut st = ctrl.lock();
-            if st.changed_nsids.len() > 1024 {
+            if st.changed_nsids.len() > crate::target::CHANGED_LIST_LEN {
                 list[0] = U32::new(u32::MAX);
             } else {
                 for (slot, &id) in list.iter_mut().zip(st.changed_nsids.iter()) {
@@ -454,7 +454,10 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
             page.clear();
             page.extend_from_slice(list.as_bytes());
             if !rae {
+                // Read and not retained: the list starts over and the next change raises
+                // an event again.
                 st.changed_nsids.clear();
+                st.ns_event_masked = false;
             }
         }
         _ => return q.respond(&cmd, status::INVALID_LOG_PAGE, 0),
@@ -499,13 +502,13 @@ pub(crate) fn discovery_log(q: &Queue, ctrl: &Controller) -> Vec<u8> {
     let t = q.target();
     let mut entries = Vec::new();
     for s in t.subsystems().iter().filter(|s| s.allows(&ctrl.hostnqn)) {
-        for (portid, p) in t.inner.ports.iter().enumerate() {
+        for p in t.ports() {
             let mut e: wire::DiscoveryLogEntry = wire::zeroed();
             e.trtype = 1; // RDMA
             e.adrfam = if p.addr.is_ipv4() { 1 } else { 2 };
             e.subtype = 2; // NVM subsystem
             e.treq = 0x2; // secure channel not required
-            e.portid = U16::new(wire::sat(portid));
+            e.portid = U16::new(p.id);
             e.cntlid = U16::new(0xFFFF);
             e.asqsz = U16::new(32);
             wire::put_str(&mut e.trsvcid, &p.port.to_string(), b' ');

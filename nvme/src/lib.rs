@@ -24,5 +24,6 @@ pub use queue::{
     MAX_SGL_DESCRIPTORS, SQE_SIZE,
 };
 pub use target::{
-    Controller, EndReason, Limits, Namespace, Port, Subsystem, Target, DISCOVERY_NQN, NVME_VERSION,
+    ChangeError, Controller, EndReason, Limits, Namespace, Port, Subsystem, Subsystems, Target,
+    DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION,
 };

@@ -218,7 +218,10 @@ pub struct Queue {
     sqsize: u16,
     sqhd: u16,
     ctrl: Option<Arc<Controller>>,
-    subsystem: Option<usize>,
+    /// A snapshot of its controller's subsystem, taken anew when the target's subsystems
+    /// change (`seen_version`).
+    subsystem: Option<Arc<Subsystem>>,
+    seen_version: u64,
     /// In-capsule data this queue's receives hold: what a capsule may carry and an in-capsule
     /// SGL may describe.
     in_capsule_limit: u32,
@@ -264,6 +267,7 @@ impl Queue {
             sqhd: 0,
             ctrl: None,
             subsystem: None,
+            seen_version: 0,
             // The admin queue's too: an RDMA transport's receives are the same for every queue
             // (nvmfd's come from one SRQ per reactor), so an admin capsule can carry no more
             // in-capsule data than an I/O capsule (IOCCSZ).
@@ -322,7 +326,21 @@ impl Queue {
     }
 
     pub(crate) fn subsystem(&self) -> Option<&Subsystem> {
-        self.subsystem.map(|i| &self.target.inner.subsystems[i])
+        self.subsystem.as_deref()
+    }
+
+    /// Takes a new snapshot of the subsystem when the target's subsystems changed since the
+    /// last (one atomic load otherwise). A removed subsystem leaves none: its controllers
+    /// have ended, and their commands find no namespace.
+    fn refresh_subsystem(&mut self) {
+        let v = self.target.version();
+        if v == self.seen_version {
+            return;
+        }
+        self.seen_version = v;
+        if let Some(id) = self.ctrl.as_ref().and_then(|c| c.subsystem) {
+            self.subsystem = self.target.subsystem_by_id(id);
+        }
     }
 
     pub(crate) fn qid_or_zero(&self) -> u16 {
@@ -352,6 +370,7 @@ impl Queue {
             sqe,
             sqhd: self.sqhd,
         };
+        self.refresh_subsystem();
         if self.must_disconnect() {
             return Action::Disconnect {
                 cqe: None,
@@ -502,6 +521,7 @@ impl Queue {
         match (&self.ctrl, self.qid) {
             (Some(ctrl), Some(q)) if q > 0 => {
                 let ctrl = Arc::clone(ctrl);
+                self.refresh_subsystem();
                 io::data_arrived(self, &ctrl, cmd, data)
             }
             _ => self.respond(&cmd, status::INTERNAL_ERROR, 0),
@@ -622,25 +642,22 @@ impl Queue {
             return invalid(self, true, 256);
         };
         let discovery = subnqn == DISCOVERY_NQN;
+        // The version first: a change after it is seen at the next command.
+        let version = self.target.version();
         let subsystem = if discovery {
             None
         } else {
-            match self
-                .target
-                .inner
-                .subsystems
-                .iter()
-                .position(|s| s.nqn == subnqn)
-            {
-                Some(i) => Some(i),
+            match self.target.subsystem(subnqn) {
+                Some(s) => Some(s),
                 None => return invalid(self, true, 256),
             }
         };
-        if let Some(i) = subsystem {
-            if !self.target.inner.subsystems[i].allows(hostnqn) {
+        if let Some(s) = &subsystem {
+            if !s.allows(hostnqn) {
                 return self.respond(&cmd, status::CONNECT_INVALID_HOST, 0);
             }
         }
+        let sub_id = subsystem.as_ref().map(|s| s.id);
         if qid == 0 {
             if d.cntlid.get() != 0xFFFF {
                 return invalid(self, true, 16);
@@ -663,7 +680,8 @@ impl Queue {
                 cntlid,
                 hostnqn: hostnqn.to_owned(),
                 hostid: d.hostid,
-                subsystem,
+                subsystem: sub_id,
+                subnqn: subnqn.to_owned(),
                 state: std::sync::Mutex::new(CtrlState {
                     cc: 0,
                     csts: 0,
@@ -675,6 +693,7 @@ impl Queue {
                     held_aers: Vec::new(),
                     pending_events: Vec::new(),
                     changed_nsids: Vec::new(),
+                    ns_event_masked: false,
                     resetting: false,
                     shutdown_pending: false,
                 }),
@@ -691,7 +710,7 @@ impl Queue {
             });
             map.insert(cntlid, Arc::clone(&ctrl));
             drop(map);
-            let cmd = self.bind(ctrl, subsystem, 0, sqsize, cmd);
+            let cmd = self.bind(ctrl, (subsystem, version), 0, sqsize, cmd);
             return self.respond(&cmd, Status::SUCCESS, u32::from(cntlid));
         }
         // An I/O queue joins an existing controller of the same subsystem and host.
@@ -700,7 +719,7 @@ impl Queue {
         }
         let ctrl = self.target.ctrls().get(&d.cntlid.get()).cloned();
         let Some(ctrl) =
-            ctrl.filter(|c| c.subsystem == subsystem && c.hostnqn == hostnqn && !c.is_dead())
+            ctrl.filter(|c| c.subsystem == sub_id && c.hostnqn == hostnqn && !c.is_dead())
         else {
             return invalid(self, true, 16);
         };
@@ -719,7 +738,7 @@ impl Queue {
             }
             st.io_queues[slot] = true;
         }
-        let cmd = self.bind(ctrl, subsystem, qid, sqsize, cmd);
+        let cmd = self.bind(ctrl, (subsystem, version), qid, sqsize, cmd);
         self.respond(&cmd, Status::SUCCESS, 0)
     }
 
@@ -732,7 +751,7 @@ impl Queue {
     fn bind(
         &mut self,
         ctrl: Arc<Controller>,
-        subsystem: Option<usize>,
+        (subsystem, version): (Option<Arc<Subsystem>>, u64),
         qid: u16,
         sqsize: u16,
         connect: Command,
@@ -741,6 +760,7 @@ impl Queue {
         self.sqsize = sqsize;
         self.sqhd = 1 % sqsize.wrapping_add(1).max(1);
         self.subsystem = subsystem;
+        self.seen_version = version;
         self.epoch = ctrl.epoch.load(Ordering::Acquire);
         if qid > 0 {
             ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);

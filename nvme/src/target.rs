@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::block::NamespaceInfo;
@@ -34,6 +34,9 @@ pub struct Namespace {
 /// One NVM subsystem.
 #[derive(Clone, Debug)]
 pub struct Subsystem {
+    /// The target's own ID for it, given when it is added and never reused (0 until then):
+    /// controllers and the data path name it by this, as subsystems come and go.
+    pub id: u64,
     /// NQN.
     pub nqn: String,
     /// Serial number.
@@ -101,6 +104,8 @@ pub struct Port {
     pub addr: IpAddr,
     /// Port (trsvcid).
     pub port: u16,
+    /// The discovery log's PORTID: stable while the port exists.
+    pub id: u16,
 }
 
 /// Why a controller ended.
@@ -110,6 +115,12 @@ pub enum EndReason {
     KeepAliveExpired,
     /// The admin queue went away.
     AdminQueueLost,
+    /// Its subsystem was removed.
+    SubsystemRemoved,
+    /// Its host is no longer allowed to reach the subsystem.
+    AccessRevoked,
+    /// An operator ended it.
+    Disconnected,
 }
 
 /// Mutable controller state, behind a mutex (control path only: I/O never takes it).
@@ -126,6 +137,10 @@ pub(crate) struct CtrlState {
     pub held_aers: Vec<u16>,
     pub pending_events: Vec<u32>,
     pub changed_nsids: Vec<u32>,
+    /// A Namespace Attribute Changed event was reported (or is pending) and the host has not
+    /// read the Changed Namespace List since: further changes of the kind are masked, as the
+    /// specification has it, and only join the list.
+    pub ns_event_masked: bool,
     /// CC.EN went from 1 to 0 and I/O queues of the controller may still exist: CSTS.RDY
     /// reads 1 until the last of them is gone (`io_queues_alive`).
     pub resetting: bool,
@@ -143,8 +158,10 @@ pub struct Controller {
     pub hostnqn: String,
     /// Host identifier.
     pub hostid: [u8; 16],
-    /// Index of its subsystem in the target, or `None` for the discovery controller.
-    pub subsystem: Option<usize>,
+    /// Its subsystem's ID ([`Subsystem::id`]), or `None` for the discovery controller.
+    pub subsystem: Option<u64>,
+    /// Its subsystem's NQN (the discovery NQN for a discovery controller).
+    pub subnqn: String,
     pub(crate) state: Mutex<CtrlState>,
     /// Set when the controller has ended: every queue of it disconnects.
     pub(crate) dead: AtomicBool,
@@ -197,13 +214,31 @@ impl Controller {
     }
 }
 
+/// The subsystems served, as one snapshot: a change publishes a new one.
+pub type Subsystems = Arc<Vec<Arc<Subsystem>>>;
+
 pub(crate) struct TargetInner {
-    pub subsystems: Vec<Subsystem>,
-    pub ports: Vec<Port>,
+    pub subsystems: RwLock<Subsystems>,
+    /// Moves on with every change of the subsystems: a queue takes a new snapshot of its
+    /// subsystem when it sees it move (one load per command).
+    pub version: AtomicU64,
+    pub next_subsystem_id: AtomicU64,
+    pub ports: RwLock<Vec<Port>>,
     pub limits: Limits,
     pub controllers: Mutex<HashMap<u16, Arc<Controller>>>,
     pub next_cntlid: AtomicU32,
     pub genctr: AtomicU64,
+}
+
+/// Why a change of the target's subsystems was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ChangeError {
+    /// a subsystem with this NQN is already served
+    #[error("subsystem {0} already exists")]
+    Exists(String),
+    /// no subsystem with this NQN is served
+    #[error("no subsystem {0}")]
+    NoSuchSubsystem(String),
 }
 
 /// The whole target: shared by every queue on every thread.
@@ -215,29 +250,40 @@ pub struct Target {
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Target")
-            .field("subsystems", &self.inner.subsystems.len())
+            .field("subsystems", &self.subsystems().len())
             .field("controllers", &self.controllers().len())
             .finish()
     }
 }
 
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Target {
     /// A target serving `subsystems` on `ports` with `limits`.
     pub fn new(subsystems: Vec<Subsystem>, ports: Vec<Port>, limits: Limits) -> Target {
-        let mut subsystems = subsystems;
-        for s in &mut subsystems {
-            s.namespaces.sort_by_key(|n| n.nsid);
-        }
-        Target {
+        let t = Target {
             inner: Arc::new(TargetInner {
-                subsystems,
-                ports,
+                subsystems: RwLock::new(Arc::new(Vec::new())),
+                version: AtomicU64::new(1),
+                next_subsystem_id: AtomicU64::new(1),
+                ports: RwLock::new(ports),
                 limits,
                 controllers: Mutex::new(HashMap::new()),
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
             }),
+        };
+        for s in subsystems {
+            // Duplicate NQNs are refused by the configuration's validation: the first wins.
+            let _ = t.add_subsystem(s);
         }
+        t
     }
 
     /// The limits in force.
@@ -245,9 +291,142 @@ impl Target {
         &self.inner.limits
     }
 
-    /// Subsystems, in configuration order.
-    pub fn subsystems(&self) -> &[Subsystem] {
-        &self.inner.subsystems
+    /// The subsystems served now, in the order they were added.
+    pub fn subsystems(&self) -> Subsystems {
+        Arc::clone(&read(&self.inner.subsystems))
+    }
+
+    /// The subsystem with this NQN.
+    pub fn subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {
+        self.subsystems().iter().find(|s| s.nqn == nqn).cloned()
+    }
+
+    /// The subsystem with this ID.
+    pub fn subsystem_by_id(&self, id: u64) -> Option<Arc<Subsystem>> {
+        self.subsystems().iter().find(|s| s.id == id).cloned()
+    }
+
+    /// Moves on with every change of the subsystems.
+    pub fn version(&self) -> u64 {
+        self.inner.version.load(Ordering::Acquire)
+    }
+
+    /// The ports (listeners) reported in the discovery log.
+    pub fn ports(&self) -> Vec<Port> {
+        read(&self.inner.ports).clone()
+    }
+
+    /// Replaces the ports reported in the discovery log.
+    pub fn set_ports(&self, ports: Vec<Port>) {
+        *write(&self.inner.ports) = ports;
+        self.inner.genctr.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn publish(&self, subs: &mut Subsystems, new: Vec<Arc<Subsystem>>) {
+        *subs = Arc::new(new);
+        self.inner.version.fetch_add(1, Ordering::AcqRel);
+        self.inner.genctr.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds a subsystem; returns its ID.
+    pub fn add_subsystem(&self, mut s: Subsystem) -> Result<u64, ChangeError> {
+        let mut subs = write(&self.inner.subsystems);
+        if subs.iter().any(|x| x.nqn == s.nqn) {
+            return Err(ChangeError::Exists(s.nqn));
+        }
+        s.id = self.inner.next_subsystem_id.fetch_add(1, Ordering::Relaxed);
+        s.namespaces.sort_by_key(|n| n.nsid);
+        let id = s.id;
+        let mut new = subs.as_ref().clone();
+        new.push(Arc::new(s));
+        self.publish(&mut subs, new);
+        Ok(id)
+    }
+
+    /// Removes a subsystem: every controller of it ends (its queues disconnect). Returns
+    /// the removed subsystem and the controllers ended.
+    pub fn remove_subsystem(
+        &self,
+        nqn: &str,
+    ) -> Result<(Arc<Subsystem>, Vec<Arc<Controller>>), ChangeError> {
+        let mut subs = write(&self.inner.subsystems);
+        let Some(pos) = subs.iter().position(|x| x.nqn == nqn) else {
+            return Err(ChangeError::NoSuchSubsystem(nqn.to_owned()));
+        };
+        let mut new = subs.as_ref().clone();
+        let gone = new.remove(pos);
+        self.publish(&mut subs, new);
+        drop(subs);
+        let ended = self.end_where(EndReason::SubsystemRemoved, |c| {
+            c.subsystem == Some(gone.id)
+        });
+        Ok((gone, ended))
+    }
+
+    /// Replaces the subsystem of the same NQN (its ID is kept) by `s`: its identity, hosts
+    /// and namespaces. Every namespace added, removed or changed (size, identifiers, what it
+    /// can do) is reported to the subsystem's controllers (Namespace Attribute Changed), and
+    /// controllers of hosts no longer allowed end. Returns those controllers.
+    pub fn replace_subsystem(&self, mut s: Subsystem) -> Result<Vec<Arc<Controller>>, ChangeError> {
+        let mut subs = write(&self.inner.subsystems);
+        let Some(pos) = subs.iter().position(|x| x.nqn == s.nqn) else {
+            return Err(ChangeError::NoSuchSubsystem(s.nqn));
+        };
+        let old = Arc::clone(&subs[pos]);
+        s.id = old.id;
+        s.namespaces.sort_by_key(|n| n.nsid);
+        let mut changed: Vec<u32> = Vec::new();
+        for n in &s.namespaces {
+            if old.namespace(n.nsid).is_none_or(|o| !same_namespace(o, n)) {
+                changed.push(n.nsid);
+            }
+        }
+        for o in &old.namespaces {
+            if s.namespace(o.nsid).is_none() {
+                changed.push(o.nsid);
+            }
+        }
+        changed.sort_unstable();
+        let mut new = subs.as_ref().clone();
+        let s = Arc::new(s);
+        new[pos] = Arc::clone(&s);
+        self.publish(&mut subs, new);
+        drop(subs);
+        for nsid in changed {
+            self.raise_namespace_changed(s.id, nsid);
+        }
+        Ok(self.end_where(EndReason::AccessRevoked, |c| {
+            c.subsystem == Some(s.id) && !s.allows(&c.hostnqn)
+        }))
+    }
+
+    /// Ends the controllers `pick` chooses, for `why`; returns them.
+    fn end_where(
+        &self,
+        why: EndReason,
+        pick: impl Fn(&Controller) -> bool,
+    ) -> Vec<Arc<Controller>> {
+        let ended: Vec<Arc<Controller>> = self
+            .ctrls()
+            .values()
+            .filter(|c| pick(c) && !c.is_dead())
+            .cloned()
+            .collect();
+        for c in &ended {
+            c.end(why);
+        }
+        ended
+    }
+
+    /// Ends controller `cntlid` (an operator's disconnect); its queues disconnect.
+    pub fn disconnect_controller(&self, cntlid: u16) -> Option<Arc<Controller>> {
+        self.end_where(EndReason::Disconnected, |c| c.cntlid == cntlid)
+            .pop()
+    }
+
+    /// Ends every controller of host `hostnqn`; returns them.
+    pub fn disconnect_host(&self, hostnqn: &str) -> Vec<Arc<Controller>> {
+        self.end_where(EndReason::Disconnected, |c| c.hostnqn == hostnqn)
     }
 
     pub(crate) fn ctrls(&self) -> MutexGuard<'_, HashMap<u16, Arc<Controller>>> {
@@ -299,21 +478,41 @@ impl Target {
     /// Records that namespace `nsid` of subsystem `subnqn` changed (its size, say): every
     /// controller of that subsystem gets a Namespace Attribute Changed event.
     pub fn namespace_changed(&self, subnqn: &str, nsid: u32) {
-        let Some(idx) = self.inner.subsystems.iter().position(|s| s.nqn == subnqn) else {
-            return;
-        };
+        if let Some(s) = self.subsystem(subnqn) {
+            self.raise_namespace_changed(s.id, nsid);
+        }
+    }
+
+    /// Namespace `nsid` of subsystem `id` changed: it joins each controller's Changed
+    /// Namespace List (past 1,024 entries the list reports FFFFFFFFh: more changed than it
+    /// holds), and a Namespace Attribute Changed event is raised where it is enabled and not
+    /// masked by one the host has not yet answered by reading the list.
+    fn raise_namespace_changed(&self, id: u64, nsid: u32) {
         self.inner.genctr.fetch_add(1, Ordering::Relaxed);
         for c in self.ctrls().values() {
-            if c.subsystem == Some(idx) {
-                let mut st = c.lock();
-                if !st.changed_nsids.contains(&nsid) {
-                    st.changed_nsids.push(nsid);
-                }
-                // Notice, Namespace Attribute Changed, log page 04h: sent only when enabled.
-                if st.aec & (1 << 8) != 0 {
-                    st.pending_events.push(0x0004_0002);
-                }
+            if c.subsystem != Some(id) {
+                continue;
+            }
+            let mut st = c.lock();
+            if !st.changed_nsids.contains(&nsid) && st.changed_nsids.len() <= CHANGED_LIST_LEN {
+                st.changed_nsids.push(nsid);
+            }
+            // Notice, Namespace Attribute Changed, log page 04h: sent only when enabled.
+            if st.aec & (1 << 8) != 0 && !st.ns_event_masked {
+                st.ns_event_masked = true;
+                st.pending_events.push(NS_ATTR_CHANGED_EVENT);
             }
         }
     }
+}
+
+/// The Changed Namespace List's entries (log page 04h).
+pub(crate) const CHANGED_LIST_LEN: usize = 1024;
+
+/// Asynchronous event: type Notice (2), Namespace Attribute Changed (0), log page 04h.
+pub const NS_ATTR_CHANGED_EVENT: u32 = 0x0004_0002;
+
+/// Whether two namespaces of one NSID look the same to a host.
+fn same_namespace(a: &Namespace, b: &Namespace) -> bool {
+    a.info == b.info && a.uuid == b.uuid && a.nguid == b.nguid
 }

@@ -56,6 +56,7 @@ fn world() -> World {
     };
     let subsystems = vec![
         Subsystem {
+            id: 0,
             nqn: SUB.into(),
             serial: "SN-TEST-0001".into(),
             model: "nvmfd test".into(),
@@ -64,6 +65,7 @@ fn world() -> World {
             namespaces: vec![ns(1, &d1, None), ns(2, &d2, Some(7)), ns(3, &d3, None)],
         },
         Subsystem {
+            id: 0,
             nqn: RESTRICTED.into(),
             serial: "SN-TEST-0002".into(),
             model: "nvmfd test".into(),
@@ -73,6 +75,7 @@ fn world() -> World {
         },
     ];
     let ports = vec![Port {
+        id: 0,
         addr: "192.0.2.7".parse().unwrap(),
         port: 4420,
     }];
@@ -945,6 +948,7 @@ fn limits_world(max1: u32, max2: u32) -> World {
         }
     };
     let sub = |nqn: &str, namespaces| Subsystem {
+        id: 0,
         nqn: nqn.into(),
         serial: "SN-TEST-0003".into(),
         model: "nvmfd test".into(),

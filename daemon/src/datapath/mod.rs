@@ -36,6 +36,9 @@ use zerocopy::IntoBytes;
 
 use crate::srq::{Change, ElasticSrq, Registrar, SrqConfig};
 
+/// Namespace devices one data path's engine can serve at once (its registered file table).
+pub const MAX_ATTACHED: u32 = 1024;
+
 mod block;
 mod conn;
 mod post;
@@ -136,7 +139,12 @@ pub struct DataPath {
     pool: BufPool,
     pd: Pd,
     /// Devices by (subsystem index in the target, NSID): no key to build per I/O.
-    devs: HashMap<(usize, u32), DevId>,
+    devs: HashMap<(u64, u32), DevId>,
+    /// Devices of removed namespaces, detached from the engine once none of their
+    /// operations is in flight.
+    detaching: Vec<DevId>,
+    /// Asynchronous events wait for request slots to complete their AERs.
+    events_due: bool,
     conns: HashMap<u32, Conn>,
     reqs: Vec<Option<Req>>,
     /// Each slot's generation, moved on every time the slot is taken.
@@ -214,7 +222,7 @@ impl DataPath {
     pub fn new(
         dev: &Device,
         target: Target,
-        namespaces: &[(String, u32, Arc<BlockDevice>)],
+        namespaces: &[(u64, u32, Arc<BlockDevice>)],
         cfg: DataPathConfig,
         registrar: Registrar,
         counters: Arc<crate::stats::DataPathCounters>,
@@ -248,15 +256,12 @@ impl DataPath {
         .map_err(verr)?;
         let mut engine = Engine::new(
             cfg.requests,
-            u32::try_from(namespaces.len().max(1)).unwrap_or(1),
+            MAX_ATTACHED,
             std::slice::from_ref(&pool),
         )?;
         let mut devs = HashMap::default();
-        for (nqn, nsid, d) in namespaces {
-            let dev = engine.attach(d)?;
-            if let Some(sub) = target.subsystems().iter().position(|s| s.nqn == *nqn) {
-                devs.insert((sub, *nsid), dev);
-            }
+        for (sub, nsid, d) in namespaces {
+            devs.insert((*sub, *nsid), engine.attach(d)?);
         }
         let dp = DataPath {
             target,
@@ -268,6 +273,8 @@ impl DataPath {
             pool,
             pd,
             devs,
+            detaching: Vec::new(),
+            events_due: false,
             conns: HashMap::default(),
             reqs: (0..cfg.requests).map(|_| None).collect(),
             generations: vec![0; cfg.requests as usize],
@@ -386,6 +393,13 @@ impl DataPath {
             self.unblock(now);
         }
         self.expire_unconnected(now);
+        if self.events_due {
+            self.poll_events();
+        }
+        if !self.detaching.is_empty() {
+            let engine = &mut self.engine;
+            self.detaching.retain(|&d| engine.detach(d).is_err_and(|e| e.is_backpressure()));
+        }
         // Connections whose controller ended are closed.
         let mut dead = std::mem::take(&mut self.scratch_qpns);
         dead.extend(
@@ -411,6 +425,37 @@ impl DataPath {
         }
         self.gauges();
         worked
+    }
+
+    /// Serves namespace `nsid` of subsystem `sub` from `dev` (a namespace added while the
+    /// daemon serves): attached to the engine before the target publishes it, so a command
+    /// for it always finds its device.
+    pub fn attach_namespace(
+        &mut self,
+        sub: u64,
+        nsid: u32,
+        dev: &Arc<BlockDevice>,
+    ) -> std::io::Result<()> {
+        let id = self.engine.attach(dev)?;
+        if let Some(old) = self.devs.insert((sub, nsid), id) {
+            self.detaching.push(old);
+        }
+        Ok(())
+    }
+
+    /// Stops serving namespace `nsid` of subsystem `sub` (removed from the target before):
+    /// its operations in flight complete and answer their commands; the device is detached
+    /// from the engine once the last has. A command that reaches the disk after this fails
+    /// with Invalid Namespace.
+    pub fn detach_namespace(&mut self, sub: u64, nsid: u32) {
+        if let Some(old) = self.devs.remove(&(sub, nsid)) {
+            self.detaching.push(old);
+        }
+    }
+
+    /// Devices of removed namespaces still waiting for their operations to complete.
+    pub fn namespaces_detaching(&self) -> usize {
+        self.detaching.len()
     }
 
     /// Stores the pools' levels for `stats` (relaxed stores, no syscall).

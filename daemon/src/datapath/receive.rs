@@ -51,29 +51,7 @@ impl DataPath {
             capsule: &capsule[..n],
             recv: Some(wr),
         };
-        if let Some(i) = self.free.pop() {
-            self.generations[i] = self.generations[i].wrapping_add(1);
-            self.reqs[i] = Some(Req {
-                qpn,
-                state: State::Ready,
-                work: Work::Respond,
-                segs: [Seg::default(); MAX_SEGS],
-                nsegs: 0,
-                next_seg: 0,
-                reads_left: 0,
-                data_len: 0,
-                invalidate: None,
-                buf: None,
-                generation: self.generations[i],
-                ops_left: 0,
-                next_op: 0,
-                op_off: 0,
-                ops_done: false,
-                failed: None,
-                cqe: nvmfd_nvme::wire::zeroed(),
-                sq_held: 0,
-                recv: None,
-            });
+        if let Some(i) = self.take_slot(qpn) {
             if let Some(conn) = self.conns.get_mut(&qpn) {
                 let a = conn.queue.handle(arrived.capsule, now);
                 self.begin(i, a, &mut arrived, now);
@@ -88,6 +66,80 @@ impl DataPath {
             self.srq.completed(wr, now);
         }
         self.capsule = capsule;
+    }
+
+    /// Takes a free request slot for a command of `qpn` (its generation moves on).
+    pub(super) fn take_slot(&mut self, qpn: u32) -> Option<usize> {
+        let i = self.free.pop()?;
+        self.generations[i] = self.generations[i].wrapping_add(1);
+        self.reqs[i] = Some(Req {
+            qpn,
+            state: State::Ready,
+            work: Work::Respond,
+            segs: [Seg::default(); MAX_SEGS],
+            nsegs: 0,
+            next_seg: 0,
+            reads_left: 0,
+            data_len: 0,
+            invalidate: None,
+            buf: None,
+            generation: self.generations[i],
+            ops_left: 0,
+            next_op: 0,
+            op_off: 0,
+            ops_done: false,
+            failed: None,
+            cqe: nvmfd_nvme::wire::zeroed(),
+            sq_held: 0,
+            recv: None,
+        });
+        Some(i)
+    }
+
+    /// Completes the held Asynchronous Event Requests of the admin queue on `qpn` whose
+    /// events came ([`Queue::poll_events`]): each completion is a response of its own, in a
+    /// request slot that admission counts like a command's. With too few slots left for the
+    /// most a queue holds, they wait for the next turn (`events_due`).
+    pub(super) fn deliver_events(&mut self, qpn: u32) {
+        if self.in_use() + nvmfd_nvme::AER_LIMIT > self.limit {
+            self.events_due = true;
+            return;
+        }
+        let Some(conn) = self.conns.get_mut(&qpn) else {
+            return;
+        };
+        if conn.queue.qid() != Some(0) {
+            return;
+        }
+        for cqe in conn.queue.poll_events() {
+            let Some(i) = self.take_slot(qpn) else {
+                break;
+            };
+            if let Some(r) = self.reqs[i].as_mut() {
+                r.cqe = cqe;
+            }
+            self.counters
+                .async_events
+                .fetch_add(1, Ordering::Relaxed);
+            self.wait_send(i);
+        }
+    }
+
+    /// Completes every admin queue's held AERs whose events came (the control thread says
+    /// when the target raised some).
+    pub fn poll_events(&mut self) {
+        self.events_due = false;
+        let mut qpns = std::mem::take(&mut self.scratch_qpns);
+        qpns.extend(
+            self.conns
+                .iter()
+                .filter(|(_, c)| c.queue.qid() == Some(0))
+                .map(|(q, _)| *q),
+        );
+        for q in qpns.drain(..) {
+            self.deliver_events(q);
+        }
+        self.scratch_qpns = qpns;
     }
 
     /// A receive a request kept goes back to the SRQ.

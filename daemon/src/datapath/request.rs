@@ -189,8 +189,12 @@ impl DataPath {
                 Action::Respond { cqe, data } => {
                     return self.begin_respond(i, cqe, data, arrived.capsule, now)
                 }
-                // An AER holds nothing while it waits.
-                Action::Hold => return self.end_req(i),
+                // An AER holds nothing while it waits; an event already pending completes
+                // it at once.
+                Action::Hold => {
+                    self.end_req(i);
+                    return self.deliver_events(qpn);
+                }
                 Action::Disconnect { cqe, reason } => {
                     slog::info!(self.log, "the host's queue ends"; "qpn" => qpn, "why" => reason);
                     match cqe {

@@ -50,6 +50,7 @@ fn world() -> World {
     null.block_size = 4096;
     let null = Device::open(&null).expect("null");
     let subsystems = vec![Subsystem {
+        id: 0,
         nqn: SUB.into(),
         serial: "FUZZ".into(),
         model: "fuzz".into(),
@@ -61,7 +62,7 @@ fn world() -> World {
         ],
     }];
     let limits = Limits { max_io_size: 16384, ..Limits::default() };
-    let target = Target::new(subsystems, vec![Port { addr: "127.0.0.1".parse().unwrap(), port: 4420 }], limits);
+    let target = Target::new(subsystems, vec![Port { addr: "127.0.0.1".parse().unwrap(), port: 4420, id: 0 }], limits);
     let backend = Backend::new(&[(SUB.into(), 1, dev), (SUB.into(), 2, null)], limits.max_io_size).expect("backend");
     let (admin, io) = connect(&target, &backend);
     World { target, backend, admin, io }

@@ -263,8 +263,7 @@ impl Loopback {
         let subnqn = self
             .queue
             .controller()
-            .and_then(|c| c.subsystem)
-            .map(|i| self.queue.target().subsystems()[i].nqn.clone())
+            .map(|c| c.subnqn.clone())
             .unwrap_or_default();
         let data = match (&req.op, req.data) {
             (IoOp::Write { .. }, Some(from)) => Some(self.fetch(capsule, from)?),
