@@ -12,6 +12,7 @@
 //! assert_eq!(cfg.listeners[0].port, 4420);
 //! ```
 
+mod edit;
 mod error;
 mod schema;
 mod units;
@@ -19,6 +20,7 @@ mod validate;
 
 use std::path::Path;
 
+pub use edit::{document, sockaddr, Edit};
 pub use error::{ConfigError, ConfigErrors, KeyPath, Seg};
 pub use schema::*;
 pub use units::{ByteSize, ByteSizeError, HumanDuration};

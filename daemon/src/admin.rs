@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use slog::{debug, warn, Logger};
 
 use crate::stats::AdminStats;
+use nvmfd_config::Edit;
 
 /// Longest request line, newline included.
 pub const MAX_LINE_BYTES: usize = 4096;
@@ -26,7 +27,7 @@ pub const MAX_PENDING_OUTPUT_BYTES: usize = 1 << 20;
 pub const MAX_CLIENTS: usize = 64;
 
 /// A request: `{"request": "status"}`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "request", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// What the daemon serves and how it is doing.
@@ -35,6 +36,88 @@ pub enum Request {
     Stats {},
     /// The configuration in force, with every default filled in.
     Config {},
+    /// Live controllers: subsystem, host, queues and their depths, keep-alive, commands.
+    Controllers {},
+    /// Ends controller `cntlid`, or every controller of `host` (one of the two).
+    Disconnect {
+        /// Controller ID.
+        #[serde(default)]
+        cntlid: Option<u16>,
+        /// Host NQN.
+        #[serde(default)]
+        host: Option<String>,
+    },
+    /// Reads the configuration file again and applies the difference (as SIGHUP does).
+    Reload {},
+    /// Adds a subsystem (`[[subsystem]]`'s keys, namespaces included).
+    AddSubsystem {
+        /// The subsystem.
+        subsystem: nvmfd_config::Subsystem,
+    },
+    /// Removes a subsystem: its controllers end.
+    RemoveSubsystem {
+        /// Its NQN.
+        nqn: String,
+    },
+    /// Adds a namespace (`[[subsystem.namespace]]`'s keys) to subsystem `subsystem`.
+    AddNamespace {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The namespace.
+        namespace: nvmfd_config::Namespace,
+    },
+    /// Removes namespace `nsid` of `subsystem`; its I/O in flight completes.
+    RemoveNamespace {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// NSID.
+        nsid: u32,
+    },
+    /// Resizes namespace `nsid` of `subsystem` to `size`, or, without one, to what its
+    /// backend reports now.
+    ResizeNamespace {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// NSID.
+        nsid: u32,
+        /// The new size.
+        #[serde(default)]
+        size: Option<nvmfd_config::ByteSize>,
+    },
+    /// Allows host `host` on `subsystem`.
+    AddHost {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The host's NQN.
+        host: String,
+    },
+    /// Takes host `host` off `subsystem`'s hosts: its controllers there end.
+    RemoveHost {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The host's NQN.
+        host: String,
+    },
+    /// Sets `allow_any_host` of `subsystem`.
+    AllowAnyHost {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// Any host may connect.
+        allow: bool,
+    },
+    /// Adds a listener (`[[listener]]`'s keys).
+    AddListener {
+        /// The listener.
+        listener: nvmfd_config::Listener,
+    },
+    /// Removes the listener at `address` and `port`: its connections end.
+    RemoveListener {
+        /// Its address.
+        address: std::net::IpAddr,
+        /// Its port.
+        #[serde(default = "default_port")]
+        port: u16,
+    },
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): block reactor `reactor` for `ms`; `ms = 0`
     /// ends a stall in progress.
     DebugStallReactor {
@@ -51,6 +134,79 @@ pub enum Request {
         /// Listener index, in configuration order.
         listener: usize,
     },
+}
+
+/// The user ID of the process at the other end of `stream` (SO_PEERCRED).
+fn peer_uid(stream: &UnixStream) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live locals of the sizes given; the kernel writes at most
+    // `len` bytes into `cred`.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            std::ptr::addr_of_mut!(cred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+fn default_port() -> u16 {
+    4420
+}
+
+impl Request {
+    /// A change of the configuration: its edits of the file, and a namespace to resize beyond
+    /// what the file says (`None` for any other request).
+    #[allow(clippy::type_complexity)]
+    pub fn edits(&self) -> Option<(Vec<Edit>, Option<(String, u32, Option<u64>)>)> {
+        let one = |e: Edit| Some((vec![e], None));
+        match self {
+            Request::AddSubsystem { subsystem } => one(Edit::AddSubsystem(subsystem.clone())),
+            Request::RemoveSubsystem { nqn } => one(Edit::RemoveSubsystem(nqn.clone())),
+            Request::AddNamespace {
+                subsystem,
+                namespace,
+            } => one(Edit::AddNamespace(subsystem.clone(), namespace.clone())),
+            Request::RemoveNamespace { subsystem, nsid } => {
+                one(Edit::RemoveNamespace(subsystem.clone(), *nsid))
+            }
+            // The size goes into the file where the backend has one there (RAM, null, an RBD
+            // image nvmfd creates); the device is resized either way.
+            Request::ResizeNamespace {
+                subsystem,
+                nsid,
+                size,
+            } => Some((
+                size.map(|s| Edit::SetNamespaceSize(subsystem.clone(), *nsid, s))
+                    .into_iter()
+                    .collect(),
+                Some((subsystem.clone(), *nsid, size.map(|s| s.0))),
+            )),
+            Request::AddHost { subsystem, host } => {
+                one(Edit::AddHost(subsystem.clone(), host.clone()))
+            }
+            Request::RemoveHost { subsystem, host } => {
+                one(Edit::RemoveHost(subsystem.clone(), host.clone()))
+            }
+            Request::AllowAnyHost { subsystem, allow } => {
+                one(Edit::AllowAnyHost(subsystem.clone(), *allow))
+            }
+            Request::AddListener { listener } => one(Edit::AddListener(listener.clone())),
+            Request::RemoveListener { address, port } => {
+                one(Edit::RemoveListener(*address, *port))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A fault `debug_fault` injects.
@@ -147,6 +303,8 @@ pub enum AdminError {
 
 struct Client {
     stream: UnixStream,
+    /// The peer's user ID (SO_PEERCRED), logged with every change it makes.
+    uid: Option<u32>,
     input: Vec<u8>,
     output: Vec<u8>,
     last_active: Instant,
@@ -247,7 +405,7 @@ impl AdminServer {
         &mut self,
         registry: &Registry,
         token: Token,
-        handle: &mut dyn FnMut(Request, &AdminStats) -> Response,
+        handle: &mut dyn FnMut(Request, Option<u32>, &AdminStats) -> Response,
     ) {
         if token == self.listener_token {
             self.accept(registry);
@@ -311,6 +469,7 @@ impl AdminServer {
                     self.clients.insert(
                         token,
                         Client {
+                            uid: peer_uid(&stream),
                             stream,
                             input: Vec::with_capacity(256),
                             output: Vec::new(),
@@ -333,7 +492,7 @@ impl AdminServer {
     fn serve(
         &mut self,
         c: &mut Client,
-        handle: &mut dyn FnMut(Request, &AdminStats) -> Response,
+        handle: &mut dyn FnMut(Request, Option<u32>, &AdminStats) -> Response,
     ) -> bool {
         let mut buf = [0u8; 4096];
         let mut eof = false;
@@ -372,7 +531,7 @@ impl AdminServer {
     fn answer_lines(
         &mut self,
         c: &mut Client,
-        handle: &mut dyn FnMut(Request, &AdminStats) -> Response,
+        handle: &mut dyn FnMut(Request, Option<u32>, &AdminStats) -> Response,
     ) {
         while let Some(nl) = c.input.iter().position(|&b| b == b'\n') {
             if nl + 1 > MAX_LINE_BYTES {
@@ -385,7 +544,7 @@ impl AdminServer {
                 continue;
             }
             let answer = match serde_json::from_str::<Request>(text) {
-                Ok(req) => handle(req, &self.stats()),
+                Ok(req) => handle(req, c.uid, &self.stats()),
                 Err(e) => Response::error(format!(
                     "bad request: {e}; send one JSON object per line, e.g. {{\"request\":\"status\"}}"
                 )),

@@ -55,14 +55,37 @@ pub enum ReactorCmd {
         /// Which listener.
         listener: usize,
     },
-    /// Listener `listener` listens again, on `device` (its device came back): build a data
-    /// path on it.
+    /// Listener `listener` listens again, on `device` (its device came back, or the
+    /// listener was added): build a data path on it.
     AddPath {
         /// Which listener.
         listener: usize,
         /// Its device.
         device: Device,
     },
+    /// Serve namespace `nsid` of subsystem `sub` from `dev` on every data path (a namespace
+    /// added at run time, before the target publishes it); the reactor answers on `done`.
+    AttachNamespace {
+        /// Subsystem ID.
+        sub: u64,
+        /// NSID.
+        nsid: u32,
+        /// Its block device.
+        dev: Arc<nvmfd_blockdev::Device>,
+        /// The reactor's answer: attached everywhere, or why not.
+        done: std::sync::mpsc::Sender<Result<(), String>>,
+    },
+    /// Stop serving namespace `nsid` of subsystem `sub` (removed from the target): its
+    /// operations in flight complete, then its device is let go.
+    DetachNamespace {
+        /// Subsystem ID.
+        sub: u64,
+        /// NSID.
+        nsid: u32,
+    },
+    /// The target raised asynchronous events (or ended controllers): complete the held
+    /// AERs whose events came, and close what ended, now rather than at the next command.
+    PollEvents,
 }
 
 /// What a reactor needs to build a data path on a device: at start, and when a listener's
@@ -251,6 +274,32 @@ impl ReactorPaths {
         }
     }
 
+    /// Serves namespace `nsid` of subsystem `sub` from `dev` on every live data path, and on
+    /// those built later; on a failure, on none.
+    fn attach(
+        &mut self,
+        sub: u64,
+        nsid: u32,
+        dev: &Arc<nvmfd_blockdev::Device>,
+    ) -> Result<(), String> {
+        let mut failed = None;
+        for p in self.paths.iter_mut().flatten() {
+            if let Err(e) = p.dp.attach_namespace(sub, nsid, dev) {
+                failed = Some(e.to_string());
+                break;
+            }
+        }
+        if let Some(e) = failed {
+            for p in self.paths.iter_mut().flatten() {
+                p.dp.detach_namespace(sub, nsid);
+            }
+            slog::warn!(self.log, "cannot attach a namespace's device"; "subsystem" => sub, "nsid" => nsid, "error" => &e);
+            return Err(e);
+        }
+        self.builder.namespaces.push((sub, nsid, Arc::clone(dev)));
+        Ok(())
+    }
+
     /// Listener `listener` serves again on `device`.
     fn add_path(&mut self, listener: usize, device: &Device) {
         if self.paths.len() <= listener {
@@ -352,6 +401,27 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                 }
                 ReactorCmd::RemoveDevice { listener } => self.remove_device(listener),
                 ReactorCmd::AddPath { listener, device } => self.add_path(listener, &device),
+                ReactorCmd::AttachNamespace {
+                    sub,
+                    nsid,
+                    dev,
+                    done,
+                } => {
+                    let _ = done.send(self.attach(sub, nsid, &dev));
+                }
+                ReactorCmd::DetachNamespace { sub, nsid } => {
+                    self.builder
+                        .namespaces
+                        .retain(|(s, n, _)| (*s, *n) != (sub, nsid));
+                    for p in self.all() {
+                        p.dp.detach_namespace(sub, nsid);
+                    }
+                }
+                ReactorCmd::PollEvents => {
+                    for p in self.paths.iter_mut().flatten() {
+                        p.dp.poll_events();
+                    }
+                }
             }
         }
         let now = Instant::now();

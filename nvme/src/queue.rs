@@ -10,7 +10,9 @@ use crate::block::BlockFailure;
 use zerocopy::little_endian::{U16, U32};
 use zerocopy::IntoBytes;
 
-use crate::target::{Controller, CtrlState, EndReason, Subsystem, Target, DISCOVERY_NQN};
+use crate::target::{
+    Controller, CtrlState, EndReason, QueueStats, Subsystem, Target, DISCOVERY_NQN,
+};
 use crate::wire::{self, status, ConnectCmd, ConnectData, Cqe, Sgl, Sqe, Status};
 use crate::{admin, io};
 
@@ -232,6 +234,10 @@ pub struct Queue {
     /// answered one of each, answering more allocates nothing.
     spare_bytes: Vec<u8>,
     spare_ranges: Vec<(u64, u64)>,
+    /// Where the host connects from, when the transport said.
+    peer: Option<String>,
+    /// Its entry in the controller's queues, once connected.
+    stats: Option<Arc<QueueStats>>,
 }
 
 impl std::fmt::Debug for Queue {
@@ -275,7 +281,14 @@ impl Queue {
             epoch: 0,
             spare_bytes: Vec::new(),
             spare_ranges: Vec::new(),
+            peer: None,
+            stats: None,
         }
+    }
+
+    /// Records where the host connects from (shown with its controller's queues).
+    pub fn set_peer(&mut self, peer: String) {
+        self.peer = Some(peer);
     }
 
     /// A buffer for response data, `len` zeroes long (a spare one when there is).
@@ -371,6 +384,9 @@ impl Queue {
             sqhd: self.sqhd,
         };
         self.refresh_subsystem();
+        if let Some(st) = &self.stats {
+            st.commands.fetch_add(1, Ordering::Relaxed);
+        }
         if self.must_disconnect() {
             return Action::Disconnect {
                 cqe: None,
@@ -707,6 +723,7 @@ impl Queue {
                 host_writes: 0.into(),
                 bytes_read: 0.into(),
                 bytes_written: 0.into(),
+                queue_stats: std::sync::Mutex::new(Vec::new()),
             });
             map.insert(cntlid, Arc::clone(&ctrl));
             drop(map);
@@ -765,6 +782,18 @@ impl Queue {
         if qid > 0 {
             ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
         }
+        let st = Arc::new(QueueStats {
+            qid,
+            depth: u32::from(sqsize) + 1,
+            peer: self.peer.clone(),
+            // The Connect.
+            commands: 1.into(),
+        });
+        ctrl.queue_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::clone(&st));
+        self.stats = Some(st);
         self.ctrl = Some(ctrl);
         Command {
             sqhd: self.sqhd,
@@ -779,6 +808,12 @@ impl Drop for Queue {
         let (Some(ctrl), Some(qid)) = (self.ctrl.take(), self.qid) else {
             return;
         };
+        if let Some(st) = self.stats.take() {
+            ctrl.queue_stats
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|q| !Arc::ptr_eq(q, &st));
+        }
         if qid == 0 {
             ctrl.end(EndReason::AdminQueueLost);
             self.target.ctrls().remove(&ctrl.cntlid);

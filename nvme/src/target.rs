@@ -177,6 +177,8 @@ pub struct Controller {
     /// connection is torn down and every block operation of it has completed, so a reset or
     /// shutdown that waits for this to reach 0 has nothing of the old queues left in flight.
     pub(crate) io_queues_alive: AtomicU32,
+    /// Its queues, for the operator's view (`Controller::queues`).
+    pub(crate) queue_stats: Mutex<Vec<Arc<QueueStats>>>,
     /// SMART counters.
     pub(crate) host_reads: AtomicU64,
     pub(crate) host_writes: AtomicU64,
@@ -184,7 +186,52 @@ pub struct Controller {
     pub(crate) bytes_written: AtomicU64,
 }
 
+/// One queue of a controller as an operator sees it. Its queue alone writes `commands`
+/// (relaxed): no line of memory is shared with another queue's.
+#[derive(Debug)]
+pub struct QueueStats {
+    /// Queue ID (0: admin).
+    pub qid: u16,
+    /// Entries.
+    pub depth: u32,
+    /// Where the host connects from, when the transport says.
+    pub peer: Option<String>,
+    /// Commands received.
+    pub commands: AtomicU64,
+}
+
+/// A snapshot of [`QueueStats`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueueInfo {
+    /// Queue ID (0: admin).
+    pub qid: u16,
+    /// Entries.
+    pub depth: u32,
+    /// Where the host connects from, when the transport says.
+    pub peer: Option<String>,
+    /// Commands received.
+    pub commands: u64,
+}
+
 impl Controller {
+    /// Its queues now, by queue ID.
+    pub fn queues(&self) -> Vec<QueueInfo> {
+        let mut v: Vec<QueueInfo> = self
+            .queue_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|q| QueueInfo {
+                qid: q.qid,
+                depth: q.depth,
+                peer: q.peer.clone(),
+                commands: q.commands.load(Ordering::Relaxed),
+            })
+            .collect();
+        v.sort_by_key(|q| q.qid);
+        v
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, CtrlState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -328,13 +375,25 @@ impl Target {
         self.inner.genctr.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A subsystem ID no subsystem has had: for a subsystem whose namespaces are set up on
+    /// the data path before it is added ([`Target::add_subsystem_with_id`]).
+    pub fn reserve_subsystem_id(&self) -> u64 {
+        self.inner.next_subsystem_id.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Adds a subsystem; returns its ID.
-    pub fn add_subsystem(&self, mut s: Subsystem) -> Result<u64, ChangeError> {
+    pub fn add_subsystem(&self, s: Subsystem) -> Result<u64, ChangeError> {
+        let id = self.reserve_subsystem_id();
+        self.add_subsystem_with_id(s, id)
+    }
+
+    /// Adds a subsystem with ID `id` (from [`Target::reserve_subsystem_id`]); returns it.
+    pub fn add_subsystem_with_id(&self, mut s: Subsystem, id: u64) -> Result<u64, ChangeError> {
         let mut subs = write(&self.inner.subsystems);
         if subs.iter().any(|x| x.nqn == s.nqn) {
             return Err(ChangeError::Exists(s.nqn));
         }
-        s.id = self.inner.next_subsystem_id.fetch_add(1, Ordering::Relaxed);
+        s.id = id;
         s.namespaces.sort_by_key(|n| n.nsid);
         let id = s.id;
         let mut new = subs.as_ref().clone();

@@ -43,14 +43,290 @@ enum Command {
     },
     /// The configuration in force, defaults filled in (TOML; JSON with --json).
     Config,
+    /// Live controllers: subsystem, host, queues and depths, keep-alive, commands served.
+    Controllers,
+    /// End one controller (its host may reconnect), or every controller of a host.
+    Disconnect {
+        /// Controller ID.
+        #[arg(long, conflicts_with = "host", required_unless_present = "host")]
+        cntlid: Option<u16>,
+        /// Host NQN.
+        #[arg(long)]
+        host: Option<String>,
+    },
+    /// Read the configuration file again and apply what changed (as SIGHUP does).
+    Reload,
+    /// Add or remove a subsystem while the daemon serves.
+    #[command(subcommand)]
+    Subsystem(SubsystemCmd),
+    /// Add, remove or resize a namespace while the daemon serves.
+    #[command(subcommand)]
+    Namespace(NamespaceCmd),
+    /// Change which hosts may connect to a subsystem.
+    #[command(subcommand)]
+    Host(HostCmd),
+    /// Add or remove a listener while the daemon serves.
+    #[command(subcommand)]
+    Listener(ListenerCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum SubsystemCmd {
+    /// Add a subsystem (no namespace yet; add them with `namespace add`).
+    Add {
+        /// Its NQN.
+        nqn: String,
+        /// Serial number (default: derived from the NQN).
+        #[arg(long)]
+        serial: Option<String>,
+        /// Model number (default "nvmfd").
+        #[arg(long)]
+        model: Option<String>,
+        /// Let any host connect.
+        #[arg(long)]
+        allow_any_host: bool,
+        /// A host NQN allowed to connect (repeat for several).
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+    },
+    /// Remove a subsystem: its controllers end.
+    Remove {
+        /// Its NQN.
+        nqn: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum NamespaceCmd {
+    /// Add a namespace: the keys of `[[subsystem.namespace]]` as options.
+    Add {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// NSID.
+        #[arg(long)]
+        nsid: u32,
+        /// file, bdev, rbd, malloc or null.
+        #[arg(long)]
+        backend: String,
+        /// File or block device (file, bdev).
+        #[arg(long)]
+        path: Option<PathBuf>,
+        /// Size, e.g. 1GiB (malloc, null; rbd with --create).
+        #[arg(long)]
+        size: Option<String>,
+        /// Logical block size: 512 or 4096.
+        #[arg(long)]
+        block_size: Option<String>,
+        /// Refuse writes.
+        #[arg(long)]
+        read_only: bool,
+        /// UUID reported to hosts.
+        #[arg(long)]
+        uuid: Option<String>,
+        /// NGUID reported to hosts (32 hex digits).
+        #[arg(long)]
+        nguid: Option<String>,
+        /// RADOS pool (rbd).
+        #[arg(long)]
+        pool: Option<String>,
+        /// Image (rbd).
+        #[arg(long)]
+        image: Option<String>,
+        /// RADOS namespace (rbd).
+        #[arg(long)]
+        rados_namespace: Option<String>,
+        /// Ceph configuration file (rbd).
+        #[arg(long)]
+        ceph_conf: Option<PathBuf>,
+        /// cephx user without `client.` (rbd).
+        #[arg(long)]
+        client_id: Option<String>,
+        /// Create the image of --size when missing (rbd).
+        #[arg(long)]
+        create: bool,
+    },
+    /// Remove a namespace: I/O in flight completes, hosts are told.
+    Remove {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// NSID.
+        nsid: u32,
+    },
+    /// Resize a namespace (hosts are told): to --size, or without it to what its file,
+    /// device or image measures now.
+    Resize {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// NSID.
+        nsid: u32,
+        /// The new size, e.g. 2GiB.
+        #[arg(long)]
+        size: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum HostCmd {
+    /// Allow a host NQN on a subsystem.
+    Add {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The host's NQN.
+        host: String,
+    },
+    /// Take a host NQN off a subsystem: its controllers there end.
+    Remove {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The host's NQN.
+        host: String,
+    },
+    /// Let any host connect (on), or only the listed ones (off).
+    AllowAny {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// on or off.
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ListenerCmd {
+    /// Listen on another address.
+    Add {
+        /// IP address.
+        address: std::net::IpAddr,
+        /// Port.
+        #[arg(long, default_value_t = 4420)]
+        port: u16,
+        /// soft or ibverbs.
+        #[arg(long, default_value = "ibverbs")]
+        provider: String,
+    },
+    /// Stop listening on an address: its connections end.
+    Remove {
+        /// IP address.
+        address: std::net::IpAddr,
+        /// Port.
+        #[arg(long, default_value_t = 4420)]
+        port: u16,
+    },
+}
+
+/// A request from JSON `v` (the daemon's own types check what the options say).
+fn from_json(v: serde_json::Value) -> Result<Request, String> {
+    serde_json::from_value(v).map_err(|e| e.to_string())
+}
+
+/// Drops the keys whose value is null (options not given: the defaults apply).
+fn present(mut v: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = v.as_object_mut() {
+        o.retain(|_, x| !x.is_null() && *x != serde_json::Value::Bool(false));
+    }
+    v
+}
+
+fn request_of(cmd: &Command) -> Result<Request, String> {
+    use serde_json::json;
+    Ok(match cmd {
+        Command::Status => Request::Status {},
+        Command::Stats { .. } => Request::Stats {},
+        Command::Config => Request::Config {},
+        Command::Controllers => Request::Controllers {},
+        Command::Disconnect { cntlid, host } => Request::Disconnect {
+            cntlid: *cntlid,
+            host: host.clone(),
+        },
+        Command::Reload => Request::Reload {},
+        Command::Subsystem(SubsystemCmd::Add {
+            nqn,
+            serial,
+            model,
+            allow_any_host,
+            hosts,
+        }) => from_json(json!({
+            "request": "add_subsystem",
+            "subsystem": present(json!({
+                "nqn": nqn, "serial": serial, "model": model,
+                "allow_any_host": allow_any_host, "hosts": hosts,
+            })),
+        }))?,
+        Command::Subsystem(SubsystemCmd::Remove { nqn }) => {
+            Request::RemoveSubsystem { nqn: nqn.clone() }
+        }
+        Command::Namespace(NamespaceCmd::Add {
+            subsystem,
+            nsid,
+            backend,
+            path,
+            size,
+            block_size,
+            read_only,
+            uuid,
+            nguid,
+            pool,
+            image,
+            rados_namespace,
+            ceph_conf,
+            client_id,
+            create,
+        }) => from_json(json!({
+            "request": "add_namespace",
+            "subsystem": subsystem,
+            "namespace": present(json!({
+                "nsid": nsid, "backend": backend, "path": path, "size": size,
+                "block_size": block_size, "read_only": read_only, "uuid": uuid,
+                "nguid": nguid, "pool": pool, "image": image, "namespace": rados_namespace,
+                "ceph_conf": ceph_conf, "client_id": client_id, "create": create,
+            })),
+        }))?,
+        Command::Namespace(NamespaceCmd::Remove { subsystem, nsid }) => Request::RemoveNamespace {
+            subsystem: subsystem.clone(),
+            nsid: *nsid,
+        },
+        Command::Namespace(NamespaceCmd::Resize {
+            subsystem,
+            nsid,
+            size,
+        }) => from_json(present(json!({
+            "request": "resize_namespace", "subsystem": subsystem, "nsid": nsid, "size": size,
+        })))?,
+        Command::Host(HostCmd::Add { subsystem, host }) => Request::AddHost {
+            subsystem: subsystem.clone(),
+            host: host.clone(),
+        },
+        Command::Host(HostCmd::Remove { subsystem, host }) => Request::RemoveHost {
+            subsystem: subsystem.clone(),
+            host: host.clone(),
+        },
+        Command::Host(HostCmd::AllowAny { subsystem, state }) => Request::AllowAnyHost {
+            subsystem: subsystem.clone(),
+            allow: state == "on",
+        },
+        Command::Listener(ListenerCmd::Add {
+            address,
+            port,
+            provider,
+        }) => from_json(json!({
+            "request": "add_listener",
+            "listener": { "address": address, "port": port, "provider": provider },
+        }))?,
+        Command::Listener(ListenerCmd::Remove { address, port }) => Request::RemoveListener {
+            address: *address,
+            port: *port,
+        },
+    })
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let req = match cli.command {
-        Command::Status => Request::Status {},
-        Command::Stats { .. } => Request::Stats {},
-        Command::Config => Request::Config {},
+    let req = match request_of(&cli.command) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("nvmfctl: {e}");
+            return ExitCode::from(2);
+        }
     };
     let mut data = match ctl::request(&cli.socket, &req, Duration::from_secs(cli.timeout)) {
         Ok(d) => d,
@@ -74,7 +350,19 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            _ => ctl::render_tables(&data),
+            Command::Controllers => ctl::render_controllers(&data),
+            Command::Status | Command::Stats { .. } => ctl::render_tables(&data),
+            // A change: what it did, one line each.
+            _ => data
+                .get("changes")
+                .or_else(|| data.get("disconnected"))
+                .and_then(|v| v.as_array())
+                .map(|a| {
+                    a.iter()
+                        .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_owned) + "\n")
+                        .collect()
+                })
+                .unwrap_or_else(|| ctl::render_tables(&data)),
         }
     };
     print!("{text}");

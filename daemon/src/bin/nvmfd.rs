@@ -68,7 +68,10 @@ fn main() -> ExitCode {
     for w in cfg.warnings() {
         warn!(log, "configuration: {}", w);
     }
-    match control::run(cfg, log.clone()) {
+    // Written back after changes made while serving: by its absolute path, whatever the
+    // working directory becomes.
+    let path = std::fs::canonicalize(&cli.config).unwrap_or_else(|_| cli.config.clone());
+    match control::run(cfg, Some(path), facts, log.clone()) {
         Ok(()) => {
             info!(log, "nvmfd stopped");
             ExitCode::SUCCESS

@@ -71,10 +71,10 @@ impl Daemon {
     /// time), and its device's async events are watched. The error says why not.
     pub(super) fn listen(&mut self, registry: &Registry, i: usize) -> Result<(), String> {
         let l = self
-            .cfg
-            .listeners
+            .listener_slots
             .get(i)
             .cloned()
+            .flatten()
             .ok_or_else(|| format!("no listener {i}"))?;
         let addr = std::net::SocketAddr::new(l.address, l.port);
         if self.cm.get(i).is_some_and(|c| c.channel.is_none()) {
@@ -454,9 +454,9 @@ impl Daemon {
     /// Test hook: removes or restores listener `i`'s soft device.
     pub(super) fn inject_fault(&self, fault: Fault, i: usize) -> Result<serde_json::Value, String> {
         let l = self
-            .cfg
-            .listeners
+            .listener_slots
             .get(i)
+            .and_then(Option::as_ref)
             .ok_or_else(|| format!("no listener {i}"))?;
         if l.provider != nvmfd_config::Provider::Soft {
             return Err(format!(

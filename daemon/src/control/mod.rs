@@ -25,6 +25,7 @@ use nvmfd_nvme::Target;
 use nvmfd_rdma::any;
 use nvmfd_rdma::{AsyncEvent, CmEvent, DeviceRelease};
 
+mod change;
 mod listeners;
 
 use listeners::*;
@@ -55,6 +56,36 @@ pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
 
 /// Exit status when a second termination signal forces the daemon out during a graceful stop.
 pub const FORCED_EXIT_STATUS: i32 = 130;
+
+/// One queue of a controller, in `controllers`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct QueueStatus {
+    /// Queue ID (0: admin).
+    pub qid: u16,
+    /// Entries.
+    pub depth: u32,
+    /// Commands received on it.
+    pub commands: u64,
+}
+
+/// A live controller, in `controllers`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ControllerStatus {
+    /// Controller ID.
+    pub cntlid: u16,
+    /// Its subsystem's NQN.
+    pub subsystem: String,
+    /// The host's NQN.
+    pub host: String,
+    /// The host's address (of its admin queue's connection).
+    pub host_address: Option<String>,
+    /// Keep-alive timeout in force, milliseconds (0: none).
+    pub keep_alive_ms: u64,
+    /// Commands received on all its queues.
+    pub commands: u64,
+    /// Its queues.
+    pub queues: Vec<QueueStatus>,
+}
 
 /// Why the daemon could not run.
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +197,13 @@ struct Daemon {
     dp_counters: Vec<Arc<crate::stats::DataPathCounters>>,
     next_reactor: usize,
     soft_fabric: Option<nvmfd_rdma::soft::Fabric>,
+    /// The configuration file and its text.
+    source: change::Source,
+    /// The devices of the namespaces served, by subsystem NQN and NSID.
+    devices: std::collections::BTreeMap<(String, u32), Arc<nvmfd_blockdev::Device>>,
+    /// Listener slots (a listener's index: its CM token, its reactors' data path); a removed
+    /// listener leaves its slot empty.
+    listener_slots: Vec<Option<nvmfd_config::Listener>>,
 }
 
 /// Runs the daemon until a termination signal: the control loop on this thread, one reactor
@@ -173,7 +211,12 @@ struct Daemon {
 ///
 /// A second SIGTERM or SIGINT during the stop exits the process at once with status
 /// [`FORCED_EXIT_STATUS`].
-pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
+pub fn run(
+    cfg: Config,
+    path: Option<std::path::PathBuf>,
+    facts: nvmfd_config::SystemFacts,
+    log: Logger,
+) -> Result<(), DaemonError> {
     // Signals first, so that a SIGTERM during start-up is a graceful stop, not a kill.
     let term = Arc::new(AtomicBool::new(false));
     for sig in [SIGTERM, SIGINT] {
@@ -214,6 +257,16 @@ pub fn run(cfg: Config, log: Logger) -> Result<(), DaemonError> {
         dp_counters: Vec::new(),
         next_reactor: 0,
         soft_fabric: None,
+        source: change::Source {
+            text: match &path {
+                Some(p) => std::fs::read_to_string(p).map_err(DaemonError::Setup)?,
+                None => toml::to_string(&cfg).unwrap_or_default(),
+            },
+            path,
+            facts,
+        },
+        devices: std::collections::BTreeMap::new(),
+        listener_slots: cfg.listeners.iter().cloned().map(Some).collect(),
         cfg,
     };
     if d.test_hooks {
@@ -240,6 +293,11 @@ impl Daemon {
         info!(self.log, "namespaces open"; "count" => built.devices.len(),
               "not served" => built.status.len() - built.devices.len());
         let (target, namespaces) = (built.target, built.devices);
+        for (sub, nsid, dev) in &namespaces {
+            if let Some(s) = target.subsystem_by_id(*sub) {
+                self.devices.insert((s.nqn.clone(), *nsid), Arc::clone(dev));
+            }
+        }
         self.namespaces = built.status;
         // Listeners first: the reactors build a data path on each listener's device.
         for (i, l) in self.cfg.listeners.clone().iter().enumerate() {
@@ -385,7 +443,10 @@ impl Daemon {
                 if ev.token() == SIGNALS {
                     for sig in signals.pending() {
                         if sig == SIGHUP {
-                            warn!(self.log, "SIGHUP: reloading the configuration is not supported; restart the service to apply changes");
+                            match self.reload(poll.registry()) {
+                                Ok(what) => info!(self.log, "SIGHUP: configuration reloaded"; "changes" => what.join("; ")),
+                                Err(e) => error!(self.log, "SIGHUP: configuration not reloaded, nothing changed"; "error" => e),
+                            }
                         } else {
                             info!(self.log, "termination signal"; "signal" => sig);
                         }
@@ -395,8 +456,9 @@ impl Daemon {
                 } else if (ASYNC_BASE..ASYNC_BASE + self.async_devs.len()).contains(&ev.token().0) {
                     self.async_events(poll.registry(), ev.token().0 - ASYNC_BASE);
                 } else if admin.owns(ev.token()) {
-                    admin.on_event(poll.registry(), ev.token(), &mut |req, stats| {
-                        self.answer(req, stats)
+                    let registry = poll.registry();
+                    admin.on_event(registry, ev.token(), &mut |req, uid, stats| {
+                        self.answer(registry, req, uid, stats)
                     });
                 }
             }
@@ -462,7 +524,13 @@ impl Daemon {
         }
     }
 
-    fn answer(&self, req: Request, admin: &AdminStats) -> Response {
+    fn answer(
+        &mut self,
+        registry: &Registry,
+        req: Request,
+        uid: Option<u32>,
+        admin: &AdminStats,
+    ) -> Response {
         let json = |v: Result<serde_json::Value, serde_json::Error>| match v {
             Ok(v) => Response::data(v),
             Err(e) => Response::error(format!("internal error: {e}")),
@@ -471,6 +539,15 @@ impl Daemon {
             Request::Status {} => json(serde_json::to_value(self.status())),
             Request::Stats {} => json(serde_json::to_value(self.stats(admin))),
             Request::Config {} => json(serde_json::to_value(&self.cfg)),
+            Request::Controllers {} => json(serde_json::to_value(self.controllers())),
+            Request::Disconnect { cntlid, host } => match self.disconnect(cntlid, host, uid) {
+                Ok(v) => Response::data(v),
+                Err(e) => Response::error(e),
+            },
+            Request::Reload {} => {
+                info!(self.log, "reload requested"; "by_uid" => uid);
+                Self::changed(self.reload(registry))
+            }
             Request::DebugStallReactor { reactor, ms } => {
                 if !self.test_hooks {
                     return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));
@@ -492,7 +569,79 @@ impl Daemon {
                     Err(e) => Response::error(e),
                 }
             }
+            change => match change.edits() {
+                Some((edits, resize)) => Self::changed(self.change(registry, &edits, resize, uid)),
+                None => Response::error("not a change"),
+            },
         }
+    }
+
+    /// The answer to a change: what it did, or why it was refused.
+    fn changed(r: Result<Vec<String>, String>) -> Response {
+        match r {
+            Ok(what) => Response::data(serde_json::json!({ "changes": what })),
+            Err(e) => Response::error(e),
+        }
+    }
+
+    /// Live controllers, for `nvmfctl controllers`.
+    fn controllers(&self) -> Vec<ControllerStatus> {
+        let Some(t) = &self.target else {
+            return Vec::new();
+        };
+        let mut out: Vec<ControllerStatus> = t
+            .controllers()
+            .iter()
+            .filter(|c| !c.is_dead())
+            .map(|c| {
+                let q = c.queues();
+                ControllerStatus {
+                    cntlid: c.cntlid,
+                    subsystem: c.subnqn.clone(),
+                    host: c.hostnqn.clone(),
+                    host_address: q.first().and_then(|q| q.peer.clone()),
+                    keep_alive_ms: u64::try_from(c.kato().as_millis()).unwrap_or(u64::MAX),
+                    queues: q
+                        .iter()
+                        .map(|q| QueueStatus {
+                            qid: q.qid,
+                            depth: q.depth,
+                            commands: q.commands,
+                        })
+                        .collect(),
+                    commands: q.iter().map(|q| q.commands).sum(),
+                }
+            })
+            .collect();
+        out.sort_by_key(|c| c.cntlid);
+        out
+    }
+
+    /// Ends controller `cntlid`, or every controller of `host`.
+    fn disconnect(
+        &mut self,
+        cntlid: Option<u16>,
+        host: Option<String>,
+        uid: Option<u32>,
+    ) -> Result<serde_json::Value, String> {
+        let t = self.target.clone().ok_or("the daemon is not serving yet")?;
+        let ended: Vec<u16> = match (cntlid, host) {
+            (Some(id), None) => t
+                .disconnect_controller(id)
+                .map(|c| vec![c.cntlid])
+                .ok_or_else(|| format!("no controller {id}"))?,
+            (None, Some(h)) => {
+                let v: Vec<u16> = t.disconnect_host(&h).iter().map(|c| c.cntlid).collect();
+                if v.is_empty() {
+                    return Err(format!("host {h} has no controller"));
+                }
+                v
+            }
+            _ => return Err("give either a controller ID or a host NQN".into()),
+        };
+        info!(self.log, "controllers disconnected by request"; "by_uid" => uid, "cntlids" => ?ended);
+        self.tell_reactors(|| ReactorCmd::PollEvents);
+        Ok(serde_json::json!({ "disconnected": ended }))
     }
 
     fn status(&self) -> Status {
@@ -514,7 +663,13 @@ impl Daemon {
                     stalled: r.shared.counters.stalled.load(Ordering::Relaxed),
                 })
                 .collect(),
-            listeners: self.listeners.clone(),
+            listeners: self
+                .listeners
+                .iter()
+                .zip(&self.listener_slots)
+                .filter(|(_, slot)| slot.is_some())
+                .map(|(l, _)| l.clone())
+                .collect(),
             subsystems: self
                 .cfg
                 .subsystems
@@ -553,6 +708,7 @@ impl Daemon {
                 .iter()
                 .zip(&self.cm)
                 .enumerate()
+                .filter(|(i, _)| self.listener_slots.get(*i).is_some_and(Option::is_some))
                 .map(|(i, (st, c))| ListenerStats {
                     id: i,
                     address: format!("{}:{}", st.address, st.port),

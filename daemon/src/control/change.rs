@@ -1,0 +1,516 @@
+//! Changes while the daemon serves: admin requests and SIGHUP both end in a new configuration
+//! (the file's text, edited with `toml_edit` for a request, re-read for SIGHUP), validated as a
+//! configuration file is, and the difference with the one in force applied in two steps:
+//! everything that can fail first (devices opened and attached on every reactor, listeners
+//! listening, the file written, sizes changed), undone if any step fails, then what cannot
+//! fail (the target's subsystems replaced, controllers that lost their subsystem or their
+//! access ended, devices of removed namespaces let go, listeners removed). Connections of
+//! subsystems and listeners the change does not name are not touched.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::mpsc;
+
+use nvmfd_blockdev::Device as BlockDevice;
+use nvmfd_config::{Edit, Listener, Namespace as CfgNamespace, Subsystem as CfgSubsystem};
+
+use super::*;
+use crate::serve::NamespaceStatus;
+
+/// How long a reactor has to attach a namespace's device before the change is given up.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where the configuration in force came from, and its text (what edits apply to).
+#[derive(Debug)]
+pub(super) struct Source {
+    /// The configuration file, written back after each change made by a request.
+    pub(super) path: Option<PathBuf>,
+    /// Its text as last read or written.
+    pub(super) text: String,
+    /// What validation checks the cores against.
+    pub(super) facts: nvmfd_config::SystemFacts,
+}
+
+/// A namespace's size to change, beyond what the configuration says: `None` re-reads the
+/// backend's own size (a file or device grown outside nvmfd).
+pub(super) type Resize = (String, u32, Option<u64>);
+
+/// What a change does, worked out from the configurations before and after.
+#[derive(Debug, Default)]
+struct Plan {
+    listeners_added: Vec<Listener>,
+    listeners_removed: Vec<usize>,
+    subsystems_added: Vec<CfgSubsystem>,
+    subsystems_removed: Vec<String>,
+    /// Subsystems in both, as they are after.
+    subsystems_kept: Vec<CfgSubsystem>,
+    /// Namespaces to open: (subsystem NQN, namespace).
+    namespaces_added: Vec<(String, CfgNamespace)>,
+    namespaces_removed: Vec<(String, u32)>,
+    resizes: Vec<Resize>,
+}
+
+fn same_listener(a: &Listener, b: &Listener) -> bool {
+    a.address == b.address && a.port == b.port && a.provider == b.provider
+}
+
+impl Daemon {
+    /// The difference between the configuration in force and `new`.
+    fn plan(&self, new: &Config, resizes: Vec<Resize>) -> Result<Plan, String> {
+        let old = &self.cfg;
+        if new.daemon != old.daemon {
+            return Err("the [daemon] section changes only with a restart".into());
+        }
+        if new.transport != old.transport {
+            return Err("the [transport] section changes only with a restart".into());
+        }
+        let mut p = Plan {
+            resizes,
+            ..Plan::default()
+        };
+        for (i, l) in self.listener_slots.iter().enumerate() {
+            if let Some(l) = l {
+                if !new.listeners.iter().any(|n| same_listener(n, l)) {
+                    p.listeners_removed.push(i);
+                }
+            }
+        }
+        for l in &new.listeners {
+            if !self.listener_slots.iter().flatten().any(|o| same_listener(o, l)) {
+                p.listeners_added.push(l.clone());
+            }
+        }
+        for s in &old.subsystems {
+            if !new.subsystems.iter().any(|n| n.nqn == s.nqn) {
+                p.subsystems_removed.push(s.nqn.clone());
+            }
+        }
+        for s in &new.subsystems {
+            let Some(o) = old.subsystems.iter().find(|o| o.nqn == s.nqn) else {
+                p.subsystems_added.push(s.clone());
+                for ns in &s.namespaces {
+                    p.namespaces_added.push((s.nqn.clone(), ns.clone()));
+                }
+                continue;
+            };
+            for ons in &o.namespaces {
+                match s.namespaces.iter().find(|n| n.nsid == ons.nsid) {
+                    None => p.namespaces_removed.push((s.nqn.clone(), ons.nsid)),
+                    Some(n) if n == ons => {}
+                    Some(n) if (CfgNamespace { size: ons.size, ..n.clone() }) == *ons => {
+                        let size = n.size.map(|b| b.0);
+                        if !p.resizes.iter().any(|r| (&r.0, r.1) == (&s.nqn, n.nsid)) {
+                            p.resizes.push((s.nqn.clone(), n.nsid, size));
+                        }
+                    }
+                    Some(_) => {
+                        return Err(format!(
+                            "namespace {} of {} changed more than its size: remove it and add it again",
+                            ons.nsid, s.nqn
+                        ))
+                    }
+                }
+            }
+            for n in &s.namespaces {
+                if !o.namespaces.iter().any(|x| x.nsid == n.nsid) {
+                    p.namespaces_added.push((s.nqn.clone(), n.clone()));
+                }
+            }
+            p.subsystems_kept.push(s.clone());
+        }
+        for (nqn, nsid, _) in &p.resizes {
+            if !self.devices.contains_key(&(nqn.clone(), *nsid)) {
+                return Err(format!("subsystem {nqn} serves no namespace {nsid}"));
+            }
+        }
+        Ok(p)
+    }
+
+    /// Validates configuration text as the file would be, with every error on a line of its
+    /// own (`key: message`).
+    fn validate(&self, text: &str) -> Result<Config, String> {
+        Config::parse(text, &self.source.facts).map_err(|errs| {
+            errs.0
+                .iter()
+                .map(|e| format!("{}: {}", e.key, e.message))
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
+    /// An admin request's change: `edits` applied to the file's text, validated, applied and
+    /// written back; `resize`, a namespace's size changed beyond what the file says.
+    pub(super) fn change(
+        &mut self,
+        registry: &Registry,
+        edits: &[Edit],
+        resize: Option<Resize>,
+        uid: Option<u32>,
+    ) -> Result<Vec<String>, String> {
+        let mut doc = nvmfd_config::document(&self.source.text)?;
+        for e in edits {
+            e.apply(&mut doc)?;
+        }
+        let text = doc.to_string();
+        let new = self.validate(&text)?;
+        let done = self.apply(registry, new, text, true, resize.into_iter().collect());
+        match &done {
+            Ok(what) => info!(self.log, "configuration changed"; "by_uid" => uid, "changes" => what.join("; ")),
+            Err(e) => warn!(self.log, "configuration change refused"; "by_uid" => uid, "error" => e),
+        }
+        done
+    }
+
+    /// SIGHUP (or a `reload` request): the file is read again and its difference with the
+    /// configuration in force applied; an invalid file changes nothing.
+    pub(super) fn reload(&mut self, registry: &Registry) -> Result<Vec<String>, String> {
+        let path = self
+            .source
+            .path
+            .clone()
+            .ok_or("the daemon was started without a configuration file")?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let new = self.validate(&text)?;
+        self.apply(registry, new, text, false, Vec::new())
+    }
+
+    /// Applies the difference between the configuration in force and `new` (whose text is
+    /// `text`, written to the file when `persist`). Entirely, or not at all.
+    fn apply(
+        &mut self,
+        registry: &Registry,
+        new: Config,
+        text: String,
+        persist: bool,
+        resizes: Vec<Resize>,
+    ) -> Result<Vec<String>, String> {
+        let target = self.target.clone().ok_or("the daemon is not serving yet")?;
+        let plan = self.plan(&new, resizes)?;
+        // 1. Devices of new namespaces, opened and attached on every reactor.
+        let mut ids: BTreeMap<String, u64> = BTreeMap::new();
+        for s in &plan.subsystems_added {
+            ids.insert(s.nqn.clone(), target.reserve_subsystem_id());
+        }
+        for s in &plan.subsystems_kept {
+            let id = target.subsystem(&s.nqn).map_or(0, |x| x.id);
+            ids.insert(s.nqn.clone(), id);
+        }
+        let mut opened: Vec<(String, u32, Arc<BlockDevice>)> = Vec::new();
+        let undo_attach = |d: &Daemon, opened: &[(String, u32, Arc<BlockDevice>)]| {
+            for (nqn, nsid, _) in opened {
+                let sub = ids.get(nqn).copied().unwrap_or(0);
+                let nsid = *nsid;
+                d.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
+            }
+        };
+        for (nqn, ns) in &plan.namespaces_added {
+            let sub = ids.get(nqn).copied().unwrap_or(0);
+            let attached = BlockDevice::open(&crate::serve::device_spec(ns))
+                .map_err(|e| format!("subsystem {nqn} namespace {}: {e}", ns.nsid))
+                .and_then(|dev| {
+                    self.attach_everywhere(sub, ns.nsid, &dev)?;
+                    Ok(dev)
+                });
+            match attached {
+                Ok(dev) => opened.push((nqn.clone(), ns.nsid, dev)),
+                Err(e) => {
+                    // This one attached nowhere (`attach_everywhere` undoes its own).
+                    undo_attach(self, &opened);
+                    return Err(e);
+                }
+            }
+        }
+        // 2. New listeners.
+        let mut added_slots = Vec::new();
+        for l in &plan.listeners_added {
+            match self.add_listener(registry, l) {
+                Ok(i) => added_slots.push(i),
+                Err(e) => {
+                    for &i in added_slots.iter().rev() {
+                        self.remove_listener(registry, i);
+                    }
+                    undo_attach(self, &opened);
+                    return Err(e);
+                }
+            }
+        }
+        let undo = |d: &mut Daemon, opened: &[(String, u32, Arc<BlockDevice>)]| {
+            for &i in added_slots.iter().rev() {
+                d.remove_listener(registry, i);
+            }
+            undo_attach(d, opened);
+        };
+        // 3. The file.
+        let old_text = std::mem::take(&mut self.source.text);
+        if persist {
+            if let Err(e) = self.write_config(&text) {
+                self.source.text = old_text;
+                undo(self, &opened);
+                return Err(e);
+            }
+        }
+        // 4. Sizes.
+        for (nqn, nsid, size) in &plan.resizes {
+            let r = self
+                .devices
+                .get(&(nqn.clone(), *nsid))
+                .map(|d| d.resize(*size));
+            if let Some(Err(e)) = r {
+                if persist {
+                    let _ = self.write_config(&old_text);
+                }
+                self.source.text = old_text;
+                undo(self, &opened);
+                return Err(format!("subsystem {nqn} namespace {nsid}: cannot resize: {e}"));
+            }
+        }
+        // Nothing below fails.
+        let mut what = Vec::new();
+        for (nqn, nsid, dev) in opened {
+            what.push(format!("namespace {nsid} of {nqn} added ({} bytes)", dev.size()));
+            self.devices.insert((nqn, nsid), dev);
+        }
+        for nqn in &plan.subsystems_removed {
+            if let Ok((gone, ended)) = target.remove_subsystem(nqn) {
+                what.push(format!(
+                    "subsystem {nqn} removed ({} controllers ended)",
+                    ended.len()
+                ));
+                for n in &gone.namespaces {
+                    self.let_go(gone.id, nqn, n.nsid);
+                }
+            }
+        }
+        for s in &plan.subsystems_added {
+            let sub = crate::serve::subsystem(s, self.served_namespaces(s));
+            let id = ids.get(&s.nqn).copied().unwrap_or(0);
+            if target.add_subsystem_with_id(sub, id).is_ok() {
+                what.push(format!("subsystem {} added", s.nqn));
+            }
+        }
+        for s in &plan.subsystems_kept {
+            let sub = crate::serve::subsystem(s, self.served_namespaces(s));
+            if let Ok(ended) = target.replace_subsystem(sub) {
+                if !ended.is_empty() {
+                    what.push(format!(
+                        "{} controllers of {} ended: their host is no longer allowed",
+                        ended.len(),
+                        s.nqn
+                    ));
+                }
+            }
+        }
+        let old_cfg = std::mem::replace(&mut self.cfg, new);
+        for (nqn, nsid) in &plan.namespaces_removed {
+            let id = ids.get(nqn).copied().unwrap_or(0);
+            self.let_go(id, nqn, *nsid);
+            what.push(format!("namespace {nsid} of {nqn} removed"));
+        }
+        for (nqn, nsid, _) in &plan.resizes {
+            if let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) {
+                what.push(format!("namespace {nsid} of {nqn} resized to {} bytes", d.size()));
+            }
+        }
+        for &i in &plan.listeners_removed {
+            if let Some(Some(l)) = self.listener_slots.get(i) {
+                what.push(format!(
+                    "listener {} removed",
+                    nvmfd_config::sockaddr(l.address, l.port)
+                ));
+            }
+            self.remove_listener(registry, i);
+        }
+        for l in &plan.listeners_added {
+            what.push(format!(
+                "listener {} added",
+                nvmfd_config::sockaddr(l.address, l.port)
+            ));
+        }
+        if old_cfg.subsystems.iter().zip(&self.cfg.subsystems).any(|(a, b)| {
+            a.nqn == b.nqn && (a.hosts != b.hosts || a.allow_any_host != b.allow_any_host)
+        }) {
+            what.push("allowed hosts changed".into());
+        }
+        self.source.text = text;
+        self.refresh_ports(&target);
+        self.refresh_namespace_status();
+        // Held AERs complete with the events raised; ended controllers close now.
+        self.tell_reactors(|| ReactorCmd::PollEvents);
+        self.notifier.status(&self.status_line());
+        if what.is_empty() {
+            what.push("nothing changed".into());
+        }
+        Ok(what)
+    }
+
+    /// The namespaces of `s` that have a device, as the core sees them now.
+    fn served_namespaces(&self, s: &CfgSubsystem) -> Vec<nvmfd_nvme::Namespace> {
+        s.namespaces
+            .iter()
+            .filter_map(|ns| {
+                let dev = self.devices.get(&(s.nqn.clone(), ns.nsid))?;
+                Some(crate::serve::namespace(ns, dev))
+            })
+            .collect()
+    }
+
+    /// Namespace `nsid` of subsystem `nqn` (ID `sub`) is no longer served: every reactor
+    /// lets its device go once its operations in flight have completed.
+    fn let_go(&mut self, sub: u64, nqn: &str, nsid: u32) {
+        self.devices.remove(&(nqn.to_owned(), nsid));
+        self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
+    }
+
+    /// Attaches `dev` on every reactor, waiting for each; on a failure, detaches it again.
+    fn attach_everywhere(&self, sub: u64, nsid: u32, dev: &Arc<BlockDevice>) -> Result<(), String> {
+        let (tx, rx) = mpsc::channel();
+        self.tell_reactors(|| ReactorCmd::AttachNamespace {
+            sub,
+            nsid,
+            dev: Arc::clone(dev),
+            done: tx.clone(),
+        });
+        drop(tx);
+        let deadline = Instant::now() + ATTACH_TIMEOUT;
+        let mut failed = None;
+        for _ in 0..self.inboxes.len() {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failed = Some(e),
+                Err(_) => {
+                    failed = Some("a reactor did not attach the device in time".into());
+                    break;
+                }
+            }
+        }
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
+                Err(format!("namespace {nsid}: {e}"))
+            }
+        }
+    }
+
+    /// Writes the configuration file: a new file beside it, synced, renamed over it.
+    fn write_config(&self, text: &str) -> Result<(), String> {
+        let Some(path) = &self.source.path else {
+            return Ok(());
+        };
+        let tmp = path.with_extension("toml.new");
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp)?;
+            if let Ok(meta) = std::fs::metadata(path) {
+                f.set_permissions(meta.permissions())?;
+            }
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)?;
+            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+            std::fs::File::open(dir.unwrap_or(std::path::Path::new(".")))?.sync_all()?;
+            Ok(())
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("cannot write the configuration to {}: {e}", path.display())
+        })
+    }
+
+    /// The discovery log's ports: the listeners in force.
+    fn refresh_ports(&self, target: &Target) {
+        let ports = self
+            .listener_slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| Some(crate::serve::port(l.as_ref()?, i)))
+            .collect();
+        target.set_ports(ports);
+    }
+
+    /// `status`'s namespaces: those of the configuration in force, served or why not.
+    fn refresh_namespace_status(&mut self) {
+        let mut out = Vec::new();
+        for s in &self.cfg.subsystems {
+            for ns in &s.namespaces {
+                let backend = format!("{:?}", ns.backend).to_ascii_lowercase();
+                let dev = self.devices.get(&(s.nqn.clone(), ns.nsid));
+                let earlier = self
+                    .namespaces
+                    .iter()
+                    .find(|n| n.subsystem == s.nqn && n.nsid == ns.nsid)
+                    .and_then(|n| n.reason.clone());
+                out.push(NamespaceStatus {
+                    subsystem: s.nqn.clone(),
+                    nsid: ns.nsid,
+                    backend,
+                    size: dev.map_or(0, |d| d.size()),
+                    serving: dev.is_some(),
+                    reason: if dev.is_some() { None } else { earlier },
+                });
+            }
+        }
+        self.namespaces = out;
+    }
+
+    /// Adds a listener in a new slot and listens; the reactors build their data paths on its
+    /// device. Returns the slot.
+    fn add_listener(&mut self, registry: &Registry, l: &Listener) -> Result<usize, String> {
+        let i = self.cm.len();
+        self.cm.push(listeners::Listening::default());
+        self.listener_slots.push(Some(l.clone()));
+        if let Err(e) = self.listen(registry, i) {
+            if let Some(mut c) = self.cm.pop() {
+                if let Some(ch) = c.channel.take() {
+                    let _ = registry.deregister(&mut mio::unix::SourceFd(&ch.fd()));
+                }
+            }
+            self.listener_slots.pop();
+            return Err(format!(
+                "listener {}: {e}",
+                nvmfd_config::sockaddr(l.address, l.port)
+            ));
+        }
+        self.listeners.push(ListenerStatus {
+            address: l.address.to_string(),
+            port: l.port,
+            provider: l.provider.to_string(),
+            serving: true,
+            reason: None,
+        });
+        if let Some(dev) = self.cm[i].device.clone() {
+            self.tell_reactors(|| ReactorCmd::AddPath {
+                listener: i,
+                device: dev.clone(),
+            });
+        }
+        info!(self.log, "listening"; "address" => %l.address, "port" => l.port, "provider" => %l.provider);
+        Ok(i)
+    }
+
+    /// Stops listener `i`: no new connection, and every reactor tears its connections on the
+    /// listener down. Its CM channel stays (the IDs of those connections need it until they
+    /// are destroyed); the slot stays empty.
+    fn remove_listener(&mut self, _registry: &Registry, i: usize) {
+        let Some(slot) = self.listener_slots.get_mut(i) else {
+            return;
+        };
+        let Some(l) = slot.take() else { return };
+        if let Some(c) = self.cm.get_mut(i) {
+            c.id = None;
+            c.device = None;
+            c.retiring = None;
+            c.relisten_at = None;
+        }
+        if let Some(st) = self.listeners.get_mut(i) {
+            st.serving = false;
+            st.reason = Some(REMOVED.into());
+        }
+        self.tell_reactors(|| ReactorCmd::RemoveDevice { listener: i });
+        info!(self.log, "listener removed: its connections are torn down"; "address" => %l.address, "port" => l.port);
+    }
+}
+
+/// A removed listener's `reason` (such slots are left out of `status` and `stats`).
+pub(super) const REMOVED: &str = "removed";
