@@ -37,7 +37,9 @@ pub enum Edit {
 /// Serialises `v` as a TOML table.
 fn table_of<T: serde::Serialize>(v: &T) -> Result<Table, String> {
     let text = toml::to_string(v).map_err(|e| e.to_string())?;
-    let doc: DocumentMut = text.parse().map_err(|e: toml_edit::TomlError| e.to_string())?;
+    let doc: DocumentMut = text
+        .parse()
+        .map_err(|e: toml_edit::TomlError| e.to_string())?;
     Ok(doc.as_table().clone())
 }
 
@@ -111,7 +113,9 @@ impl Edit {
                 let a = array(subsystem(doc, nqn)?, "namespace")?;
                 let i = a
                     .iter()
-                    .position(|t| t.get("nsid").and_then(Item::as_integer) == Some(i64::from(*nsid)))
+                    .position(|t| {
+                        t.get("nsid").and_then(Item::as_integer) == Some(i64::from(*nsid))
+                    })
                     .ok_or_else(|| format!("subsystem {nqn} has no namespace {nsid}"))?;
                 a.remove(i);
             }
@@ -126,7 +130,13 @@ impl Edit {
                 }
             }
             Edit::AddHost(nqn, host) => {
-                let h = hosts(subsystem(doc, nqn)?)?;
+                // A listed host makes the subsystem admit only its listed hosts (the file
+                // cannot have both).
+                let t = subsystem(doc, nqn)?;
+                if t.get("allow_any_host").and_then(Item::as_bool) == Some(true) {
+                    t["allow_any_host"] = toml_edit::value(false);
+                }
+                let h = hosts(t)?;
                 if h.iter().any(|v| v.as_str() == Some(host)) {
                     return Err(format!("host {host} is already allowed on {nqn}"));
                 }
@@ -141,7 +151,12 @@ impl Edit {
                 h.remove(i);
             }
             Edit::AllowAnyHost(nqn, allow) => {
-                subsystem(doc, nqn)?["allow_any_host"] = toml_edit::value(*allow);
+                let t = subsystem(doc, nqn)?;
+                t["allow_any_host"] = toml_edit::value(*allow);
+                // Every host admitted: the list has no meaning left.
+                if *allow {
+                    t.remove("hosts");
+                }
             }
             Edit::AddListener(l) => {
                 array(doc.as_table_mut(), "listener")?.push(table_of(l)?);
@@ -152,8 +167,7 @@ impl Edit {
                     .iter()
                     .position(|t| {
                         let p = t.get("port").and_then(Item::as_integer).unwrap_or(4420);
-                        str_of(t, "address").and_then(|s| s.parse::<IpAddr>().ok())
-                            == Some(*addr)
+                        str_of(t, "address").and_then(|s| s.parse::<IpAddr>().ok()) == Some(*addr)
                             && p == i64::from(*port)
                     })
                     .ok_or_else(|| format!("no listener {}", sockaddr(*addr, *port)))?;

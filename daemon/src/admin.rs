@@ -201,9 +201,7 @@ impl Request {
                 one(Edit::AllowAnyHost(subsystem.clone(), *allow))
             }
             Request::AddListener { listener } => one(Edit::AddListener(listener.clone())),
-            Request::RemoveListener { address, port } => {
-                one(Edit::RemoveListener(*address, *port))
-            }
+            Request::RemoveListener { address, port } => one(Edit::RemoveListener(*address, *port)),
             _ => None,
         }
     }

@@ -40,6 +40,9 @@ pub struct RdmaQueue {
     in_capsule: u32,
     /// Keyed transfers go as a list of this many descriptors (1: one keyed descriptor).
     pieces: u32,
+    /// Completions of commands other than the one waited for (those sent with
+    /// [`RdmaQueue::post`], such as Asynchronous Event Requests), in arrival order.
+    others: Vec<Cqe>,
     _pd: Pd,
 }
 
@@ -155,8 +158,75 @@ impl RdmaQueue {
             data,
             in_capsule,
             pieces: opts.pieces,
+            others: Vec::new(),
             _pd: pd,
         })
+    }
+
+    /// Sends a command without data and does not wait for its completion (an Asynchronous
+    /// Event Request): it is found later in [`RdmaQueue::take_others`].
+    pub fn post(&mut self, mut sqe: Sqe) -> Result<(), HostError> {
+        sqe.dptr = SglDesc::keyed(0, 0, 0, false);
+        self.cmd.write(0, sqe.as_bytes());
+        let capsule = [self.cmd.sge(0, 64)];
+        self.id
+            .post_send(&[SendWr {
+                wr_id: 1 << 32,
+                op: SendOp::Send,
+                sges: &capsule,
+                signaled: true,
+                inline: false,
+            }])
+            .map_err(transport)?;
+        // The command buffer is the next command's: wait until this one is sent.
+        let end = Instant::now() + COMMAND_TIMEOUT;
+        let mut wc = [Wc::default(); 8];
+        loop {
+            if Instant::now() > end {
+                return Err(HostError::Timeout("the command's send"));
+            }
+            let n = self.cq.poll(&mut wc).map_err(transport)?;
+            let mut sent = false;
+            for c in &wc[..n] {
+                if c.status != WcStatus::Success {
+                    return Err(HostError::Transport(format!(
+                        "work completion {:?}",
+                        c.status
+                    )));
+                }
+                if c.opcode == WcOpcode::Recv {
+                    let got = self.response(c.wr_id)?;
+                    self.others.push(got);
+                } else {
+                    sent = true;
+                }
+            }
+            if sent {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// The response in receive `wr_id`, which goes back to the SRQ.
+    fn response(&mut self, wr_id: u64) -> Result<Cqe, HostError> {
+        let slot = usize::try_from(wr_id).unwrap_or(0);
+        let mut b = [0u8; 16];
+        self.resp.read(slot * 16, &mut b);
+        let got: Cqe =
+            wire::read(&b).ok_or_else(|| HostError::Protocol("short response".into()))?;
+        self.srq
+            .post_recv(&[RecvWr {
+                wr_id,
+                sges: &[self.resp.sge(slot * 16, 16)],
+            }])
+            .map_err(transport)?;
+        Ok(got)
+    }
+
+    /// The completions that arrived for commands other than those waited for.
+    pub fn take_others(&mut self) -> Vec<Cqe> {
+        std::mem::take(&mut self.others)
     }
 
     /// Disconnects.
@@ -317,19 +387,11 @@ impl HostTransport for RdmaQueue {
                     )));
                 }
                 if c.opcode == WcOpcode::Recv {
-                    let slot = usize::try_from(c.wr_id).unwrap_or(0);
-                    let mut b = [0u8; 16];
-                    self.resp.read(slot * 16, &mut b);
-                    let got: Cqe = wire::read(&b)
-                        .ok_or_else(|| HostError::Protocol("short response".into()))?;
-                    self.srq
-                        .post_recv(&[RecvWr {
-                            wr_id: c.wr_id,
-                            sges: &[self.resp.sge(slot * 16, 16)],
-                        }])
-                        .map_err(transport)?;
+                    let got = self.response(c.wr_id)?;
                     if got.cid.get() == cid {
                         cqe = Some(got);
+                    } else {
+                        self.others.push(got);
                     }
                 } else {
                     sent = true;

@@ -25,6 +25,5 @@ pub use queue::{
 };
 pub use target::{
     ChangeError, Controller, EndReason, Limits, Namespace, Port, QueueInfo, QueueStats, Subsystem,
-    Subsystems, Target,
-    DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION,
+    Subsystems, Target, DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION,
 };

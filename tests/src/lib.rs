@@ -167,7 +167,8 @@ size = "64MiB"
 pub struct Options {
     /// Lines added to `[daemon]` (ignored when `config` is set).
     pub extra_daemon: String,
-    /// The whole configuration, instead of `test_config`.
+    /// The whole configuration, instead of `test_config` (`@DIR@` in it: the daemon's
+    /// directory, where its admin socket must be).
     pub config: Option<String>,
     /// Text replacements applied to `test_config`'s output.
     pub replace: Vec<(String, String)>,
@@ -226,7 +227,12 @@ impl Daemon {
             .prefix("nvmfd-e2e")
             .tempdir()
             .expect("tempdir");
-        let config = opts.config.clone().unwrap_or_else(|| {
+        // `@DIR@` in a given configuration names the daemon's directory (its socket's).
+        let given = opts
+            .config
+            .as_ref()
+            .map(|c| c.replace("@DIR@", &dir.path().display().to_string()));
+        let config = given.unwrap_or_else(|| {
             let mut c = test_config(dir.path(), &opts.extra_daemon);
             for (from, to) in &opts.replace {
                 assert!(

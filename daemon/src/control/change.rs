@@ -76,7 +76,12 @@ impl Daemon {
             }
         }
         for l in &new.listeners {
-            if !self.listener_slots.iter().flatten().any(|o| same_listener(o, l)) {
+            if !self
+                .listener_slots
+                .iter()
+                .flatten()
+                .any(|o| same_listener(o, l))
+            {
                 p.listeners_added.push(l.clone());
             }
         }
@@ -97,18 +102,21 @@ impl Daemon {
                 match s.namespaces.iter().find(|n| n.nsid == ons.nsid) {
                     None => p.namespaces_removed.push((s.nqn.clone(), ons.nsid)),
                     Some(n) if n == ons => {}
-                    Some(n) if (CfgNamespace { size: ons.size, ..n.clone() }) == *ons => {
+                    Some(n)
+                        if (CfgNamespace {
+                            size: ons.size,
+                            ..n.clone()
+                        }) == *ons =>
+                    {
                         let size = n.size.map(|b| b.0);
                         if !p.resizes.iter().any(|r| (&r.0, r.1) == (&s.nqn, n.nsid)) {
                             p.resizes.push((s.nqn.clone(), n.nsid, size));
                         }
                     }
-                    Some(_) => {
-                        return Err(format!(
-                            "namespace {} of {} changed more than its size: remove it and add it again",
-                            ons.nsid, s.nqn
-                        ))
-                    }
+                    Some(_) => return Err(format!(
+                        "namespace {} of {} changed more than its size: remove it and add it again",
+                        ons.nsid, s.nqn
+                    )),
                 }
             }
             for n in &s.namespaces {
@@ -155,8 +163,12 @@ impl Daemon {
         let new = self.validate(&text)?;
         let done = self.apply(registry, new, text, true, resize.into_iter().collect());
         match &done {
-            Ok(what) => info!(self.log, "configuration changed"; "by_uid" => uid, "changes" => what.join("; ")),
-            Err(e) => warn!(self.log, "configuration change refused"; "by_uid" => uid, "error" => e),
+            Ok(what) => {
+                info!(self.log, "configuration changed"; "by_uid" => uid, "changes" => what.join("; "))
+            }
+            Err(e) => {
+                warn!(self.log, "configuration change refused"; "by_uid" => uid, "error" => e)
+            }
         }
         done
     }
@@ -262,13 +274,18 @@ impl Daemon {
                 }
                 self.source.text = old_text;
                 undo(self, &opened);
-                return Err(format!("subsystem {nqn} namespace {nsid}: cannot resize: {e}"));
+                return Err(format!(
+                    "subsystem {nqn} namespace {nsid}: cannot resize: {e}"
+                ));
             }
         }
         // Nothing below fails.
         let mut what = Vec::new();
         for (nqn, nsid, dev) in opened {
-            what.push(format!("namespace {nsid} of {nqn} added ({} bytes)", dev.size()));
+            what.push(format!(
+                "namespace {nsid} of {nqn} added ({} bytes)",
+                dev.size()
+            ));
             self.devices.insert((nqn, nsid), dev);
         }
         for nqn in &plan.subsystems_removed {
@@ -309,7 +326,10 @@ impl Daemon {
         }
         for (nqn, nsid, _) in &plan.resizes {
             if let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) {
-                what.push(format!("namespace {nsid} of {nqn} resized to {} bytes", d.size()));
+                what.push(format!(
+                    "namespace {nsid} of {nqn} resized to {} bytes",
+                    d.size()
+                ));
             }
         }
         for &i in &plan.listeners_removed {
@@ -327,9 +347,14 @@ impl Daemon {
                 nvmfd_config::sockaddr(l.address, l.port)
             ));
         }
-        if old_cfg.subsystems.iter().zip(&self.cfg.subsystems).any(|(a, b)| {
-            a.nqn == b.nqn && (a.hosts != b.hosts || a.allow_any_host != b.allow_any_host)
-        }) {
+        if old_cfg
+            .subsystems
+            .iter()
+            .zip(&self.cfg.subsystems)
+            .any(|(a, b)| {
+                a.nqn == b.nqn && (a.hosts != b.hosts || a.allow_any_host != b.allow_any_host)
+            })
+        {
             what.push("allowed hosts changed".into());
         }
         self.source.text = text;

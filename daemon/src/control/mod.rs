@@ -444,8 +444,12 @@ impl Daemon {
                     for sig in signals.pending() {
                         if sig == SIGHUP {
                             match self.reload(poll.registry()) {
-                                Ok(what) => info!(self.log, "SIGHUP: configuration reloaded"; "changes" => what.join("; ")),
-                                Err(e) => error!(self.log, "SIGHUP: configuration not reloaded, nothing changed"; "error" => e),
+                                Ok(what) => {
+                                    info!(self.log, "SIGHUP: configuration reloaded"; "changes" => what.join("; "))
+                                }
+                                Err(e) => {
+                                    error!(self.log, "SIGHUP: configuration not reloaded, nothing changed"; "error" => e)
+                                }
                             }
                         } else {
                             info!(self.log, "termination signal"; "signal" => sig);

@@ -254,11 +254,7 @@ impl DataPath {
             )
         }
         .map_err(verr)?;
-        let mut engine = Engine::new(
-            cfg.requests,
-            MAX_ATTACHED,
-            std::slice::from_ref(&pool),
-        )?;
+        let mut engine = Engine::new(cfg.requests, MAX_ATTACHED, std::slice::from_ref(&pool))?;
         let mut devs = HashMap::default();
         for (sub, nsid, d) in namespaces {
             devs.insert((*sub, *nsid), engine.attach(d)?);
@@ -398,7 +394,8 @@ impl DataPath {
         }
         if !self.detaching.is_empty() {
             let engine = &mut self.engine;
-            self.detaching.retain(|&d| engine.detach(d).is_err_and(|e| e.is_backpressure()));
+            self.detaching
+                .retain(|&d| engine.detach(d).is_err_and(|e| e.is_backpressure()));
         }
         // Connections whose controller ended are closed.
         let mut dead = std::mem::take(&mut self.scratch_qpns);

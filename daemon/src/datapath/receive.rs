@@ -118,9 +118,7 @@ impl DataPath {
             if let Some(r) = self.reqs[i].as_mut() {
                 r.cqe = cqe;
             }
-            self.counters
-                .async_events
-                .fetch_add(1, Ordering::Relaxed);
+            self.counters.async_events.fetch_add(1, Ordering::Relaxed);
             self.wait_send(i);
         }
     }

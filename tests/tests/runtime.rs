@@ -1,0 +1,367 @@
+//! Changes while nvmfd serves, through its admin socket and SIGHUP: namespaces added, resized
+//! and removed are announced to a connected host (Asynchronous Event Requests completed over
+//! the soft provider's RDMA, the Changed Namespace List), a subsystem the change does not name
+//! keeps serving, the configuration file is written back with its comments, invalid changes
+//! are refused with the file's messages and change nothing, and controllers are listed and
+//! ended on request.
+
+use std::net::SocketAddr;
+
+use nvmf_host::RdmaQueue;
+use nvmfd_nvme::host::{AdminQueue, HostId, IoQueue};
+use nvmfd_nvme::wire::{self, Sqe};
+use nvmfd_nvme::NS_ATTR_CHANGED_EVENT;
+use nvmfd_rdma::any::cm::CmChannel;
+use nvmfd_rdma::soft::Fabric;
+use nvmfd_tests::{test_port, wait_for, Daemon, Options};
+use zerocopy::little_endian::U16;
+
+const A: &str = "nqn.2024-01.io.nvmfd.test:a";
+const B: &str = "nqn.2024-01.io.nvmfd.test:b";
+
+fn config(dir: &std::path::Path, port: u16) -> String {
+    format!(
+        r#"# kept: a comment at the top
+[daemon]
+reactor_cores = [0]
+admin_socket = "{}"
+
+[[listener]]
+address = "127.0.0.1"
+port = {port}
+provider = "soft"
+
+# subsystem A: the one that changes
+[[subsystem]]
+nqn = "{A}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+backend = "malloc"
+size = "8MiB"
+
+# subsystem B: never named by a change
+[[subsystem]]
+nqn = "{B}"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+backend = "malloc"
+size = "8MiB"
+"#,
+        dir.join("admin.sock").display()
+    )
+}
+
+fn start() -> (Daemon, SocketAddr) {
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        ..Options::default()
+    });
+    (d, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+fn host(n: u8) -> HostId {
+    HostId {
+        nqn: format!("nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000{n:02x}"),
+        id: [n; 16],
+    }
+}
+
+fn queue(f: &Fabric, addr: SocketAddr, qid: u16) -> RdmaQueue {
+    let ch = CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(f).unwrap());
+    RdmaQueue::connect(ch, addr, qid, 31, 4096, 128 * 1024)
+        .unwrap_or_else(|e| panic!("connect queue {qid}: {e}"))
+}
+
+struct Host {
+    admin: AdminQueue<RdmaQueue>,
+    io: IoQueue<RdmaQueue>,
+    next_aer: u16,
+}
+
+impl Host {
+    fn connect(ip: &str, addr: SocketAddr, sub: &str, n: u8) -> Host {
+        let f = Fabric::networked();
+        f.add_device(ip.parse().unwrap()).unwrap();
+        let h = host(n);
+        let mut admin = AdminQueue::connect(queue(&f, addr, 0), &h, sub, 31, 0).unwrap();
+        admin.enable().unwrap();
+        admin.set_queue_count(1).unwrap();
+        // Asynchronous Event Configuration: Namespace Attribute Notices.
+        admin.set_feature(0x0B, 1 << 8).unwrap();
+        let io = IoQueue::connect(queue(&f, addr, 1), &h, sub, admin.cntlid, 1, 31).unwrap();
+        std::mem::forget(f);
+        Host {
+            admin,
+            io,
+            next_aer: 0xA000,
+        }
+    }
+
+    /// Sends an Asynchronous Event Request, which the target holds.
+    fn post_aer(&mut self) -> u16 {
+        let cid = self.next_aer;
+        self.next_aer += 1;
+        let sqe = Sqe {
+            opcode: 0x0C,
+            flags: 1 << 6,
+            cid: U16::new(cid),
+            ..wire::zeroed()
+        };
+        self.admin.transport().post(sqe).unwrap();
+        cid
+    }
+
+    /// Waits for the completion of AER `cid` (keep-alives make the host poll); returns dw0.
+    fn wait_aer(&mut self, cid: u16) -> u32 {
+        wait_for("the asynchronous event", || {
+            self.admin.keep_alive().unwrap();
+            let got = self.admin.transport().take_others();
+            got.iter().find(|c| c.cid.get() == cid).map(|c| {
+                assert_eq!(c.status.get() >> 1, 0, "AER status");
+                c.dw0.get()
+            })
+        })
+    }
+
+    /// The Changed Namespace List (read, so cleared).
+    fn changed(&mut self) -> Vec<u32> {
+        let page = self.admin.get_log_page(0x04, 0, 4096).unwrap();
+        page.chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .take_while(|&n| n != 0)
+            .collect()
+    }
+
+    fn blocks(&mut self, nsid: u32) -> u64 {
+        self.admin.identify_namespace(nsid).unwrap().nsze.get()
+    }
+
+    fn write_read(&mut self, nsid: u32, lba: u64, seed: u8) {
+        let data = vec![seed; 4096];
+        self.io.write(nsid, lba, 8, &data, false).unwrap();
+        let mut back = vec![0u8; 4096];
+        self.io.read(nsid, lba, 8, &mut back).unwrap();
+        assert!(back == data, "read back differs");
+    }
+}
+
+fn change(d: &Daemon, req: serde_json::Value) -> serde_json::Value {
+    let a = d.request(&req.to_string());
+    assert_eq!(a["ok"], true, "{req}: {a}\nlog:\n{}", d.log());
+    a["data"].clone()
+}
+
+fn refused(d: &Daemon, req: serde_json::Value) -> String {
+    let a = d.request(&req.to_string());
+    assert_eq!(a["ok"], false, "{req} was accepted: {a}");
+    a["error"].as_str().unwrap_or_default().to_owned()
+}
+
+fn config_text(d: &Daemon) -> String {
+    std::fs::read_to_string(d.dir.path().join("nvmfd.toml")).unwrap()
+}
+
+#[test]
+fn namespaces_added_resized_and_removed_are_announced_and_other_subsystems_never_notice() {
+    let (d, addr) = start();
+    let mut a = Host::connect("127.0.0.31", addr, A, 0x31);
+    let mut b = Host::connect("127.0.0.32", addr, B, 0x32);
+    b.write_read(1, 0, 0xB0);
+    let b_cntlid = b.admin.cntlid;
+
+    // Added: the held AER completes, the list names it, it serves I/O.
+    let aer = a.post_aer();
+    let done = change(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 2, "backend": "malloc", "size": "4MiB",
+                          "uuid": "6f3c1a52-6d7e-4d2a-9a51-0c6f0b1e2d3c"}}),
+    );
+    assert!(
+        done["changes"][0].as_str().unwrap().contains("namespace 2"),
+        "{done}"
+    );
+    assert_eq!(a.wait_aer(aer), NS_ATTR_CHANGED_EVENT);
+    assert_eq!(a.changed(), vec![2]);
+    assert_eq!(a.blocks(2), 4 << 11);
+    a.write_read(2, 8, 0xA2);
+    b.write_read(1, 8, 0xB1);
+
+    // Resized: announced again, the new capacity seen, the data kept.
+    let aer = a.post_aer();
+    change(
+        &d,
+        serde_json::json!({"request": "resize_namespace", "subsystem": A, "nsid": 2, "size": "2MiB"}),
+    );
+    assert_eq!(a.wait_aer(aer), NS_ATTR_CHANGED_EVENT);
+    assert_eq!(a.changed(), vec![2]);
+    assert_eq!(a.blocks(2), 2 << 11);
+    let mut back = vec![0u8; 4096];
+    a.io.read(2, 8, 8, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&x| x == 0xA2),
+        "data kept across the resize"
+    );
+    // Past the new end: LBA Out of Range.
+    let e = a.io.read(2, 4096, 8, &mut back).unwrap_err();
+    assert!(e.to_string().contains("sc 0x80"), "{e}");
+
+    // Removed: announced, inactive (a zeroed Identify), its I/O refused.
+    let aer = a.post_aer();
+    change(
+        &d,
+        serde_json::json!({"request": "remove_namespace", "subsystem": A, "nsid": 2}),
+    );
+    assert_eq!(a.wait_aer(aer), NS_ATTR_CHANGED_EVENT);
+    assert_eq!(a.changed(), vec![2]);
+    assert_eq!(a.blocks(2), 0);
+    let e = a.io.read(2, 0, 8, &mut back).unwrap_err();
+    assert!(e.to_string().contains("sc 0x0b"), "Invalid Namespace: {e}");
+    a.write_read(1, 0, 0xA1);
+
+    // B's controller is the one it had, and served throughout.
+    b.write_read(1, 16, 0xB2);
+    let ctrls = d.data("controllers");
+    let bc = ctrls
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["subsystem"] == B)
+        .unwrap_or_else(|| panic!("B's controller: {ctrls}"));
+    assert_eq!(bc["cntlid"], b_cntlid);
+    let qids: Vec<u64> = bc["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["qid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(qids, vec![0, 1], "{bc}");
+    assert_eq!(bc["queues"][1]["depth"], 32, "{bc}");
+    assert!(bc["commands"].as_u64().unwrap() >= 8, "{bc}");
+
+    // The file: its comments kept, namespace 2 gone again, valid.
+    let text = config_text(&d);
+    assert!(text.contains("# kept: a comment at the top"), "{text}");
+    assert!(
+        text.contains("# subsystem B: never named by a change"),
+        "{text}"
+    );
+    assert!(!text.contains("nsid = 2"), "{text}");
+    assert!(
+        d.log().contains("\"by_uid\""),
+        "changes are logged with the peer's uid"
+    );
+}
+
+#[test]
+fn an_invalid_change_is_refused_with_the_files_message_and_changes_nothing() {
+    let (d, _) = start();
+    let before = config_text(&d);
+    let e = refused(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 1, "backend": "malloc", "size": "4MiB"}}),
+    );
+    assert!(e.contains("subsystem[0].namespace[1].nsid"), "{e}");
+    let e = refused(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 3, "backend": "file", "path": "relative.img"}}),
+    );
+    assert!(e.contains("is not an absolute path"), "{e}");
+    // A device that does not open: nothing of the change stays.
+    let e = refused(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 3, "backend": "file", "path": "/nonexistent/nvmfd.img"}}),
+    );
+    assert!(e.contains("/nonexistent/nvmfd.img"), "{e}");
+    let e = refused(
+        &d,
+        serde_json::json!({"request": "remove_subsystem", "nqn": "nqn.2024-01.io.nvmfd.test:none"}),
+    );
+    assert!(e.contains("no subsystem"), "{e}");
+    let e = refused(
+        &d,
+        serde_json::json!({"request": "resize_namespace", "subsystem": A, "nsid": 1, "size": "1GiB"}),
+    );
+    assert!(e.contains("cannot grow"), "{e}");
+    assert_eq!(config_text(&d), before, "the file is unchanged");
+    let st = d.data("status");
+    assert_eq!(st["namespaces"].as_array().unwrap().len(), 2, "{st}");
+    assert_eq!(st["namespaces"][0]["size"], 8 << 20, "{st}");
+}
+
+#[test]
+fn sighup_applies_the_files_difference_and_an_invalid_file_changes_nothing() {
+    let (d, addr) = start();
+    let mut a = Host::connect("127.0.0.33", addr, A, 0x33);
+    let text = config_text(&d);
+    let path = d.dir.path().join("nvmfd.toml");
+    // Invalid: refused, logged, nothing changes.
+    std::fs::write(&path, text.replace("size = \"8MiB\"", "size = \"0\"")).unwrap();
+    d.signal(libc::SIGHUP);
+    wait_for("the refusal in the log", || {
+        d.log().contains("configuration not reloaded").then_some(())
+    });
+    assert_eq!(a.blocks(1), 8 << 11);
+    // Valid: a namespace added to A, and B removed.
+    let b_start = text.find("# subsystem B").unwrap();
+    let new = format!(
+        "{}[[subsystem.namespace]]\nnsid = 5\nbackend = \"malloc\"\nsize = \"1MiB\"\n",
+        &text[..b_start]
+    );
+    std::fs::write(&path, new).unwrap();
+    let aer = a.post_aer();
+    d.signal(libc::SIGHUP);
+    assert_eq!(a.wait_aer(aer), NS_ATTR_CHANGED_EVENT);
+    assert_eq!(a.changed(), vec![5]);
+    assert_eq!(a.blocks(5), 1 << 11);
+    let st = d.data("status");
+    assert_eq!(st["subsystems"].as_array().unwrap().len(), 1, "{st}");
+    a.write_read(5, 0, 0x55);
+}
+
+#[test]
+fn removing_a_subsystem_or_a_hosts_access_or_disconnecting_ends_those_controllers_only() {
+    let (d, addr) = start();
+    let mut a = Host::connect("127.0.0.34", addr, A, 0x34);
+    let mut b = Host::connect("127.0.0.35", addr, B, 0x35);
+    // An operator's disconnect ends A's controller; B serves on.
+    let done = change(
+        &d,
+        serde_json::json!({"request": "disconnect", "cntlid": a.admin.cntlid}),
+    );
+    assert_eq!(done["disconnected"][0], a.admin.cntlid);
+    let mut back = vec![0u8; 4096];
+    assert!(a.io.read(1, 0, 8, &mut back).is_err(), "A's queue ended");
+    b.write_read(1, 0, 0xB3);
+    // Access: B admits only a listed host that is not this one (listing a host turns
+    // allow_any_host off).
+    change(
+        &d,
+        serde_json::json!({"request": "add_host", "subsystem": B, "host": host(0x77).nqn}),
+    );
+    assert!(
+        b.io.read(1, 0, 8, &mut back).is_err(),
+        "B's host lost access"
+    );
+    let mut a2 = Host::connect("127.0.0.36", addr, A, 0x36);
+    a2.write_read(1, 0, 0xA4);
+    // Subsystem A removed: its controller ends.
+    change(
+        &d,
+        serde_json::json!({"request": "remove_subsystem", "nqn": A}),
+    );
+    assert!(a2.io.read(1, 0, 8, &mut back).is_err(), "A is gone");
+    let ctrls = d.data("controllers");
+    assert_eq!(ctrls.as_array().unwrap().len(), 0, "{ctrls}");
+    let text = config_text(&d);
+    assert!(!text.contains(A), "{text}");
+    assert!(text.contains(&host(0x77).nqn), "{text}");
+}
