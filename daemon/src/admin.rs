@@ -144,7 +144,7 @@ fn peer_uid(stream: &UnixStream) -> Option<u32> {
         uid: 0,
         gid: 0,
     };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::ucred>()).ok()?;
     // SAFETY: `cred` and `len` are live locals of the sizes given; the kernel writes at most
     // `len` bytes into `cred`.
     let rc = unsafe {

@@ -364,6 +364,48 @@ pub fn strip_nulls(v: &mut Value) {
     }
 }
 
+/// Renders `controllers`: one row per controller, its queues as `qid:depth` pairs.
+pub fn render_controllers(v: &Value) -> String {
+    let Some(items) = v.as_array() else {
+        return render_tables(v);
+    };
+    if items.is_empty() {
+        return "no controller\n".into();
+    }
+    let mut t = Table::new();
+    t.load_style(UTF8_BORDERS_ONLY);
+    t.set_header(vec![
+        "cntlid",
+        "subsystem",
+        "host",
+        "address",
+        "queues (qid:depth)",
+        "keep-alive",
+        "commands",
+    ]);
+    for c in items {
+        let queues = c["queues"]
+            .as_array()
+            .map(|q| {
+                q.iter()
+                    .map(|q| format!("{}:{}", q["qid"], q["depth"]))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .unwrap_or_default();
+        t.add_row(vec![
+            scalar(&c["cntlid"]),
+            scalar(&c["subsystem"]),
+            scalar(&c["host"]),
+            scalar(&c["host_address"]),
+            queues,
+            format!("{} ms", c["keep_alive_ms"]),
+            scalar(&c["commands"]),
+        ]);
+    }
+    format!("{t}\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,46 +492,4 @@ nvmfd_busy_ratio 0.25
         assert!(t.contains("reactors\n"), "{t}");
         assert!(t.contains("listeners\n  (none)"), "{t}");
     }
-}
-
-/// Renders `controllers`: one row per controller, its queues as `qid:depth` pairs.
-pub fn render_controllers(v: &Value) -> String {
-    let Some(items) = v.as_array() else {
-        return render_tables(v);
-    };
-    if items.is_empty() {
-        return "no controller\n".into();
-    }
-    let mut t = Table::new();
-    t.load_style(UTF8_BORDERS_ONLY);
-    t.set_header(vec![
-        "cntlid",
-        "subsystem",
-        "host",
-        "address",
-        "queues (qid:depth)",
-        "keep-alive",
-        "commands",
-    ]);
-    for c in items {
-        let queues = c["queues"]
-            .as_array()
-            .map(|q| {
-                q.iter()
-                    .map(|q| format!("{}:{}", q["qid"], q["depth"]))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            })
-            .unwrap_or_default();
-        t.add_row(vec![
-            scalar(&c["cntlid"]),
-            scalar(&c["subsystem"]),
-            scalar(&c["host"]),
-            scalar(&c["host_address"]),
-            queues,
-            format!("{} ms", c["keep_alive_ms"]),
-            scalar(&c["commands"]),
-        ]);
-    }
-    format!("{t}\n")
 }

@@ -96,6 +96,8 @@ enum SubsystemCmd {
     },
 }
 
+// Parsed once per run: the size of the largest variant costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum NamespaceCmd {
     /// Add a namespace: the keys of `[[subsystem.namespace]]` as options.

@@ -113,10 +113,12 @@ impl Daemon {
                             p.resizes.push((s.nqn.clone(), n.nsid, size));
                         }
                     }
-                    Some(_) => return Err(format!(
+                    Some(_) => {
+                        return Err(format!(
                         "namespace {} of {} changed more than its size: remove it and add it again",
                         ons.nsid, s.nqn
-                    )),
+                    ))
+                    }
                 }
             }
             for n in &s.namespaces {
