@@ -272,13 +272,25 @@ fn thread_main(
         .collect())
 }
 
+/// What a run measured: each queue's figures, and the time they were measured over (the job's
+/// time, or less when the run was interrupted).
+#[derive(Debug)]
+pub struct Measured {
+    pub figures: Vec<QueueFigures>,
+    pub time: Duration,
+    /// `interrupt` was raised before the job's time was up.
+    pub interrupted: bool,
+}
+
 /// Runs `job`; `connect(qid)` connects I/O queue `qid` (with `job.depth` slots). Calls
-/// `tick` with the I/Os so far about every 200 ms (the progress line).
+/// `tick` with the I/Os so far about every 200 ms (the progress line). The run ends early,
+/// with the figures so far, once `interrupt` is raised (SIGINT or SIGTERM in `nvmf bench`).
 pub fn run(
     job: &Job,
     connect: &(dyn Fn(u16) -> Result<IoQueue<PipelinedQueue>, HostError> + Sync),
     tick: &mut dyn FnMut(u64, Duration),
-) -> Result<Vec<QueueFigures>, String> {
+    interrupt: &AtomicBool,
+) -> Result<Measured, String> {
     if job.io_size == 0 || !job.io_size.is_multiple_of(job.block_size) {
         return Err(format!(
             "the I/O size ({} bytes) must be a whole number of {}-byte blocks",
@@ -302,25 +314,37 @@ pub fn run(
         start.wait();
         let began = Instant::now();
         let end = began + job.warmup + job.time;
+        let mut interrupted = false;
         while Instant::now() < end && !handles.iter().any(|h| h.is_finished()) {
+            if interrupt.load(Ordering::Relaxed) {
+                interrupted = true;
+                break;
+            }
             std::thread::sleep(Duration::from_millis(200).min(end - Instant::now()));
             tick(progress.ios.load(Ordering::Relaxed), began.elapsed());
         }
         stop.store(true, Ordering::Relaxed);
-        handles
+        let measured = began.elapsed().saturating_sub(job.warmup).min(job.time);
+        let results = handles
             .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err("a bench thread panicked".into()))
             })
-            .collect::<Vec<_>>()
+            .collect::<Vec<_>>();
+        (results, measured, interrupted)
     });
-    let mut all = Vec::new();
+    let (results, time, interrupted) = results;
+    let mut figures = Vec::new();
     for r in results {
-        all.extend(r?);
+        figures.extend(r?);
     }
-    all.sort_by_key(|f| f.qid);
-    Ok(all)
+    figures.sort_by_key(|f| f.qid);
+    Ok(Measured {
+        figures,
+        time,
+        interrupted,
+    })
 }
 
 /// IOPS, MiB/s and latencies (µs) of `ios` I/Os of `io_size` bytes over `time`.
@@ -343,8 +367,9 @@ pub fn summary(ios: u64, io_size: u32, time: Duration, h: &Histogram<u64>) -> Va
     })
 }
 
-/// The figures of every queue and their total.
-pub fn report(job: &Job, figures: &[QueueFigures]) -> Value {
+/// The figures of every queue and their total, over the measured time.
+pub fn report(job: &Job, m: &Measured) -> Value {
+    let figures = &m.figures;
     let mut total = histogram();
     for f in figures {
         let _ = total.add(&f.latency);
@@ -352,11 +377,13 @@ pub fn report(job: &Job, figures: &[QueueFigures]) -> Value {
     let ios = figures.iter().map(|f| f.ios).sum();
     json!({
         "queues": figures.iter().map(|f| {
-            let mut v = summary(f.ios, job.io_size, job.time, &f.latency);
+            let mut v = summary(f.ios, job.io_size, m.time, &f.latency);
             v["qid"] = json!(f.qid);
             v
         }).collect::<Vec<_>>(),
-        "total": summary(ios, job.io_size, job.time, &total),
+        "total": summary(ios, job.io_size, m.time, &total),
+        "seconds": m.time.as_secs_f64(),
+        "interrupted": m.interrupted,
         "verified_blocks": job.verify.then(|| figures.iter().map(|f| f.verified).sum::<u64>()),
     })
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
 
+pub mod host;
 pub mod stress;
 
 /// How long any wait in these tests may take before it fails.

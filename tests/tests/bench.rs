@@ -154,3 +154,46 @@ fn bench_errors_are_clear_and_exit_non_zero() {
     assert!(!ok);
     assert!(err.starts_with("nvmf: "), "{err}");
 }
+
+#[test]
+fn an_interrupted_bench_prints_the_figures_of_the_time_it_ran() {
+    use std::io::Read;
+    let d = Daemon::start(Options::default());
+    let a = addr(&d);
+    let mut child = Command::new(bin("nvmf"))
+        .args([
+            "bench", "--addr", &a, "--nqn", SUB, "-q", "4", "-o", "4k", "-w", "randwrite", "-t",
+            "600", "--warmup", "0", "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run nvmf bench");
+    // I/O flows: the controller has served more than its admin commands.
+    nvmfd_tests::wait_for("the bench's I/O", || {
+        let ctrls = d.data("controllers");
+        ctrls.as_array()?.iter().find(|c| {
+            c["queues"].as_array().is_some_and(|q| q.len() == 2)
+                && c["commands"].as_u64().unwrap_or(0) > 100
+        })?;
+        Some(())
+    });
+    // SAFETY: kill(2) on the child's PID, which has not been reaped yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let status = nvmfd_tests::wait_for("nvmf bench to end after SIGINT", || {
+        child.try_wait().unwrap()
+    });
+    let (mut out, mut err) = (String::new(), String::new());
+    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(status.success(), "{status}: {err}");
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["interrupted"], true, "{v}");
+    let secs = v["seconds"].as_f64().unwrap();
+    assert!(secs > 0.0 && secs < 600.0, "{v}");
+    let ios = v["total"]["ios"].as_u64().unwrap();
+    assert!(ios > 0, "{v}");
+    // IOPS are over the time it ran, not the 600 s asked for.
+    let iops = v["total"]["iops"].as_f64().unwrap();
+    assert!((iops * secs - ios as f64).abs() <= 1.0 + ios as f64 * 1e-6, "{v}");
+}

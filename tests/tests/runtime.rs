@@ -7,14 +7,9 @@
 
 use std::net::SocketAddr;
 
-use nvmf_host::RdmaQueue;
-use nvmfd_nvme::host::{AdminQueue, HostId, IoQueue};
-use nvmfd_nvme::wire::{self, Sqe};
 use nvmfd_nvme::NS_ATTR_CHANGED_EVENT;
-use nvmfd_rdma::any::cm::CmChannel;
-use nvmfd_rdma::soft::Fabric;
+use nvmfd_tests::host::{host, Host};
 use nvmfd_tests::{test_port, wait_for, Daemon, Options};
-use zerocopy::little_endian::U16;
 
 const A: &str = "nqn.2024-01.io.nvmfd.test:a";
 const B: &str = "nqn.2024-01.io.nvmfd.test:b";
@@ -62,92 +57,6 @@ fn start() -> (Daemon, SocketAddr) {
         ..Options::default()
     });
     (d, SocketAddr::from(([127, 0, 0, 1], port)))
-}
-
-fn host(n: u8) -> HostId {
-    HostId {
-        nqn: format!("nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000{n:02x}"),
-        id: [n; 16],
-    }
-}
-
-fn queue(f: &Fabric, addr: SocketAddr, qid: u16) -> RdmaQueue {
-    let ch = CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(f).unwrap());
-    RdmaQueue::connect(ch, addr, qid, 31, 4096, 128 * 1024)
-        .unwrap_or_else(|e| panic!("connect queue {qid}: {e}"))
-}
-
-struct Host {
-    admin: AdminQueue<RdmaQueue>,
-    io: IoQueue<RdmaQueue>,
-    next_aer: u16,
-}
-
-impl Host {
-    fn connect(ip: &str, addr: SocketAddr, sub: &str, n: u8) -> Host {
-        let f = Fabric::networked();
-        f.add_device(ip.parse().unwrap()).unwrap();
-        let h = host(n);
-        let mut admin = AdminQueue::connect(queue(&f, addr, 0), &h, sub, 31, 0).unwrap();
-        admin.enable().unwrap();
-        admin.set_queue_count(1).unwrap();
-        // Asynchronous Event Configuration: Namespace Attribute Notices.
-        admin.set_feature(0x0B, 1 << 8).unwrap();
-        let io = IoQueue::connect(queue(&f, addr, 1), &h, sub, admin.cntlid, 1, 31).unwrap();
-        std::mem::forget(f);
-        Host {
-            admin,
-            io,
-            next_aer: 0xA000,
-        }
-    }
-
-    /// Sends an Asynchronous Event Request, which the target holds.
-    fn post_aer(&mut self) -> u16 {
-        let cid = self.next_aer;
-        self.next_aer += 1;
-        let sqe = Sqe {
-            opcode: 0x0C,
-            flags: 1 << 6,
-            cid: U16::new(cid),
-            ..wire::zeroed()
-        };
-        self.admin.transport().post(sqe).unwrap();
-        cid
-    }
-
-    /// Waits for the completion of AER `cid` (keep-alives make the host poll); returns dw0.
-    fn wait_aer(&mut self, cid: u16) -> u32 {
-        wait_for("the asynchronous event", || {
-            self.admin.keep_alive().unwrap();
-            let got = self.admin.transport().take_others();
-            got.iter().find(|c| c.cid.get() == cid).map(|c| {
-                assert_eq!(c.status.get() >> 1, 0, "AER status");
-                c.dw0.get()
-            })
-        })
-    }
-
-    /// The Changed Namespace List (read, so cleared).
-    fn changed(&mut self) -> Vec<u32> {
-        let page = self.admin.get_log_page(0x04, 0, 4096).unwrap();
-        page.chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .take_while(|&n| n != 0)
-            .collect()
-    }
-
-    fn blocks(&mut self, nsid: u32) -> u64 {
-        self.admin.identify_namespace(nsid).unwrap().nsze.get()
-    }
-
-    fn write_read(&mut self, nsid: u32, lba: u64, seed: u8) {
-        let data = vec![seed; 4096];
-        self.io.write(nsid, lba, 8, &data, false).unwrap();
-        let mut back = vec![0u8; 4096];
-        self.io.read(nsid, lba, 8, &mut back).unwrap();
-        assert!(back == data, "read back differs");
-    }
 }
 
 fn change(d: &Daemon, req: serde_json::Value) -> serde_json::Value {

@@ -266,29 +266,41 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
             last = (ios, at);
         }
     };
-    let figures = bench::run(&job, &connect, &mut tick);
+    // SIGINT or SIGTERM ends the run early with the figures so far, as fio does.
+    let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, std::sync::Arc::clone(&interrupt))
+            .map_err(|e| format!("cannot catch signal {sig}: {e}"))?;
+    }
+    let measured = bench::run(&job, &connect, &mut tick, &interrupt);
     bar.finish_and_clear();
     let _ = a.shutdown();
-    let figures = figures?;
-    print_bench(b, &job, &bench::report(&job, &figures));
+    let measured = measured?;
+    print_bench(b, &job, &measured, &bench::report(&job, &measured));
     Ok(())
 }
 
 /// The figures of a bench run, as JSON or as lines.
-fn print_bench(b: &BenchArgs, job: &bench::Job, report: &serde_json::Value) {
+fn print_bench(
+    b: &BenchArgs,
+    job: &bench::Job,
+    m: &bench::Measured,
+    report: &serde_json::Value,
+) {
     if b.json {
         println!("{report:#}");
         return;
     }
     println!(
-        "{} {} B, depth {}, {} queue(s) on {} thread(s), {:.1} s after {:.1} s of warm-up",
+        "{} {} B, depth {}, {} queue(s) on {} thread(s), {:.1} s after {:.1} s of warm-up{}",
         format!("{:?}", b.workload).to_lowercase(),
         job.io_size,
         b.depth,
         b.queues,
         job.threads.min(b.queues),
-        b.time,
-        b.warmup
+        m.time.as_secs_f64(),
+        b.warmup,
+        if m.interrupted { " (interrupted)" } else { "" }
     );
     if let Some(qs) = report["queues"].as_array() {
         if qs.len() > 1 {
@@ -346,6 +358,16 @@ fn run(cli: &Cli) -> Result<(), String> {
                         ""
                     }
                 );
+                // Its identifiers (Identify CNS 03h): EUI-64, NGUID, UUID.
+                for (kind, id) in a.namespace_ids(nsid).map_err(|e| e.to_string())? {
+                    let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+                    match (kind, uuid::Uuid::from_slice(&id)) {
+                        (1, _) => println!("  eui64 {hex}"),
+                        (2, _) => println!("  nguid {hex}"),
+                        (3, Ok(u)) => println!("  uuid {u}"),
+                        _ => {}
+                    }
+                }
             }
             let _ = a.shutdown();
         }

@@ -1,0 +1,92 @@
+#!/bin/bash
+# Runs in the lab guest (see scripts/lab-blktests.sh): nvmfd on rxe0 with one bystander
+# subsystem, a bystander host (nvmf bench --verify over ibverbs) on it, and blktests' `check`
+# with NVME_TARGET_CONTROL=scripts/blktests-target-control against the same nvmfd.
+set -uo pipefail
+BIN=$1
+top=$(cd "$(dirname "$0")/../.." && pwd)
+BT=$top/target/blktests
+# shellcheck disable=SC1091 # written by scripts/lab-blktests.sh
+. "$BT/.nvmfd-lab"
+WORK=/tmp/nvmfd-blktests-lab
+BYSTANDER=nqn.2024-01.io.nvmfd:bystander
+mkdir -p $WORK
+cat > $WORK/nvmfd.toml <<CFG
+# nvmfd for blktests: scripts/blktests-target-control adds and removes its subsystems.
+[daemon]
+reactor_cores = [0, 1]
+admin_socket = "$WORK/nvmfd.sock"
+log_format = "json"
+[[listener]]
+address = "$RDMA_IP"
+port = 4420
+provider = "ibverbs"
+[[subsystem]]
+nqn = "$BYSTANDER"
+allow_any_host = true
+[[subsystem.namespace]]
+nsid = 1
+backend = "malloc"
+size = "64MiB"
+CFG
+# blktests' check needs /dev/fd, which the minimal guest lacks.
+[ -e /dev/fd ] || ln -s /proc/self/fd /dev/fd
+modprobe -a nvme-rdma nvme-fabrics || { echo "modprobe nvme-rdma failed"; exit 1; }
+$BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
+pid=$!
+for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+[ -S $WORK/nvmfd.sock ] || { echo "nvmfd did not start"; tail -20 $WORK/nvmfd.log; exit 1; }
+
+# The bystander: one connection for the whole run, written and read back with --verify.
+$BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" bench --nqn $BYSTANDER -q 4 -o 4k \
+  -w randrw -M 50 --verify -t 86400 > $WORK/bystander.out 2> $WORK/bystander.err &
+bystander=$!
+
+export NVMFCTL=$BIN/nvmfctl NVMFD_SOCKET=$WORK/nvmfd.sock NVMFD_TRADDR=$RDMA_IP
+export NVMFD_BACKING_DIR=$WORK/backing NVMFD_CONTROL_LOG=$WORK/control.log
+export NVME_IMG_SIZE
+cat > "$BT/config" <<CFG
+NVME_TARGET_CONTROL=$top/scripts/blktests-target-control
+USE_RXE=1
+NVMET_TRTYPES=rdma
+NVME_IMG_SIZE=$NVME_IMG_SIZE
+TIMEOUT=$TIMEOUT
+CFG
+cd "$BT"
+make -s > $WORK/make.log 2>&1 || echo "blktests' make failed (its C helpers): $(tail -3 $WORK/make.log)"
+echo "==> ./check $TESTS (NVME_IMG_SIZE=$NVME_IMG_SIZE, TIMEOUT=$TIMEOUT)"
+# shellcheck disable=SC2086 # one word per test
+timeout 3600 ./check $TESTS 2>&1 | tee $WORK/check.out
+echo "==> verdicts"
+verdicts=$(grep -aoE '^nvme/[0-9]+ .*\[(passed|failed|not run)\]' $WORK/check.out | sed -E 's/ +/ /g')
+echo "$verdicts"
+n_pass=$(grep -c '\[passed\]' <<<"$verdicts")
+n_fail=$(grep -c '\[failed\]' <<<"$verdicts")
+n_skip=$(grep -c '\[not run\]' <<<"$verdicts")
+n_want=$(wc -w <<<"$TESTS")
+echo "blktests: $n_pass passed, $n_fail failed, $n_skip not run, of $n_want asked"
+rc=0
+[ "$n_fail" -eq 0 ] && [ "$n_skip" -eq 0 ] && [ "$n_pass" -eq "$n_want" ] || rc=1
+if [ "$n_fail" -gt 0 ]; then
+  for d in results/nodev*/nvme/*; do
+    case $d in *.full|*.out.bad) ;; *) continue ;; esac
+    echo "--- $d"; tail -20 "$d"
+  done
+fi
+
+# The bystander ran on one connection through every change: stop it, it reports no error.
+kill -INT $bystander
+wait $bystander
+brc=$?
+echo "==> bystander (nvmf bench --verify on $BYSTANDER): exit status $brc"
+cat $WORK/bystander.out; tail -5 $WORK/bystander.err
+[ "$brc" -eq 0 ] && grep -q "interrupted" $WORK/bystander.out || rc=1
+echo "==> nvmfd: changes it applied"
+grep -c '"change' $WORK/nvmfd.log || true
+grep -iE 'panic|"level":"(CRIT|ERRO)"' $WORK/nvmfd.log | tail -10
+$BIN/nvmfctl --socket $WORK/nvmfd.sock status | head -20
+kill -TERM $pid
+wait $pid
+echo "nvmfd exit status $?"
+[ "$rc" -eq 0 ] && echo "LAB BLKTESTS: ALL TESTS PASSED"
+exit $rc
