@@ -29,6 +29,8 @@ step "real verbs: the ibverbs provider on rxe0 in the VM lab (../shared/lab)"
 scripts/lab-rdma.sh
 step "the Linux kernel NVMe/RDMA host against nvmfd on rxe0 in the VM lab"
 scripts/lab-kernel-host.sh
+step "changes while serving: the Linux kernel host sees a namespace added, resized and removed on rxe0 in the VM lab"
+scripts/lab-runtime.sh
 step "device removal on real verbs: rxe0 deleted under nvmfd and added back, in the VM lab"
 scripts/lab-device-removal.sh
 step "the Linux kernel host through nvmfd to Ceph RBD on rxe0, an OSD killed under fio, in the VM lab"

@@ -371,6 +371,10 @@ pub mod cm {
         pub fn qpn(&self) -> Option<u32> {
             forward!(self, c => c.qpn())
         }
+        /// The address of the other side, where known.
+        pub fn peer_addr(&self) -> Option<SocketAddr> {
+            forward!(self, c => c.peer_addr())
+        }
         /// The QP's state.
         pub fn qp_state(&self) -> Option<QpState> {
             forward!(self, c => c.qp_state())

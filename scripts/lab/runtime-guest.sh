@@ -99,7 +99,7 @@ grep -q 'nsid = 2' $WORK/nvmfd.toml || { echo "STEP FAILED: namespace 2 not writ
 # 2. Grow its file and resize: lsblk shows the new size, the old data is intact.
 step fio --name=before --filename=$A2 --rw=write --bs=64k --size=64M --iodepth=8 --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --output-format=terse --minimal
 truncate -s 96M $WORK/ns2.img
-step ctl namespace resize $NQN --nsid 2
+step ctl namespace resize $NQN 2
 step wait_for '[ "$(lsblk -bno SIZE $A2)" = $((96 << 20)) ]'
 echo "namespace 2 resized: lsblk says $(lsblk -bno SIZE "$A2") bytes"
 step fio --name=before --filename=$A2 --rw=read --bs=64k --size=64M --iodepth=8 --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --output-format=terse --minimal
@@ -109,7 +109,7 @@ step fio --name=grown --filename=$A2 --rw=randwrite --bs=4k --offset=64M --size=
 fio --name=doomed --filename=$A2 --rw=randwrite --bs=4k --size=64M --iodepth=16 --runtime=60 --time_based --ioengine=libaio --direct=1 --output-format=terse --minimal > /dev/null 2>&1 &
 doomed=$!
 sleep 1
-step ctl namespace remove $NQN --nsid 2
+step ctl namespace remove $NQN 2
 step wait_for '! ns_dev $NQN 2 >/dev/null'
 echo "namespace 2 is gone from the host"
 step wait_for '! kill -0 $doomed 2>/dev/null'
@@ -132,6 +132,9 @@ step untouched
 no_reconnects() { ! dmesg | grep -E "nvme nvme[0-9]+: (Reconnecting|resetting controller|starting error recovery)"; }
 step no_reconnects
 step ctl controllers
+# Each controller shows where its host connects from (the kernel host on rxe0).
+addresses() { ctl --json controllers | jq -e --arg ip "$RDMA_IP" 'length == 2 and all(.[]; .host_address | startswith($ip + ":"))'; }
+step addresses
 step nvme disconnect -n $NQN
 step nvme disconnect -n $OTHER
 kill -TERM $pid

@@ -103,4 +103,3 @@ impl Host {
         assert!(back == data, "read back differs");
     }
 }
-

@@ -162,8 +162,22 @@ fn an_interrupted_bench_prints_the_figures_of_the_time_it_ran() {
     let a = addr(&d);
     let mut child = Command::new(bin("nvmf"))
         .args([
-            "bench", "--addr", &a, "--nqn", SUB, "-q", "4", "-o", "4k", "-w", "randwrite", "-t",
-            "600", "--warmup", "0", "--json",
+            "bench",
+            "--addr",
+            &a,
+            "--nqn",
+            SUB,
+            "-q",
+            "4",
+            "-o",
+            "4k",
+            "-w",
+            "randwrite",
+            "-t",
+            "600",
+            "--warmup",
+            "0",
+            "--json",
         ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -184,8 +198,18 @@ fn an_interrupted_bench_prints_the_figures_of_the_time_it_ran() {
         child.try_wait().unwrap()
     });
     let (mut out, mut err) = (String::new(), String::new());
-    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
     assert!(status.success(), "{status}: {err}");
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(v["interrupted"], true, "{v}");
@@ -195,5 +219,8 @@ fn an_interrupted_bench_prints_the_figures_of_the_time_it_ran() {
     assert!(ios > 0, "{v}");
     // IOPS are over the time it ran, not the 600 s asked for.
     let iops = v["total"]["iops"].as_f64().unwrap();
-    assert!((iops * secs - ios as f64).abs() <= 1.0 + ios as f64 * 1e-6, "{v}");
+    assert!(
+        (iops * secs - ios as f64).abs() <= 1.0 + ios as f64 * 1e-6,
+        "{v}"
+    );
 }

@@ -50,8 +50,8 @@ fn nvmf(d: &Daemon, hostnqn: &str, args: &[&str]) -> (bool, String) {
         .args(args)
         .output()
         .expect("run nvmf");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned()
-        + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), text)
 }
 
@@ -133,7 +133,11 @@ fn setup_serves_one_namespace_to_the_host_asked_and_cleanup_takes_it_away() {
     for round in 0..2 {
         // Repeatable: the second setup replaces the first.
         let (rc, out, err) = control(&d, tmp.path(), &setup);
-        assert_eq!((rc, out.as_str(), err.as_str()), (0, "", ""), "round {round}");
+        assert_eq!(
+            (rc, out.as_str(), err.as_str()),
+            (0, "", ""),
+            "round {round}"
+        );
         let ns = namespaces_of(&d, SUB);
         assert_eq!(ns.len(), 1, "{ns:?}");
         assert_eq!(ns[0]["nsid"], 1);
@@ -152,14 +156,21 @@ fn setup_serves_one_namespace_to_the_host_asked_and_cleanup_takes_it_away() {
         let (ok, text) = nvmf(&d, OTHER_HOST, &["identify", "--nqn", SUB]);
         assert!(!ok, "round {round}: another host was admitted: {text}");
         bystander.write_read(1, 8 * round, 0x5A);
-        assert_eq!(bystander.admin.keep_alive().map_err(|e| e.to_string()), Ok(()));
+        assert_eq!(
+            bystander.admin.keep_alive().map_err(|e| e.to_string()),
+            Ok(())
+        );
     }
     assert!(tmp.path().join("blktests-subsystem-1.img").exists());
 
     for round in 0..2 {
         // Idempotent: a subsystem already gone is no error.
         let (rc, out, err) = control(&d, tmp.path(), &["cleanup", "--subsysnqn", SUB]);
-        assert_eq!((rc, out.as_str(), err.as_str()), (0, "", ""), "round {round}");
+        assert_eq!(
+            (rc, out.as_str(), err.as_str()),
+            (0, "", ""),
+            "round {round}"
+        );
         assert!(!has_subsystem(&d, SUB));
         assert!(!tmp.path().join("blktests-subsystem-1.img").exists());
     }

@@ -143,6 +143,12 @@ fn namespaces_added_resized_and_removed_are_announced_and_other_subsystems_never
         .find(|c| c["subsystem"] == B)
         .unwrap_or_else(|| panic!("B's controller: {ctrls}"));
     assert_eq!(bc["cntlid"], b_cntlid);
+    // Where the host connects from: the TCP peer of its soft connection.
+    let from: std::net::SocketAddr = bc["host_address"]
+        .as_str()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("host address of {bc}"));
+    assert!(from.ip().is_loopback() && from.port() != 0, "{bc}");
     let qids: Vec<u64> = bc["queues"]
         .as_array()
         .unwrap()

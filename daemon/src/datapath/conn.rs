@@ -106,7 +106,10 @@ impl DataPath {
             self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
         }
         let token = id.token();
-        let queue = Queue::new(&self.target, Some(req.params));
+        let mut queue = Queue::new(&self.target, Some(req.params));
+        if let Some(peer) = id.peer_addr() {
+            queue.set_peer(peer.to_string());
+        }
         let d = depth as usize;
         self.conns.insert(
             qpn,

@@ -55,6 +55,34 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, usize) {
     (ss, len)
 }
 
+/// The address in a `sockaddr` of family AF_INET or AF_INET6, else `None`.
+///
+/// # Safety
+/// `sa` must point to a readable `sockaddr_in` when its family is AF_INET, and to a
+/// `sockaddr_in6` when it is AF_INET6.
+unsafe fn socket_addr(sa: *const libc::sockaddr) -> Option<SocketAddr> {
+    // SAFETY: the caller's promise: at least the family can be read.
+    let family = i32::from(unsafe { (*sa).sa_family });
+    match family {
+        libc::AF_INET => {
+            // SAFETY: the caller's promise for AF_INET.
+            let sin = unsafe { ptr::read_unaligned(sa.cast::<libc::sockaddr_in>()) };
+            let ip = std::net::Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
+            Some(SocketAddr::from((ip, u16::from_be(sin.sin_port))))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the caller's promise for AF_INET6.
+            let sin6 = unsafe { ptr::read_unaligned(sa.cast::<libc::sockaddr_in6>()) };
+            let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            let ip = ip
+                .to_ipv4_mapped()
+                .map_or(std::net::IpAddr::V6(ip), Into::into);
+            Some(SocketAddr::from((ip, u16::from_be(sin6.sin6_port))))
+        }
+        _ => None,
+    }
+}
+
 /// An event channel's handle: destroyed once neither its `CmChannel` nor any ID on it is
 /// left (`rdma_destroy_id` writes to the channel, so the channel must outlive its IDs).
 pub(crate) struct ChannelHandle {
@@ -501,6 +529,13 @@ impl CmId {
     pub fn qpn(&self) -> Option<u32> {
         // SAFETY: a live QP.
         self.qp().map(|q| unsafe { (*q).qp_num })
+    }
+
+    /// The address of the other side (a connecting host's, for an ID of a connect request).
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: a live ID; rdma_get_peer_addr points into it (the route's destination
+        // address, a sockaddr_storage-sized union, so AF_INET and AF_INET6 both fit).
+        unsafe { socket_addr(rdma_sys::rdma_get_peer_addr(&*self.raw())) }
     }
 
     fn conn_param(private_data: &[u8]) -> rdma_conn_param {

@@ -298,11 +298,12 @@ pub(crate) fn start_acceptor(
                 let Ok(Frame::Connect { private_data }) = read_frame(&mut conn) else {
                     continue;
                 };
+                let from = conn.peer_addr().ok();
                 let Ok(link) = start_link(&f, conn, None) else {
                     continue;
                 };
                 let mut s = f.lock();
-                let id = s.cm.remote_request(link, listener_id, private_data);
+                let id = s.cm.remote_request(link, listener_id, private_data, from);
                 if let Some(l) = s.links.get_mut(&link) {
                     l.cm_id = id;
                 }

@@ -165,6 +165,7 @@ impl CmChannel {
                 channel: self.id,
                 token,
                 dst,
+                peer_addr: dst,
                 peer: None,
                 qp: None,
                 connected: false,
@@ -376,6 +377,12 @@ impl CmId {
         self.qp.as_ref().map(Qp::qpn)
     }
 
+    /// The address of the other side, where known: the address connected to, or the TCP
+    /// peer of a connect request that came over the wire.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.fabric.lock().cm.ids.get(&self.id)?.peer_addr
+    }
+
     /// The QP's state.
     pub fn qp_state(&self) -> Option<QpState> {
         self.qp.as_ref().map(Qp::state)
@@ -450,6 +457,7 @@ impl CmId {
                 channel: lchan,
                 token: stoken,
                 dst: None,
+                peer_addr: None,
                 peer: Some(self.id),
                 qp: None,
                 connected: false,

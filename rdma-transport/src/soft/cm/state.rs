@@ -8,6 +8,9 @@ pub(super) struct IdState {
     pub(super) channel: u32,
     pub(super) token: usize,
     pub(super) dst: Option<SocketAddr>,
+    /// Where the other side is: `dst` for a connecting ID, the TCP peer for one made by an
+    /// acceptor (nothing for an in-process connection's accepting side).
+    pub(super) peer_addr: Option<SocketAddr>,
     pub(super) peer: Option<u32>,
     pub(super) qp: Option<u32>,
     pub(super) connected: bool,
@@ -50,6 +53,7 @@ impl CmState {
         link: u32,
         listener: u32,
         private_data: Vec<u8>,
+        from: Option<SocketAddr>,
     ) -> Option<u32> {
         let chan = self.ids.get(&listener)?.channel;
         self.remote_ids += 1;
@@ -63,6 +67,7 @@ impl CmState {
                 channel: chan,
                 token,
                 dst: None,
+                peer_addr: from,
                 peer: None,
                 qp: None,
                 connected: false,
