@@ -281,12 +281,7 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
 }
 
 /// The figures of a bench run, as JSON or as lines.
-fn print_bench(
-    b: &BenchArgs,
-    job: &bench::Job,
-    m: &bench::Measured,
-    report: &serde_json::Value,
-) {
+fn print_bench(b: &BenchArgs, job: &bench::Job, m: &bench::Measured, report: &serde_json::Value) {
     if b.json {
         println!("{report:#}");
         return;
