@@ -385,7 +385,9 @@ impl Queue {
         };
         self.refresh_subsystem();
         if let Some(st) = &self.stats {
-            st.commands.fetch_add(1, Ordering::Relaxed);
+            // This queue alone writes it: a plain load and store, no locked add.
+            let n = st.commands.load(Ordering::Relaxed);
+            st.commands.store(n + 1, Ordering::Relaxed);
         }
         if self.must_disconnect() {
             return Action::Disconnect {
