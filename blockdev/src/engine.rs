@@ -552,10 +552,12 @@ impl Engine {
     ///
     /// A partial read or write is resubmitted for its remainder (and completes later); one
     /// that transferred nothing is reported as [`BlockError::ShortTransfer`].
+    ///
+    /// It makes no system call: with deferred task work, operations the kernel finished are
+    /// posted at the next [`Engine::submit`] (which enters when the kernel has task work),
+    /// so that a loop that reaps, queues and submits once per turn enters the kernel at most
+    /// once per turn.
     pub fn reap(&mut self, mut f: impl FnMut(Completion)) -> usize {
-        if self.unsubmitted == 0 && self.ring.submission().taskrun() {
-            let _ = self.ring.submit();
-        }
         #[cfg(feature = "rbd")]
         self.reap_rbd();
         loop {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use nvmfd_rdma::any::{Mr, Pd, Srq};
 use nvmfd_rdma::{Access, RecvWr, Sge, VerbsError};
 
-use crate::stats::DataPathCounters;
+use crate::stats::{bump, unbump, DataPathCounters};
 
 /// Bytes of one in-capsule page SGE.
 pub const PAGE: usize = 4096;
@@ -29,6 +29,8 @@ const PAGE_U32: u32 = 4096;
 pub const MAX_ICD_PAGES: usize = 4;
 /// A receive's work request ID: chunk index above this many bits, slot below.
 const SLOT_BITS: u32 = 24;
+/// Most receives posted in one chain (the ibverbs provider's limit per call).
+const CHAIN: usize = 32;
 /// Above the chunk index, the SRQ's generation (4 bits): a completion of a receive of an
 /// SRQ since rebuilt is told apart from the new one's.
 const GEN_SHIFT: u32 = 40;
@@ -157,6 +159,12 @@ pub struct ElasticSrq {
     spare_requested: bool,
     /// A limit event came while no spare was ready: grow when one arrives.
     want_grow: bool,
+    /// Receives given back since the last `flush` (chunk, slot), posted there in chains.
+    pending: Vec<(usize, u32)>,
+    /// The scatter lists of one chain, kept for every flush (no zeroing per receive).
+    chain_sges: Vec<[Sge; 1 + MAX_ICD_PAGES]>,
+    /// The receives of the chain being posted (chunk, slot).
+    chain_ids: Vec<(usize, u32)>,
     /// The lowest `posted` since `window_start`.
     window_min: u32,
     window_start: Instant,
@@ -231,6 +239,9 @@ impl ElasticSrq {
             spare: None,
             spare_requested: false,
             want_grow: false,
+            pending: Vec::with_capacity(CHAIN),
+            chain_sges: vec![[Sge::default(); 1 + MAX_ICD_PAGES]; CHAIN],
+            chain_ids: Vec::with_capacity(CHAIN),
             window_min: 0,
             window_start: now,
             counters,
@@ -311,41 +322,82 @@ impl ElasticSrq {
             draining: false,
         });
         self.registered += slots;
-        for slot in 0..slots {
-            self.post(idx, slot)?;
-        }
+        self.pending.extend((0..slots).map(|slot| (idx, slot)));
+        self.post_pending()?;
         self.counters
             .srq_receives_registered
             .store(u64::from(self.registered), Ordering::Relaxed);
         Ok(())
     }
 
-    fn post(&mut self, idx: usize, slot: u32) -> Result<(), VerbsError> {
-        let Some(c) = self.chunks.get_mut(idx).and_then(Option::as_mut) else {
-            return Ok(());
-        };
-        let slots = c.slots as usize;
-        let s = slot as usize;
-        if c.is_posted.get(s).copied().unwrap_or(true) {
-            return Ok(());
+    /// Posts the receives given back since the last call (each once, in chains of up to
+    /// [`CHAIN`]: one provider call per chain, not per receive), skipping those posted
+    /// meanwhile and those of a chunk that left. Once per loop turn, from `tick`. The first
+    /// error is returned after every chain was tried; a receive that could not be posted
+    /// stays out, as one whose post failed always did.
+    pub fn flush(&mut self) {
+        if self.post_pending().is_err() {
+            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
         }
-        let mut sges = [Sge::default(); 1 + MAX_ICD_PAGES];
-        sges[0] = c.mr.sge(s * 64, 64);
-        let data = (slots * 64).next_multiple_of(PAGE) + s * self.icd_pages * PAGE;
-        for p in 0..self.icd_pages {
-            sges[1 + p] = c.mr.sge(data + p * PAGE, PAGE_U32);
+    }
+
+    fn post_pending(&mut self) -> Result<(), VerbsError> {
+        let mut first_err = None;
+        let mut at = 0;
+        while at < self.pending.len() {
+            let end = (at + CHAIN).min(self.pending.len());
+            self.chain_ids.clear();
+            for &(idx, slot) in &self.pending[at..end] {
+                let Some(c) = self.chunks.get(idx).and_then(Option::as_ref) else {
+                    continue;
+                };
+                let s = slot as usize;
+                // Draining chunks are not re-posted (`tick` flushes before it drains one).
+                if c.draining || c.is_posted.get(s).copied().unwrap_or(true) {
+                    continue;
+                }
+                let n = self.chain_ids.len();
+                let sges = &mut self.chain_sges[n];
+                sges[0] = c.mr.sge(s * 64, 64);
+                let data =
+                    (c.slots as usize * 64).next_multiple_of(PAGE) + s * self.icd_pages * PAGE;
+                for p in 0..self.icd_pages {
+                    sges[1 + p] = c.mr.sge(data + p * PAGE, PAGE_U32);
+                }
+                self.chain_ids.push((idx, slot));
+            }
+            at = end;
+            let n = self.chain_ids.len();
+            if n == 0 {
+                continue;
+            }
+            let gen = self.generation << GEN_SHIFT;
+            let wrs: [RecvWr<'_>; CHAIN] = std::array::from_fn(|i| {
+                let (idx, slot) = self.chain_ids.get(i).copied().unwrap_or((0, 0));
+                RecvWr {
+                    wr_id: gen | ((idx as u64) << SLOT_BITS) | u64::from(slot),
+                    sges: &self.chain_sges[i][..1 + self.icd_pages],
+                }
+            });
+            let posted = match self.srq.post_recv(&wrs[..n]) {
+                Ok(()) => n,
+                Err(e) => {
+                    let k = e.posted().min(n);
+                    first_err.get_or_insert(e);
+                    k
+                }
+            };
+            for &(idx, slot) in &self.chain_ids[..posted] {
+                if let Some(c) = self.chunks[idx].as_mut() {
+                    c.is_posted[slot as usize] = true;
+                    c.posted += 1;
+                }
+            }
+            self.posted += u32::try_from(posted).unwrap_or(u32::MAX); // at most CHAIN
+            bump(&self.counters.receives_posted, posted as u64);
         }
-        self.srq.post_recv(&[RecvWr {
-            wr_id: (self.generation << GEN_SHIFT) | ((idx as u64) << SLOT_BITS) | u64::from(slot),
-            sges: &sges[..1 + self.icd_pages],
-        }])?;
-        c.is_posted[s] = true;
-        c.posted += 1;
-        self.posted += 1;
-        self.counters
-            .receives_posted
-            .fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        self.pending.clear();
+        first_err.map_or(Ok(()), Err)
     }
 
     /// A receive's chunk and slot; a receive of another generation names no chunk.
@@ -447,15 +499,12 @@ impl ElasticSrq {
         c.is_posted[slot as usize] = false;
         c.posted -= 1;
         self.posted -= 1;
-        self.counters
-            .receives_posted
-            .fetch_sub(1, Ordering::Relaxed);
+        unbump(&self.counters.receives_posted, 1);
         let draining = c.draining;
         let gone = draining && c.posted == 0;
         if !draining {
-            if self.post(idx, slot).is_err() {
-                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
-            }
+            // Posted with the others of this turn, in one chain (`flush`).
+            self.pending.push((idx, slot));
             return Change::None;
         }
         if gone {
@@ -546,11 +595,9 @@ impl ElasticSrq {
             }
             None => 0,
         };
-        for slot in 0..slots {
-            // `post` skips the receives still posted.
-            self.post(idx, slot)?;
-        }
-        Ok(())
+        // Those still posted are skipped.
+        self.pending.extend((0..slots).map(|slot| (idx, slot)));
+        self.post_pending()
     }
 
     /// `IBV_EVENT_SRQ_LIMIT_REACHED` for this SRQ.
@@ -617,6 +664,7 @@ impl ElasticSrq {
     /// Once per loop turn: takes a spare that arrived, grows if a limit event waits for one,
     /// and starts draining a chunk when the load has stayed low for `shrink_delay`.
     pub fn tick(&mut self, now: Instant) -> Change {
+        self.flush();
         if self.spare.is_none() && self.spare_requested {
             match self.spare_rx.try_recv() {
                 Ok(Ok(mr)) => {

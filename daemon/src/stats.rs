@@ -182,6 +182,19 @@ pub struct DataPathCounters {
     pub srq_rebuilds: AtomicU64,
 }
 
+/// Adds `n` to a counter that only its data path's reactor writes: a plain load and store,
+/// no locked read-modify-write on the I/O path; the stats side reads it whenever it likes.
+#[inline]
+pub fn bump(c: &AtomicU64, n: u64) {
+    c.store(c.load(Relaxed).wrapping_add(n), Relaxed);
+}
+
+/// Takes `n` from a counter that only its data path's reactor writes (see [`bump`]).
+#[inline]
+pub fn unbump(c: &AtomicU64, n: u64) {
+    c.store(c.load(Relaxed).wrapping_sub(n), Relaxed);
+}
+
 impl DataPathCounters {
     /// A snapshot for the admin socket.
     pub fn snapshot(&self, id: usize) -> DataPathStats {

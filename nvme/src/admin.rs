@@ -490,10 +490,11 @@ fn smart_log(ctrl: &Controller) -> wire::SmartLog {
     s.spare_thresh = 10;
     // Data units are thousands of 512-byte units, rounded up.
     let units = |bytes: u64| u128::from(bytes.div_ceil(512).div_ceil(1000));
-    s.data_units_read = U128::new(units(ctrl.bytes_read.load(Ordering::Relaxed)));
-    s.data_units_written = U128::new(units(ctrl.bytes_written.load(Ordering::Relaxed)));
-    s.host_reads = U128::new(u128::from(ctrl.host_reads.load(Ordering::Relaxed)));
-    s.host_writes = U128::new(u128::from(ctrl.host_writes.load(Ordering::Relaxed)));
+    let [reads, writes, bytes_read, bytes_written] = ctrl.smart_figures();
+    s.data_units_read = U128::new(units(bytes_read));
+    s.data_units_written = U128::new(units(bytes_written));
+    s.host_reads = U128::new(u128::from(reads));
+    s.host_writes = U128::new(u128::from(writes));
     s
 }
 

@@ -5,7 +5,7 @@ use zerocopy::FromBytes;
 use crate::block::BlockFailure;
 
 use crate::queue::{Action, Command, DataRef, IoOp, IoRequest, Queue};
-use crate::target::{Controller, Subsystem};
+use crate::target::Subsystem;
 use crate::wire::{self, io_opcode as op, status, Sgl, Sqe, Status};
 
 /// Bytes of the ranges a Dataset Management command lists (NR + 1 ranges of 16 bytes).
@@ -60,7 +60,7 @@ impl DsmLimits {
     }
 }
 
-pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
+pub(crate) fn handle(q: &mut Queue, cmd: Command, icd: &[u8]) -> Action {
     let sqe = cmd.sqe;
     let nsid = sqe.nsid.get();
     let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
@@ -163,7 +163,7 @@ pub(crate) fn handle(q: &mut Queue, _ctrl: &Controller, cmd: Command, icd: &[u8]
 
 /// Dataset Management ranges arrived: deallocate them when AD is set (other attributes are
 /// hints, which a target may ignore).
-pub(crate) fn data_arrived(q: &mut Queue, _ctrl: &Controller, cmd: Command, data: &[u8]) -> Action {
+pub(crate) fn data_arrived(q: &mut Queue, cmd: Command, data: &[u8]) -> Action {
     let sqe = cmd.sqe;
     if sqe.opcode != op::DATASET_MANAGEMENT {
         return q.respond(&cmd, status::INTERNAL_ERROR, 0);

@@ -385,9 +385,7 @@ impl Queue {
         };
         self.refresh_subsystem();
         if let Some(st) = &self.stats {
-            // This queue alone writes it: a plain load and store, no locked add.
-            let n = st.commands.load(Ordering::Relaxed);
-            st.commands.store(n + 1, Ordering::Relaxed);
+            QueueStats::bump(&st.commands, 1);
         }
         if self.must_disconnect() {
             return Action::Disconnect {
@@ -405,17 +403,22 @@ impl Queue {
         if sqe.opcode == wire::admin_opcode::FABRICS {
             return self.fabrics(cmd, icd, now);
         }
-        let Some(ctrl) = self.ctrl.clone() else {
+        let Some(ctrl) = self.ctrl.as_ref() else {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
         };
         if !ctrl.ready.load(Ordering::Acquire) {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
         }
-        ctrl.traffic.store(true, Ordering::Relaxed);
+        // Queues on other reactors share this line: written only when the keep-alive check
+        // has cleared it, not per command.
+        if !ctrl.traffic.load(Ordering::Relaxed) {
+            ctrl.traffic.store(true, Ordering::Relaxed);
+        }
         if self.qid == Some(0) {
+            let ctrl = Arc::clone(ctrl);
             admin::handle(self, &ctrl, cmd, icd, now)
         } else {
-            io::handle(self, &ctrl, cmd, icd)
+            io::handle(self, cmd, icd)
         }
     }
 
@@ -537,10 +540,9 @@ impl Queue {
             return self.connect(cmd, data, now);
         }
         match (&self.ctrl, self.qid) {
-            (Some(ctrl), Some(q)) if q > 0 => {
-                let ctrl = Arc::clone(ctrl);
+            (Some(_), Some(q)) if q > 0 => {
                 self.refresh_subsystem();
-                io::data_arrived(self, &ctrl, cmd, data)
+                io::data_arrived(self, cmd, data)
             }
             _ => self.respond(&cmd, status::INTERNAL_ERROR, 0),
         }
@@ -567,16 +569,15 @@ impl Queue {
         }
         let st = match result {
             Ok(_) => {
-                if let Some(c) = &self.ctrl {
+                if let Some(st) = &self.stats {
                     match &req.op {
                         IoOp::Read { len, .. } => {
-                            c.host_reads.fetch_add(1, Ordering::Relaxed);
-                            c.bytes_read.fetch_add(u64::from(*len), Ordering::Relaxed);
+                            QueueStats::bump(&st.host_reads, 1);
+                            QueueStats::bump(&st.bytes_read, u64::from(*len));
                         }
                         IoOp::Write { len, .. } => {
-                            c.host_writes.fetch_add(1, Ordering::Relaxed);
-                            c.bytes_written
-                                .fetch_add(u64::from(*len), Ordering::Relaxed);
+                            QueueStats::bump(&st.host_writes, 1);
+                            QueueStats::bump(&st.bytes_written, u64::from(*len));
                         }
                         _ => {}
                     }
@@ -784,13 +785,11 @@ impl Queue {
         if qid > 0 {
             ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
         }
-        let st = Arc::new(QueueStats {
+        let st = Arc::new(QueueStats::new(
             qid,
-            depth: u32::from(sqsize) + 1,
-            peer: self.peer.clone(),
-            // The Connect.
-            commands: 1.into(),
-        });
+            u32::from(sqsize) + 1,
+            self.peer.clone(),
+        ));
         ctrl.queue_stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -811,10 +810,10 @@ impl Drop for Queue {
             return;
         };
         if let Some(st) = self.stats.take() {
-            ctrl.queue_stats
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .retain(|q| !Arc::ptr_eq(q, &st));
+            let mut all = ctrl.queue_stats.lock().unwrap_or_else(|e| e.into_inner());
+            all.retain(|q| !Arc::ptr_eq(q, &st));
+            // Under the lock: a SMART log read meanwhile counts it once.
+            ctrl.retire(&st);
         }
         if qid == 0 {
             ctrl.end(EndReason::AdminQueueLost);

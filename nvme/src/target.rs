@@ -179,15 +179,16 @@ pub struct Controller {
     pub(crate) io_queues_alive: AtomicU32,
     /// Its queues, for the operator's view (`Controller::queues`).
     pub(crate) queue_stats: Mutex<Vec<Arc<QueueStats>>>,
-    /// SMART counters.
+    /// SMART counters of its queues that are gone (those alive count in their `QueueStats`).
     pub(crate) host_reads: AtomicU64,
     pub(crate) host_writes: AtomicU64,
     pub(crate) bytes_read: AtomicU64,
     pub(crate) bytes_written: AtomicU64,
 }
 
-/// One queue of a controller as an operator sees it. Its queue alone writes `commands`
-/// (relaxed): no line of memory is shared with another queue's.
+/// One queue of a controller as an operator sees it. Its queue alone writes the counters,
+/// with a plain load and store (`QueueStats::bump`), never a locked add: no line of memory
+/// written per command is shared with another queue's, which may run on another reactor.
 #[derive(Debug)]
 pub struct QueueStats {
     /// Queue ID (0: admin).
@@ -198,6 +199,32 @@ pub struct QueueStats {
     pub peer: Option<String>,
     /// Commands received.
     pub commands: AtomicU64,
+    /// Reads and writes completed, and their bytes (the SMART log's figures).
+    pub(crate) host_reads: AtomicU64,
+    pub(crate) host_writes: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
+}
+
+impl QueueStats {
+    /// A queue's stats, its Connect counted.
+    pub(crate) fn new(qid: u16, depth: u32, peer: Option<String>) -> QueueStats {
+        QueueStats {
+            qid,
+            depth,
+            peer,
+            commands: 1.into(),
+            host_reads: 0.into(),
+            host_writes: 0.into(),
+            bytes_read: 0.into(),
+            bytes_written: 0.into(),
+        }
+    }
+
+    /// Adds `n` to a counter of this queue's, which only its queue writes.
+    pub(crate) fn bump(c: &AtomicU64, n: u64) {
+        c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+    }
 }
 
 /// A snapshot of [`QueueStats`].
@@ -230,6 +257,43 @@ impl Controller {
             .collect();
         v.sort_by_key(|q| q.qid);
         v
+    }
+
+    /// SMART figures: host reads, host writes, bytes read, bytes written, over its queues
+    /// alive and gone.
+    pub(crate) fn smart_figures(&self) -> [u64; 4] {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut f = [
+            g(&self.host_reads),
+            g(&self.host_writes),
+            g(&self.bytes_read),
+            g(&self.bytes_written),
+        ];
+        for q in self
+            .queue_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            f[0] += g(&q.host_reads);
+            f[1] += g(&q.host_writes);
+            f[2] += g(&q.bytes_read);
+            f[3] += g(&q.bytes_written);
+        }
+        f
+    }
+
+    /// Keeps the SMART figures of a queue that goes.
+    pub(crate) fn retire(&self, q: &QueueStats) {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        self.host_reads
+            .fetch_add(g(&q.host_reads), Ordering::Relaxed);
+        self.host_writes
+            .fetch_add(g(&q.host_writes), Ordering::Relaxed);
+        self.bytes_read
+            .fetch_add(g(&q.bytes_read), Ordering::Relaxed);
+        self.bytes_written
+            .fetch_add(g(&q.bytes_written), Ordering::Relaxed);
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, CtrlState> {

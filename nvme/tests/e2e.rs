@@ -858,6 +858,27 @@ fn smart_log_counts_io() {
     );
 }
 
+#[test]
+fn smart_log_sums_every_queue_and_keeps_the_counts_of_queues_gone() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(2);
+    let mut b = vec![0u8; 4096];
+    ios[0].write(1, 0, 8, &pattern(1, 4096), false).unwrap();
+    ios[1].write(1, 8, 8, &pattern(2, 4096), false).unwrap();
+    ios[1].read(1, 0, 8, &mut b).unwrap();
+    ios[1].read(1, 8, 8, &mut b).unwrap();
+    let smart = |a: &mut AdminQueue<Loopback>| -> wire::SmartLog {
+        wire::read(&a.get_log_page(wire::log_page::SMART, 0, 512).unwrap()).unwrap()
+    };
+    let s = smart(&mut a);
+    assert_eq!((s.host_writes.get(), s.host_reads.get()), (2, 2));
+    // Queue 2 goes: what it served still counts.
+    drop(ios.pop());
+    ios[0].read(1, 0, 8, &mut b).unwrap();
+    let s = smart(&mut a);
+    assert_eq!((s.host_writes.get(), s.host_reads.get()), (2, 3));
+}
+
 /// A Dataset Management command deallocating `ranges`, whose range buffer is `buf_len` bytes
 /// (at least 16 per range): the rest of the buffer holds ranges past the end of the
 /// namespace, which fail the command if the target reads them.

@@ -74,7 +74,7 @@ fn queue_op(
         IoOp::Write { offset, len, fua } => match (data.0.take(), data.1) {
             (Some(b), _) => (engine.write(dev, *offset, b, *fua, tag), one),
             (None, Some((_, from))) => {
-                counters.writes_from_receive.fetch_add(1, Ordering::Relaxed);
+                bump(&counters.writes_from_receive, 1);
                 // SAFETY: `from..from + len` lies in the receive the request keeps off the
                 // SRQ until this write's completion is reaped (`finish_io`, `end_req` give it
                 // back only then, and the SRQ is not rebuilt while a receive is kept); the
@@ -295,14 +295,10 @@ impl DataPath {
         r.cqe = cqe;
         match (ok, &io.op) {
             (true, IoOp::Read { len, .. }) => {
-                self.counters
-                    .read_bytes
-                    .fetch_add(u64::from(*len), Ordering::Relaxed);
+                bump(&self.counters.read_bytes, u64::from(*len));
             }
             (true, IoOp::Write { len, .. }) => {
-                self.counters
-                    .write_bytes
-                    .fetch_add(u64::from(*len), Ordering::Relaxed);
+                bump(&self.counters.write_bytes, u64::from(*len));
             }
             _ => {}
         }

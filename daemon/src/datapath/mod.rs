@@ -35,6 +35,7 @@ use nvmfd_rdma::*;
 use zerocopy::IntoBytes;
 
 use crate::srq::{Change, ElasticSrq, Registrar, SrqConfig};
+use crate::stats::bump;
 
 /// Namespace devices one data path's engine can serve at once (its registered file table).
 pub const MAX_ATTACHED: u32 = 1024;

@@ -136,9 +136,7 @@ impl DataPath {
             c.sq_used += n;
             c.signaled_out += n;
             self.sends_in_flight += n as usize;
-            self.counters
-                .rdma_reads
-                .fetch_add(u64::from(n), Ordering::Relaxed);
+            bump(&self.counters.rdma_reads, u64::from(n));
             if r.next_seg == r.nsegs {
                 r.state = State::Reading;
                 c.pending_reads.pop_front();

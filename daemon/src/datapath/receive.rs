@@ -23,7 +23,7 @@ impl DataPath {
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        self.counters.commands.fetch_add(1, Ordering::Relaxed);
+        bump(&self.counters.commands, 1);
         if self.in_use() >= self.limit || !self.incoming.is_empty() {
             // Every slot or buffer may be in use: the command waits its turn, in its receive.
             self.counters
