@@ -17,6 +17,11 @@ cat > $WORK/nvmfd.toml <<CFG
 reactor_cores = [0, 1]
 admin_socket = "$WORK/nvmfd.sock"
 log_format = "json"
+# nvme/029 reads and writes up to 1025 blocks of 512 B in one passthrough command, which the
+# Linux host refuses above the target's MDTS: 1 MiB, as the kernel target offers over RDMA
+# (nvmfd's default is 128 KiB, as SPDK's).
+[transport]
+max_io_size = "1MiB"
 [[listener]]
 address = "$RDMA_IP"
 port = 4420

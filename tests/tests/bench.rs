@@ -124,6 +124,19 @@ fn bench_prints_a_line_per_queue_and_a_total() {
 }
 
 #[test]
+fn bench_at_depth_one_keeps_one_command_out_on_a_queue_of_two_entries() {
+    let d = Daemon::start(Options::default());
+    let a = addr(&d);
+    let (ok, out, err) = nvmf(&[
+        "bench", "--addr", &a, "--nqn", SUB, "-q", "1", "-o", "4k", "-w", "randread", "-t", "0.3",
+        "--warmup", "0", "--json",
+    ]);
+    assert!(ok, "depth 1 must connect (SQSIZE is at least 1): {err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(v["total"]["ios"].as_u64().unwrap() > 0, "{v}");
+}
+
+#[test]
 fn bench_errors_are_clear_and_exit_non_zero() {
     let d = Daemon::start(Options::default());
     let a = addr(&d);

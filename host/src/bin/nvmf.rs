@@ -243,8 +243,10 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     let cntlid = a.cntlid;
     let connect = |qid: u16| {
         let ch = channel(cli.provider).map_err(HostError::Transport)?;
-        let q = PipelinedQueue::connect(ch, cli.addr, qid, b.depth, 4096, io_size.max(4096))?;
-        IoQueue::connect(q, host, &b.nqn, cntlid, qid, b.depth - 1)
+        // A queue has at least two entries (SQSIZE 1): depth 1 keeps one of them out.
+        let slots = b.depth.max(2);
+        let q = PipelinedQueue::connect(ch, cli.addr, qid, slots, 4096, io_size.max(4096))?;
+        IoQueue::connect(q, host, &b.nqn, cntlid, qid, slots - 1)
     };
     let bar = if b.json {
         indicatif::ProgressBar::hidden()

@@ -214,7 +214,10 @@ impl HostSide {
         let before = done.len();
         while done.len() - before < n {
             let t = self.ios[q].transport();
-            t.poll(done);
+            if t.poll(done) == 0 {
+                // The soft wire's threads need the CPU this process would spin on.
+                std::thread::yield_now();
+            }
             if let Some(why) = t.broken() {
                 return Err(format!("queue {q}: {why}"));
             }
@@ -256,6 +259,7 @@ impl HostSide {
             }
         }
         while Instant::now() < end {
+            let mut any = false;
             for q in 0..self.ios.len() {
                 done.clear();
                 let t = self.ios[q].transport();
@@ -267,9 +271,13 @@ impl HostSide {
                     d.ok().map_err(|e| format!("queue {q}: {e}"))?;
                 }
                 ios += done.len() as u64;
+                any |= !done.is_empty();
                 for _ in 0..done.len() {
                     self.submit(q, 0)?;
                 }
+            }
+            if !any {
+                std::thread::yield_now();
             }
         }
         for q in 0..self.ios.len() {
