@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # nvmfd beside the kernel's NVMe-oF target (nvmet-rdma) on rxe0 in the VM lab (../shared/lab),
 # in one guest: the kernel host runs fio (io_uring, direct, pinned to vCPU 1) against each in
-# turn (nvmfd, kernel, nvmfd, kernel), nvmfd with one reactor on vCPU 0, both over a null
+# turn (nvmfd, kernel, nvmfd, kernel), then nvmf bench over ibverbs (4 KiB randread QD 32 and 1)
+# against the same, nvmfd with one reactor on vCPU 0, both over a null
 # backend of the same size and block size: 4 KiB randread and randwrite at QD 1 and 32, 128 KiB
 # sequential write at QD 16. Prints IOPS and completion latency (mean, p99, max) of every run,
 # then the means over the rounds with the ratios nvmfd/kernel. A benchmark, not a test: rxe runs

@@ -133,6 +133,19 @@ run_job() { # TARGET ROUND DEV NAME RW BS QD
     printf "%-6s round %s  %-17s %9.0f IOPS %8.1f MiB/s  clat mean %8.1f us  p99 %8.1f us  max %8.2f ms\n",
       t, r, n, $1, $5, $2, $3, $4 }' <<< "$line"
 }
+nvmf_job() { # TARGET ROUND NQN PORT NAME RW BS QD
+  local target=$1 round=$2 nqn=$3 port=$4 name=$5 rw=$6 bs=$7 qd=$8 out line
+  out=$WORK/$target-$round-$name.json
+  timeout $((RUNTIME + 120)) taskset -c 1 $BIN/nvmf --provider ibverbs --addr "$IP:$port" \
+    bench --nqn "$nqn" -q "$qd" -o "$bs" -w "$rw" -t "$RUNTIME" --warmup 1 --json > "$out" \
+    || fail "nvmf bench $name on $target failed: $(tail -3 "$out")"
+  line=$(jq -r '.total | [.iops, .latency_us.mean, .latency_us.p99, .latency_us.max / 1e3,
+    .mib_per_s] | @tsv' "$out")
+  printf '%s\t%s\t%s\t%s\n' "$target" "$round" "$name" "$line" >> $RESULTS
+  awk -F'\t' -v t="$target" -v r="$round" -v n="$name" '{
+    printf "%-6s round %s  %-21s %9.0f IOPS %8.1f MiB/s  lat mean %8.1f us  p99 %8.1f us  max %8.2f ms\n",
+      t, r, n, $1, $5, $2, $3, $4 }' <<< "$line"
+}
 round() { # TARGET ROUND
   local target=$1 r=$2 nqn port spec
   if [ "$target" = nvmfd ]; then nqn=$NVMFD_NQN; port=$NVMFD_PORT; nvmfd_start
@@ -144,6 +157,11 @@ round() { # TARGET ROUND
     run_job "$target" "$r" "$DEV" $spec
   done
   disconnect $nqn
+  # nvmfd's own host tool over ibverbs (user-space verbs on rxe0), pinned as fio was.
+  for spec in "nvmf-randread-4k-qd32 randread 4k 32" "nvmf-randread-4k-qd1 randread 4k 1"; do
+    # shellcheck disable=SC2086
+    nvmf_job "$target" "$r" "$nqn" "$port" $spec
+  done
   if [ "$target" = nvmfd ]; then
     echo "nvmfd round $r: reactor sleeps $(stat_sum sleeps_total), caught before sleep" \
       "$(stat_sum caught_before_sleep_total), commands $(stat_sum commands_total)," \
@@ -169,15 +187,15 @@ awk -F'\t' '
     if (!($3 in seen)) { seen[$3] = 1; order[++jobs] = $3 } }
   function row(j, what, a, unit, fmt,   x, y) {
     x = a["nvmfd" SUBSEP j] / n["nvmfd" SUBSEP j]; y = a["kernel" SUBSEP j] / n["kernel" SUBSEP j]
-    printf "%-17s %-15s " fmt " " fmt "  %6.2f\n", j, what " (" unit ")", x, y, y ? x / y : 0
+    printf "%-21s %-15s " fmt " " fmt "  %6.2f\n", j, what " (" unit ")", x, y, y ? x / y : 0
   }
   END {
-    printf "%-17s %-15s %10s %10s  %6s\n", "job", "figure", "nvmfd", "kernel", "ratio"
+    printf "%-21s %-15s %10s %10s  %6s\n", "job", "figure", "nvmfd", "kernel", "ratio"
     for (i = 1; i <= jobs; i++) {
       j = order[i]
       row(j, "IOPS", iops, "", "%10.0f"); row(j, "clat mean", mean, "us", "%10.1f")
       row(j, "clat p99", p99, "us", "%10.1f"); row(j, "clat max", mx, "ms", "%10.2f")
-      printf "%-17s %-15s %10.2f %10.2f\n", j, "worst max (ms)", worst["nvmfd" SUBSEP j], worst["kernel" SUBSEP j]
+      printf "%-21s %-15s %10.2f %10.2f\n", j, "worst max (ms)", worst["nvmfd" SUBSEP j], worst["kernel" SUBSEP j]
     }
   }' $RESULTS | sed 's/ ()/   /'
 echo
