@@ -575,19 +575,32 @@ fn drive(cli: &Cli) -> Result<(), String> {
         gauge(&s2, "srq_at_max_total") - gauge(&s1, "srq_at_max_total"),
         gauge(&s2, "srq_empty_total") - gauge(&s1, "srq_empty_total"),
     );
-    // Back to the idle size: the shrink delay after the last busy moment, chunk by chunk.
+    // Back to the connected size. An SRQ cannot withdraw a posted receive: a chunk chosen to
+    // shrink leaves once traffic has consumed its receives. So after the burst every queue
+    // keeps a light load (one read at a time, each process going round its queues) until the
+    // registered receives are back, or the time limit.
     let back = Instant::now();
-    let limit = Duration::from_secs(cli.shrink_delay * 20 + 60);
+    let limit = Duration::from_secs(cli.shrink_delay * 30 + 60);
+    let mut trickle = 0u64;
     let reg3 = loop {
         let r = gauge(&stats(&d)?, "srq_receives_registered");
         if r <= reg1 || back.elapsed() > limit {
             break r;
         }
-        std::thread::sleep(Duration::from_millis(100));
+        for p in &mut procs {
+            p.ask("ping")?;
+        }
+        for p in &mut procs {
+            let a = p.answer()?;
+            if !a.starts_with("ping ") {
+                return Err(format!("host process said {a:?}"));
+            }
+        }
+        trickle += connected;
     };
     let (rss3, _) = rss_threads(pid);
     println!(
-        "after the burst: {reg3} receives registered ({:.1} MiB) {:.1} s after it ended{}; RSS {:.1} MiB",
+        "after the burst: {reg3} receives registered ({:.1} MiB) {:.1} s after it ended, {trickle} reads of light load later{}; RSS {:.1} MiB",
         mib(reg3 * RECEIVE_BYTES),
         back.elapsed().as_secs_f64(),
         if reg3 <= reg1 {
