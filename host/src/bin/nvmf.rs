@@ -147,12 +147,16 @@ fn channel(p: Provider) -> Result<CmChannel, String> {
 }
 
 fn queue(cli: &Cli, qid: u16, sqsize: u16) -> Result<RdmaQueue, String> {
+    // An admin queue's capsules carry no data over RDMA (the kernel target's receives for it
+    // hold the command alone): its Connect data and the rest go keyed. I/O queues put writes
+    // of up to 4 KiB in the capsule.
+    let in_capsule = if qid == 0 { 0 } else { 4096 };
     RdmaQueue::connect(
         channel(cli.provider)?,
         cli.addr,
         qid,
         sqsize,
-        4096,
+        in_capsule,
         128 * 1024,
     )
     .map_err(|e| e.to_string())
