@@ -157,6 +157,8 @@ pub struct DataPath {
     /// The capsule being started (kept at its full size, so that no command allocates or
     /// zero-fills it).
     capsule: Vec<u8>,
+    /// The CQ's batch of work completions, kept for every turn.
+    wc: [Wc; 32],
     counters: Arc<crate::stats::DataPathCounters>,
     /// Commands admitted at once: each holds one request slot and at most one buffer, so
     /// admitting a command only while fewer than `limit` slots are taken means none ever
@@ -278,6 +280,7 @@ impl DataPath {
             free: (0..cfg.requests as usize).rev().collect(),
             blocked: VecDeque::with_capacity(cfg.requests as usize),
             capsule: vec![0; 64 + (cfg.in_capsule as usize).next_multiple_of(4096)],
+            wc: [Wc::default(); 32],
             counters,
             limit: cfg.requests.min(cfg.buffers) as usize,
             incoming: VecDeque::with_capacity(cfg.srq.max as usize),
@@ -357,19 +360,20 @@ impl DataPath {
             self.start_command(qpn, wr, len, now);
             worked = true;
         }
-        let mut wc = [Wc::default(); 32];
         let mut n = 0;
-        // One batch a turn; while a drain waits for the CQ to be empty, until it is.
+        // One batch a turn; while a drain waits for the CQ to be empty, until it is. The batch
+        // lives in the data path: nothing is zeroed per turn.
         for _ in 0..64 {
-            let got = self.cq.poll(&mut wc).unwrap_or(0);
-            let receives = wc[..got].iter().filter(|c| c.wr_id < REQ_BASE).count();
+            let got = self.cq.poll(&mut self.wc).unwrap_or(0);
+            let receives = self.wc[..got].iter().filter(|c| c.wr_id < REQ_BASE).count();
             self.srq
                 .consumed(u32::try_from(receives).unwrap_or(u32::MAX));
-            for c in &wc[..got] {
-                self.on_completion(c, now);
+            for i in 0..got {
+                let c = self.wc[i];
+                self.on_completion(&c, now);
             }
             n += got;
-            if got < wc.len() {
+            if got < self.wc.len() {
                 self.cq_empty_polls += 1;
                 break;
             }

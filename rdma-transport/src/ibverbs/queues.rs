@@ -235,16 +235,20 @@ pub(super) fn wc_status(s: u32) -> WcStatus {
 impl Cq {
     /// Polls up to `out.len()` (at most [`POLL_BATCH`]) completions.
     pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
-        // SAFETY: ibv_wc is plain data (a union of integers included).
-        let mut raw: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
+        // Not zeroed: a busy-polling reactor calls this every turn, mostly to find nothing,
+        // and the provider writes every entry it returns.
+        let mut raw = std::mem::MaybeUninit::<[ibv_wc; POLL_BATCH]>::uninit();
         let n = i32::try_from(out.len().min(POLL_BATCH)).unwrap_or(0);
-        // SAFETY: live CQ; `raw` holds n entries; poll_cq was checked at open.
-        let got = unsafe { ibv_poll_cq(self.cq.as_ptr(), n, raw.as_mut_ptr()) };
+        // SAFETY: live CQ; `raw` has room for n <= POLL_BATCH entries; poll_cq was checked at
+        // open.
+        let got = unsafe { ibv_poll_cq(self.cq.as_ptr(), n, raw.as_mut_ptr().cast::<ibv_wc>()) };
         if got < 0 {
             return Err(VerbsError::os("poll_cq", -got));
         }
-        let got = usize::try_from(got).unwrap_or(0);
-        for (o, w) in out.iter_mut().zip(&raw[..got]) {
+        let got = usize::try_from(got).unwrap_or(0).min(POLL_BATCH);
+        // SAFETY: poll_cq wrote the first `got` entries (plain data), which alone are read.
+        let raw = unsafe { std::slice::from_raw_parts(raw.as_ptr().cast::<ibv_wc>(), got) };
+        for (o, w) in out.iter_mut().zip(raw) {
             // SAFETY: status and opcode are C enums read as integers.
             let status =
                 unsafe { ptr::read((&w.status as *const ibv_wc_status::Type).cast::<u32>()) };
