@@ -36,7 +36,7 @@ pub fn bin(name: &str) -> PathBuf {
                 path.display()
             )
         });
-    if let Some(newer) = newer_source(built) {
+    if let Some(newer) = newer_source(name, built) {
         panic!(
             "{} is older than {}: run `cargo build --workspace --bins` first",
             path.display(),
@@ -46,18 +46,46 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// A source of the daemon (`daemon/src`, `config/src`, the workspace's `Cargo.toml`, whose
-/// features change what is compiled in) newer than `built`, if any.
-fn newer_source(built: SystemTime) -> Option<PathBuf> {
+/// A source that binary `name` is built from (its crate's and the workspace crates it uses,
+/// and the workspace's `Cargo.toml`, whose features change what is compiled in) newer than
+/// `built`, if any. Cargo relinks a binary only when one of those changed, so a source of
+/// another crate newer than the binary says nothing.
+fn newer_source(name: &str, built: SystemTime) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let manifest = root.join("Cargo.toml");
     let manifest = std::fs::metadata(&manifest)
         .and_then(|m| m.modified())
         .ok()
         .map(|t| (t, manifest));
-    ["daemon/src", "config/src"]
-        .iter()
+    // The libraries it links (their `src/bin` left out: other binaries), and its own file.
+    let (libs, own): (&[&str], &str) = match name {
+        "nvmfd" | "nvmfctl" => (
+            &[
+                "daemon/src",
+                "config/src",
+                "nvme/src",
+                "blockdev/src",
+                "rdma-transport/src",
+            ],
+            "daemon/src/bin",
+        ),
+        "nvmf" => (
+            &["host/src", "nvme/src", "rdma-transport/src"],
+            "host/src/bin",
+        ),
+        _ => (
+            &["tests/src", "host/src", "nvme/src", "rdma-transport/src"],
+            "tests/src/bin",
+        ),
+    };
+    let own = root.join(own).join(format!("{name}.rs"));
+    let own = std::fs::metadata(&own)
+        .and_then(|m| m.modified())
+        .ok()
+        .map(|t| (t, own));
+    libs.iter()
         .filter_map(|src| newest_file(&root.join(src)))
+        .chain(own)
         .chain(manifest)
         .find(|(t, _)| *t > built)
         .map(|(_, p)| p)
@@ -83,7 +111,7 @@ pub fn release_bin(name: &str) -> Result<PathBuf, String> {
                 path.display()
             )
         })?;
-    match newer_source(built) {
+    match newer_source(name, built) {
         Some(newer) => Err(format!(
             "{} is older than {} (`cargo build --release --bins` rebuilds it)",
             path.display(),
@@ -98,6 +126,9 @@ fn newest_file(dir: &Path) -> Option<(SystemTime, PathBuf)> {
     for e in std::fs::read_dir(dir).ok()?.flatten() {
         let p = e.path();
         let cand = if p.is_dir() {
+            if p.file_name().is_some_and(|n| n == "bin") {
+                continue;
+            }
             newest_file(&p)
         } else {
             e.metadata().ok()?.modified().ok().map(|t| (t, p))
