@@ -179,11 +179,56 @@ pub struct Controller {
     pub(crate) io_queues_alive: AtomicU32,
     /// Its queues, for the operator's view (`Controller::queues`).
     pub(crate) queue_stats: Mutex<Vec<Arc<QueueStats>>>,
-    /// SMART counters of its queues that are gone (those alive count in their `QueueStats`).
-    pub(crate) host_reads: AtomicU64,
-    pub(crate) host_writes: AtomicU64,
-    pub(crate) bytes_read: AtomicU64,
-    pub(crate) bytes_written: AtomicU64,
+    /// The SMART log's figures of its queues that are gone (those alive keep theirs in
+    /// their `QueueStats`).
+    pub(crate) io_gone: IoCounts,
+}
+
+/// Reads and writes completed and their bytes: the SMART log's figures.
+#[derive(Debug, Default)]
+pub(crate) struct IoCounts {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+impl IoCounts {
+    /// Counts a completed read or write of `len` bytes. One queue alone writes its counts: a
+    /// plain load and store (`QueueStats::bump`).
+    pub(crate) fn count(&self, write: bool, len: u64) {
+        let (n, bytes) = if write {
+            (&self.writes, &self.bytes_written)
+        } else {
+            (&self.reads, &self.bytes_read)
+        };
+        QueueStats::bump(n, 1);
+        QueueStats::bump(bytes, len);
+    }
+
+    /// Reads, writes, bytes read, bytes written.
+    pub(crate) fn get(&self) -> [u64; 4] {
+        [
+            &self.reads,
+            &self.writes,
+            &self.bytes_read,
+            &self.bytes_written,
+        ]
+        .map(|a| a.load(Ordering::Relaxed))
+    }
+
+    /// Adds figures of [`IoCounts::get`]'s order (from any thread: locked adds).
+    pub(crate) fn add(&self, f: [u64; 4]) {
+        let all = [
+            &self.reads,
+            &self.writes,
+            &self.bytes_read,
+            &self.bytes_written,
+        ];
+        for (a, v) in all.into_iter().zip(f) {
+            a.fetch_add(v, Ordering::Relaxed);
+        }
+    }
 }
 
 /// One queue of a controller as an operator sees it. Its queue alone writes the counters,
@@ -200,10 +245,7 @@ pub struct QueueStats {
     /// Commands received.
     pub commands: AtomicU64,
     /// Reads and writes completed, and their bytes (the SMART log's figures).
-    pub(crate) host_reads: AtomicU64,
-    pub(crate) host_writes: AtomicU64,
-    pub(crate) bytes_read: AtomicU64,
-    pub(crate) bytes_written: AtomicU64,
+    pub(crate) io: IoCounts,
 }
 
 impl QueueStats {
@@ -214,10 +256,7 @@ impl QueueStats {
             depth,
             peer,
             commands: 1.into(),
-            host_reads: 0.into(),
-            host_writes: 0.into(),
-            bytes_read: 0.into(),
-            bytes_written: 0.into(),
+            io: IoCounts::default(),
         }
     }
 
@@ -262,38 +301,18 @@ impl Controller {
     /// SMART figures: host reads, host writes, bytes read, bytes written, over its queues
     /// alive and gone.
     pub(crate) fn smart_figures(&self) -> [u64; 4] {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut f = [
-            g(&self.host_reads),
-            g(&self.host_writes),
-            g(&self.bytes_read),
-            g(&self.bytes_written),
-        ];
+        let mut f = self.io_gone.get();
         for q in self
             .queue_stats
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
         {
-            f[0] += g(&q.host_reads);
-            f[1] += g(&q.host_writes);
-            f[2] += g(&q.bytes_read);
-            f[3] += g(&q.bytes_written);
+            for (t, v) in f.iter_mut().zip(q.io.get()) {
+                *t += v;
+            }
         }
         f
-    }
-
-    /// Keeps the SMART figures of a queue that goes.
-    pub(crate) fn retire(&self, q: &QueueStats) {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        self.host_reads
-            .fetch_add(g(&q.host_reads), Ordering::Relaxed);
-        self.host_writes
-            .fetch_add(g(&q.host_writes), Ordering::Relaxed);
-        self.bytes_read
-            .fetch_add(g(&q.bytes_read), Ordering::Relaxed);
-        self.bytes_written
-            .fetch_add(g(&q.bytes_written), Ordering::Relaxed);
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, CtrlState> {

@@ -299,6 +299,35 @@ struct Proc {
 }
 
 impl Proc {
+    /// Host process `n` (this program again) connecting `queues` I/O queues of `depth`.
+    fn start(addr: SocketAddr, n: u32, queues: u32, depth: u16) -> Result<Proc, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .args(["host", "--addr", &addr.to_string(), "--n"])
+            .arg(n.to_string())
+            .args(["--queues", &queues.to_string(), "--depth"])
+            .arg(depth.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting a host process: {e}"))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        Ok(Proc {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    /// The number in the next answer, which must start with `prefix`.
+    fn number(&mut self, prefix: &str) -> Result<u64, String> {
+        let a = self.answer()?;
+        a.strip_prefix(prefix)
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| format!("host process said {a:?}"))
+    }
+
     fn ask(&mut self, line: &str) -> Result<(), String> {
         writeln!(self.stdin, "{line}").map_err(|e| format!("host process: {e}"))
     }
@@ -412,6 +441,20 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
 }
 
+/// The target under test, the host processes and the figures taken once all connected.
+struct Run<'a> {
+    cli: &'a Cli,
+    d: Daemon,
+    pid: u32,
+    procs: Vec<Proc>,
+    /// I/O queues connected.
+    connected: u64,
+    /// Stats with every queue connected, before any I/O.
+    connected_stats: Value,
+    /// Receives registered then.
+    connected_receives: u64,
+}
+
 fn drive(cli: &Cli) -> Result<(), String> {
     if cli.processes == 0 || cli.queues < cli.processes || cli.depth < 2 {
         return Err(
@@ -421,203 +464,217 @@ fn drive(cli: &Cli) -> Result<(), String> {
     if cli.processes > 250 {
         return Err("at most 250 host processes".into());
     }
-    let nvmfd = match &cli.nvmfd {
-        Some(p) => p.clone(),
-        None => nvmfd_tests::bin("nvmfd"),
-    };
-    let d = Daemon::start(Options {
-        config: Some(config(cli)),
-        binary: Some(nvmfd),
-        ..Options::default()
-    });
-    let pid = d.child.id();
-    let tid = reactor_tid(pid).ok_or("no reactor thread nvmfd-r0")?;
-    let hz = 100.0; // USER_HZ on Linux
-    let s0 = stats(&d)?;
-    let (rss0, threads0) = rss_threads(pid);
-    let reg0 = gauge(&s0, "srq_receives_registered");
-    println!(
-        "scale: {} I/O queues of depth {} from {} host processes over soft TCP to one reactor; srq_cover_queues {}, srq_shrink_delay {} s",
-        cli.queues, cli.depth, cli.processes, cli.cover_queues, cli.shrink_delay
-    );
-    println!(
-        "before:    {reg0:>6} receives registered ({:>7.1} MiB), RSS {:>7.1} MiB, {threads0} threads",
-        mib(reg0 * RECEIVE_BYTES),
-        rss0 as f64 / 1024.0
-    );
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let addr = d.soft_addr();
-    let t_connect = Instant::now();
-    let mut procs = Vec::new();
-    for p in 0..cli.processes {
-        let share = cli.queues / cli.processes + u32::from(p < cli.queues % cli.processes);
-        let mut child = Command::new(&exe)
-            .args(["host", "--addr", &addr.to_string(), "--n"])
-            .arg((p + 1).to_string())
-            .args(["--queues", &share.to_string(), "--depth"])
-            .arg(cli.depth.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("starting a host process: {e}"))?;
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        procs.push(Proc {
-            child,
-            stdin,
-            stdout,
-        });
-    }
-    let mut connected = 0u64;
-    for p in &mut procs {
-        let a = p.answer()?;
-        connected += a
-            .strip_prefix("ready ")
-            .and_then(|n| n.parse::<u64>().ok())
-            .ok_or_else(|| format!("host process said {a:?}"))?;
-    }
-    let connect_time = t_connect.elapsed();
-    let s1 = stats(&d)?;
-    let (rss1, threads1) = rss_threads(pid);
-    let reg1 = gauge(&s1, "srq_receives_registered");
-    let per_qp = connected * u64::from(cli.depth);
-    println!(
-        "connected: {connected} I/O queues ({} QPs with the admin queues) in {:.1} s",
-        gauge(&s1, "qps"),
-        connect_time.as_secs_f64()
-    );
-    println!(
-        "           {reg1:>6} receives registered ({:>7.1} MiB), {} reserved, {} posted; RSS {:>7.1} MiB, {threads1} threads (the soft provider's TCP wire: two per QP)",
-        mib(reg1 * RECEIVE_BYTES),
-        gauge(&s1, "srq_receives_reserved"),
-        gauge(&s1, "srq_receives_posted"),
-        rss1 as f64 / 1024.0
-    );
-    println!(
-        "per-QP receive queues of the same depths: {per_qp} receives ({:.1} MiB); the shared queue registers {:.4} of that (1/{:.1})",
-        mib(per_qp * RECEIVE_BYTES),
-        reg1 as f64 / per_qp as f64,
-        per_qp as f64 / reg1.max(1) as f64
-    );
-    // Idle: the reactor's CPU over the window, every queue connected and quiet.
-    let (r0, p0, w0) = (
-        cpu_ticks(pid, Some(tid)),
-        cpu_ticks(pid, None),
-        Instant::now(),
-    );
-    std::thread::sleep(Duration::from_secs(cli.idle));
-    let (r1, p1, wall) = (
-        cpu_ticks(pid, Some(tid)),
-        cpu_ticks(pid, None),
-        w0.elapsed(),
-    );
-    let s_idle = stats(&d)?;
-    println!(
-        "idle {:.1} s: reactor thread {:.2}% of a core, the whole process {:.2}%; {} commands meanwhile",
-        wall.as_secs_f64(),
-        100.0 * (r1 - r0) as f64 / hz / wall.as_secs_f64(),
-        100.0 * (p1 - p0) as f64 / hz / wall.as_secs_f64(),
-        gauge(&s_idle, "commands_total") - gauge(&s1, "commands_total")
-    );
-    // First I/O after the idle time, then one on every queue of that process.
-    procs[0].ask("ping")?;
-    let a = procs[0].answer()?;
-    let v: Vec<u64> = a
-        .strip_prefix("ping ")
-        .map(|r| r.split(' ').filter_map(|x| x.parse().ok()).collect())
-        .unwrap_or_default();
-    if v.len() != 3 {
-        return Err(format!("host process said {a:?}"));
-    }
-    println!(
-        "first I/O after idling: {:.1} us; then one read on each of that process's queues: median {:.1} us, longest {:.1} us",
-        v[0] as f64 / 1e3,
-        v[1] as f64 / 1e3,
-        v[2] as f64 / 1e3
-    );
-    // A burst on every queue at once.
-    for p in &mut procs {
-        p.ask(&format!("burst {} {}", cli.burst, cli.burst_depth))?;
-    }
-    let burst_start = Instant::now();
-    let mut peak = 0;
-    let reads = std::thread::scope(|scope| {
-        let h = scope.spawn(|| {
-            let mut total = 0u64;
-            for p in &mut procs {
-                let a = p.answer()?;
-                total += a
-                    .strip_prefix("burst ")
-                    .and_then(|n| n.parse::<u64>().ok())
-                    .ok_or_else(|| format!("host process said {a:?}"))?;
-            }
-            Ok::<u64, String>(total)
-        });
-        while !h.is_finished() {
-            if let Ok(s) = stats(&d) {
-                peak = peak.max(gauge(&s, "srq_receives_registered"));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        h.join().map_err(|_| "burst thread".to_owned())
-    })??;
-    let burst_time = burst_start.elapsed();
-    let s2 = stats(&d)?;
-    peak = peak.max(gauge(&s2, "srq_receives_registered"));
-    println!(
-        "burst {:.1} s, {} reads outstanding per queue: {reads} reads ({:.0} IOPS); receives registered at most {peak} ({:.1} MiB); SRQ grew {} times, limit events {}, at max {}, empty {}",
-        burst_time.as_secs_f64(),
-        cli.burst_depth,
-        reads as f64 / burst_time.as_secs_f64(),
-        mib(peak * RECEIVE_BYTES),
-        gauge(&s2, "srq_grows_total") - gauge(&s1, "srq_grows_total"),
-        gauge(&s2, "srq_limit_events_total") - gauge(&s1, "srq_limit_events_total"),
-        gauge(&s2, "srq_at_max_total") - gauge(&s1, "srq_at_max_total"),
-        gauge(&s2, "srq_empty_total") - gauge(&s1, "srq_empty_total"),
-    );
-    // Back to the connected size. An SRQ cannot withdraw a posted receive: a chunk chosen to
-    // shrink leaves once traffic has consumed its receives. So after the burst every queue
-    // keeps a light load (one read at a time, each process going round its queues) until the
-    // registered receives are back, or the time limit.
-    let back = Instant::now();
-    let limit = Duration::from_secs(cli.shrink_delay * 30 + 60);
-    let mut trickle = 0u64;
-    let reg3 = loop {
-        let r = gauge(&stats(&d)?, "srq_receives_registered");
-        if r <= reg1 || back.elapsed() > limit {
-            break r;
-        }
-        for p in &mut procs {
-            p.ask("ping")?;
-        }
-        for p in &mut procs {
-            let a = p.answer()?;
-            if !a.starts_with("ping ") {
-                return Err(format!("host process said {a:?}"));
-            }
-        }
-        trickle += connected;
-    };
-    let (rss3, _) = rss_threads(pid);
-    println!(
-        "after the burst: {reg3} receives registered ({:.1} MiB) {:.1} s after it ended, {trickle} reads of light load later{}; RSS {:.1} MiB",
-        mib(reg3 * RECEIVE_BYTES),
-        back.elapsed().as_secs_f64(),
-        if reg3 <= reg1 {
-            " (the connected size again)"
-        } else {
-            " (NOT back to the connected size)"
-        },
-        rss3 as f64 / 1024.0
-    );
-    for p in &mut procs {
+    let mut run = Run::connect(cli)?;
+    run.idle()?;
+    run.first_io()?;
+    run.burst()?;
+    let back = run.settle();
+    for p in &mut run.procs {
         let _ = p.ask("quit");
     }
-    for p in &mut procs {
+    for p in &mut run.procs {
         let _ = p.child.wait();
     }
-    if reg3 > reg1 {
+    if !back? {
         return Err("the shared receive queue did not shrink back after the burst".into());
     }
     Ok(())
+}
+
+impl Run<'_> {
+    /// Starts nvmfd and the host processes, and waits until every queue is connected.
+    fn connect(cli: &Cli) -> Result<Run<'_>, String> {
+        let nvmfd = match &cli.nvmfd {
+            Some(p) => p.clone(),
+            None => nvmfd_tests::bin("nvmfd"),
+        };
+        let d = Daemon::start(Options {
+            config: Some(config(cli)),
+            binary: Some(nvmfd),
+            ..Options::default()
+        });
+        let pid = d.child.id();
+        let s0 = stats(&d)?;
+        let (rss0, threads0) = rss_threads(pid);
+        let reg0 = gauge(&s0, "srq_receives_registered");
+        println!(
+            "scale: {} I/O queues of depth {} from {} host processes over soft TCP to one reactor; srq_cover_queues {}, srq_shrink_delay {} s",
+            cli.queues, cli.depth, cli.processes, cli.cover_queues, cli.shrink_delay
+        );
+        println!(
+            "before:    {reg0:>6} receives registered ({:>7.1} MiB), RSS {:>7.1} MiB, {threads0} threads",
+            mib(reg0 * RECEIVE_BYTES),
+            rss0 as f64 / 1024.0
+        );
+        let t_connect = Instant::now();
+        let procs = (0..cli.processes)
+            .map(|p| {
+                let share = cli.queues / cli.processes + u32::from(p < cli.queues % cli.processes);
+                Proc::start(d.soft_addr(), p + 1, share, cli.depth)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut run = Run {
+            cli,
+            d,
+            pid,
+            procs,
+            connected: 0,
+            connected_stats: Value::Null,
+            connected_receives: 0,
+        };
+        for p in &mut run.procs {
+            run.connected += p.number("ready ")?;
+        }
+        run.connected_stats = stats(&run.d)?;
+        run.connected_receives = gauge(&run.connected_stats, "srq_receives_registered");
+        run.print_connected(t_connect.elapsed());
+        Ok(run)
+    }
+
+    fn print_connected(&self, connect_time: Duration) {
+        let (s1, reg1) = (&self.connected_stats, self.connected_receives);
+        let (rss1, threads1) = rss_threads(self.pid);
+        let per_qp = self.connected * u64::from(self.cli.depth);
+        println!(
+            "connected: {} I/O queues ({} QPs with the admin queues) in {:.1} s",
+            self.connected,
+            gauge(s1, "qps"),
+            connect_time.as_secs_f64()
+        );
+        println!(
+            "           {reg1:>6} receives registered ({:>7.1} MiB), {} reserved, {} posted; RSS {:>7.1} MiB, {threads1} threads (the soft provider's TCP wire: two per QP)",
+            mib(reg1 * RECEIVE_BYTES),
+            gauge(s1, "srq_receives_reserved"),
+            gauge(s1, "srq_receives_posted"),
+            rss1 as f64 / 1024.0
+        );
+        println!(
+            "per-QP receive queues of the same depths: {per_qp} receives ({:.1} MiB); the shared queue registers {:.4} of that (1/{:.1})",
+            mib(per_qp * RECEIVE_BYTES),
+            reg1 as f64 / per_qp as f64,
+            per_qp as f64 / reg1.max(1) as f64
+        );
+    }
+
+    /// The reactor's CPU over the idle window, every queue connected and quiet.
+    fn idle(&self) -> Result<(), String> {
+        let tid = reactor_tid(self.pid).ok_or("no reactor thread nvmfd-r0")?;
+        let hz = 100.0; // USER_HZ: the unit of /proc's CPU times on Linux
+        let ticks = || (cpu_ticks(self.pid, Some(tid)), cpu_ticks(self.pid, None));
+        let ((r0, p0), w0) = (ticks(), Instant::now());
+        std::thread::sleep(Duration::from_secs(self.cli.idle));
+        let ((r1, p1), wall) = (ticks(), w0.elapsed());
+        let s_idle = stats(&self.d)?;
+        println!(
+            "idle {:.1} s: reactor thread {:.2}% of a core, the whole process {:.2}%; {} commands meanwhile",
+            wall.as_secs_f64(),
+            100.0 * (r1 - r0) as f64 / hz / wall.as_secs_f64(),
+            100.0 * (p1 - p0) as f64 / hz / wall.as_secs_f64(),
+            gauge(&s_idle, "commands_total") - gauge(&self.connected_stats, "commands_total")
+        );
+        Ok(())
+    }
+
+    /// The first I/O after the idle time, then one on every queue of that process.
+    fn first_io(&mut self) -> Result<(), String> {
+        self.procs[0].ask("ping")?;
+        let a = self.procs[0].answer()?;
+        let v: Vec<u64> = a
+            .strip_prefix("ping ")
+            .map(|r| r.split(' ').filter_map(|x| x.parse().ok()).collect())
+            .unwrap_or_default();
+        if v.len() != 3 {
+            return Err(format!("host process said {a:?}"));
+        }
+        println!(
+            "first I/O after idling: {:.1} us; then one read on each of that process's queues: median {:.1} us, longest {:.1} us",
+            v[0] as f64 / 1e3,
+            v[1] as f64 / 1e3,
+            v[2] as f64 / 1e3
+        );
+        Ok(())
+    }
+
+    /// A burst on every queue at once, the receives registered sampled meanwhile.
+    fn burst(&mut self) -> Result<(), String> {
+        let ask = format!("burst {} {}", self.cli.burst, self.cli.burst_depth);
+        for p in &mut self.procs {
+            p.ask(&ask)?;
+        }
+        let start = Instant::now();
+        let mut peak = 0;
+        let (d, procs) = (&self.d, &mut self.procs);
+        let reads = std::thread::scope(|scope| {
+            let h = scope.spawn(|| {
+                let mut total = 0u64;
+                for p in procs.iter_mut() {
+                    total += p.number("burst ")?;
+                }
+                Ok::<u64, String>(total)
+            });
+            while !h.is_finished() {
+                if let Ok(s) = stats(d) {
+                    peak = peak.max(gauge(&s, "srq_receives_registered"));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            h.join().map_err(|_| "burst thread".to_owned())
+        })??;
+        let time = start.elapsed();
+        let s2 = stats(&self.d)?;
+        peak = peak.max(gauge(&s2, "srq_receives_registered"));
+        let grew = |k: &str| gauge(&s2, k) - gauge(&self.connected_stats, k);
+        println!(
+            "burst {:.1} s, {} reads outstanding per queue: {reads} reads ({:.0} IOPS); receives registered at most {peak} ({:.1} MiB); SRQ grew {} times, limit events {}, at max {}, empty {}",
+            time.as_secs_f64(),
+            self.cli.burst_depth,
+            reads as f64 / time.as_secs_f64(),
+            mib(peak * RECEIVE_BYTES),
+            grew("srq_grows_total"),
+            grew("srq_limit_events_total"),
+            grew("srq_at_max_total"),
+            grew("srq_empty_total"),
+        );
+        Ok(())
+    }
+
+    /// Back to the connected size? An SRQ cannot withdraw a posted receive: a chunk chosen to
+    /// shrink leaves once traffic has consumed its receives. So after the burst every queue
+    /// keeps a light load (one read at a time, each process going round its queues) until the
+    /// registered receives are back, or the time limit. True when they are.
+    fn settle(&mut self) -> Result<bool, String> {
+        let reg1 = self.connected_receives;
+        let back = Instant::now();
+        let limit = Duration::from_secs(self.cli.shrink_delay * 30 + 60);
+        let mut trickle = 0u64;
+        let reg3 = loop {
+            let r = gauge(&stats(&self.d)?, "srq_receives_registered");
+            if r <= reg1 || back.elapsed() > limit {
+                break r;
+            }
+            for p in &mut self.procs {
+                p.ask("ping")?;
+            }
+            for p in &mut self.procs {
+                let a = p.answer()?;
+                if !a.starts_with("ping ") {
+                    return Err(format!("host process said {a:?}"));
+                }
+            }
+            trickle += self.connected;
+        };
+        let (rss3, _) = rss_threads(self.pid);
+        println!(
+            "after the burst: {reg3} receives registered ({:.1} MiB) {:.1} s after it ended, {trickle} reads of light load later{}; RSS {:.1} MiB",
+            mib(reg3 * RECEIVE_BYTES),
+            back.elapsed().as_secs_f64(),
+            if reg3 <= reg1 {
+                " (the connected size again)"
+            } else {
+                " (NOT back to the connected size)"
+            },
+            rss3 as f64 / 1024.0
+        );
+        Ok(reg3 <= reg1)
+    }
 }

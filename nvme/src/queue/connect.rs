@@ -1,0 +1,181 @@
+//! The Fabrics Connect command: a new controller for an admin queue, an I/O queue joining
+//! its controller, each checked against the subsystem, the host and the transport's limits.
+
+use super::*;
+
+impl Queue {
+    pub(super) fn connect(&mut self, cmd: Command, data: &[u8], now: Instant) -> Action {
+        let Some(c) = wire::read::<ConnectCmd>(cmd.sqe.as_bytes()) else {
+            return self.respond(&cmd, status::INTERNAL_ERROR, 0);
+        };
+        let Some(d) = wire::read::<ConnectData>(data) else {
+            return self.respond(&cmd, status::DATA_SGL_LENGTH_INVALID, 0);
+        };
+        // Invalid Parameters: dw0 says where (IATTR bit 16: 1 = in the data; IPO bits 15:0).
+        let invalid = |q: &Queue, in_data: bool, offset: u32| {
+            q.respond(
+                &cmd,
+                status::CONNECT_INVALID_PARAMETERS,
+                (u32::from(in_data) << 16) | offset,
+            )
+        };
+        if c.recfmt.get() != 0 {
+            return self.respond(&cmd, status::CONNECT_INCOMPATIBLE_FORMAT, 0);
+        }
+        let qid = c.qid.get();
+        let sqsize = c.sqsize.get();
+        let limits = *self.target.limits();
+        if let Some(cm) = self.cm {
+            if cm.qid != qid {
+                return invalid(self, false, 42);
+            }
+            if cm.hsqsize != sqsize {
+                return invalid(self, false, 44);
+            }
+        }
+        if sqsize == 0 || sqsize >= limits.max_queue_depth {
+            return invalid(self, false, 44);
+        }
+        let (Some(subnqn), Some(hostnqn)) = (wire::get_str(&d.subnqn), wire::get_str(&d.hostnqn))
+        else {
+            return invalid(self, true, 256);
+        };
+        let discovery = subnqn == DISCOVERY_NQN;
+        // The version first: a change after it is seen at the next command.
+        let version = self.target.version();
+        let subsystem = if discovery {
+            None
+        } else {
+            match self.target.subsystem(subnqn) {
+                Some(s) => Some(s),
+                None => return invalid(self, true, 256),
+            }
+        };
+        if let Some(s) = &subsystem {
+            if !s.allows(hostnqn) {
+                return self.respond(&cmd, status::CONNECT_INVALID_HOST, 0);
+            }
+        }
+        let sub_id = subsystem.as_ref().map(|s| s.id);
+        if qid == 0 {
+            if d.cntlid.get() != 0xFFFF {
+                return invalid(self, true, 16);
+            }
+            let requested = Duration::from_millis(u64::from(c.kato.get()));
+            let kato = if requested.is_zero() {
+                if discovery {
+                    limits.kato_max
+                } else {
+                    Duration::ZERO
+                }
+            } else {
+                requested.clamp(limits.kato_min, limits.kato_max)
+            };
+            let mut map = self.target.ctrls();
+            let Some(cntlid) = self.target.alloc_cntlid(&map) else {
+                return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
+            };
+            let ctrl = Arc::new(Controller {
+                cntlid,
+                hostnqn: hostnqn.to_owned(),
+                hostid: d.hostid,
+                subsystem: sub_id,
+                subnqn: subnqn.to_owned(),
+                state: std::sync::Mutex::new(CtrlState {
+                    cc: 0,
+                    csts: 0,
+                    kato,
+                    last_keep_alive: now,
+                    queues_granted: None,
+                    io_queues: Vec::new(),
+                    aec: 0,
+                    held_aers: Vec::new(),
+                    pending_events: Vec::new(),
+                    changed_nsids: Vec::new(),
+                    ns_event_masked: false,
+                    resetting: false,
+                    shutdown_pending: false,
+                }),
+                dead: false.into(),
+                end_reason: std::sync::Mutex::new(None),
+                ready: false.into(),
+                traffic: false.into(),
+                epoch: 0.into(),
+                io_queues_alive: 0.into(),
+                io_gone: IoCounts::default(),
+                queue_stats: std::sync::Mutex::new(Vec::new()),
+            });
+            map.insert(cntlid, Arc::clone(&ctrl));
+            drop(map);
+            let cmd = self.bind(ctrl, (subsystem, version), 0, sqsize, cmd);
+            return self.respond(&cmd, Status::SUCCESS, u32::from(cntlid));
+        }
+        // An I/O queue joins an existing controller of the same subsystem and host.
+        if discovery {
+            return invalid(self, false, 42);
+        }
+        let ctrl = self.target.ctrls().get(&d.cntlid.get()).cloned();
+        let Some(ctrl) =
+            ctrl.filter(|c| c.subsystem == sub_id && c.hostnqn == hostnqn && !c.is_dead())
+        else {
+            return invalid(self, true, 16);
+        };
+        if !ctrl.ready.load(Ordering::Acquire) {
+            return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+        }
+        {
+            let mut st = ctrl.lock();
+            let granted = st.queues_granted.map_or(0, |g| usize::from(g) + 1);
+            let slot = usize::from(qid) - 1;
+            if slot >= granted || st.io_queues.get(slot).copied().unwrap_or(false) {
+                return invalid(self, false, 42);
+            }
+            if st.io_queues.len() <= slot {
+                st.io_queues.resize(slot + 1, false);
+            }
+            st.io_queues[slot] = true;
+        }
+        let cmd = self.bind(ctrl, (subsystem, version), qid, sqsize, cmd);
+        self.respond(&cmd, Status::SUCCESS, 0)
+    }
+
+    /// Makes this the queue `qid` of `ctrl`, with `sqsize + 1` entries, created by `connect`:
+    /// returns the Connect command with the SQ head its response carries. The Connect was the
+    /// new queue's first entry, so once fetched the head is 1, as the kernel target reports.
+    /// SQ flow control stays on even when the host asks to disable it (CATTR bit 2), which the
+    /// specification allows: the response then says so by carrying the head, not FFFFh (the
+    /// kernel target disables it and answers FFFFh).
+    fn bind(
+        &mut self,
+        ctrl: Arc<Controller>,
+        (subsystem, version): (Option<Arc<Subsystem>>, u64),
+        qid: u16,
+        sqsize: u16,
+        connect: Command,
+    ) -> Command {
+        self.qid = Some(qid);
+        self.sqsize = sqsize;
+        self.sqhd = 1 % sqsize.wrapping_add(1).max(1);
+        self.subsystem = subsystem;
+        self.seen_version = version;
+        self.epoch = ctrl.epoch.load(Ordering::Acquire);
+        if qid > 0 {
+            ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
+        }
+        let st = Arc::new(QueueStats::new(
+            qid,
+            u32::from(sqsize) + 1,
+            self.peer.clone(),
+        ));
+        ctrl.queue_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::clone(&st));
+        self.stats = Some(st);
+        self.ctrl = Some(ctrl);
+        Command {
+            sqhd: self.sqhd,
+            ..connect
+        }
+    }
+}
