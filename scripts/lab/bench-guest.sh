@@ -6,10 +6,13 @@
 # kernel, ...; each round connects, runs every job, disconnects (and stops nvmfd with SIGTERM).
 # Prints IOPS and completion latency (mean, p99, max) per job, round and target, then the means
 # over the rounds and the ratios nvmfd/kernel.
-#   bench-guest.sh BIN-DIR        Env: RUNTIME (s per job, default 10), ROUNDS (default 2)
+#   bench-guest.sh BIN-DIR        Env: RUNTIME (s per job, default 10), ROUNDS (default 2),
+#     ONLY (an extended regex: only the jobs whose names match, e.g. 'qd1$'), IDLE (space-separated values of
+#     nvmfd's daemon.idle_sleep_after, each measured as its own target "nvmfd@VALUE"; default:
+#     the configuration's default, target "nvmfd")
 set -Eeuo pipefail
 BIN=$1
-RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}
+RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}; ONLY=${ONLY:-.}; IDLE=${IDLE:-}
 IP=${RDMA_IP:-10.0.2.15}
 SIZE_GIB=4; BS=512
 NVMFD_NQN=nqn.2024-01.io.nvmfd:bench; NVMFD_PORT=4421
@@ -51,9 +54,13 @@ echo rdma > $C/ports/1/addr_trtype; echo ipv4 > $C/ports/1/addr_adrfam
 echo "$IP" > $C/ports/1/addr_traddr; echo $KERNEL_PORT > $C/ports/1/addr_trsvcid
 
 # nvmfd: one reactor on vCPU 0, a null namespace like null_blk's.
+nvmfd_config() { # [IDLE_SLEEP_AFTER]
+local idle_line=
+[ -z "${1:-}" ] || idle_line="idle_sleep_after = \"$1\""
 cat > $WORK/nvmfd.toml <<CFG
 [daemon]
 reactor_cores = [0]
+$idle_line
 admin_socket = "$WORK/nvmfd.sock"
 log_format = "json"
 [[listener]]
@@ -70,6 +77,8 @@ size = "${SIZE_GIB}GiB"
 block_size = $BS
 CFG
 $BIN/nvmfd --check-config $WORK/nvmfd.toml > /dev/null
+}
+nvmfd_config
 
 stat_sum() { # KEY: the sum of every KEY in nvmfd's stats
   timeout 10 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json stats | jq "[.. | .\"$1\"? | numbers] | add // 0"
@@ -127,11 +136,12 @@ run_job() { # TARGET ROUND DEV NAME RW BS QD
     --norandommap --randrepeat=0 --output-format=json --output="$out"
   [ "$(jq '.jobs[0].error' "$out")" = 0 ] || fail "fio $name on $target: error $(jq '.jobs[0].error' "$out")"
   line=$(jq -r --arg d $dir '.jobs[0][$d] | [.iops, .clat_ns.mean / 1e3,
-    .clat_ns.percentile["99.000000"] / 1e3, .clat_ns.max / 1e6, .bw_bytes / 1048576] | @tsv' "$out")
+    .clat_ns.percentile["99.000000"] / 1e3, .clat_ns.max / 1e6, .bw_bytes / 1048576,
+    .lat_ns.mean / 1e3] | @tsv' "$out")
   printf '%s\t%s\t%s\t%s\n' "$target" "$round" "$name" "$line" >> $RESULTS
   awk -F'\t' -v t="$target" -v r="$round" -v n="$name" '{
-    printf "%-6s round %s  %-17s %9.0f IOPS %8.1f MiB/s  clat mean %8.1f us  p99 %8.1f us  max %8.2f ms\n",
-      t, r, n, $1, $5, $2, $3, $4 }' <<< "$line"
+    printf "%-6s round %s  %-17s %9.0f IOPS %8.1f MiB/s  clat mean %8.1f us  p99 %8.1f us  max %8.2f ms  (lat mean %.1f us)\n",
+      t, r, n, $1, $5, $2, $3, $4, $6 }' <<< "$line"
 }
 nvmf_job() { # TARGET ROUND NQN PORT NAME RW BS QD
   local target=$1 round=$2 nqn=$3 port=$4 name=$5 rw=$6 bs=$7 qd=$8 out line
@@ -140,30 +150,36 @@ nvmf_job() { # TARGET ROUND NQN PORT NAME RW BS QD
     bench --nqn "$nqn" -q "$qd" -o "$bs" -w "$rw" -t "$RUNTIME" --warmup 1 --json > "$out" \
     || fail "nvmf bench $name on $target failed: $(tail -3 "$out")"
   line=$(jq -r '.total | [.iops, .latency_us.mean, .latency_us.p99, .latency_us.max / 1e3,
-    .mib_per_s] | @tsv' "$out")
+    .mib_per_s, .latency_us.mean] | @tsv' "$out")
   printf '%s\t%s\t%s\t%s\n' "$target" "$round" "$name" "$line" >> $RESULTS
   awk -F'\t' -v t="$target" -v r="$round" -v n="$name" '{
     printf "%-6s round %s  %-21s %9.0f IOPS %8.1f MiB/s  lat mean %8.1f us  p99 %8.1f us  max %8.2f ms\n",
       t, r, n, $1, $5, $2, $3, $4 }' <<< "$line"
 }
-round() { # TARGET ROUND
+round() { # TARGET ROUND: TARGET is kernel, nvmfd or nvmfd@IDLE_SLEEP_AFTER
   local target=$1 r=$2 nqn port spec
-  if [ "$target" = nvmfd ]; then nqn=$NVMFD_NQN; port=$NVMFD_PORT; nvmfd_start
-  else nqn=$KERNEL_NQN; port=$KERNEL_PORT; kernel_start; fi
+  if [ "$target" = kernel ]; then nqn=$KERNEL_NQN; port=$KERNEL_PORT; kernel_start
+  else
+    nqn=$NVMFD_NQN; port=$NVMFD_PORT
+    case $target in nvmfd@*) nvmfd_config "${target#nvmfd@}" ;; *) nvmfd_config ;; esac
+    nvmfd_start
+  fi
   connect $nqn $port
   echo "== $target round $r: $DEV ($nqn, port $port)"
   for spec in "${JOBS[@]}"; do
+    [[ ${spec%% *} =~ $ONLY ]] || continue
     # shellcheck disable=SC2086
     run_job "$target" "$r" "$DEV" $spec
   done
   disconnect $nqn
   # nvmfd's own host tool over ibverbs (user-space verbs on rxe0), pinned as fio was.
   for spec in "nvmf-randread-4k-qd32 randread 4k 32" "nvmf-randread-4k-qd1 randread 4k 1"; do
+    [[ ${spec%% *} =~ $ONLY ]] || continue
     # shellcheck disable=SC2086
     nvmf_job "$target" "$r" "$nqn" "$port" $spec
   done
-  if [ "$target" = nvmfd ]; then
-    echo "nvmfd round $r: reactor sleeps $(stat_sum sleeps_total), caught before sleep" \
+  if [ "$target" != kernel ]; then
+    echo "$target round $r: reactor sleeps $(stat_sum sleeps_total), caught before sleep" \
       "$(stat_sum caught_before_sleep_total), commands $(stat_sum commands_total)," \
       "command errors $(stat_sum command_errors_total), drain timeouts $(stat_sum drain_timeouts_total)"
     nvmfd_stop
@@ -174,28 +190,38 @@ round() { # TARGET ROUND
 
 echo "bench: $RUNTIME s per job, $ROUNDS rounds; nvmfd (reactor on vCPU 0) and nvmet-rdma, both" \
   "over a ${SIZE_GIB} GiB null device of $BS-byte blocks; fio io_uring --direct=1 on vCPU 1"
+targets=(nvmfd)
+if [ -n "$IDLE" ]; then
+  targets=()
+  for v in $IDLE; do targets+=("nvmfd@$v"); done
+fi
 for r in $(seq "$ROUNDS"); do
-  round nvmfd "$r"
+  for t in "${targets[@]}"; do round "$t" "$r"; done
   round kernel "$r"
 done
 
 echo
 echo "Means over $ROUNDS rounds (clat: fio's completion latency; ratio = nvmfd / kernel)"
-awk -F'\t' '
+awk -F'\t' -v targets="${targets[*]}" '
   { k = $1 SUBSEP $3; n[k]++; iops[k] += $4; mean[k] += $5; p99[k] += $6; mx[k] += $7
     if ($7 > worst[k]) worst[k] = $7
     if (!($3 in seen)) { seen[$3] = 1; order[++jobs] = $3 } }
-  function row(j, what, a, unit, fmt,   x, y) {
-    x = a["nvmfd" SUBSEP j] / n["nvmfd" SUBSEP j]; y = a["kernel" SUBSEP j] / n["kernel" SUBSEP j]
+  function row(t, j, what, a, unit, fmt,   x, y) {
+    x = a[t SUBSEP j] / n[t SUBSEP j]; y = a["kernel" SUBSEP j] / n["kernel" SUBSEP j]
     printf "%-21s %-15s " fmt " " fmt "  %6.2f\n", j, what " (" unit ")", x, y, y ? x / y : 0
   }
   END {
-    printf "%-21s %-15s %10s %10s  %6s\n", "job", "figure", "nvmfd", "kernel", "ratio"
-    for (i = 1; i <= jobs; i++) {
-      j = order[i]
-      row(j, "IOPS", iops, "", "%10.0f"); row(j, "clat mean", mean, "us", "%10.1f")
-      row(j, "clat p99", p99, "us", "%10.1f"); row(j, "clat max", mx, "ms", "%10.2f")
-      printf "%-21s %-15s %10.2f %10.2f\n", j, "worst max (ms)", worst["nvmfd" SUBSEP j], worst["kernel" SUBSEP j]
+    nt = split(targets, ts, " ")
+    for (m = 1; m <= nt; m++) {
+      t = ts[m]
+      printf "%-21s %-15s %10s %10s  %6s\n", "job", "figure", t, "kernel", "ratio"
+      for (i = 1; i <= jobs; i++) {
+        j = order[i]
+        row(t, j, "IOPS", iops, "", "%10.0f"); row(t, j, "clat mean", mean, "us", "%10.1f")
+        row(t, j, "clat p99", p99, "us", "%10.1f"); row(t, j, "clat max", mx, "ms", "%10.2f")
+        printf "%-21s %-15s %10.2f %10.2f\n", j, "worst max (ms)", worst[t SUBSEP j], worst["kernel" SUBSEP j]
+      }
+      if (m < nt) print ""
     }
   }' $RESULTS | sed 's/ ()/   /'
 echo
