@@ -127,7 +127,7 @@ pub(crate) fn property(
         st.held_aers.clear();
         st.resetting = true;
         refresh_ready(ctrl, &st);
-        ctrl.epoch.fetch_add(1, Ordering::AcqRel);
+        ctrl.new_epoch();
         return q.respond(&cmd, Status::SUCCESS, 0);
     }
     refresh_ready(ctrl, &st);
@@ -141,7 +141,7 @@ pub(crate) fn property(
             // The host should have deleted them first; they end now, as on a reset.
             st.shutdown_pending = true;
             st.io_queues.clear();
-            ctrl.epoch.fetch_add(1, Ordering::AcqRel);
+            ctrl.new_epoch();
             return q.respond(&cmd, Status::SUCCESS, 0);
         }
         drop(st);

@@ -173,6 +173,9 @@ pub struct Controller {
     pub(crate) traffic: AtomicBool,
     /// Bumped by a reset: I/O queues connected before it must disconnect.
     pub(crate) epoch: AtomicU32,
+    /// The target's count of controller changes ([`Target::controller_changes`]), moved on
+    /// when this one ends or resets.
+    pub(crate) changes: Arc<AtomicU64>,
     /// I/O queues bound to it and not yet dropped. A transport drops a queue only once its
     /// connection is torn down and every block operation of it has completed, so a reset or
     /// shutdown that waits for this to reach 0 has nothing of the old queues left in flight.
@@ -336,6 +339,14 @@ impl Controller {
         }
         self.ready.store(false, Ordering::Release);
         self.dead.store(true, Ordering::Release);
+        self.changes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A reset or a shutdown with I/O queues left: the I/O queues connected before it must
+    /// disconnect.
+    pub(crate) fn new_epoch(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.changes.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The keep-alive timeout in force (zero: none).
@@ -358,6 +369,8 @@ pub(crate) struct TargetInner {
     pub controllers: Mutex<HashMap<u16, Arc<Controller>>>,
     pub next_cntlid: AtomicU32,
     pub genctr: AtomicU64,
+    /// Moves on whenever a controller ends or resets (`Controller::end`, `new_epoch`).
+    pub ctrl_changes: Arc<AtomicU64>,
 }
 
 /// Why a change of the target's subsystems was refused.
@@ -407,6 +420,7 @@ impl Target {
                 controllers: Mutex::new(HashMap::new()),
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
+                ctrl_changes: Arc::new(AtomicU64::new(0)),
             }),
         };
         for s in subsystems {
@@ -439,6 +453,13 @@ impl Target {
     /// Moves on with every change of the subsystems.
     pub fn version(&self) -> u64 {
         self.inner.version.load(Ordering::Acquire)
+    }
+
+    /// Moves on whenever a controller ends or is reset. A transport whose queues sit idle
+    /// looks for queues that must disconnect ([`crate::Queue::must_disconnect`]) only when
+    /// this moved since its last look (every command checks its own queue anyway).
+    pub fn controller_changes(&self) -> u64 {
+        self.inner.ctrl_changes.load(Ordering::Acquire)
     }
 
     /// The ports (listeners) reported in the discovery log.

@@ -201,6 +201,11 @@ pub struct DataPath {
     /// Whether the device sends LAST_WQE_REACHED (rxe and iWARP do not: the drain marker
     /// alone ends a drain there).
     wait_last_wqe: bool,
+    /// The target's controller changes at the last look for queues whose controller ended
+    /// ([`Target::controller_changes`]); `scan_due` asks for a look regardless (a queue was
+    /// bound, maybe to a controller that had already ended).
+    ctrl_changes_seen: u64,
+    scan_due: bool,
     /// Whether the device can post SEND_WITH_INVALIDATE; where it cannot, responses go as
     /// plain SENDs and the host invalidates its key itself.
     send_invalidate: bool,
@@ -298,6 +303,8 @@ impl DataPath {
             connect_timeout: cfg.connect_timeout,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
+            ctrl_changes_seen: 0,
+            scan_due: true,
             wait_last_wqe: dev.sends_last_wqe(),
             send_invalidate: dev.supports_send_with_invalidate(),
             log: slog::Logger::root(slog::Discard, slog::o!()),
@@ -406,18 +413,25 @@ impl DataPath {
             self.detaching
                 .retain(|&d| engine.detach(d).is_err_and(|e| e.is_backpressure()));
         }
-        // Connections whose controller ended are closed.
-        let mut dead = std::mem::take(&mut self.scratch_qpns);
-        dead.extend(
-            self.conns
-                .iter()
-                .filter(|(_, c)| c.queue.must_disconnect())
-                .map(|(q, _)| *q),
-        );
-        for q in dead.drain(..) {
-            self.teardown(q, Cause::Controller, now);
+        // Connections whose controller ended are closed. A queue that receives a command
+        // finds out itself; idle ones are looked at only when a controller ended or reset
+        // since the last look, not on every turn.
+        let changes = self.target.controller_changes();
+        if changes != self.ctrl_changes_seen || self.scan_due {
+            self.ctrl_changes_seen = changes;
+            self.scan_due = false;
+            let mut dead = std::mem::take(&mut self.scratch_qpns);
+            dead.extend(
+                self.conns
+                    .iter()
+                    .filter(|(_, c)| c.queue.must_disconnect())
+                    .map(|(q, _)| *q),
+            );
+            for q in dead.drain(..) {
+                self.teardown(q, Cause::Controller, now);
+            }
+            self.scratch_qpns = dead;
         }
-        self.scratch_qpns = dead;
         self.flush(now);
         let _ = self.engine.submit();
         self.srq.tick(now);

@@ -53,7 +53,11 @@ impl DataPath {
         };
         if let Some(i) = self.take_slot(qpn) {
             if let Some(conn) = self.conns.get_mut(&qpn) {
+                let unbound = conn.queue.qid().is_none();
                 let a = conn.queue.handle(arrived.capsule, now);
+                // A Fabrics Connect bound it: its controller may have ended meanwhile, which
+                // no later change would tell.
+                self.scan_due |= unbound && conn.queue.qid().is_some();
                 self.begin(i, a, &mut arrived, now);
             } else {
                 self.end_req(i);

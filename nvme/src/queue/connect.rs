@@ -101,6 +101,7 @@ impl Queue {
                 ready: false.into(),
                 traffic: false.into(),
                 epoch: 0.into(),
+                changes: Arc::clone(&self.target.inner.ctrl_changes),
                 io_queues_alive: 0.into(),
                 io_gone: IoCounts::default(),
                 queue_stats: std::sync::Mutex::new(Vec::new()),
