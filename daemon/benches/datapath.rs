@@ -288,6 +288,7 @@ fn main() {
             cover_queues: true,
         },
         buffers: 256,
+        small_buffers: 512,
         requests: 512,
         connect_timeout: Duration::from_secs(60),
         loop_cfg: LoopConfig {

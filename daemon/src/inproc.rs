@@ -33,8 +33,10 @@ pub struct InProcOptions {
     pub port: u16,
     /// The SRQ.
     pub srq: SrqConfig,
-    /// Data buffers and request slots.
+    /// Large data buffers (`max_io_size` each).
     pub buffers: u32,
+    /// Small data buffers ([`crate::datapath::SMALL_BUFFER`] each).
+    pub small_buffers: u32,
     /// Request slots.
     pub requests: u32,
     /// Connections without a Fabrics Connect end after this.
@@ -107,6 +109,7 @@ impl InProcTarget {
                 srq: o.srq,
                 in_capsule: limits.in_capsule_data_size,
                 buffers: o.buffers,
+                small_buffers: o.small_buffers,
                 max_io: limits.max_io_size,
                 requests: o.requests,
                 connect_timeout: o.connect_timeout,

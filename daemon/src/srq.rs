@@ -469,6 +469,19 @@ impl ElasticSrq {
         64 + icd
     }
 
+    /// The SGL descriptor (SQE bytes 24..40) of the command in completed receive `wr_id`,
+    /// read where it landed; `None` if the receive is not this SRQ's or held less.
+    pub fn sgl(&self, wr_id: u64, len: usize) -> Option<[u8; 16]> {
+        let (idx, slot) = self.split(wr_id);
+        let c = self.chunks.get(idx).and_then(Option::as_ref)?;
+        if slot >= c.slots || len < 40 {
+            return None;
+        }
+        let mut d = [0u8; 16];
+        c.mr.read(slot as usize * 64 + 24, &mut d);
+        Some(d)
+    }
+
     /// The in-capsule data a receive of this SRQ holds, in bytes.
     pub fn in_capsule_room(&self) -> usize {
         self.icd_pages * PAGE

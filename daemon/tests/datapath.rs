@@ -233,12 +233,14 @@ fn serve_opts(
             srq: srq.unwrap_or(FIXED_SRQ),
             in_capsule: limits.in_capsule_data_size,
             buffers: 16,
+            small_buffers: 32,
             max_io: limits.max_io_size,
             requests: 32,
             connect_timeout,
         };
         if let Some((buffers, requests)) = sizes {
             cfg.buffers = buffers;
+            cfg.small_buffers = requests;
             cfg.requests = requests;
         }
         let dev = listener.device().unwrap();
@@ -348,6 +350,7 @@ fn serve_on_reactor_with(
         port,
         srq,
         buffers: 16,
+        small_buffers: 32,
         requests: 32,
         connect_timeout,
         loop_cfg: cfg,
@@ -1871,4 +1874,82 @@ fn through_the_reactor_thread_io_of_every_size_and_a_fatal_qp_leave_every_pool_f
         reactor(&s).shared.counters.sleeps.load(Relaxed) > 0,
         "the reactor slept between commands"
     );
+}
+
+/// Commands that move 8 KiB or less take small buffers. With two large buffers, 24 reads of
+/// 4 KiB arriving at once are all admitted (none waits in its receive), where admission by
+/// the large buffers let two in; 24 reads of 64 KiB still wait for the two large buffers.
+/// Every read returns what was written.
+#[test]
+fn small_commands_are_admitted_by_the_small_pool_not_the_large_buffers() {
+    use nvmf_host::{Payload, PipelinedQueue};
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    // Two large buffers, 32 request slots (and 32 small buffers).
+    let s = serve_counted(4442, Some((2, 32)), Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let q = PipelinedQueue::connect(ch, s.addr, 1, 32, 4096, 64 * 1024).unwrap();
+    let mut io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let data = pattern(77, 24 * 64 * 1024);
+    let q = io.transport();
+    let mut done = Vec::new();
+    let mut run = |q: &mut PipelinedQueue, reads: bool, size: usize| -> Vec<Vec<u8>> {
+        let blocks = (size / 512) as u32;
+        s.paused.store(true, Relaxed);
+        for k in 0..24usize {
+            let lba = (k * 64 * 1024 / 512) as u64;
+            let (op, p) = if reads {
+                (io_opcode::READ, Payload::In(size))
+            } else {
+                let at = k * 64 * 1024;
+                (io_opcode::WRITE, Payload::Out(&data[at..at + size]))
+            };
+            q.submit(k as u64, rw_sqe(op, 1, lba, blocks, false), p)
+                .unwrap();
+        }
+        // All 24 are in the SRQ's receives before the reactor looks at any.
+        s.paused.store(false, Relaxed);
+        let mut out = vec![Vec::new(); 24];
+        let mut left = 24;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while left > 0 {
+            assert!(Instant::now() < deadline, "{left} commands never completed");
+            q.poll(&mut done);
+            for d in done.drain(..) {
+                d.ok().unwrap();
+                let mut b = vec![0u8; size];
+                q.data(d.slot, &mut b);
+                out[d.tag as usize] = b;
+                left -= 1;
+            }
+        }
+        out
+    };
+    run(q, false, 64 * 1024);
+    let queued_before = c.commands_queued.load(Relaxed);
+    let small = run(q, true, 4096);
+    assert_eq!(
+        c.commands_queued.load(Relaxed),
+        queued_before,
+        "4 KiB reads waited for a buffer: admission counted them against the large buffers"
+    );
+    let large = run(q, true, 64 * 1024);
+    assert!(
+        c.commands_queued.load(Relaxed) >= queued_before + 22,
+        "24 reads of 64 KiB on two large buffers: {} waited",
+        c.commands_queued.load(Relaxed) - queued_before
+    );
+    for k in 0..24 {
+        let at = k * 64 * 1024;
+        assert!(small[k] == data[at..at + 4096], "4 KiB read {k}");
+        assert!(large[k] == data[at..at + 64 * 1024], "64 KiB read {k}");
+    }
+    assert_eq!(c.command_errors.load(Relaxed), 0);
+    wait_pools_full(&c, false);
 }

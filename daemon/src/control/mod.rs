@@ -325,6 +325,9 @@ impl Daemon {
         let registrar = crate::srq::Registrar::spawn().map_err(DaemonError::Setup)?;
         let limits = crate::serve::limits(&self.cfg);
         let t = &self.cfg.transport;
+        // Commands in flight on one reactor at most; each may hold a small buffer (8 KiB:
+        // 8 MiB in all), and as many as there are large buffers may hold a large one.
+        const REQUESTS: u32 = 1024;
         let dp_cfg = DataPathConfig {
             srq: crate::srq::SrqConfig {
                 initial: t.srq_initial.min(t.srq_max),
@@ -336,8 +339,9 @@ impl Daemon {
             },
             in_capsule: limits.in_capsule_data_size,
             buffers: u32::from(limits.max_queue_depth).clamp(32, 256),
+            small_buffers: REQUESTS,
             max_io: limits.max_io_size,
-            requests: 1024,
+            requests: REQUESTS,
             connect_timeout: t.connect_timeout.0,
         };
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {

@@ -175,7 +175,10 @@ impl DataPath {
             };
             let Some((result, next)) = queue_op(
                 &mut self.engine,
-                &self.pool,
+                match r.class {
+                    Some(Class::Small) => &self.small,
+                    _ => &self.pool,
+                },
                 &self.counters,
                 &io.op,
                 (&mut r.buf, r.recv),

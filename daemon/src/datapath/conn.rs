@@ -311,7 +311,7 @@ impl DataPath {
         }
         // Receives held for its commands go back to the SRQ.
         let srq = &mut self.srq;
-        self.incoming.retain(|&(q, wr, _)| {
+        self.incoming.retain(|&(q, wr, _, _)| {
             if q == qpn {
                 srq.completed(wr, now);
             }

@@ -57,8 +57,13 @@ pub struct DataPathConfig {
     pub srq: SrqConfig,
     /// In-capsule data per receive (a multiple of 4 KiB pages is used).
     pub in_capsule: u32,
-    /// Data buffers, each `max_io` bytes.
+    /// Large data buffers, each `max_io` bytes: for commands that move more than
+    /// [`SMALL_BUFFER`] bytes.
     pub buffers: u32,
+    /// Small data buffers, each [`SMALL_BUFFER`] bytes (or `max_io`, if smaller): for the
+    /// commands that move no more than that, so that 4 KiB I/O is not admitted by the count
+    /// of 128 KiB buffers.
+    pub small_buffers: u32,
     /// Largest transfer.
     pub max_io: u32,
     /// Commands in flight at once.
@@ -104,6 +109,39 @@ pub enum ConnectFailure {
     ConnectError,
 }
 
+/// The size of a small data buffer (SPDK's small buffer is the same).
+pub const SMALL_BUFFER: u32 = 8192;
+
+/// The data buffer a command may need, told from its SGL before it is admitted: each
+/// admitted command has one of its class kept for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Class {
+    Small = 0,
+    Large = 1,
+}
+
+impl Class {
+    /// The class of a command whose SGL descriptor (SQE bytes 24..40) is `sgl`, with small
+    /// buffers of `small` bytes: by the length a data block or keyed data block gives;
+    /// large for a segment (the data's length is in the list) or anything else.
+    pub(super) fn of(sgl: &[u8; 16], small: u32) -> Class {
+        let len = match sgl[15] >> 4 {
+            nvmfd_nvme::wire::sgl::TYPE_DATA_BLOCK => {
+                u32::from_le_bytes([sgl[8], sgl[9], sgl[10], sgl[11]])
+            }
+            nvmfd_nvme::wire::sgl::TYPE_KEYED_DATA_BLOCK => {
+                u32::from_le_bytes([sgl[8], sgl[9], sgl[10], 0])
+            }
+            _ => return Class::Large,
+        };
+        if len <= small {
+            Class::Small
+        } else {
+            Class::Large
+        }
+    }
+}
+
 /// Host memory pieces one command's data may come from or go to.
 const MAX_SEGS: usize = 16;
 const _: () = assert!(MAX_SEGS == nvmfd_nvme::MAX_SGL_DESCRIPTORS as usize);
@@ -137,7 +175,9 @@ pub struct DataPath {
     engine: Engine,
     srq: ElasticSrq,
     data_mr: Mr,
+    small_mr: Mr,
     pool: BufPool,
+    small: BufPool,
     pd: Pd,
     /// Devices by (subsystem index in the target, NSID): no key to build per I/O.
     devs: HashMap<(u64, u32), DevId>,
@@ -160,14 +200,19 @@ pub struct DataPath {
     /// The CQ's batch of work completions, kept for every turn.
     wc: [Wc; 32],
     counters: Arc<crate::stats::DataPathCounters>,
-    /// Commands admitted at once: each holds one request slot and at most one buffer, so
-    /// admitting a command only while fewer than `limit` slots are taken means none ever
-    /// finds them all taken. This is the data-buffer budget.
-    limit: usize,
-    /// Commands that arrived while `limit` were active: (QP, receive, length). Their receives
-    /// stay off the SRQ until they start, in order, as commands finish (the SRQ grows if
-    /// that makes it run low). Bounded by the receives the SRQ can hold.
-    incoming: VecDeque<(u32, u64, u32)>,
+    /// Admission. A command holds one request slot and at most one data buffer, of the
+    /// class its SGL says ([`Class::of`]). It is admitted only while a slot is free and fewer
+    /// commands of its class are in flight than its pool has buffers (`kept`, by class), so
+    /// none ever finds its pool empty. The pools are the data-buffer budget.
+    kept: [usize; 2],
+    /// Buffers in each class's pool.
+    pool_sizes: [usize; 2],
+    /// Bytes in a small buffer.
+    small_size: u32,
+    /// Commands that arrived while they could not be admitted: (QP, receive, length, class).
+    /// Their receives stay off the SRQ until they start, in order, as commands finish (the
+    /// SRQ grows if that makes it run low). Bounded by the receives the SRQ can hold.
+    incoming: VecDeque<(u32, u64, u32, Class)>,
     /// QPs with work staged this turn.
     dirty: Vec<u32>,
     /// Receives kept by requests (in-capsule writes in flight): the SRQ is not rebuilt while
@@ -250,19 +295,26 @@ impl DataPath {
             Instant::now(),
         )
         .map_err(verr)?;
+        let small_size = SMALL_BUFFER.min(cfg.max_io);
         let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, false)?;
-        let iov = pool.iovec();
-        // SAFETY: the pool's region stays mapped while `pool` lives, and `data_mr` is dropped
-        // before `pool` (field order); the NIC's accesses are to buffers owned by requests.
-        let data_mr = unsafe {
-            pd.reg_mr(
-                iov.iov_base.cast(),
-                iov.iov_len,
-                Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
-            )
-        }
-        .map_err(verr)?;
-        let mut engine = Engine::new(cfg.requests, MAX_ATTACHED, std::slice::from_ref(&pool))?;
+        let small = BufPool::new(cfg.small_buffers.max(1), small_size as usize, false)?;
+        let register = |p: &BufPool| {
+            let iov = p.iovec();
+            // SAFETY: the pool's region stays mapped while the pool lives, and the data path
+            // drops its MRs before its pools (field order); the NIC's accesses are to buffers
+            // owned by requests.
+            unsafe {
+                pd.reg_mr(
+                    iov.iov_base.cast(),
+                    iov.iov_len,
+                    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                )
+            }
+            .map_err(verr)
+        };
+        let data_mr = register(&pool)?;
+        let small_mr = register(&small)?;
+        let mut engine = Engine::new(cfg.requests, MAX_ATTACHED, &[pool.clone(), small.clone()])?;
         let mut devs = HashMap::default();
         for (sub, nsid, d) in namespaces {
             devs.insert((*sub, *nsid), engine.attach(d)?);
@@ -273,8 +325,13 @@ impl DataPath {
             async_fd: dev.async_fd(),
             srq,
             data_mr,
+            small_mr,
             engine,
+            pool_sizes: [small.count(), pool.count()],
             pool,
+            small,
+            small_size,
+            kept: [0; 2],
             pd,
             devs,
             detaching: Vec::new(),
@@ -287,7 +344,6 @@ impl DataPath {
             capsule: vec![0; 64 + (cfg.in_capsule as usize).next_multiple_of(4096)],
             wc: [Wc::default(); 32],
             counters,
-            limit: cfg.requests.min(cfg.buffers) as usize,
             incoming: VecDeque::with_capacity(cfg.srq.max as usize),
             dirty: Vec::with_capacity(256),
             held_receives: 0,
@@ -346,7 +402,7 @@ impl DataPath {
         if self.engine.in_flight() > 0
             || self.srq.busy()
             || !self.draining.is_empty()
-            || (!self.incoming.is_empty() && self.in_use() < self.limit)
+            || self.incoming.front().is_some_and(|w| self.admits(w.3))
         {
             return false;
         }
@@ -360,11 +416,12 @@ impl DataPath {
     /// True when there was work.
     pub fn poll(&mut self, now: Instant) -> bool {
         let mut worked = false;
-        while self.in_use() < self.limit {
-            let Some((qpn, wr, len)) = self.incoming.pop_front() else {
+        while let Some(&(qpn, wr, len, class)) = self.incoming.front() {
+            if !self.admits(class) {
                 break;
-            };
-            self.start_command(qpn, wr, len, now);
+            }
+            self.incoming.pop_front();
+            self.start_command(qpn, wr, len, Some(class), now);
             worked = true;
         }
         let mut n = 0;
@@ -486,8 +543,11 @@ impl DataPath {
         set(&c.requests_waiting, self.incoming.len());
         set(&c.request_slots_free, self.free.len());
         set(&c.request_slots, self.reqs.len());
-        set(&c.buffers_free, self.pool.free_count());
-        set(&c.buffers, self.pool.count());
+        set(
+            &c.buffers_free,
+            self.pool.free_count() + self.small.free_count(),
+        );
+        set(&c.buffers, self.pool.count() + self.small.count());
         set(&c.block_ops_in_flight, self.engine.in_flight());
         set(&c.sends_in_flight, self.sends_in_flight);
         set(&c.qps_draining, self.draining.len());
@@ -497,5 +557,63 @@ impl DataPath {
     /// Request slots taken: the commands in flight.
     fn in_use(&self) -> usize {
         self.reqs.len() - self.free.len()
+    }
+
+    /// Whether a command of `class` can be admitted now: a slot is free and its class's
+    /// pool has a buffer for every admitted command of the class, this one included.
+    fn admits(&self, class: Class) -> bool {
+        !self.free.is_empty() && self.kept[class as usize] < self.pool_sizes[class as usize]
+    }
+
+    /// Whether a command of either class can be admitted now.
+    fn admits_any(&self) -> bool {
+        !self.free.is_empty()
+            && self.kept[0] < self.pool_sizes[0]
+            && self.kept[1] < self.pool_sizes[1]
+    }
+
+    /// The pool of `class`.
+    fn pool_of(&self, class: Class) -> &BufPool {
+        match class {
+            Class::Small => &self.small,
+            Class::Large => &self.pool,
+        }
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Class;
+
+    fn keyed(len: u32, key: u32) -> [u8; 16] {
+        let mut d = [0u8; 16];
+        d[..8].copy_from_slice(&0x1000u64.to_le_bytes());
+        d[8..11].copy_from_slice(&len.to_le_bytes()[..3]);
+        d[11..15].copy_from_slice(&key.to_le_bytes());
+        d[15] = 0x4F;
+        d
+    }
+
+    #[test]
+    fn a_command_is_small_by_its_sgl_length_and_large_when_the_length_is_in_a_list() {
+        // The key's bytes follow the 3-byte length: they must not be read as length.
+        assert_eq!(Class::of(&keyed(4096, 0xFFFF_FFFF), 8192), Class::Small);
+        assert_eq!(Class::of(&keyed(8192, 7), 8192), Class::Small);
+        assert_eq!(Class::of(&keyed(8193, 7), 8192), Class::Large);
+        assert_eq!(Class::of(&keyed(128 * 1024, 0), 8192), Class::Large);
+        assert_eq!(Class::of(&keyed(0, 0), 8192), Class::Small);
+        let mut icd = [0u8; 16];
+        icd[8..12].copy_from_slice(&4096u32.to_le_bytes());
+        icd[15] = 0x01;
+        assert_eq!(Class::of(&icd, 8192), Class::Small);
+        icd[8..12].copy_from_slice(&16384u32.to_le_bytes());
+        assert_eq!(Class::of(&icd, 8192), Class::Large);
+        let mut list = keyed(64, 0);
+        list[15] = 0x31;
+        assert_eq!(Class::of(&list, 8192), Class::Large, "a last segment's data may be large");
+        let mut odd = keyed(16, 0);
+        odd[15] = 0x20;
+        assert_eq!(Class::of(&odd, 8192), Class::Large);
     }
 }

@@ -109,7 +109,11 @@ impl DataPath {
                 c.pending_reads.pop_front();
                 continue;
             };
-            let lkey = self.data_mr.lkey();
+            let lkey = if r.class == Some(Class::Small) {
+                self.small_mr.lkey()
+            } else {
+                self.data_mr.lkey()
+            };
             let base = r.buf.as_mut().map_or(0, |b| b.as_mut_ptr() as u64);
             let n = room.min(r.nsegs - r.next_seg);
             for k in r.next_seg..r.next_seg + n {
@@ -171,7 +175,11 @@ impl DataPath {
             if c.sq_budget - c.sq_used.min(c.sq_budget) < writes + 1 {
                 break;
             }
-            let lkey = self.data_mr.lkey();
+            let lkey = if r.class == Some(Class::Small) {
+                self.small_mr.lkey()
+            } else {
+                self.data_mr.lkey()
+            };
             let base = r.buf.as_mut().map_or(0, |b| b.as_mut_ptr() as u64);
             for s in &r.segs[..writes as usize] {
                 c.staged.push(Staged {

@@ -24,20 +24,46 @@ impl DataPath {
             return;
         }
         bump(&self.counters.commands, 1);
-        if self.in_use() >= self.limit || !self.incoming.is_empty() {
-            // Every slot or buffer may be in use: the command waits its turn, in its receive.
+        // While both pools have a buffer for one more command, which class this one is
+        // matters only once its capsule is copied out; else its SGL is read where it landed.
+        let class = if self.admits_any() {
+            None
+        } else {
+            Some(self.peek_class(c.wr_id, c.byte_len))
+        };
+        if class.is_some_and(|k| !self.admits(k)) || !self.incoming.is_empty() {
+            // Every slot, or every buffer of its class, may be in use: the command waits its
+            // turn, in its receive.
             self.counters
                 .commands_queued
                 .fetch_add(1, Ordering::Relaxed);
-            self.incoming.push_back((c.qp_num, c.wr_id, c.byte_len));
+            let class = class.unwrap_or_else(|| self.peek_class(c.wr_id, c.byte_len));
+            self.incoming
+                .push_back((c.qp_num, c.wr_id, c.byte_len, class));
             return;
         }
-        self.start_command(c.qp_num, c.wr_id, c.byte_len, now);
+        self.start_command(c.qp_num, c.wr_id, c.byte_len, class, now);
     }
 
-    /// Admits the command in receive `wr` (its capsule is copied out and the receive goes
-    /// back to the SRQ first) and lets the core decide what it means.
-    pub(super) fn start_command(&mut self, qpn: u32, wr: u64, len: u32, now: Instant) {
+    /// The class of the command in receive `wr` (`len` bytes), from its SGL read where it
+    /// landed.
+    fn peek_class(&self, wr: u64, len: u32) -> Class {
+        self.srq
+            .sgl(wr, len as usize)
+            .map_or(Class::Small, |d| Class::of(&d, self.small_size))
+    }
+
+    /// Admits the command in receive `wr`, a buffer of `class` kept for it (told from the
+    /// capsule when `None`: both pools had room), its capsule copied out (the receive goes
+    /// back to the SRQ first), and lets the core decide what it means.
+    pub(super) fn start_command(
+        &mut self,
+        qpn: u32,
+        wr: u64,
+        len: u32,
+        class: Option<Class>,
+        now: Instant,
+    ) {
         let mut capsule = std::mem::take(&mut self.capsule);
         let room = 64 + self.srq.in_capsule_room();
         if capsule.len() < room {
@@ -45,13 +71,20 @@ impl DataPath {
             capsule.resize(room, 0);
         }
         let n = self.srq.capsule(wr, len as usize, &mut capsule);
+        let class = class.unwrap_or_else(|| {
+            capsule
+                .get(24..40)
+                .and_then(|d| <&[u8; 16]>::try_from(d).ok())
+                .filter(|_| n >= 40)
+                .map_or(Class::Small, |d| Class::of(d, self.small_size))
+        });
         // An in-capsule write keeps its receive (`begin`); any other goes back right after
         // the core has seen the command, before any response is posted.
         let mut arrived = Arrived {
             capsule: &capsule[..n],
             recv: Some(wr),
         };
-        if let Some(i) = self.take_slot(qpn) {
+        if let Some(i) = self.take_slot(qpn, Some(class)) {
             if let Some(conn) = self.conns.get_mut(&qpn) {
                 let unbound = conn.queue.qid().is_none();
                 let a = conn.queue.handle(arrived.capsule, now);
@@ -72,12 +105,17 @@ impl DataPath {
         self.capsule = capsule;
     }
 
-    /// Takes a free request slot for a command of `qpn` (its generation moves on).
-    pub(super) fn take_slot(&mut self, qpn: u32) -> Option<usize> {
+    /// Takes a free request slot for a command of `qpn` (its generation moves on), with a
+    /// buffer of `class` kept for it.
+    pub(super) fn take_slot(&mut self, qpn: u32, class: Option<Class>) -> Option<usize> {
         let i = self.free.pop()?;
         self.generations[i] = self.generations[i].wrapping_add(1);
+        if let Some(c) = class {
+            self.kept[c as usize] += 1;
+        }
         self.reqs[i] = Some(Req {
             qpn,
+            class,
             state: State::Ready,
             work: Work::Respond,
             segs: [Seg::default(); MAX_SEGS],
@@ -105,7 +143,7 @@ impl DataPath {
     /// request slot that admission counts like a command's. With too few slots left for the
     /// most a queue holds, they wait for the next turn (`events_due`).
     pub(super) fn deliver_events(&mut self, qpn: u32) {
-        if self.in_use() + nvmfd_nvme::AER_LIMIT > self.limit {
+        if self.free.len() < nvmfd_nvme::AER_LIMIT {
             self.events_due = true;
             return;
         }
@@ -116,7 +154,7 @@ impl DataPath {
             return;
         }
         for cqe in conn.queue.poll_events() {
-            let Some(i) = self.take_slot(qpn) else {
+            let Some(i) = self.take_slot(qpn, None) else {
                 break;
             };
             if let Some(r) = self.reqs[i].as_mut() {

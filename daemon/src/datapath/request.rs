@@ -53,6 +53,8 @@ pub(super) struct Seg {
 #[derive(Debug)]
 pub(super) struct Req {
     pub(super) qpn: u32,
+    /// The class of the buffer kept for it at admission (none for an AER's completion).
+    pub(super) class: Option<Class>,
     pub(super) state: State,
     pub(super) work: Work,
     pub(super) segs: [Seg; MAX_SEGS],
@@ -101,14 +103,20 @@ impl DataPath {
     pub(super) fn end_req(&mut self, i: usize) {
         if let Some(r) = self.reqs.get_mut(i).and_then(Option::take) {
             self.free.push(i);
+            if let Some(c) = r.class {
+                release_usize(&mut self.kept[c as usize], 1);
+            }
             if let Some((wr, _)) = r.recv {
                 self.give_back(wr);
             }
         }
     }
 
-    pub(super) fn buffer(&self, len: u32) -> Option<DmaBuf> {
-        let mut b = self.pool.take()?;
+    /// A buffer of `len` bytes for request `i`, from the pool of the class admission kept
+    /// one of for it.
+    pub(super) fn buffer(&self, i: usize, len: u32) -> Option<DmaBuf> {
+        let class = self.reqs.get(i)?.as_ref()?.class?;
+        let mut b = self.pool_of(class).take()?;
         b.set_len(len as usize).then_some(b)
     }
 
@@ -175,7 +183,7 @@ impl DataPath {
                     a = conn.queue.data_arrived(cmd, data, now);
                 }
                 Action::Fetch { cmd, from } => {
-                    let buf = self.buffer(from.len());
+                    let buf = self.buffer(i, from.len());
                     if buf.is_none() || !self.set_segs(i, from, arrived.capsule) {
                         return self.protocol_error(i, qpn, now);
                     }
@@ -234,7 +242,7 @@ impl DataPath {
                     Some(_) => None,
                     None => {
                         let s = 64 + offset as usize;
-                        let Some(mut buf) = self.buffer(len) else {
+                        let Some(mut buf) = self.buffer(i, len) else {
                             return self.protocol_error(i, qpn, now);
                         };
                         buf.as_mut_slice().copy_from_slice(
@@ -256,7 +264,7 @@ impl DataPath {
                 }
             }
             Some(d @ (DataRef::Keyed { .. } | DataRef::KeyedList { .. })) => {
-                let buf = if write { self.buffer(d.len()) } else { None };
+                let buf = if write { self.buffer(i, d.len()) } else { None };
                 if (write && buf.is_none()) || !self.set_segs(i, d, arrived.capsule) {
                     return self.protocol_error(i, qpn, now);
                 }
@@ -295,7 +303,7 @@ impl DataPath {
             let n = dest
                 .len()
                 .min(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
-            let Some(mut b) = self.buffer(n.max(1)) else {
+            let Some(mut b) = self.buffer(i, n.max(1)) else {
                 return self.protocol_error(i, qpn, now);
             };
             b.set_len(n as usize);
