@@ -142,6 +142,20 @@ impl Class {
     }
 }
 
+/// Completions that may be due at once: every receive the SRQ may post, a signaled SEND or
+/// READ of every small command (its data is one keyed piece at most), a READ of every piece
+/// of every large one, and room for 1,024 drain markers of QPs being torn down.
+fn cq_entries(cfg: &DataPathConfig) -> u32 {
+    let small = cfg.requests;
+    let large = cfg.buffers.saturating_mul(MAX_SEGS as u32);
+    cfg.srq
+        .max
+        .saturating_add(small)
+        .saturating_add(large)
+        .saturating_add(1024)
+        .max(4096)
+}
+
 /// Host memory pieces one command's data may come from or go to.
 const MAX_SEGS: usize = 16;
 const _: () = assert!(MAX_SEGS == nvmfd_nvme::MAX_SGL_DESCRIPTORS as usize);
@@ -283,7 +297,7 @@ impl DataPath {
         let pd = dev.alloc_pd().map_err(verr)?;
         let attr = dev.attr().map_err(verr)?;
         let cq = dev
-            .create_cq(attr.max_cqe.min(cfg.srq.max.saturating_mul(2).max(4096)))
+            .create_cq(attr.max_cqe.min(cq_entries(&cfg)))
             .map_err(verr)?;
         let srq = ElasticSrq::new(
             &pd,
