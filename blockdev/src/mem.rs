@@ -152,6 +152,11 @@ impl BufPool {
         })
     }
 
+    /// Whether the pool's region is backed by huge pages.
+    pub fn is_huge(&self) -> bool {
+        self.inner.borrow().region.is_huge()
+    }
+
     /// Takes a free buffer, with its length set to its capacity; `None` when all are in use.
     pub fn take(&self) -> Option<DmaBuf> {
         let index = self.inner.borrow_mut().free.pop()?;

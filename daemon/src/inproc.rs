@@ -112,6 +112,7 @@ impl InProcTarget {
                 small_buffers: o.small_buffers,
                 max_io: limits.max_io_size,
                 requests: o.requests,
+                huge_pages: false,
                 connect_timeout: o.connect_timeout,
             },
             registrar: Registrar::spawn()?,

@@ -120,6 +120,14 @@ impl PathBuilder {
             counters,
         )?;
         dp.set_log(self.log.clone());
+        let (small, small_size, large, large_size, huge) = dp.buffers();
+        slog::info!(self.log, "data buffers"; "small" => small, "small_size" => small_size,
+            "large" => large, "large_size" => large_size, "huge_pages" => huge);
+        if self.cfg.huge_pages && !huge {
+            slog::warn!(self.log, "transport.huge_pages is on but too few huge pages are reserved; \
+                the data buffers use normal pages (reserve more with sysctl vm.nr_hugepages)";
+                "needed_2mib_pages" => (small * small_size).div_ceil(2 << 20) + (large * large_size).div_ceil(2 << 20));
+        }
         Ok(dp)
     }
 }

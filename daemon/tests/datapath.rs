@@ -86,6 +86,8 @@ struct Served {
     hold_cm: Arc<AtomicBool>,
     /// The data path's SRQ.
     srq_id: u32,
+    /// Whether its data buffers are on huge pages.
+    huge_pools: bool,
     thread: Option<std::thread::JoinHandle<()>>,
     fabric: Fabric,
     addr: SocketAddr,
@@ -151,7 +153,7 @@ fn serve_files(
     counters: Arc<nvmfd::stats::DataPathCounters>,
     file: Option<std::path::PathBuf>,
 ) -> Served {
-    serve_opts(port, sizes, srq, counters, file, Duration::from_secs(60))
+    serve_opts(port, sizes, srq, counters, file, Duration::from_secs(60), false)
 }
 
 /// `serve_files`, ending connections whose host sends no Fabrics Connect within
@@ -163,6 +165,7 @@ fn serve_opts(
     counters: Arc<nvmfd::stats::DataPathCounters>,
     file: Option<std::path::PathBuf>,
     connect_timeout: Duration,
+    huge_pages: bool,
 ) -> Served {
     let fabric = Fabric::new();
     fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
@@ -237,6 +240,7 @@ fn serve_opts(
             max_io: limits.max_io_size,
             requests: 32,
             connect_timeout,
+            huge_pages,
         };
         if let Some((buffers, requests)) = sizes {
             cfg.buffers = buffers;
@@ -253,7 +257,7 @@ fn serve_opts(
             counters,
         )
         .unwrap();
-        ready_tx.send(dp.srq_id()).unwrap();
+        ready_tx.send((dp.srq_id(), dp.buffers().4)).unwrap();
         let mut held = Vec::new();
         while !s.load(Ordering::Relaxed) {
             // What the control thread and the reactor do with the listener's CM events.
@@ -302,8 +306,9 @@ fn serve_opts(
         }
         drop(listener);
     });
-    let srq_id = ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let (srq_id, huge_pools) = ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
     Served {
+        huge_pools,
         stop,
         paused,
         hold_events,
@@ -366,6 +371,7 @@ fn serve_on_reactor_with(
         allocations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         turns: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         srq_id: 0,
+        huge_pools: false,
         thread: None,
         fabric: t.fabric.clone(),
         addr: t.addr,
@@ -1195,6 +1201,7 @@ fn a_thousand_connects_failing_at_each_step_release_everything_and_are_counted_b
         Arc::clone(&c),
         None,
         Duration::from_millis(50),
+        false,
     );
     use FailedConnect::*;
     let ways = [
@@ -1952,4 +1959,70 @@ fn small_commands_are_admitted_by_the_small_pool_not_the_large_buffers() {
     }
     assert_eq!(c.command_errors.load(Relaxed), 0);
     wait_pools_full(&c, false);
+}
+
+/// A line of /proc/meminfo, as a number.
+fn meminfo(key: &str) -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
+}
+
+/// With `transport.huge_pages`, both pools of data buffers are on 2 MiB huge pages when
+/// enough are reserved, and reads and writes of every size go through them intact. The test
+/// reserves the pages it needs (root) and gives them back; where it cannot, it says so and
+/// skips.
+#[test]
+fn data_buffers_on_huge_pages_carry_io_of_every_size() {
+    const PAGES: u64 = 4; // 32 small buffers of 8 KiB and 16 large of 128 KiB: 1 + 1 pages
+    let knob = "/proc/sys/vm/nr_hugepages";
+    let Some(before) = std::fs::read_to_string(knob)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+    else {
+        eprintln!("SKIPPED: no {knob}: this kernel has no huge pages");
+        return;
+    };
+    let free = meminfo("HugePages_Free").unwrap_or(0);
+    let raised = free < PAGES && std::fs::write(knob, (before + PAGES - free).to_string()).is_ok();
+    struct Restore(Option<(String, u64)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some((knob, n)) = self.0.take() {
+                let _ = std::fs::write(knob, n.to_string());
+            }
+        }
+    }
+    let _restore = Restore(raised.then(|| (knob.to_owned(), before)));
+    if meminfo("HugePages_Free").unwrap_or(0) < PAGES {
+        eprintln!(
+            "SKIPPED: {PAGES} free huge pages are needed and cannot be reserved here \
+             (not root, or the kernel refused)"
+        );
+        return;
+    }
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4443,
+        None,
+        None,
+        Arc::clone(&c),
+        None,
+        Duration::from_secs(60),
+        true,
+    );
+    assert!(s.huge_pools, "huge pages were free, yet the pools are on normal pages");
+    let (_admin, mut ios) = controller(&s, 1);
+    for (k, blocks) in [1u32, 8, 16, 128, 256].into_iter().enumerate() {
+        let lba = k as u64 * 512;
+        let data = pattern(900 + k as u64, blocks as usize * 512);
+        ios[0].write(1, lba, blocks, &data, false).unwrap();
+        let mut back = vec![0u8; data.len()];
+        ios[0].read(1, lba, blocks, &mut back).unwrap();
+        assert!(back == data, "{} bytes through huge pages", data.len());
+    }
+    assert_eq!(c.command_errors.load(std::sync::atomic::Ordering::Relaxed), 0);
+    drop(ios);
+    drop(s);
 }

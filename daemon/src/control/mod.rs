@@ -342,6 +342,7 @@ impl Daemon {
             small_buffers: REQUESTS,
             max_io: limits.max_io_size,
             requests: REQUESTS,
+            huge_pages: t.huge_pages,
             connect_timeout: t.connect_timeout.0,
         };
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {

@@ -68,6 +68,8 @@ pub struct DataPathConfig {
     pub max_io: u32,
     /// Commands in flight at once.
     pub requests: u32,
+    /// Back the data buffers with huge pages where some are reserved.
+    pub huge_pages: bool,
     /// How long an accepted connection may go without a Fabrics Connect from its host before
     /// it is ended (`transport.connect_timeout`).
     pub connect_timeout: std::time::Duration,
@@ -147,7 +149,7 @@ impl Class {
 /// of every large one, and room for 1,024 drain markers of QPs being torn down.
 fn cq_entries(cfg: &DataPathConfig) -> u32 {
     let small = cfg.requests;
-    let large = cfg.buffers.saturating_mul(MAX_SEGS as u32);
+    let large = cfg.buffers.saturating_mul(nvmfd_nvme::MAX_SGL_DESCRIPTORS);
     cfg.srq
         .max
         .saturating_add(small)
@@ -310,8 +312,8 @@ impl DataPath {
         )
         .map_err(verr)?;
         let small_size = SMALL_BUFFER.min(cfg.max_io);
-        let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, false)?;
-        let small = BufPool::new(cfg.small_buffers.max(1), small_size as usize, false)?;
+        let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, cfg.huge_pages)?;
+        let small = BufPool::new(cfg.small_buffers.max(1), small_size as usize, cfg.huge_pages)?;
         let register = |p: &BufPool| {
             let iov = p.iovec();
             // SAFETY: the pool's region stays mapped while the pool lives, and the data path
@@ -566,6 +568,18 @@ impl DataPath {
         set(&c.sends_in_flight, self.sends_in_flight);
         set(&c.qps_draining, self.draining.len());
         set(&c.srq_receives_reserved, self.srq.reserved() as usize);
+    }
+
+    /// The data buffers: (small buffers, their size, large buffers, their size, whether both
+    /// pools are backed by huge pages).
+    pub fn buffers(&self) -> (usize, usize, usize, usize, bool) {
+        (
+            self.small.count(),
+            self.small.buf_size(),
+            self.pool.count(),
+            self.pool.buf_size(),
+            self.small.is_huge() && self.pool.is_huge(),
+        )
     }
 
     /// Request slots taken: the commands in flight.
