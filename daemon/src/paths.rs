@@ -1,4 +1,5 @@
-//! A reactor's data paths (one per listener's device) and the commands the control thread
+//! A reactor's data paths (one per RDMA device, shared by the listeners on it) and the
+//! commands the control thread
 //! sends them: connections to adopt, ends of connections, device events, and a listener's
 //! device leaving and coming back.
 
@@ -156,6 +157,14 @@ impl CountedPath {
     }
 }
 
+/// A live data path and the listeners it serves: every listener on one device (by its
+/// async event fd, which is the device context's) shares its CQ, SRQ and buffer pools.
+#[derive(Debug)]
+struct Shared {
+    path: CountedPath,
+    listeners: Vec<usize>,
+}
+
 /// A data path on a removed device, draining before it is dropped.
 #[derive(Debug)]
 struct Removed {
@@ -164,15 +173,15 @@ struct Removed {
     since: Instant,
 }
 
-/// A reactor's data paths (one per listener's device) and its inbox.
+/// A reactor's data paths (one per device its listeners are on) and its inbox.
 ///
 /// Each data path counts into counters of its own; every turn their totals move into the
 /// reactor's counters (`counters`, what `stats` shows, continuous while data paths come and
 /// go) and their levels are summed there.
 #[derive(Debug)]
 pub struct ReactorPaths {
-    /// One per listener, in listener order (`None` where the listener is not serving).
-    paths: Vec<Option<CountedPath>>,
+    /// One per device with a listener serving on it.
+    paths: Vec<Shared>,
     /// Data paths of removed devices, draining.
     removed: Vec<Removed>,
     /// Connections from the control thread.
@@ -193,13 +202,9 @@ impl ReactorPaths {
         counters: Arc<DataPathCounters>,
         inbox: std::sync::mpsc::Receiver<ReactorCmd>,
     ) -> ReactorPaths {
-        let paths = devices
-            .iter()
-            .map(|d| CountedPath::build(&builder, d.as_ref()?))
-            .collect();
         let log = builder.log.clone();
-        let rp = ReactorPaths {
-            paths,
+        let mut rp = ReactorPaths {
+            paths: Vec::new(),
             removed: Vec::new(),
             inbox,
             counters,
@@ -207,23 +212,63 @@ impl ReactorPaths {
             fds_changed: false,
             log,
         };
+        for (listener, d) in devices.iter().enumerate() {
+            if let Some(d) = d {
+                rp.serve_listener(listener, d);
+            }
+        }
+        rp.fds_changed = false;
         rp.fold();
         rp
+    }
+
+    /// The data path listener `listener` is served by.
+    fn path_of(&mut self, listener: usize) -> Option<&mut CountedPath> {
+        self.paths
+            .iter_mut()
+            .find(|s| s.listeners.contains(&listener))
+            .map(|s| &mut s.path)
+    }
+
+    /// Serves listener `listener` on `device`: on the data path of that device if one
+    /// serves, else on a new one. False when the device refuses a new one.
+    fn serve_listener(&mut self, listener: usize, device: &Device) -> bool {
+        let fd = device.async_fd();
+        if let Some(s) = self.paths.iter_mut().find(|s| s.path.dp.async_fd() == fd) {
+            s.listeners.push(listener);
+            slog::info!(self.log, "listener shares its device's data path";
+                "listener" => listener, "with" => ?s.listeners);
+            return true;
+        }
+        let Some(path) = CountedPath::build(&self.builder, device) else {
+            return false;
+        };
+        self.paths.push(Shared {
+            path,
+            listeners: vec![listener],
+        });
+        self.fds_changed = true;
+        true
     }
 
     /// Every data path, live or draining after its device's removal.
     fn all(&mut self) -> impl Iterator<Item = &mut CountedPath> {
         self.paths
             .iter_mut()
-            .flatten()
+            .map(|s| &mut s.path)
             .chain(self.removed.iter_mut().map(|r| &mut r.path))
+    }
+
+    /// Every live data path.
+    fn live(&mut self) -> impl Iterator<Item = &mut CountedPath> {
+        self.paths.iter_mut().map(|s| &mut s.path)
     }
 
     /// Moves the data paths' totals into the reactor's counters and stores the sum of their
     /// levels there (plain loads and stores: this thread writes both).
     fn fold(&self) {
         let mut g = Gauges::default();
-        let paths = self.paths.iter().flatten();
+        let paths = self.paths.iter().map(|s| &s.path);
         for p in paths.chain(self.removed.iter().map(|r| &r.path)) {
             p.counters.move_totals_into(&self.counters);
             g.add(&p.counters);
@@ -231,12 +276,28 @@ impl ReactorPaths {
         g.store(&self.counters);
     }
 
-    /// Listener `listener`'s device is gone: its data path tears everything down and drains.
+    /// Listener `listener` is gone (removed, or its device went). Its connections are torn
+    /// down; when no other listener shares its data path, the data path tears everything
+    /// down, drains, and goes.
     fn remove_device(&mut self, listener: usize) {
-        let Some(mut path) = self.paths.get_mut(listener).and_then(Option::take) else {
+        let Some(k) = self
+            .paths
+            .iter()
+            .position(|s| s.listeners.contains(&listener))
+        else {
             return;
         };
         let now = Instant::now();
+        let s = &mut self.paths[k];
+        s.listeners.retain(|&l| l != listener);
+        if !s.listeners.is_empty() {
+            let qps = s.path.dp.connections_of(listener);
+            s.path.dp.end_listener(listener, now);
+            slog::info!(self.log, "listener gone: its QPs are torn down; its device's data path serves on";
+                "listener" => listener, "qps" => qps, "others" => ?s.listeners);
+            return;
+        }
+        let mut path = self.paths.swap_remove(k).path;
         let qps = path.dp.connections();
         path.dp.device_removed(now);
         slog::info!(self.log, "device removed: its data path tears its QPs down and drains";
@@ -291,14 +352,14 @@ impl ReactorPaths {
         dev: &Arc<nvmfd_blockdev::Device>,
     ) -> Result<(), String> {
         let mut failed = None;
-        for p in self.paths.iter_mut().flatten() {
+        for p in self.live() {
             if let Err(e) = p.dp.attach_namespace(sub, nsid, dev) {
                 failed = Some(e.to_string());
                 break;
             }
         }
         if let Some(e) = failed {
-            for p in self.paths.iter_mut().flatten() {
+            for p in self.live() {
                 p.dp.detach_namespace(sub, nsid);
             }
             slog::warn!(self.log, "cannot attach a namespace's device"; "subsystem" => sub, "nsid" => nsid, "error" => &e);
@@ -308,19 +369,15 @@ impl ReactorPaths {
         Ok(())
     }
 
-    /// Listener `listener` serves again on `device`.
+    /// Listener `listener` serves again on `device` (its device came back, or it was added).
     fn add_path(&mut self, listener: usize, device: &Device) {
-        if self.paths.len() <= listener {
-            self.paths.resize_with(listener + 1, || None);
-        }
-        if self.paths[listener].is_some() {
+        if self.path_of(listener).is_some() {
             slog::warn!(self.log, "listener already has a data path; keeping it"; "listener" => listener);
             return;
         }
-        if let Some(p) = CountedPath::build(&self.builder, device) {
-            slog::info!(self.log, "data path built on the returned device"; "listener" => listener);
-            self.paths[listener] = Some(p);
-            self.fds_changed = true;
+        let paths = self.paths.len();
+        if self.serve_listener(listener, device) && self.paths.len() > paths {
+            slog::info!(self.log, "data path built on the listener's device"; "listener" => listener);
         }
     }
 }
@@ -358,8 +415,8 @@ impl crate::reactor::ReactorWork for ReactorPaths {
             worked = true;
             match cmd {
                 ReactorCmd::Adopt { listener, id, req } => {
-                    match self.paths.get_mut(listener).and_then(Option::as_mut) {
-                        Some(p) => match p.dp.adopt(id, req) {
+                    match self.path_of(listener) {
+                        Some(p) => match p.dp.adopt_for(listener, id, req) {
                             Ok(Change::Grew(n)) => {
                                 slog::info!(self.log, "SRQ grew to cover the connected queues"; "receives" => n)
                             }
@@ -392,7 +449,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                     let now = Instant::now();
                     // Live data paths only: a removed device's fd number may since name
                     // another device.
-                    for p in self.paths.iter_mut().flatten() {
+                    for p in self.paths.iter_mut().map(|s| &mut s.path) {
                         if p.dp.async_fd() != async_fd {
                             continue;
                         }
@@ -426,7 +483,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                     }
                 }
                 ReactorCmd::PollEvents => {
-                    for p in self.paths.iter_mut().flatten() {
+                    for p in self.live() {
                         p.dp.poll_events();
                     }
                 }
@@ -446,7 +503,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
     fn wake_fds(&self) -> Vec<std::os::fd::RawFd> {
         self.paths
             .iter()
-            .flatten()
+            .map(|s| &s.path)
             .chain(self.removed.iter().map(|r| &r.path))
             .map(|p| p.dp.wake_fd())
             .collect()

@@ -280,3 +280,54 @@ fn removing_a_subsystem_or_a_hosts_access_or_disconnecting_ends_those_controller
     assert!(!text.contains(A), "{text}");
     assert!(text.contains(&host(0x77).nqn), "{text}");
 }
+
+/// Two listeners on one device (127.0.0.1, two ports) share one data path: one CQ, SRQ and
+/// set of buffer pools (the request slots of one). Hosts on both are served; removing one
+/// listener ends its connections only, and the data path serves the other on; adding it back
+/// shares the data path again.
+#[test]
+fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
+    let (d, addr) = start();
+    let second = test_port();
+    change(
+        &d,
+        serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.1", "port": second, "provider": "soft"}}),
+    );
+    let addr2 = SocketAddr::from(([127, 0, 0, 1], second));
+    let slots = |d: &Daemon| d.data("stats")["datapath"][0]["request_slots"].as_u64().unwrap();
+    assert_eq!(slots(&d), 1024, "two data paths for one device:\n{}", d.log());
+    let mut a = Host::connect("127.0.0.37", addr, A, 0x37);
+    let mut b = Host::connect("127.0.0.38", addr2, B, 0x38);
+    a.write_read(1, 0, 0xA7);
+    b.write_read(1, 8, 0xB8);
+    assert_eq!(d.data("stats")["datapath"][0]["qps"], 4);
+    change(
+        &d,
+        serde_json::json!({"request": "remove_listener", "address": "127.0.0.1", "port": second}),
+    );
+    let mut back = vec![0u8; 4096];
+    wait_for("the removed listener's queues end", || {
+        b.io.read(1, 8, 8, &mut back).is_err().then_some(())
+    });
+    // The other listener's host is served on, by the same data path.
+    for seed in 0..8 {
+        a.write_read(1, 16, seed);
+    }
+    assert_eq!(slots(&d), 1024);
+    assert!(
+        d.log().contains("its device's data path serves on"),
+        "{}",
+        d.log()
+    );
+    // Back: it shares the data path again.
+    change(
+        &d,
+        serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.1", "port": second, "provider": "soft"}}),
+    );
+    let mut b2 = Host::connect("127.0.0.39", addr2, B, 0x39);
+    b2.write_read(1, 24, 0xB9);
+    a.write_read(1, 32, 0xAA);
+    assert_eq!(slots(&d), 1024);
+}

@@ -6,6 +6,8 @@ use super::*;
 
 pub(super) struct Conn {
     pub(super) id: CmId,
+    /// The listener it came through (listeners on one device share its data path).
+    pub(super) listener: usize,
     pub(super) queue: Queue,
     pub(super) token: usize,
     /// Receives reserved for it in the SRQ (its queue depth).
@@ -51,7 +53,17 @@ pub(super) struct Drain {
 impl DataPath {
     /// Takes a connection the control thread accepted the request of: its QP goes on this
     /// reactor's CQ and SRQ, and it is accepted with the granted queue size and READ depth.
-    pub fn adopt(&mut self, mut id: CmId, req: CmRequest) -> Result<Change, VerbsError> {
+    pub fn adopt(&mut self, id: CmId, req: CmRequest) -> Result<Change, VerbsError> {
+        self.adopt_for(0, id, req)
+    }
+
+    /// [`DataPath::adopt`], for a connection that came through listener `listener`.
+    pub fn adopt_for(
+        &mut self,
+        listener: usize,
+        mut id: CmId,
+        req: CmRequest,
+    ) -> Result<Change, VerbsError> {
         let depth = u32::from(req.crqsize());
         if self.srq_broken {
             self.counters
@@ -115,6 +127,7 @@ impl DataPath {
             qpn,
             Conn {
                 id,
+                listener,
                 queue,
                 token,
                 depth,
@@ -342,6 +355,25 @@ impl DataPath {
         for q in qpns {
             self.teardown(q, cause, now);
         }
+    }
+
+    /// Listener `listener` is gone (removed, or its device went) while others on the same
+    /// device serve on: its connections are torn down, the others' stay.
+    pub fn end_listener(&mut self, listener: usize, now: Instant) {
+        let qpns: Vec<u32> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.listener == listener)
+            .map(|(q, _)| *q)
+            .collect();
+        for q in qpns {
+            self.teardown(q, Cause::Device, now);
+        }
+    }
+
+    /// Connections that came through listener `listener`.
+    pub fn connections_of(&self, listener: usize) -> usize {
+        self.conns.values().filter(|c| c.listener == listener).count()
     }
 
     /// The daemon stops: every QP is torn down. The SRQ goes with the data path, and async
