@@ -17,6 +17,11 @@ log_format = "json"
 address = "$RDMA_IP"
 port = 4420
 provider = "ibverbs"
+# A second listener on the same device: it shares each reactor's data path.
+[[listener]]
+address = "$RDMA_IP"
+port = 4421
+provider = "ibverbs"
 [transport]
 # A small SRQ, so that connecting and the burst below make it grow on real verbs
 # (srq_cover_queues, the default, grows it to cover the queues before each is accepted).
@@ -199,6 +204,11 @@ step teardowns
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" discover
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" identify --nqn $NQN
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
+# Both listeners on rxe0 share one data path per reactor (1,024 request slots each), and a
+# QP of the second is made on the first's protection domain, CQ and SRQ.
+one_path_per_reactor() { echo "request slots: $(stat_sum request_slots)"; [ "$(stat_sum request_slots)" -eq 2048 ]; }
+step one_path_per_reactor
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4421" verify --nqn $NQN --nsid 2
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock stats
 # No controller may have ended for a missed keep-alive: the host kept up through every burst.
 no_keep_alive_timeouts() { ! grep "keep-alive timeout" $WORK/nvmfd.log; }
