@@ -137,6 +137,10 @@ pub enum Change {
     CannotGrow,
 }
 
+/// Where a completed receive's capsule lies: its 64-byte command, and its in-capsule data with
+/// the bytes of it that arrived (none: `None`).
+pub type CapsuleAt = (std::ptr::NonNull<u8>, Option<(std::ptr::NonNull<u8>, usize)>);
+
 /// One reactor's SRQ on one device, with its receive chunks.
 pub struct ElasticSrq {
     srq: Srq,
@@ -445,46 +449,23 @@ impl ElasticSrq {
         std::ptr::NonNull::new(addr as *mut u8).map(|p| (p, self.icd_pages * PAGE))
     }
 
-    /// Copies the capsule of completed receive `wr_id` (`len` bytes) to the start of `out`
-    /// and returns how many bytes it copied (the command, then no more in-capsule data than a
-    /// receive holds or `out` has room for). Nothing else of `out` is written: it is kept
-    /// at its full size, so no capsule zero-fills it first.
-    pub fn capsule(&self, wr_id: u64, len: usize, out: &mut [u8]) -> usize {
-        let (idx, slot) = self.split(wr_id);
-        let Some(c) = self.chunks.get(idx).and_then(Option::as_ref) else {
-            return 0;
-        };
-        if slot >= c.slots || out.len() < 64 {
-            return 0;
-        }
-        let s = slot as usize;
-        let cmd = len.min(64);
-        c.mr.read(s * 64, &mut out[..cmd]);
-        if len <= 64 {
-            return cmd;
-        }
-        let icd = (len - 64).min(self.icd_pages * PAGE).min(out.len() - 64);
-        let data = (c.slots as usize * 64).next_multiple_of(PAGE) + s * self.icd_pages * PAGE;
-        c.mr.read(data, &mut out[64..64 + icd]);
-        64 + icd
-    }
-
-    /// The SGL descriptor (SQE bytes 24..40) of the command in completed receive `wr_id`,
-    /// read where it landed; `None` if the receive is not this SRQ's or held less.
-    pub fn sgl(&self, wr_id: u64, len: usize) -> Option<[u8; 16]> {
+    /// Where completed receive `wr_id`'s capsule lies (`len` bytes received): its 64-byte
+    /// command SGE, and its in-capsule data with how many bytes of it arrived (no more than
+    /// the receive holds). Valid as `icd` is: until the receive is given back with
+    /// `completed`, and while this SRQ lives.
+    pub fn capsule_at(&self, wr_id: u64, len: usize) -> Option<CapsuleAt> {
         let (idx, slot) = self.split(wr_id);
         let c = self.chunks.get(idx).and_then(Option::as_ref)?;
-        if slot >= c.slots || len < 40 {
+        if slot >= c.slots || len < 64 {
             return None;
         }
-        let mut d = [0u8; 16];
-        c.mr.read(slot as usize * 64 + 24, &mut d);
-        Some(d)
-    }
-
-    /// The in-capsule data a receive of this SRQ holds, in bytes.
-    pub fn in_capsule_room(&self) -> usize {
-        self.icd_pages * PAGE
+        let base = usize::try_from(c.mr.addr()).ok()?;
+        let cmd = std::ptr::NonNull::new(base.checked_add(slot as usize * 64)? as *mut u8)?;
+        let icd = self
+            .icd(wr_id)
+            .map(|(p, room)| (p, (len - 64).min(room)))
+            .filter(|&(_, n)| n > 0);
+        Some((cmd, icd))
     }
 
     /// A poll found `n` receive completions: before any is re-posted, that many fewer

@@ -2026,3 +2026,28 @@ fn data_buffers_on_huge_pages_carry_io_of_every_size() {
     drop(ios);
     drop(s);
 }
+
+/// A capsule shorter than a command (32 bytes) is a protocol error: its queue pair is torn
+/// down (counted as a controller teardown, logged), nothing is answered, and the other queue
+/// of the same controller serves on. The capsule is read where it landed: a short one must
+/// not be read past what arrived.
+#[test]
+fn a_capsule_shorter_than_a_command_ends_its_queue_only() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4444, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 2);
+    let data = pattern(44, 4096);
+    ios[0].write(1, 0, 8, &data, false).unwrap();
+    let before = c.teardowns_controller.load(Relaxed);
+    ios[1].transport().post_raw(&[0x01; 32]).unwrap();
+    wait_until("the queue of the short capsule is torn down", || {
+        c.teardowns_controller.load(Relaxed) == before + 1
+    });
+    let mut back = vec![0u8; 4096];
+    assert!(ios[1].read(1, 0, 8, &mut back).is_err(), "the queue served on");
+    ios[0].read(1, 0, 8, &mut back).unwrap();
+    assert!(back == data);
+    assert_eq!(c.command_errors.load(Relaxed), 0);
+    wait_pools_full(&c, false);
+}

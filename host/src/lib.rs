@@ -208,6 +208,38 @@ impl RdmaQueue {
         }
     }
 
+    /// Sends `bytes` (at most 64) as a capsule as they are, and waits only for the send to
+    /// complete: for tests of what a target does with malformed capsules.
+    pub fn post_raw(&mut self, bytes: &[u8]) -> Result<(), HostError> {
+        let n = bytes.len().min(64);
+        self.cmd.write(0, &bytes[..n]);
+        let capsule = [self.cmd.sge(0, u32::try_from(n).unwrap_or(64))];
+        self.id
+            .post_send(&[SendWr {
+                wr_id: 1 << 32,
+                op: SendOp::Send,
+                sges: &capsule,
+                signaled: true,
+                inline: false,
+            }])
+            .map_err(transport)?;
+        let end = Instant::now() + COMMAND_TIMEOUT;
+        let mut wc = [Wc::default(); 8];
+        while Instant::now() < end {
+            let got = self.cq.poll(&mut wc).map_err(transport)?;
+            for c in &wc[..got] {
+                if c.opcode != WcOpcode::Recv {
+                    return match c.status {
+                        WcStatus::Success => Ok(()),
+                        s => Err(HostError::Transport(format!("work completion {s:?}"))),
+                    };
+                }
+            }
+            std::thread::yield_now();
+        }
+        Err(HostError::Timeout("the capsule's send"))
+    }
+
     /// The response in receive `wr_id`, which goes back to the SRQ.
     fn response(&mut self, wr_id: u64) -> Result<Cqe, HostError> {
         let slot = usize::try_from(wr_id).unwrap_or(0);

@@ -372,13 +372,20 @@ impl Queue {
     /// Hands over one command capsule: the 64-byte SQE followed by `capsule.len() - 64` bytes
     /// of in-capsule data. A capsule too short for an SQE is a protocol error: disconnect.
     pub fn handle(&mut self, capsule: &[u8], now: Instant) -> Action {
-        let Some(sqe) = wire::read::<Sqe>(capsule) else {
+        let (sqe, icd) = capsule.split_at(capsule.len().min(SQE_SIZE));
+        self.handle_parts(sqe, icd, now)
+    }
+
+    /// [`Queue::handle`] for a capsule whose SQE and in-capsule data lie apart, as they land
+    /// in a receive (a command SGE, then data pages): read where they are, not copied.
+    pub fn handle_parts(&mut self, sqe: &[u8], icd: &[u8], now: Instant) -> Action {
+        let Some(sqe) = wire::read::<Sqe>(sqe) else {
             return Action::Disconnect {
                 cqe: None,
                 reason: "command capsule shorter than 64 bytes",
             };
         };
-        let icd_len = u32::try_from(capsule.len() - SQE_SIZE).unwrap_or(u32::MAX);
+        let icd_len = u32::try_from(icd.len()).unwrap_or(u32::MAX);
         let entries = self.sqsize.wrapping_add(1).max(1);
         self.sqhd = (self.sqhd + 1) % entries;
         let cmd = Command {
@@ -401,7 +408,6 @@ impl Queue {
         if sqe.fuse() != 0 {
             return self.respond(&cmd, status::INVALID_FIELD, 0);
         }
-        let icd = &capsule[SQE_SIZE..];
         if sqe.opcode == wire::admin_opcode::FABRICS {
             return self.fabrics(cmd, icd, now);
         }

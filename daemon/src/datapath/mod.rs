@@ -210,9 +210,6 @@ pub struct DataPath {
     /// Requests whose next block operation the engine had no room for (`QueueFull`), in
     /// order: they go on as operations complete.
     blocked: VecDeque<usize>,
-    /// The capsule being started (kept at its full size, so that no command allocates or
-    /// zero-fills it).
-    capsule: Vec<u8>,
     /// The CQ's batch of work completions, kept for every turn.
     wc: [Wc; 32],
     counters: Arc<crate::stats::DataPathCounters>,
@@ -357,7 +354,6 @@ impl DataPath {
             generations: vec![0; cfg.requests as usize],
             free: (0..cfg.requests as usize).rev().collect(),
             blocked: VecDeque::with_capacity(cfg.requests as usize),
-            capsule: vec![0; 64 + (cfg.in_capsule as usize).next_multiple_of(4096)],
             wc: [Wc::default(); 32],
             counters,
             incoming: VecDeque::with_capacity(cfg.srq.max as usize),

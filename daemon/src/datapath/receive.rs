@@ -48,14 +48,19 @@ impl DataPath {
     /// The class of the command in receive `wr` (`len` bytes), from its SGL read where it
     /// landed.
     fn peek_class(&self, wr: u64, len: u32) -> Class {
-        self.srq
-            .sgl(wr, len as usize)
-            .map_or(Class::Small, |d| Class::of(&d, self.small_size))
+        let Some((cmd, _)) = self.srq.capsule_at(wr, len as usize) else {
+            return Class::Small;
+        };
+        // SAFETY: the receive's 64-byte command SGE, completed and not given back (see
+        // `start_command`); the copy is taken now.
+        let sgl: [u8; 16] = unsafe { cmd.as_ptr().add(24).cast::<[u8; 16]>().read_unaligned() };
+        Class::of(&sgl, self.small_size)
     }
 
     /// Admits the command in receive `wr`, a buffer of `class` kept for it (told from the
-    /// capsule when `None`: both pools had room), its capsule copied out (the receive goes
-    /// back to the SRQ first), and lets the core decide what it means.
+    /// command when `None`: both pools had room), and lets the core decide what it means,
+    /// reading the capsule where it landed in the receive (nothing is copied). The receive
+    /// goes back to the SRQ once the core has seen it, unless an in-capsule write keeps it.
     pub(super) fn start_command(
         &mut self,
         qpn: u32,
@@ -64,30 +69,42 @@ impl DataPath {
         class: Option<Class>,
         now: Instant,
     ) {
-        let mut capsule = std::mem::take(&mut self.capsule);
-        let room = 64 + self.srq.in_capsule_room();
-        if capsule.len() < room {
-            // Once, at the first command: from then on it keeps its size.
-            capsule.resize(room, 0);
-        }
-        let n = self.srq.capsule(wr, len as usize, &mut capsule);
+        let Some((cmd, icd)) = self.srq.capsule_at(wr, len as usize) else {
+            // A receive of no chunk of this SRQ, or shorter than a command: the host broke
+            // the protocol.
+            self.srq.completed(wr, now);
+            slog::warn!(self.log, "a capsule shorter than a command; the queue ends"; "qpn" => qpn, "bytes" => len);
+            return self.teardown(qpn, Cause::Controller, now);
+        };
+        // SAFETY: the receive's command SGE (64 bytes) and data pages (`icd.1` bytes, within
+        // what the receive holds) are memory of a chunk of this SRQ. The NIC wrote them before
+        // the receive's completion was polled and cannot write them again before the receive
+        // is re-posted, which happens only once it is given back (`srq.completed` below, or
+        // `end_req`/`give_back` for a receive a request keeps); the chunk stays registered
+        // and mapped until then. The slices are not used after that: `Arrived` lives in
+        // this call, and a request that keeps the receive takes it out of `arrived` first.
+        let (sqe, icd) = unsafe {
+            (
+                std::slice::from_raw_parts(cmd.as_ptr().cast_const(), 64),
+                icd.map_or(&[][..], |(p, n)| {
+                    std::slice::from_raw_parts(p.as_ptr().cast_const(), n)
+                }),
+            )
+        };
         let class = class.unwrap_or_else(|| {
-            capsule
-                .get(24..40)
-                .and_then(|d| <&[u8; 16]>::try_from(d).ok())
-                .filter(|_| n >= 40)
+            <&[u8; 16]>::try_from(&sqe[24..40])
                 .map_or(Class::Small, |d| Class::of(d, self.small_size))
         });
         // An in-capsule write keeps its receive (`begin`); any other goes back right after
         // the core has seen the command, before any response is posted.
         let mut arrived = Arrived {
-            capsule: &capsule[..n],
+            icd,
             recv: Some(wr),
         };
         if let Some(i) = self.take_slot(qpn, Some(class)) {
             if let Some(conn) = self.conns.get_mut(&qpn) {
                 let unbound = conn.queue.qid().is_none();
-                let a = conn.queue.handle(arrived.capsule, now);
+                let a = conn.queue.handle_parts(sqe, arrived.icd, now);
                 // A Fabrics Connect bound it: its controller may have ended meanwhile, which
                 // no later change would tell.
                 self.scan_due |= unbound && conn.queue.qid().is_some();
@@ -102,7 +119,6 @@ impl DataPath {
         if let Some(wr) = arrived.recv {
             self.srq.completed(wr, now);
         }
-        self.capsule = capsule;
     }
 
     /// Takes a free request slot for a command of `qpn` (its generation moves on), with a

@@ -95,7 +95,8 @@ pub(super) struct Req {
 /// data) and the receive it came in, until a request keeps the receive (an in-capsule write
 /// written from it) or it goes back to the SRQ.
 pub(super) struct Arrived<'a> {
-    pub(super) capsule: &'a [u8],
+    /// The in-capsule data, where it landed in the receive (empty once the receive is gone).
+    pub(super) icd: &'a [u8],
     pub(super) recv: Option<u64>,
 }
 
@@ -120,8 +121,9 @@ impl DataPath {
         b.set_len(len as usize).then_some(b)
     }
 
-    /// Sets request `i`'s host memory pieces from `dref` (a list is read from `capsule`).
-    pub(super) fn set_segs(&mut self, i: usize, dref: DataRef, capsule: &[u8]) -> bool {
+    /// Sets request `i`'s host memory pieces from `dref` (a list is read from the in-capsule
+    /// data `icd`).
+    pub(super) fn set_segs(&mut self, i: usize, dref: DataRef, icd: &[u8]) -> bool {
         let Some(r) = self.reqs[i].as_mut() else {
             return false;
         };
@@ -146,7 +148,6 @@ impl DataPath {
         match dref {
             DataRef::Keyed { addr, key, .. } => put(addr, len, key, &mut off),
             DataRef::KeyedList { offset, count, .. } => {
-                let icd = capsule.get(64..).unwrap_or(&[]);
                 for (addr, l, key) in nvmfd_nvme::keyed_segments(icd, offset, count) {
                     put(addr, l, key, &mut off);
                 }
@@ -175,8 +176,8 @@ impl DataPath {
                     cmd,
                     from: DataRef::InCapsule { offset, len },
                 } => {
-                    let s = 64 + offset as usize;
-                    let data = arrived.capsule.get(s..s + len as usize).unwrap_or(&[]);
+                    let s = offset as usize;
+                    let data = arrived.icd.get(s..s + len as usize).unwrap_or(&[]);
                     let Some(conn) = self.conns.get_mut(&qpn) else {
                         return self.end_req(i);
                     };
@@ -184,7 +185,7 @@ impl DataPath {
                 }
                 Action::Fetch { cmd, from } => {
                     let buf = self.buffer(i, from.len());
-                    if buf.is_none() || !self.set_segs(i, from, arrived.capsule) {
+                    if buf.is_none() || !self.set_segs(i, from, arrived.icd) {
                         return self.protocol_error(i, qpn, now);
                     }
                     if let Some(r) = self.reqs[i].as_mut() {
@@ -195,7 +196,7 @@ impl DataPath {
                 }
                 Action::Io(io) => return self.begin_io(i, io, arrived, now),
                 Action::Respond { cqe, data } => {
-                    return self.begin_respond(i, cqe, data, arrived.capsule, now)
+                    return self.begin_respond(i, cqe, data, arrived.icd, now)
                 }
                 // An AER holds nothing while it waits; an event already pending completes
                 // it at once.
@@ -241,13 +242,14 @@ impl DataPath {
                 let buf = match from {
                     Some(_) => None,
                     None => {
-                        let s = 64 + offset as usize;
+                        let s = offset as usize;
                         let Some(mut buf) = self.buffer(i, len) else {
                             return self.protocol_error(i, qpn, now);
                         };
-                        buf.as_mut_slice().copy_from_slice(
-                            arrived.capsule.get(s..s + len as usize).unwrap_or(&[]),
-                        );
+                        let Some(data) = arrived.icd.get(s..s + len as usize) else {
+                            return self.protocol_error(i, qpn, now);
+                        };
+                        buf.as_mut_slice().copy_from_slice(data);
                         Some(buf)
                     }
                 };
@@ -265,7 +267,7 @@ impl DataPath {
             }
             Some(d @ (DataRef::Keyed { .. } | DataRef::KeyedList { .. })) => {
                 let buf = if write { self.buffer(i, d.len()) } else { None };
-                if (write && buf.is_none()) || !self.set_segs(i, d, arrived.capsule) {
+                if (write && buf.is_none()) || !self.set_segs(i, d, arrived.icd) {
                     return self.protocol_error(i, qpn, now);
                 }
                 if let Some(r) = self.reqs[i].as_mut() {
@@ -293,7 +295,7 @@ impl DataPath {
         i: usize,
         cqe: Cqe,
         data: Option<(Vec<u8>, DataRef)>,
-        capsule: &[u8],
+        icd: &[u8],
         now: Instant,
     ) {
         let Some(qpn) = self.reqs[i].as_ref().map(|r| r.qpn) else {
@@ -308,7 +310,7 @@ impl DataPath {
             };
             b.set_len(n as usize);
             b.as_mut_slice().copy_from_slice(&bytes[..n as usize]);
-            if !self.set_segs(i, dest, capsule) {
+            if !self.set_segs(i, dest, icd) {
                 return self.protocol_error(i, qpn, now);
             }
             if let Some(r) = self.reqs[i].as_mut() {
@@ -365,7 +367,7 @@ impl DataPath {
                     let a = conn.queue.data_arrived(cmd, data, now);
                     drop(buf);
                     let mut gone = Arrived {
-                        capsule: &[],
+                        icd: &[],
                         recv: None,
                     };
                     self.begin(i, a, &mut gone, now);
