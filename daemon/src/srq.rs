@@ -139,7 +139,10 @@ pub enum Change {
 
 /// Where a completed receive's capsule lies: its 64-byte command, and its in-capsule data with
 /// the bytes of it that arrived (none: `None`).
-pub type CapsuleAt = (std::ptr::NonNull<u8>, Option<(std::ptr::NonNull<u8>, usize)>);
+pub type CapsuleAt = (
+    std::ptr::NonNull<u8>,
+    Option<(std::ptr::NonNull<u8>, usize)>,
+);
 
 /// One reactor's SRQ on one device, with its receive chunks.
 pub struct ElasticSrq {

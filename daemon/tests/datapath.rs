@@ -153,7 +153,15 @@ fn serve_files(
     counters: Arc<nvmfd::stats::DataPathCounters>,
     file: Option<std::path::PathBuf>,
 ) -> Served {
-    serve_opts(port, sizes, srq, counters, file, Duration::from_secs(60), false)
+    serve_opts(
+        port,
+        sizes,
+        srq,
+        counters,
+        file,
+        Duration::from_secs(60),
+        false,
+    )
 }
 
 /// `serve_files`, ending connections whose host sends no Fabrics Connect within
@@ -2012,7 +2020,10 @@ fn data_buffers_on_huge_pages_carry_io_of_every_size() {
         Duration::from_secs(60),
         true,
     );
-    assert!(s.huge_pools, "huge pages were free, yet the pools are on normal pages");
+    assert!(
+        s.huge_pools,
+        "huge pages were free, yet the pools are on normal pages"
+    );
     let (_admin, mut ios) = controller(&s, 1);
     for (k, blocks) in [1u32, 8, 16, 128, 256].into_iter().enumerate() {
         let lba = k as u64 * 512;
@@ -2022,7 +2033,10 @@ fn data_buffers_on_huge_pages_carry_io_of_every_size() {
         ios[0].read(1, lba, blocks, &mut back).unwrap();
         assert!(back == data, "{} bytes through huge pages", data.len());
     }
-    assert_eq!(c.command_errors.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        c.command_errors.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     drop(ios);
     drop(s);
 }
@@ -2045,7 +2059,10 @@ fn a_capsule_shorter_than_a_command_ends_its_queue_only() {
         c.teardowns_controller.load(Relaxed) == before + 1
     });
     let mut back = vec![0u8; 4096];
-    assert!(ios[1].read(1, 0, 8, &mut back).is_err(), "the queue served on");
+    assert!(
+        ios[1].read(1, 0, 8, &mut back).is_err(),
+        "the queue served on"
+    );
     ios[0].read(1, 0, 8, &mut back).unwrap();
     assert!(back == data);
     assert_eq!(c.command_errors.load(Relaxed), 0);

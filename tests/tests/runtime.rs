@@ -295,8 +295,17 @@ fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
             "listener": {"address": "127.0.0.1", "port": second, "provider": "soft"}}),
     );
     let addr2 = SocketAddr::from(([127, 0, 0, 1], second));
-    let slots = |d: &Daemon| d.data("stats")["datapath"][0]["request_slots"].as_u64().unwrap();
-    assert_eq!(slots(&d), 1024, "two data paths for one device:\n{}", d.log());
+    let slots = |d: &Daemon| {
+        d.data("stats")["datapath"][0]["request_slots"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(
+        slots(&d),
+        1024,
+        "two data paths for one device:\n{}",
+        d.log()
+    );
     let mut a = Host::connect("127.0.0.37", addr, A, 0x37);
     let mut b = Host::connect("127.0.0.38", addr2, B, 0x38);
     a.write_read(1, 0, 0xA7);

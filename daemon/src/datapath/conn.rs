@@ -373,7 +373,10 @@ impl DataPath {
 
     /// Connections that came through listener `listener`.
     pub fn connections_of(&self, listener: usize) -> usize {
-        self.conns.values().filter(|c| c.listener == listener).count()
+        self.conns
+            .values()
+            .filter(|c| c.listener == listener)
+            .count()
     }
 
     /// The daemon stops: every QP is torn down. The SRQ goes with the data path, and async

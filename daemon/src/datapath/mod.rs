@@ -310,7 +310,11 @@ impl DataPath {
         .map_err(verr)?;
         let small_size = SMALL_BUFFER.min(cfg.max_io);
         let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, cfg.huge_pages)?;
-        let small = BufPool::new(cfg.small_buffers.max(1), small_size as usize, cfg.huge_pages)?;
+        let small = BufPool::new(
+            cfg.small_buffers.max(1),
+            small_size as usize,
+            cfg.huge_pages,
+        )?;
         let register = |p: &BufPool| {
             let iov = p.iovec();
             // SAFETY: the pool's region stays mapped while the pool lives, and the data path
@@ -603,7 +607,6 @@ impl DataPath {
             Class::Large => &self.pool,
         }
     }
-
 }
 
 #[cfg(test)]
@@ -635,7 +638,11 @@ mod tests {
         assert_eq!(Class::of(&icd, 8192), Class::Large);
         let mut list = keyed(64, 0);
         list[15] = 0x31;
-        assert_eq!(Class::of(&list, 8192), Class::Large, "a last segment's data may be large");
+        assert_eq!(
+            Class::of(&list, 8192),
+            Class::Large,
+            "a last segment's data may be large"
+        );
         let mut odd = keyed(16, 0);
         odd[15] = 0x20;
         assert_eq!(Class::of(&odd, 8192), Class::Large);
