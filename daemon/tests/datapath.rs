@@ -1989,7 +1989,9 @@ fn data_buffers_on_huge_pages_carry_io_of_every_size() {
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
     else {
-        eprintln!("SKIPPED: no {knob}: this kernel has no huge pages");
+        skip(&format!(
+            "huge-page data buffers: no {knob}, this kernel has no huge pages"
+        ));
         return;
     };
     let free = meminfo("HugePages_Free").unwrap_or(0);
@@ -2004,10 +2006,10 @@ fn data_buffers_on_huge_pages_carry_io_of_every_size() {
     }
     let _restore = Restore(raised.then(|| (knob.to_owned(), before)));
     if meminfo("HugePages_Free").unwrap_or(0) < PAGES {
-        eprintln!(
-            "SKIPPED: {PAGES} free huge pages are needed and cannot be reserved here \
-             (not root, or the kernel refused)"
-        );
+        skip(&format!(
+            "huge-page data buffers: {PAGES} free huge pages are needed and cannot be \
+             reserved here (not root, or the kernel refused)"
+        ));
         return;
     }
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());

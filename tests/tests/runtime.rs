@@ -300,6 +300,13 @@ fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
             .as_u64()
             .unwrap()
     };
+    // The reactor took the new listener (and published its gauges after).
+    wait_for("the reactor serves the second listener", || {
+        (d.log().contains("listener shares its device's data path")
+            || d.log().contains("data path built on the listener's device"))
+        .then_some(())
+    });
+    wait_for("the reactor's gauges", || (slots(&d) > 0).then_some(()));
     assert_eq!(
         slots(&d),
         1024,
