@@ -37,22 +37,26 @@ print(f"{name:<24} fio {f:>8.0f} IOPS {f*bs/2**20:>7.1f} MiB/s | nvmfd {label:<1
 PY
 }
 echo "bench: $FILE, QD $QD, $RUNTIME s per run, $ROUNDS rounds, fio and nvmfd in ABBA order"
-echo "bench: nvmfd submits each operation as queued (as fio does) and, second, once per loop turn"
+echo "bench: nvmfd submits each operation as queued (as fio does), once per loop turn blocking for a"
+echo "bench: completion, and once per turn of a loop that never blocks (as the reactor runs it: poll)"
 results=()
 for spec in "randread 4096 randread" "seqwrite 131072 write"; do
   set -- $spec; mode=$1; bs=$2; rw=$3
-  fl=""; el=""; tl=""
+  fl=""; el=""; tl=""; pl=""
   for r in $(seq "$ROUNDS"); do
     # ABBA order: the host's caches and write-back favour neither side.
     if [ $((r % 2)) -eq 1 ]; then
       f=$(fio_run "$rw" "$bs"); e=$(ours_run "$mode" "$bs" each); t=$(ours_run "$mode" "$bs" turn)
+      p=$(ours_run "$mode" "$bs" poll)
     else
-      t=$(ours_run "$mode" "$bs" turn); e=$(ours_run "$mode" "$bs" each); f=$(fio_run "$rw" "$bs")
+      p=$(ours_run "$mode" "$bs" poll); t=$(ours_run "$mode" "$bs" turn)
+      e=$(ours_run "$mode" "$bs" each); f=$(fio_run "$rw" "$bs")
     fi
-    echo "  $mode bs=$bs round $r: fio $f IOPS, nvmfd $e IOPS (each), $t IOPS (per turn)"
-    fl="$fl $f"; el="$el $e"; tl="$tl $t"
+    echo "  $mode bs=$bs round $r: fio $f IOPS, nvmfd $e IOPS (each), $t IOPS (per turn), $p IOPS (poll)"
+    fl="$fl $f"; el="$el $e"; tl="$tl $t"; pl="$pl $p"
   done
   results+=("$(report "$mode bs=$bs qd=$QD" "$bs" "$fl" "$el" "submit-each")")
   results+=("$(report "$mode bs=$bs qd=$QD" "$bs" "$fl" "$tl" "submit-per-turn")")
+  results+=("$(report "$mode bs=$bs qd=$QD" "$bs" "$fl" "$pl" "poll")")
 done
 echo; echo "medians:"; printf '%s\n' "${results[@]}"

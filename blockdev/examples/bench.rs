@@ -37,7 +37,10 @@ struct Args {
     #[arg(long, default_value_t = 10)]
     runtime: u64,
     /// When to submit: `each` operation as it is queued (as fio does with its default
-    /// iodepth_batch_submit=1), or once per loop `turn` for everything queued in it.
+    /// iodepth_batch_submit=1), then block for a completion; once per loop `turn` for
+    /// everything queued in it, blocking for a completion in the same system call; or once
+    /// per turn of a loop that never blocks (`poll`), as a reactor runs the engine: it reaps
+    /// without a system call and spins.
     #[arg(long, value_enum, default_value_t = Submit::Each)]
     submit: Submit,
     /// Do not register the buffers with io_uring (plain READ/WRITE instead of the fixed
@@ -50,6 +53,7 @@ struct Args {
 enum Submit {
     Each,
     Turn,
+    Poll,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -116,7 +120,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 engine.submit()?;
             }
         }
-        engine.wait(1)?;
+        if a.submit == Submit::Poll {
+            engine.submit()?;
+        } else {
+            engine.wait(1)?;
+        }
         engine.reap(|c| {
             done_ops += 1;
             if c.result.is_err() {
