@@ -145,11 +145,10 @@ impl DataPath {
         let Work::Io(io) = &r.work else {
             return;
         };
-        let qpn = r.qpn;
         let tag = block_tag(i, r.generation);
         let subsystem = self
             .conns
-            .get(&qpn)
+            .get_at(r.conn, r.qpn)
             .and_then(|c| c.queue.controller()?.subsystem);
         // A request of a QP torn down submits nothing more: what it submitted completes, and
         // then it ends.
@@ -275,7 +274,7 @@ impl DataPath {
         let Some(r) = self.reqs[i].as_mut() else {
             return;
         };
-        let qpn = r.qpn;
+        let (qpn, ci) = (r.qpn, r.conn);
         let Work::Io(io) = std::mem::replace(&mut r.work, Work::Respond) else {
             return;
         };
@@ -286,7 +285,7 @@ impl DataPath {
         let Some(r) = self.reqs[i].as_mut() else {
             return;
         };
-        let Some(conn) = self.conns.get_mut(&qpn) else {
+        let Some(conn) = self.conns.at(ci, qpn) else {
             return self.end_req(i);
         };
         let result = r
@@ -312,7 +311,7 @@ impl DataPath {
         }
         r.state = State::NeedSend;
         // The core reuses the operation's lists (DSM ranges) for the next one.
-        if let Some(conn) = self.conns.get_mut(&qpn) {
+        if let Some(conn) = self.conns.at(ci, qpn) {
             conn.queue.give_back_op(io.op);
         }
         self.wait_send(i);

@@ -5,6 +5,8 @@
 use super::*;
 
 pub(super) struct Conn {
+    /// Its QP number.
+    pub(super) qpn: u32,
     pub(super) id: CmId,
     /// The listener it came through (listeners on one device share its data path).
     pub(super) listener: usize,
@@ -26,6 +28,131 @@ pub(super) struct Conn {
     pub(super) staged: Vec<Staged>,
     /// Signaled work requests posted (or staged) and not completed.
     pub(super) signaled_out: u32,
+}
+
+/// The live connections: a slab, so that a request finds its connection by index
+/// ([`Conns::at`], one bounds check and a QP number compare), and a map from QP number to
+/// index for what names a QP (receive completions, CM and async events).
+#[derive(Default)]
+pub(super) struct Conns {
+    slots: Vec<Option<Conn>>,
+    free: Vec<u32>,
+    by_qpn: HashMap<u32, u32>,
+}
+
+/// No connection: the index of a request that has none (an AER's, or one whose QP is gone).
+pub(super) const NO_CONN: u32 = u32::MAX;
+
+impl Conns {
+    /// Adds `c` under its QP number; returns its index.
+    pub(super) fn insert(&mut self, c: Conn) -> u32 {
+        let qpn = c.qpn;
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = Some(c);
+                i
+            }
+            None => {
+                self.slots.push(Some(c));
+                u32::try_from(self.slots.len() - 1).unwrap_or(NO_CONN)
+            }
+        };
+        if let Some(old) = self.by_qpn.insert(qpn, i) {
+            // A QP number still mapped is a bug; the old entry goes with it.
+            self.slots[old as usize] = None;
+            self.free.push(old);
+        }
+        i
+    }
+
+    /// Removes the connection of QP `qpn`.
+    pub(super) fn remove(&mut self, qpn: &u32) -> Option<Conn> {
+        let i = self.by_qpn.remove(qpn)?;
+        let c = self.slots.get_mut(i as usize)?.take();
+        self.free.push(i);
+        c
+    }
+
+    /// The connection of QP `qpn`, by its map.
+    pub(super) fn get_mut(&mut self, qpn: &u32) -> Option<&mut Conn> {
+        let i = *self.by_qpn.get(qpn)?;
+        self.slots.get_mut(i as usize)?.as_mut()
+    }
+
+    /// The connection of QP `qpn`, by its map.
+    pub(super) fn get(&self, qpn: &u32) -> Option<&Conn> {
+        let i = *self.by_qpn.get(qpn)?;
+        self.slots.get(i as usize)?.as_ref()
+    }
+
+    /// The index of QP `qpn`'s connection, or [`NO_CONN`].
+    pub(super) fn index_of(&self, qpn: u32) -> u32 {
+        self.by_qpn.get(&qpn).copied().unwrap_or(NO_CONN)
+    }
+
+    /// The connection at index `i`, if it is still QP `qpn`'s (an index is reused once its
+    /// connection is gone).
+    pub(super) fn at(&mut self, i: u32, qpn: u32) -> Option<&mut Conn> {
+        self.slots
+            .get_mut(i as usize)?
+            .as_mut()
+            .filter(|c| c.qpn == qpn)
+    }
+
+    /// [`Conns::at`], shared.
+    pub(super) fn get_at(&self, i: u32, qpn: u32) -> Option<&Conn> {
+        self.slots
+            .get(i as usize)?
+            .as_ref()
+            .filter(|c| c.qpn == qpn)
+    }
+
+    /// Whether the connection at index `i` is QP `qpn`'s.
+    pub(super) fn live_at(&self, i: u32, qpn: u32) -> bool {
+        self.slots
+            .get(i as usize)
+            .and_then(Option::as_ref)
+            .is_some_and(|c| c.qpn == qpn)
+    }
+
+    pub(super) fn contains_key(&self, qpn: &u32) -> bool {
+        self.by_qpn.contains_key(qpn)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.by_qpn.len()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.by_qpn.is_empty()
+    }
+
+    /// Every connection, with its QP number.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&u32, &Conn)> {
+        self.slots.iter().flatten().map(|c| (&c.qpn, c))
+    }
+
+    pub(super) fn keys(&self) -> impl Iterator<Item = &u32> {
+        self.iter().map(|(q, _)| q)
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &Conn> {
+        self.slots.iter().flatten()
+    }
+
+    /// Takes the connection at index `i` out of its slot (its index and QP number stay
+    /// reserved) for work that needs it and the data path at once; [`Conns::put_back`]
+    /// returns it.
+    pub(super) fn take_at(&mut self, i: u32) -> Option<Conn> {
+        self.slots.get_mut(i as usize)?.take()
+    }
+
+    /// Returns a connection taken with [`Conns::take_at`] to its slot.
+    pub(super) fn put_back(&mut self, i: u32, c: Conn) {
+        if let Some(s) = self.slots.get_mut(i as usize) {
+            *s = Some(c);
+        }
+    }
 }
 
 /// A QP torn down and not yet destroyed: its work drains first.
@@ -123,24 +250,22 @@ impl DataPath {
             queue.set_peer(peer.to_string());
         }
         let d = depth as usize;
-        self.conns.insert(
+        let _ = self.conns.insert(Conn {
             qpn,
-            Conn {
-                id,
-                listener,
-                queue,
-                token,
-                depth,
-                sq_budget,
-                sq_used: 0,
-                read_budget,
-                reads_used: 0,
-                pending_reads: VecDeque::with_capacity(d),
-                pending_sends: VecDeque::with_capacity(d),
-                staged: Vec::with_capacity(sq_budget as usize),
-                signaled_out: 0,
-            },
-        );
+            id,
+            listener,
+            queue,
+            token,
+            depth,
+            sq_budget,
+            sq_used: 0,
+            read_budget,
+            reads_used: 0,
+            pending_reads: VecDeque::with_capacity(d),
+            pending_sends: VecDeque::with_capacity(d),
+            staged: Vec::with_capacity(sq_budget as usize),
+            signaled_out: 0,
+        });
         self.counters
             .connections
             .store(self.conns.len() as u64, Ordering::Relaxed);

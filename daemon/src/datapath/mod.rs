@@ -202,7 +202,7 @@ pub struct DataPath {
     detaching: Vec<DevId>,
     /// Asynchronous events wait for request slots to complete their AERs.
     events_due: bool,
-    conns: HashMap<u32, Conn>,
+    conns: Conns,
     reqs: Vec<Option<Req>>,
     /// Each slot's generation, moved on every time the slot is taken.
     generations: Vec<u32>,
@@ -226,8 +226,8 @@ pub struct DataPath {
     /// Their receives stay off the SRQ until they start, in order, as commands finish (the
     /// SRQ grows if that makes it run low). Bounded by the receives the SRQ can hold.
     incoming: VecDeque<(u32, u64, u32, Class)>,
-    /// QPs with work staged this turn.
-    dirty: Vec<u32>,
+    /// QPs with work staged this turn: (connection index, QP number).
+    dirty: Vec<(u32, u32)>,
     /// Receives kept by requests (in-capsule writes in flight): the SRQ is not rebuilt while
     /// any is, as their memory is being written from.
     held_receives: usize,
@@ -353,7 +353,7 @@ impl DataPath {
             devs,
             detaching: Vec::new(),
             events_due: false,
-            conns: HashMap::default(),
+            conns: Conns::default(),
             reqs: (0..cfg.requests).map(|_| None).collect(),
             generations: vec![0; cfg.requests as usize],
             free: (0..cfg.requests as usize).rev().collect(),

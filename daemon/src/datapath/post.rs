@@ -90,8 +90,8 @@ pub(super) fn post_staged(id: &CmId, staged: &[Staged]) -> Result<(), (usize, Ve
 impl DataPath {
     /// Stages READs for the requests waiting on QP `qpn`, oldest first, as far as its READ
     /// budget and send queue allow.
-    pub(super) fn pump_reads(&mut self, qpn: u32) {
-        let Some(c) = self.conns.get_mut(&qpn) else {
+    pub(super) fn pump_reads(&mut self, ci: u32, qpn: u32) {
+        let Some(c) = self.conns.at(ci, qpn) else {
             return;
         };
         // A QP is in `dirty` exactly while it has work staged.
@@ -147,14 +147,14 @@ impl DataPath {
             }
         }
         if was_clean && !c.staged.is_empty() {
-            self.dirty.push(qpn);
+            self.dirty.push((ci, qpn));
         }
     }
 
     /// Stages the responses waiting on QP `qpn` (RDMA WRITEs of their data chained with the
     /// SEND, only the SEND signaled), oldest first, as far as its send queue allows.
-    pub(super) fn pump_sends(&mut self, qpn: u32) {
-        let Some(c) = self.conns.get_mut(&qpn) else {
+    pub(super) fn pump_sends(&mut self, ci: u32, qpn: u32) {
+        let Some(c) = self.conns.at(ci, qpn) else {
             return;
         };
         // A QP is in `dirty` exactly while it has work staged.
@@ -227,21 +227,21 @@ impl DataPath {
             c.pending_sends.pop_front();
         }
         if was_clean && !c.staged.is_empty() {
-            self.dirty.push(qpn);
+            self.dirty.push((ci, qpn));
         }
     }
 
     /// Posts the turn's staged work requests: one call per QP (more only past `POST_BATCH`).
     pub(super) fn flush(&mut self, now: Instant) {
         let mut dirty = std::mem::take(&mut self.dirty);
-        for qpn in dirty.drain(..) {
-            self.flush_qp(qpn, now);
+        for (ci, qpn) in dirty.drain(..) {
+            self.flush_qp(ci, qpn, now);
         }
         self.dirty = dirty;
     }
 
-    pub(super) fn flush_qp(&mut self, qpn: u32, now: Instant) {
-        let Some(c) = self.conns.get_mut(&qpn) else {
+    pub(super) fn flush_qp(&mut self, ci: u32, qpn: u32, now: Instant) {
+        let Some(c) = self.conns.at(ci, qpn) else {
             return;
         };
         if c.staged.is_empty() {
@@ -255,19 +255,19 @@ impl DataPath {
             // its host): the QP goes, so that its host reconnects instead of waiting.
             self.counters.post_errors.fetch_add(1, Ordering::Relaxed);
             slog::warn!(self.log, "cannot post a send; tearing the QP down"; "qpn" => qpn, "error" => %e);
-            if let Some(mut c) = self.conns.remove(&qpn) {
+            if let Some(mut c) = self.conns.take_at(ci) {
                 self.unstage(&mut c, &staged[first..]);
-                self.conns.insert(qpn, c);
+                self.conns.put_back(ci, c);
             }
             staged.clear();
-            if let Some(c) = self.conns.get_mut(&qpn) {
+            if let Some(c) = self.conns.at(ci, qpn) {
                 c.staged = staged;
             }
             self.teardown(qpn, Cause::QpError, now);
             return;
         }
         staged.clear();
-        if let Some(c) = self.conns.get_mut(&qpn) {
+        if let Some(c) = self.conns.at(ci, qpn) {
             c.staged = staged;
         }
     }
@@ -327,19 +327,19 @@ impl DataPath {
             self.stale(c.qp_num, "send");
             return;
         };
-        let qpn = r.qpn;
+        let (qpn, ci) = (r.qpn, r.conn);
         if kind == KIND_READ {
             self.read_done(i, ok, now);
         } else {
             let held = r.sq_held;
-            if let Some(conn) = self.conns.get_mut(&qpn) {
+            if let Some(conn) = self.conns.at(ci, qpn) {
                 release(&mut conn.sq_used, held);
             }
             self.end_req(i);
         }
         // Room came free: requests waiting for it go on.
-        self.pump_sends(qpn);
-        self.pump_reads(qpn);
+        self.pump_sends(ci, qpn);
+        self.pump_reads(ci, qpn);
     }
 
     /// One of request `i`'s RDMA READs completed (`ok`, or in error): its budget returns,
@@ -348,10 +348,10 @@ impl DataPath {
         let Some(r) = self.reqs[i].as_mut() else {
             return;
         };
-        let qpn = r.qpn;
-        let live = self.conns.contains_key(&qpn);
+        let (qpn, ci) = (r.qpn, r.conn);
+        let live = self.conns.live_at(ci, qpn);
         release(&mut r.reads_left, 1);
-        if let Some(conn) = self.conns.get_mut(&qpn) {
+        if let Some(conn) = self.conns.at(ci, qpn) {
             release(&mut conn.reads_used, 1);
             release(&mut conn.sq_used, 1);
         }

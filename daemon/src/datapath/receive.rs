@@ -102,7 +102,8 @@ impl DataPath {
             recv: Some(wr),
         };
         if let Some(i) = self.take_slot(qpn, Some(class)) {
-            if let Some(conn) = self.conns.get_mut(&qpn) {
+            let ci = self.reqs[i].as_ref().map_or(NO_CONN, |r| r.conn);
+            if let Some(conn) = self.conns.at(ci, qpn) {
                 let unbound = conn.queue.qid().is_none();
                 let a = conn.queue.handle_parts(sqe, arrived.icd, now);
                 // A Fabrics Connect bound it: its controller may have ended meanwhile, which
@@ -129,8 +130,10 @@ impl DataPath {
         if let Some(c) = class {
             self.kept[c as usize] += 1;
         }
+        let conn = self.conns.index_of(qpn);
         self.reqs[i] = Some(Req {
             qpn,
+            conn,
             class,
             state: State::Ready,
             work: Work::Respond,

@@ -53,6 +53,8 @@ pub(super) struct Seg {
 #[derive(Debug)]
 pub(super) struct Req {
     pub(super) qpn: u32,
+    /// Its connection's index in `conns` ([`NO_CONN`] for none), checked against `qpn`.
+    pub(super) conn: u32,
     /// The class of the buffer kept for it at admission (none for an AER's completion).
     pub(super) class: Option<Class>,
     pub(super) state: State,
@@ -341,8 +343,8 @@ impl DataPath {
         let Some(r) = self.reqs[i].as_mut() else {
             return;
         };
-        let qpn = r.qpn;
-        let live = self.conns.contains_key(&qpn);
+        let (qpn, ci) = (r.qpn, r.conn);
+        let live = self.conns.live_at(ci, qpn);
         match r.state {
             // The QP is gone: nothing will send or fetch for it; the request ends once nothing
             // outside it holds its buffer.
@@ -361,7 +363,7 @@ impl DataPath {
                 Work::Core(cmd) => {
                     let buf = r.buf.take();
                     let data = buf.as_ref().map_or(&[][..], |b| b.as_slice());
-                    let Some(conn) = self.conns.get_mut(&qpn) else {
+                    let Some(conn) = self.conns.at(ci, qpn) else {
                         return self.end_req(i);
                     };
                     let a = conn.queue.data_arrived(cmd, data, now);
@@ -384,12 +386,12 @@ impl DataPath {
             return;
         };
         r.state = State::NeedRead;
-        let qpn = r.qpn;
-        match self.conns.get_mut(&qpn) {
+        let (qpn, ci) = (r.qpn, r.conn);
+        match self.conns.at(ci, qpn) {
             Some(c) => c.pending_reads.push_back(i),
             None => return self.end_req(i),
         }
-        self.pump_reads(qpn);
+        self.pump_reads(ci, qpn);
     }
 
     /// Request `i`'s response is ready: it queues for its QP's send queue.
@@ -398,11 +400,11 @@ impl DataPath {
             return;
         };
         r.state = State::NeedSend;
-        let qpn = r.qpn;
-        match self.conns.get_mut(&qpn) {
+        let (qpn, ci) = (r.qpn, r.conn);
+        match self.conns.at(ci, qpn) {
             Some(c) => c.pending_sends.push_back(i),
             None => return self.end_req(i),
         }
-        self.pump_sends(qpn);
+        self.pump_sends(ci, qpn);
     }
 }
