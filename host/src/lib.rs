@@ -167,18 +167,30 @@ impl RdmaQueue {
     /// Event Request): it is found later in [`RdmaQueue::take_others`].
     pub fn post(&mut self, mut sqe: Sqe) -> Result<(), HostError> {
         sqe.dptr = SglDesc::keyed(0, 0, 0, false);
-        self.cmd.write(0, sqe.as_bytes());
-        let capsule = [self.cmd.sge(0, 64)];
+        self.send_capsule(sqe.as_bytes())
+    }
+
+    /// Sends `bytes` (at most 64) as a capsule as they are, and waits only for the send to
+    /// complete: for tests of what a target does with malformed capsules.
+    pub fn post_raw(&mut self, bytes: &[u8]) -> Result<(), HostError> {
+        self.send_capsule(&bytes[..bytes.len().min(64)])
+    }
+
+    /// Sends `capsule` (at most 64 bytes) from the command buffer and waits until it is sent,
+    /// as the buffer is the next command's; responses that arrive meanwhile are kept for
+    /// [`RdmaQueue::take_others`].
+    fn send_capsule(&mut self, capsule: &[u8]) -> Result<(), HostError> {
+        self.cmd.write(0, capsule);
+        let sge = [self.cmd.sge(0, u32::try_from(capsule.len()).unwrap_or(64))];
         self.id
             .post_send(&[SendWr {
                 wr_id: 1 << 32,
                 op: SendOp::Send,
-                sges: &capsule,
+                sges: &sge,
                 signaled: true,
                 inline: false,
             }])
             .map_err(transport)?;
-        // The command buffer is the next command's: wait until this one is sent.
         let end = Instant::now() + COMMAND_TIMEOUT;
         let mut wc = [Wc::default(); 8];
         loop {
@@ -206,38 +218,6 @@ impl RdmaQueue {
             }
             std::thread::yield_now();
         }
-    }
-
-    /// Sends `bytes` (at most 64) as a capsule as they are, and waits only for the send to
-    /// complete: for tests of what a target does with malformed capsules.
-    pub fn post_raw(&mut self, bytes: &[u8]) -> Result<(), HostError> {
-        let n = bytes.len().min(64);
-        self.cmd.write(0, &bytes[..n]);
-        let capsule = [self.cmd.sge(0, u32::try_from(n).unwrap_or(64))];
-        self.id
-            .post_send(&[SendWr {
-                wr_id: 1 << 32,
-                op: SendOp::Send,
-                sges: &capsule,
-                signaled: true,
-                inline: false,
-            }])
-            .map_err(transport)?;
-        let end = Instant::now() + COMMAND_TIMEOUT;
-        let mut wc = [Wc::default(); 8];
-        while Instant::now() < end {
-            let got = self.cq.poll(&mut wc).map_err(transport)?;
-            for c in &wc[..got] {
-                if c.opcode != WcOpcode::Recv {
-                    return match c.status {
-                        WcStatus::Success => Ok(()),
-                        s => Err(HostError::Transport(format!("work completion {s:?}"))),
-                    };
-                }
-            }
-            std::thread::yield_now();
-        }
-        Err(HostError::Timeout("the capsule's send"))
     }
 
     /// The response in receive `wr_id`, which goes back to the SRQ.

@@ -107,14 +107,6 @@ impl Conns {
             .filter(|c| c.qpn == qpn)
     }
 
-    /// Whether the connection at index `i` is QP `qpn`'s.
-    pub(super) fn live_at(&self, i: u32, qpn: u32) -> bool {
-        self.slots
-            .get(i as usize)
-            .and_then(Option::as_ref)
-            .is_some_and(|c| c.qpn == qpn)
-    }
-
     pub(super) fn contains_key(&self, qpn: &u32) -> bool {
         self.by_qpn.contains_key(qpn)
     }
@@ -130,10 +122,6 @@ impl Conns {
     /// Every connection, with its QP number.
     pub(super) fn iter(&self) -> impl Iterator<Item = (&u32, &Conn)> {
         self.slots.iter().flatten().map(|c| (&c.qpn, c))
-    }
-
-    pub(super) fn keys(&self) -> impl Iterator<Item = &u32> {
-        self.iter().map(|(q, _)| q)
     }
 
     pub(super) fn values(&self) -> impl Iterator<Item = &Conn> {
@@ -476,7 +464,17 @@ impl DataPath {
 
     /// Tears down every QP (the SRQ, CQ or device failed, or the daemon stops).
     pub fn teardown_all(&mut self, cause: Cause, now: Instant) {
-        let qpns: Vec<u32> = self.conns.keys().copied().collect();
+        self.teardown_where(|_| true, cause, now);
+    }
+
+    /// Tears down every connection `which` picks.
+    fn teardown_where(&mut self, which: impl Fn(&Conn) -> bool, cause: Cause, now: Instant) {
+        let qpns: Vec<u32> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| which(c))
+            .map(|(q, _)| *q)
+            .collect();
         for q in qpns {
             self.teardown(q, cause, now);
         }
@@ -485,15 +483,7 @@ impl DataPath {
     /// Listener `listener` is gone (removed, or its device went) while others on the same
     /// device serve on: its connections are torn down, the others' stay.
     pub fn end_listener(&mut self, listener: usize, now: Instant) {
-        let qpns: Vec<u32> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.listener == listener)
-            .map(|(q, _)| *q)
-            .collect();
-        for q in qpns {
-            self.teardown(q, Cause::Device, now);
-        }
+        self.teardown_where(|c| c.listener == listener, Cause::Device, now);
     }
 
     /// Connections that came through listener `listener`.
@@ -602,16 +592,7 @@ impl DataPath {
 
     /// The connection with CM token `token` went away.
     pub fn disconnected(&mut self, token: usize) {
-        let qpns: Vec<u32> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.token == token)
-            .map(|(q, _)| *q)
-            .collect();
-        let now = Instant::now();
-        for q in qpns {
-            self.teardown(q, Cause::Disconnect, now);
-        }
+        self.teardown_where(|c| c.token == token, Cause::Disconnect, Instant::now());
     }
 
     /// The device was removed: every QP is torn down (`Device`). Its async events are no

@@ -218,8 +218,6 @@ pub struct DataPath {
     /// commands of its class are in flight than its pool has buffers (`kept`, by class), so
     /// none ever finds its pool empty. The pools are the data-buffer budget.
     kept: [usize; 2],
-    /// Buffers in each class's pool.
-    pool_sizes: [usize; 2],
     /// Bytes in a small buffer.
     small_size: u32,
     /// Commands that arrived while they could not be admitted: (QP, receive, length, class).
@@ -344,7 +342,6 @@ impl DataPath {
             data_mr,
             small_mr,
             engine,
-            pool_sizes: [small.count(), pool.count()],
             pool,
             small,
             small_size,
@@ -590,14 +587,12 @@ impl DataPath {
     /// Whether a command of `class` can be admitted now: a slot is free and its class's
     /// pool has a buffer for every admitted command of the class, this one included.
     fn admits(&self, class: Class) -> bool {
-        !self.free.is_empty() && self.kept[class as usize] < self.pool_sizes[class as usize]
+        !self.free.is_empty() && self.kept[class as usize] < self.pool_of(class).count()
     }
 
     /// Whether a command of either class can be admitted now.
     fn admits_any(&self) -> bool {
-        !self.free.is_empty()
-            && self.kept[0] < self.pool_sizes[0]
-            && self.kept[1] < self.pool_sizes[1]
+        self.admits(Class::Small) && self.admits(Class::Large)
     }
 
     /// The pool of `class`.

@@ -349,7 +349,7 @@ impl DataPath {
             return;
         };
         let (qpn, ci) = (r.qpn, r.conn);
-        let live = self.conns.live_at(ci, qpn);
+        let live = self.conns.get_at(ci, qpn).is_some();
         release(&mut r.reads_left, 1);
         if let Some(conn) = self.conns.at(ci, qpn) {
             release(&mut conn.reads_used, 1);

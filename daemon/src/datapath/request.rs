@@ -344,7 +344,7 @@ impl DataPath {
             return;
         };
         let (qpn, ci) = (r.qpn, r.conn);
-        let live = self.conns.live_at(ci, qpn);
+        let live = self.conns.get_at(ci, qpn).is_some();
         match r.state {
             // The QP is gone: nothing will send or fetch for it; the request ends once nothing
             // outside it holds its buffer.
