@@ -2070,3 +2070,55 @@ fn a_capsule_shorter_than_a_command_ends_its_queue_only() {
     assert_eq!(c.command_errors.load(Relaxed), 0);
     wait_pools_full(&c, false);
 }
+
+/// `nvmf bench` starts an I/O's clock before its post: a provider that does the transport's
+/// work inside `post_send` (rxe does) would otherwise hide that time, and a reply that came in
+/// during the post would be measured as nearly instant.
+#[test]
+fn bench_latency_includes_the_time_spent_in_the_post() {
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_millis(1),
+        max_sleep: Duration::from_millis(100),
+    };
+    let s = serve_on_reactor(4470, cfg, Arc::default());
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let delay = Duration::from_millis(3);
+    s.fabric.set_faults(nvmfd_rdma::soft::Faults {
+        post_send_delay: delay,
+        ..Default::default()
+    });
+    let job = nvmf_host::bench::Job {
+        nsid: 2,
+        block_size: 4096,
+        blocks: (16 << 20) / 4096,
+        io_size: 4096,
+        depth: 1,
+        pattern: nvmf_host::bench::Pattern::RandRead,
+        read_pct: 100,
+        queues: 1,
+        threads: 1,
+        time: Duration::from_millis(300),
+        warmup: Duration::ZERO,
+        verify: false,
+    };
+    let (cntlid, fabric, addr) = (admin.cntlid, s.fabric.clone(), s.addr);
+    let connect = move |qid: u16| {
+        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).unwrap());
+        let q = nvmf_host::PipelinedQueue::connect(ch, addr, qid, 2, 4096, 4096)?;
+        IoQueue::connect(q, &host(), SUB, cntlid, qid, 1)
+    };
+    let m = nvmf_host::bench::run(&job, &connect, &mut |_, _| {}, &AtomicBool::new(false))
+        .expect("bench runs");
+    let lat = &m.figures[0].latency;
+    assert!(m.figures[0].ios > 10, "{} I/Os", m.figures[0].ios);
+    // Each read waits for the host's post and then the target's reply.
+    assert!(
+        lat.min() >= u64::try_from(delay.as_nanos()).unwrap(),
+        "the fastest read took {} ns, less than the {delay:?} its post took",
+        lat.min()
+    );
+    s.fabric.set_faults(nvmfd_rdma::soft::Faults::default());
+}

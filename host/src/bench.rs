@@ -150,10 +150,13 @@ impl Lane {
             } else {
                 Payload::Out(&sh.data)
             };
+            // The clock starts before the post: a provider may do the transport's work in
+            // it (rxe does), and the reply can be in before the post returns.
+            let sent_at = Instant::now();
             let slot = q
                 .submit(0, s, payload)
                 .map_err(|e| format!("I/O queue {}: {e}", self.figures.qid))?;
-            self.sent_at[usize::from(slot)] = Instant::now();
+            self.sent_at[usize::from(slot)] = sent_at;
             if job.verify {
                 self.read_lba[usize::from(slot)] = read.then_some(lba);
             }

@@ -89,6 +89,9 @@ pub struct Faults {
     /// `IBV_DEVICE_MEM_MGT_EXTENSIONS`): `Device::supports_send_with_invalidate` says no and
     /// posting one is refused (`EINVAL`) at that work request.
     pub no_send_with_invalidate: bool,
+    /// Every `post_send` returns this long after its work requests went on the wire, as a
+    /// provider that runs the transport in the caller's context (rxe) does. Zero: at once.
+    pub post_send_delay: std::time::Duration,
 }
 
 /// Completions that destroying their QP dropped from a CQ

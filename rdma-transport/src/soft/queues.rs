@@ -272,6 +272,11 @@ impl Qp {
             }
             execute(&mut s, self.qpn, w, opcode);
         }
+        let delay = s.faults.post_send_delay;
+        drop(s);
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
         match refused {
             Some((posted, errno)) => Err(VerbsError::post("post_send", errno, posted)),
             None => Ok(()),
