@@ -2122,3 +2122,88 @@ fn bench_latency_includes_the_time_spent_in_the_post() {
     );
     s.fabric.set_faults(nvmfd_rdma::soft::Faults::default());
 }
+
+/// The target's data buffers are the source of its RDMA WRITEs and the sink of its RDMA
+/// READs; no host may reach them. A host that guesses every key and address the fabric has
+/// (here it is told them) gets a remote access error from each, and the target serves on.
+#[test]
+fn a_host_guessing_keys_cannot_read_or_write_the_targets_memory() {
+    use nvmfd_rdma::{SendOp, SendWr, Sge, Wc, WcStatus};
+    let s = serve(4471);
+    // A controller whose I/O leaves data in the target's buffers.
+    let (_admin, mut ios) = controller(&s, 1);
+    let secret = write_verified(&mut ios[0], 7, 0);
+    let regions = s.fabric.memory_regions();
+    assert!(!regions.is_empty());
+    let mut refused = 0;
+    for &(rkey, addr, len) in &regions {
+        for write in [true, false] {
+            let h = bare_connect(&s);
+            let ev = (0..1000)
+                .find_map(|_| {
+                    let e = h.ch.next_event();
+                    if e.is_none() {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    e
+                })
+                .expect("the target answers the connect");
+            assert!(
+                matches!(ev, nvmfd_rdma::soft::cm::CmEvent::Established { .. }),
+                "{ev:?}"
+            );
+            let pd = &h._qp_on.2;
+            let mr = pd
+                .alloc_mr(64, nvmfd_rdma::Access::LOCAL_WRITE)
+                .expect("attacker's MR");
+            let n = len.min(64) as u32;
+            let op = if write {
+                SendOp::RdmaWrite {
+                    remote_addr: addr,
+                    rkey,
+                }
+            } else {
+                SendOp::RdmaRead {
+                    remote_addr: addr,
+                    rkey,
+                }
+            };
+            let sge = [Sge {
+                addr: mr.addr(),
+                length: n,
+                lkey: mr.lkey(),
+            }];
+            h.id.post_send(&[SendWr {
+                wr_id: 1,
+                op,
+                sges: &sge,
+                signaled: true,
+                inline: false,
+            }])
+            .expect("post");
+            let cq = &h._qp_on.1;
+            let mut wc = [Wc::default(); 4];
+            let got = (0..2000)
+                .find_map(|_| {
+                    let n = cq.poll(&mut wc).unwrap();
+                    if n == 0 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    (n > 0).then(|| wc[0])
+                })
+                .expect("the RDMA operation completes");
+            assert_ne!(
+                got.status,
+                WcStatus::Success,
+                "a stranger's RDMA {} at {addr:#x} (rkey {rkey:#x}, {len} bytes) went through",
+                if write { "WRITE" } else { "READ" }
+            );
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, regions.len() * 2);
+    // The target serves on, and what was written is intact.
+    let mut back = vec![0u8; 4096];
+    ios[0].read(2, 0, 1, &mut back).unwrap();
+    assert_eq!(back, secret);
+}

@@ -315,17 +315,14 @@ impl DataPath {
         )?;
         let register = |p: &BufPool| {
             let iov = p.iovec();
+            // Local access only: the buffers are the source of the target's RDMA WRITEs and
+            // the sink of its RDMA READs. No host may reach them with a key it guessed; their
+            // data is other hosts' I/O.
             // SAFETY: the pool's region stays mapped while the pool lives, and the data path
             // drops its MRs before its pools (field order); the NIC's accesses are to buffers
             // owned by requests.
-            unsafe {
-                pd.reg_mr(
-                    iov.iov_base.cast(),
-                    iov.iov_len,
-                    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
-                )
-            }
-            .map_err(verr)
+            unsafe { pd.reg_mr(iov.iov_base.cast(), iov.iov_len, Access::LOCAL_WRITE) }
+                .map_err(verr)
         };
         let data_mr = register(&pool)?;
         let small_mr = register(&small)?;

@@ -252,6 +252,20 @@ impl Fabric {
         self.lock().objects_on(dev.inner.id)
     }
 
+    /// Every registered memory region: (rkey, start address, length). What a peer that
+    /// guesses keys could aim its RDMA READs and WRITEs at.
+    pub fn memory_regions(&self) -> Vec<(u32, u64, u64)> {
+        let s = self.lock();
+        let mut v: Vec<_> = s
+            .mrs
+            .iter()
+            .filter(|(_, m)| m.valid)
+            .map(|(&k, m)| (k, m.addr, m.len))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// QP `qpn`'s RDMA READ figures: (read depth granted, most READs it had outstanding).
     pub fn qp_reads(&self, qpn: u32) -> Option<(u32, u32)> {
         let s = self.lock();
