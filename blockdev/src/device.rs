@@ -243,6 +243,12 @@ impl Device {
         }
     }
 
+    /// Whether every read gives zeroes and nothing else (a null device): a reader may send
+    /// zeroes from memory of its own instead of reading.
+    pub fn reads_zeroes(&self) -> bool {
+        matches!(self.backing, Backing::Null)
+    }
+
     /// What the device is, as opened: its capacity now is [`Device::size`].
     pub fn info(&self) -> &DeviceInfo {
         &self.info

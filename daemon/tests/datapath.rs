@@ -357,9 +357,22 @@ fn serve_on_reactor_with(
         spec.block_size = bs;
         Device::open(&spec).unwrap()
     };
+    let namespaces = vec![(1, mk(512)), (2, mk(4096))];
+    serve_namespaces(port, cfg, counters, srq, connect_timeout, namespaces)
+}
+
+/// `serve_on_reactor_with`, serving `namespaces`.
+fn serve_namespaces(
+    port: u16,
+    cfg: nvmfd::reactor::LoopConfig,
+    counters: Arc<nvmfd::stats::DataPathCounters>,
+    srq: SrqConfig,
+    connect_timeout: Duration,
+    namespaces: Vec<(u32, Arc<Device>)>,
+) -> Served {
     let t = nvmfd::inproc::InProcTarget::start(nvmfd::inproc::InProcOptions {
         nqn: SUB.into(),
-        namespaces: vec![(1, mk(512)), (2, mk(4096))],
+        namespaces,
         port,
         srq,
         buffers: 16,
@@ -2206,4 +2219,54 @@ fn a_host_guessing_keys_cannot_read_or_write_the_targets_memory() {
     let mut back = vec![0u8; 4096];
     ios[0].read(2, 0, 1, &mut back).unwrap();
     assert_eq!(back, secret);
+}
+
+/// Reads of a null namespace are sent from the target's zero region: zeroes reach the host
+/// over whatever was in its buffer, at every size and in every piece of a keyed list; a read
+/// past the end is refused, and a write is taken and discarded.
+#[test]
+fn null_namespace_reads_send_zeroes_of_every_size_and_piece() {
+    let mut spec = DeviceSpec::new(Kind::Null);
+    spec.size = 1 << 20;
+    spec.block_size = 512;
+    let null = Device::open(&spec).unwrap();
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_millis(1),
+        max_sleep: Duration::from_millis(100),
+    };
+    let s = serve_namespaces(
+        4472,
+        cfg,
+        Arc::default(),
+        FIXED_SRQ,
+        Duration::from_secs(60),
+        vec![(1, null)],
+    );
+    let one = QueueOptions::default();
+    let four = QueueOptions {
+        pieces: 4,
+        ..QueueOptions::default()
+    };
+    let (_admin, mut ios) = controller_of(&s, &[one, four]);
+    for io in &mut ios {
+        for blocks in [1u32, 8, 16, 17, 64, 256] {
+            let len = blocks as usize * 512;
+            // The host's buffer holds a pattern first: only the target's zeroes clear it.
+            let data = pattern(u64::from(blocks), len);
+            io.write(1, 3, blocks, &data, false).unwrap();
+            let mut back = vec![0xa5u8; len];
+            io.read(1, 3, blocks, &mut back).unwrap();
+            assert!(
+                back.iter().all(|&b| b == 0),
+                "{blocks} blocks: a null namespace's read is not all zeroes"
+            );
+        }
+        let mut back = vec![0u8; 1024];
+        match io.read(1, 2047, 2, &mut back) {
+            Err(nvmfd_nvme::host::HostError::Status { status, .. }) => {
+                assert_eq!(status.sc(), 0x80, "{status:?}: not LBA Out of Range");
+            }
+            other => panic!("a read past the end: {other:?}"),
+        }
+    }
 }

@@ -168,6 +168,19 @@ impl DataPath {
                 r.failed = Some(BlockError::UnknownDevice);
                 break;
             };
+            // A null namespace's read: no buffer, no fill, no operation; the data is sent
+            // from the zero region.
+            if let IoOp::Read { offset, len } = io.op {
+                if let Some(d) = self.engine.device(dev).filter(|d| d.reads_zeroes()) {
+                    if u64::from(len.max(r.data_len)) <= self.zeros.len() as u64 {
+                        match d.check_range(offset, u64::from(len)) {
+                            Ok(()) => r.zeros = true,
+                            Err(e) => r.failed = Some(e),
+                        }
+                        break;
+                    }
+                }
+            }
             let place = Place {
                 next_op: r.next_op,
                 op_off: r.op_off,
@@ -307,6 +320,7 @@ impl DataPath {
         // Only a successful read sends data; any other buffer goes back now.
         if !(ok && matches!(io.op, IoOp::Read { .. })) {
             r.buf = None;
+            r.zeros = false;
             r.data_len = 0;
         }
         r.state = State::NeedSend;

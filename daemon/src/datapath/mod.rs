@@ -192,6 +192,9 @@ pub struct DataPath {
     srq: ElasticSrq,
     data_mr: Mr,
     small_mr: Mr,
+    /// Zeroes, registered for local reading only: reads of a null namespace send their data
+    /// from here, with no buffer and no fill.
+    zeros: Mr,
     pool: BufPool,
     small: BufPool,
     pd: Pd,
@@ -326,6 +329,10 @@ impl DataPath {
         };
         let data_mr = register(&pool)?;
         let small_mr = register(&small)?;
+        // Nothing writes it (no local write access either): it stays as allocated, zeroes.
+        let zeros = pd
+            .alloc_mr(cfg.max_io.max(small_size) as usize, Access::empty())
+            .map_err(verr)?;
         let mut engine = Engine::new(cfg.requests, MAX_ATTACHED, &[pool.clone(), small.clone()])?;
         let mut devs = HashMap::default();
         for (sub, nsid, d) in namespaces {
@@ -338,6 +345,7 @@ impl DataPath {
             srq,
             data_mr,
             small_mr,
+            zeros,
             engine,
             pool,
             small,

@@ -167,7 +167,14 @@ impl DataPath {
                 c.pending_sends.pop_front();
                 continue;
             };
-            let data_len = if r.buf.is_some() { r.data_len } else { 0 };
+            let (base, lkey, data_len) = match r.buf.as_mut() {
+                Some(b) if r.class == Some(Class::Small) => {
+                    (b.as_mut_ptr() as u64, self.small_mr.lkey(), r.data_len)
+                }
+                Some(b) => (b.as_mut_ptr() as u64, self.data_mr.lkey(), r.data_len),
+                None if r.zeros => (self.zeros.addr(), self.zeros.lkey(), r.data_len),
+                None => (0, 0, 0),
+            };
             let writes = r.segs[..r.nsegs as usize]
                 .iter()
                 .take_while(|s| s.off < data_len)
@@ -175,12 +182,6 @@ impl DataPath {
             if c.sq_budget - c.sq_used.min(c.sq_budget) < writes + 1 {
                 break;
             }
-            let lkey = if r.class == Some(Class::Small) {
-                self.small_mr.lkey()
-            } else {
-                self.data_mr.lkey()
-            };
-            let base = r.buf.as_mut().map_or(0, |b| b.as_mut_ptr() as u64);
             for s in &r.segs[..writes as usize] {
                 c.staged.push(Staged {
                     wr_id: wr_id(KIND_WRITE, r.generation, i as u64),

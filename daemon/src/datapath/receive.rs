@@ -144,6 +144,7 @@ impl DataPath {
             data_len: 0,
             invalidate: None,
             buf: None,
+            zeros: false,
             generation: self.generations[i],
             ops_left: 0,
             next_op: 0,

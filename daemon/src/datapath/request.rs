@@ -70,6 +70,8 @@ pub(super) struct Req {
     /// The key the response SEND invalidates, when the host asked for it.
     pub(super) invalidate: Option<u32>,
     pub(super) buf: Option<DmaBuf>,
+    /// A read of a device that reads zeroes: its data goes from the data path's zero region.
+    pub(super) zeros: bool,
     /// The slot's generation when this command took it: every work request ID and block
     /// operation tag of the command carries it, and a completion that names another
     /// generation is stale and dropped.
