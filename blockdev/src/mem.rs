@@ -121,6 +121,8 @@ pub struct BufPool {
     base: *mut u8,
     len: usize,
     buf_size: usize,
+    /// Buffers made: the region may be longer (whole huge pages), never shorter.
+    count: usize,
 }
 
 impl std::fmt::Debug for BufPool {
@@ -149,6 +151,7 @@ impl BufPool {
             base,
             len,
             buf_size,
+            count: count as usize,
         })
     }
 
@@ -177,7 +180,7 @@ impl BufPool {
 
     /// Number of buffers.
     pub fn count(&self) -> usize {
-        self.len / self.buf_size
+        self.count
     }
 
     /// Buffers not taken.

@@ -88,6 +88,8 @@ struct Served {
     srq_id: u32,
     /// Whether its data buffers are on huge pages.
     huge_pools: bool,
+    /// Its small and large data buffers, as the data path counts them (0 where unknown).
+    pool_counts: (usize, usize),
     thread: Option<std::thread::JoinHandle<()>>,
     fabric: Fabric,
     addr: SocketAddr,
@@ -265,7 +267,7 @@ fn serve_opts(
             counters,
         )
         .unwrap();
-        ready_tx.send((dp.srq_id(), dp.buffers().4)).unwrap();
+        ready_tx.send((dp.srq_id(), dp.buffers())).unwrap();
         let mut held = Vec::new();
         while !s.load(Ordering::Relaxed) {
             // What the control thread and the reactor do with the listener's CM events.
@@ -314,9 +316,11 @@ fn serve_opts(
         }
         drop(listener);
     });
-    let (srq_id, huge_pools) = ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let (srq_id, bufs) = ready_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let (huge_pools, pool_counts) = (bufs.4, (bufs.0, bufs.2));
     Served {
         huge_pools,
+        pool_counts,
         stop,
         paused,
         hold_events,
@@ -393,6 +397,7 @@ fn serve_namespaces(
         turns: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         srq_id: 0,
         huge_pools: false,
+        pool_counts: (0, 0),
         thread: None,
         fabric: t.fabric.clone(),
         addr: t.addr,
@@ -2039,6 +2044,9 @@ fn data_buffers_on_huge_pages_carry_io_of_every_size() {
         s.huge_pools,
         "huge pages were free, yet the pools are on normal pages"
     );
+    // A region is whole huge pages; the pools hold what was asked for, not what fits in it
+    // (admission trusts these counts).
+    assert_eq!(s.pool_counts, (32, 16), "(small, large) buffers");
     let (_admin, mut ios) = controller(&s, 1);
     for (k, blocks) in [1u32, 8, 16, 128, 256].into_iter().enumerate() {
         let lba = k as u64 * 512;

@@ -243,12 +243,16 @@ impl DataPath {
         }
     }
 
-    /// Requests waiting for room in the engine go on, oldest first, while it has room.
+    /// Requests waiting for room in the engine go on, oldest first, while it has room: each
+    /// once at most per call, so one that waits again (for something other than room) does
+    /// not keep the reactor in this loop.
     pub(super) fn unblock(&mut self, now: Instant) {
-        while self.engine.capacity_left() > 0 {
+        let mut left = self.blocked.len();
+        while left > 0 && self.engine.capacity_left() > 0 {
             let Some(i) = self.blocked.pop_front() else {
                 break;
             };
+            left -= 1;
             self.issue(i, now);
         }
     }

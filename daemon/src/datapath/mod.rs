@@ -261,10 +261,10 @@ pub struct DataPath {
     /// alone ends a drain there).
     wait_last_wqe: bool,
     /// The target's controller changes at the last look for queues whose controller ended
-    /// ([`Target::controller_changes`]); `scan_due` asks for a look regardless (a queue was
-    /// bound, maybe to a controller that had already ended).
+    /// ([`Target::controller_changes`]). A queue is bound only to a controller not yet
+    /// ended, and the count is read after the turn's binds: an end after a bind moves it, so
+    /// the next look finds that queue.
     ctrl_changes_seen: u64,
-    scan_due: bool,
     /// Whether the device can post SEND_WITH_INVALIDATE; where it cannot, responses go as
     /// plain SENDs and the host invalidates its key itself.
     send_invalidate: bool,
@@ -377,8 +377,8 @@ impl DataPath {
             connect_timeout: cfg.connect_timeout,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
-            ctrl_changes_seen: 0,
-            scan_due: true,
+            // No count is this: the first turn looks.
+            ctrl_changes_seen: u64::MAX,
             wait_last_wqe: dev.sends_last_wqe(),
             send_invalidate: dev.supports_send_with_invalidate(),
             log: slog::Logger::root(slog::Discard, slog::o!()),
@@ -492,9 +492,8 @@ impl DataPath {
         // finds out itself; idle ones are looked at only when a controller ended or reset
         // since the last look, not on every turn.
         let changes = self.target.controller_changes();
-        if changes != self.ctrl_changes_seen || self.scan_due {
+        if changes != self.ctrl_changes_seen {
             self.ctrl_changes_seen = changes;
-            self.scan_due = false;
             let mut dead = std::mem::take(&mut self.scratch_qpns);
             dead.extend(
                 self.conns

@@ -104,11 +104,7 @@ impl DataPath {
         if let Some(i) = self.take_slot(qpn, Some(class)) {
             let ci = self.reqs[i].as_ref().map_or(NO_CONN, |r| r.conn);
             if let Some(conn) = self.conns.at(ci, qpn) {
-                let unbound = conn.queue.qid().is_none();
                 let a = conn.queue.handle_parts(sqe, arrived.icd, now);
-                // A Fabrics Connect bound it: its controller may have ended meanwhile, which
-                // no later change would tell.
-                self.scan_due |= unbound && conn.queue.qid().is_some();
                 self.begin(i, a, &mut arrived, now);
             } else {
                 self.end_req(i);
