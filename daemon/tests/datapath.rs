@@ -84,6 +84,8 @@ struct Served {
     hold_events: Arc<AtomicBool>,
     /// While set, CM events are left in the channel (taken once it clears).
     hold_cm: Arc<AtomicBool>,
+    /// While set, the data path leaves block completions in its engine (a stalled disk).
+    hold_block: Arc<AtomicBool>,
     /// The data path's SRQ.
     srq_id: u32,
     /// Whether its data buffers are on huge pages.
@@ -185,6 +187,8 @@ fn serve_opts(
     let hold_events = Arc::new(AtomicBool::new(false));
     let hold_cm = Arc::new(AtomicBool::new(false));
     let hcm = Arc::clone(&hold_cm);
+    let hold_block = Arc::new(AtomicBool::new(false));
+    let hb = Arc::clone(&hold_block);
     let allocations = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let turns = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (f, s, p, he) = (
@@ -308,6 +312,7 @@ fn serve_opts(
                     dp.on_event(&ev, Instant::now());
                 }
             }
+            dp.hold_block_completions(hb.load(Ordering::Relaxed));
             if p.load(Ordering::Relaxed) || !dp.poll(Instant::now()) {
                 std::thread::yield_now();
             }
@@ -325,6 +330,7 @@ fn serve_opts(
         paused,
         hold_events,
         hold_cm,
+        hold_block,
         allocations,
         turns,
         srq_id,
@@ -393,6 +399,7 @@ fn serve_namespaces(
         paused: Arc::new(AtomicBool::new(false)),
         hold_events: Arc::new(AtomicBool::new(false)),
         hold_cm: Arc::clone(&t.hold_cm),
+        hold_block: Arc::new(AtomicBool::new(false)),
         allocations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         turns: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         srq_id: 0,
@@ -2277,4 +2284,80 @@ fn null_namespace_reads_send_zeroes_of_every_size_and_piece() {
             other => panic!("a read past the end: {other:?}"),
         }
     }
+}
+
+/// A QP destroyed when its drain timed out (a read stuck behind a stalled disk) leaves its
+/// request behind. The device gives its QP number to the next QP, whose connection takes the
+/// same index in the data path. When the stuck read completes at last, its response must not
+/// go to the new connection: the new host's command of the same ID would be answered by it.
+#[test]
+fn a_late_completion_of_a_destroyed_qp_never_answers_a_new_qp_of_the_same_number() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4473, None, Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let cntlid = admin.cntlid;
+    let before = s.fabric.srq_qps(s.srq_id);
+    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
+    let old_target_qpn = *s
+        .fabric
+        .srq_qps(s.srq_id)
+        .iter()
+        .find(|q| !before.contains(q))
+        .expect("the target's QP of the queue");
+    let old_host_qpn = old.transport().qpn().expect("host QP");
+    // A write to read back later, then a read whose completion the stalled disk holds.
+    let data = pattern(73, 4096);
+    old.write(2, 5, 1, &data, false).unwrap();
+    s.hold_block.store(true, Relaxed);
+    let zeroes = |lba| {
+        let mut sqe =
+            nvmfd_nvme::host::rw_sqe(nvmfd_nvme::wire::io_opcode::WRITE_ZEROES, 2, lba, 1, false);
+        sqe.cid = 0x77u16.into();
+        sqe
+    };
+    old.transport().post(zeroes(9)).unwrap();
+    wait_until("the command is in the engine", || {
+        c.requests_active.load(Relaxed) == 1
+    });
+    // The host goes; the drain waits for the read, then gives up and destroys the QP.
+    drop(old);
+    wait_until("the drain times out", || {
+        c.drain_timeouts.load(Relaxed) == 1
+    });
+    // The same host connects queue 2 of its controller: its QP and the target's take the
+    // numbers of the destroyed ones.
+    s.fabric.reuse_qp_numbers(&[old_host_qpn, old_target_qpn]);
+    let mut new = IoQueue::connect(queue(&s, 2, 31), &h, SUB, cntlid, 2, 31).unwrap();
+    assert_eq!(new.transport().qpn(), Some(old_host_qpn));
+    assert!(s.fabric.srq_qps(s.srq_id).contains(&old_target_qpn));
+    // A command of the new queue with the stuck read's ID is outstanding when the disk
+    // comes back.
+    let qp_errors = c.teardowns_qp_error.load(Relaxed);
+    new.transport().post(zeroes(11)).unwrap();
+    wait_until("both commands are in the engine", || {
+        c.requests_active.load(Relaxed) == 2
+    });
+    s.hold_block.store(false, Relaxed);
+    wait_until("both commands are done", || {
+        c.requests_active.load(Relaxed) == 0
+    });
+    // The queue serves on, with what was written before intact; meanwhile the completions
+    // of what was posted on it arrive.
+    let mut back = vec![0u8; 4096];
+    new.read(2, 5, 1, &mut back).unwrap();
+    assert!(back == data);
+    let got = new.transport().take_others();
+    assert_eq!(
+        got.len(),
+        1,
+        "the new queue's one posted command got {} completions: {got:?}",
+        got.len()
+    );
+    assert_eq!(c.teardowns_qp_error.load(Relaxed), qp_errors);
+    drop(new);
+    drop(admin);
 }

@@ -170,6 +170,11 @@ impl RdmaQueue {
         self.send_capsule(sqe.as_bytes())
     }
 
+    /// The queue's QP number.
+    pub fn qpn(&self) -> Option<u32> {
+        self.id.qpn()
+    }
+
     /// Sends `bytes` (at most 64) as a capsule as they are, and waits only for the send to
     /// complete: for tests of what a target does with malformed capsules.
     pub fn post_raw(&mut self, bytes: &[u8]) -> Result<(), HostError> {

@@ -518,14 +518,22 @@ impl DataPath {
     pub(super) fn reap_drained(&mut self, now: Instant) {
         if !self.lingering.is_empty() {
             let reqs = &self.reqs;
-            self.lingering
-                .retain(|&(qpn, _)| reqs.iter().flatten().any(|r| r.qpn == qpn));
+            self.lingering.retain(|&(qpn, _)| {
+                reqs.iter()
+                    .flatten()
+                    .any(|r| r.qpn == qpn && r.conn == NO_CONN)
+            });
         }
         if self.draining.is_empty() {
             return;
         }
-        let requests_of =
-            |reqs: &[Option<Req>], qpn: u32| reqs.iter().flatten().filter(|r| r.qpn == qpn).count();
+        // A destroyed QP's requests (no connection) are not a later QP's of the same number.
+        let requests_of = |reqs: &[Option<Req>], qpn: u32| {
+            reqs.iter()
+                .flatten()
+                .filter(|r| r.qpn == qpn && r.conn != NO_CONN)
+                .count()
+        };
         // The reused scratch vector: a turn with QPs draining allocates nothing either.
         let mut gone = std::mem::take(&mut self.scratch_qpns);
         let empty_polls = self.cq_empty_polls;
@@ -570,7 +578,14 @@ impl DataPath {
             drop(d.id);
             if requests_of(&self.reqs, qpn) > 0 {
                 // Block operations of it are still in flight: its queue stays counted by
-                // its controller until they complete.
+                // its controller until they complete. Its requests lose their connection:
+                // the device may give its QP number to a new QP, whose connection may take
+                // the same index, and a late completion must never answer on it (a command
+                // of the new host with the same ID would be completed, a read without its
+                // data).
+                for r in self.reqs.iter_mut().flatten().filter(|r| r.qpn == qpn) {
+                    r.conn = NO_CONN;
+                }
                 self.lingering.push((qpn, d.queue));
             }
         }

@@ -268,6 +268,8 @@ pub struct DataPath {
     /// Whether the device can post SEND_WITH_INVALIDATE; where it cannot, responses go as
     /// plain SENDs and the host invalidates its key itself.
     send_invalidate: bool,
+    /// Tests: block completions stay in the engine while set, as behind a disk that stalls.
+    hold_block_completions: bool,
     log: slog::Logger,
 }
 
@@ -381,6 +383,7 @@ impl DataPath {
             ctrl_changes_seen: u64::MAX,
             wait_last_wqe: dev.sends_last_wqe(),
             send_invalidate: dev.supports_send_with_invalidate(),
+            hold_block_completions: false,
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         Ok(dp)
@@ -465,7 +468,9 @@ impl DataPath {
         }
         // Reused vectors (taken and put back): nothing is allocated per turn.
         let mut done = std::mem::take(&mut self.reaped);
-        self.engine.reap(|c| done.push(c));
+        if !self.hold_block_completions {
+            self.engine.reap(|c| done.push(c));
+        }
         worked |= n > 0 || !done.is_empty();
         for c in done.drain(..) {
             self.on_block_done(c, now);
@@ -581,6 +586,12 @@ impl DataPath {
             self.pool.buf_size(),
             self.small.is_huge() && self.pool.is_huge(),
         )
+    }
+
+    /// Tests: while `hold` is set, block operations complete in the engine but the data path
+    /// does not take their completions, as if the disk had stalled.
+    pub fn hold_block_completions(&mut self, hold: bool) {
+        self.hold_block_completions = hold;
     }
 
     /// Request slots taken: the commands in flight.

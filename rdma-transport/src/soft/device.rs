@@ -285,7 +285,10 @@ impl Pd {
             return Err(VerbsError::os("create_qp", libc::EINVAL));
         }
         let mut s = self.fabric.lock();
-        let qpn = s.alloc_id();
+        let qpn = match s.reuse_qpns.pop_front() {
+            Some(n) if !s.qps.contains_key(&n) => n,
+            _ => s.alloc_id(),
+        };
         s.qps.insert(
             qpn,
             QpState_ {

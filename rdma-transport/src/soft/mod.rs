@@ -252,6 +252,12 @@ impl Fabric {
         self.lock().objects_on(dev.inner.id)
     }
 
+    /// The next QPs made take these numbers, in order, each where no live QP has it: as a
+    /// device that hands a destroyed QP's number out again (mlx5 can, at once) does.
+    pub fn reuse_qp_numbers(&self, qpns: &[u32]) {
+        self.lock().reuse_qpns.extend(qpns);
+    }
+
     /// Every registered memory region: (rkey, start address, length). What a peer that
     /// guesses keys could aim its RDMA READs and WRITEs at.
     pub fn memory_regions(&self) -> Vec<(u32, u64, u64)> {

@@ -133,6 +133,8 @@ pub(crate) struct State {
     pub(super) post_failures: HashMap<u32, usize>,
     /// Completions dropped by destroying their QP.
     pub(super) destroy_drops: DestroyDrops,
+    /// QP numbers the next QPs made take, in order, where free ([`Fabric::reuse_qp_numbers`]).
+    pub(super) reuse_qpns: std::collections::VecDeque<u32>,
     /// Seeded faults injected, by kind.
     pub(super) injected: super::Injected,
 }
