@@ -371,7 +371,12 @@ pub(crate) struct TargetInner {
     pub genctr: AtomicU64,
     /// Moves on whenever a controller ends or resets (`Controller::end`, `new_epoch`).
     pub ctrl_changes: Arc<AtomicU64>,
+    /// Tests: run when an I/O queue's Connect has taken its queue ID, before it is bound.
+    pub io_connect_hook: Mutex<Option<ConnectHook>>,
 }
+
+/// What [`Target::set_io_connect_hook`] runs.
+pub type ConnectHook = Box<dyn Fn() + Send + Sync>;
 
 /// Why a change of the target's subsystems was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -421,6 +426,7 @@ impl Target {
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::new(AtomicU64::new(0)),
+                io_connect_hook: Mutex::new(None),
             }),
         };
         for s in subsystems {
@@ -428,6 +434,18 @@ impl Target {
             let _ = t.add_subsystem(s);
         }
         t
+    }
+
+    /// Tests of what happens between an I/O queue's Connect taking its queue ID and the
+    /// queue being bound (a reset of its controller meanwhile): `hook` runs there, on the
+    /// thread serving the Connect, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_io_connect_hook(&self, hook: Option<ConnectHook>) {
+        *self
+            .inner
+            .io_connect_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = hook;
     }
 
     /// The limits in force.

@@ -832,6 +832,41 @@ fn a_reset_ends_the_io_queues_and_is_not_over_before_they_are_gone() {
     io.read(1, 0, 1, &mut buf).unwrap();
 }
 
+/// A reset that lands while an I/O queue's Connect is between taking its queue ID and being
+/// bound ends that queue too: the queue belongs to the epoch in which it took its ID.
+#[test]
+fn an_io_queue_connecting_across_a_reset_disconnects() {
+    thread_local! {
+        /// The host's admin queue, which resets the controller from inside the Connect
+        /// (the loopback serves it on this thread).
+        static ADMIN: std::cell::RefCell<Option<AdminQueue<Loopback>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let w = world();
+    let (a, _) = w.controller(1);
+    let cntlid = a.cntlid;
+    ADMIN.with(|s| *s.borrow_mut() = Some(a));
+    w.target.set_io_connect_hook(Some(Box::new(|| {
+        ADMIN.with(|s| {
+            let mut s = s.borrow_mut();
+            let a = s.as_mut().expect("the admin queue");
+            a.property_set(wire::property::CC, 0).unwrap();
+        });
+    })));
+    let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127).unwrap();
+    w.target.set_io_connect_hook(None);
+    assert!(
+        io.transport().queue().must_disconnect(),
+        "an I/O queue connected across a reset outlived it"
+    );
+    let mut buf = vec![0u8; 512];
+    assert!(matches!(
+        io.read(1, 0, 1, &mut buf),
+        Err(HostError::Transport(_))
+    ));
+    ADMIN.with(|s| s.borrow_mut().take());
+}
+
 #[test]
 fn smart_log_counts_io() {
     let w = world();

@@ -108,7 +108,7 @@ impl Queue {
             });
             map.insert(cntlid, Arc::clone(&ctrl));
             drop(map);
-            let cmd = self.bind(ctrl, (subsystem, version), 0, sqsize, cmd);
+            let cmd = self.bind(ctrl, (subsystem, version), (0, 0), sqsize, cmd);
             return self.respond(&cmd, Status::SUCCESS, u32::from(cntlid));
         }
         // An I/O queue joins an existing controller of the same subsystem and host.
@@ -124,7 +124,9 @@ impl Queue {
         if !ctrl.ready.load(Ordering::Acquire) {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
         }
-        {
+        // The queue ID is taken and the epoch read under the lock a reset takes to clear the
+        // queue IDs and move the epoch: a reset after this makes the queue disconnect.
+        let epoch = {
             let mut st = ctrl.lock();
             let granted = st.queues_granted.map_or(0, |g| usize::from(g) + 1);
             let slot = usize::from(qid) - 1;
@@ -135,12 +137,24 @@ impl Queue {
                 st.io_queues.resize(slot + 1, false);
             }
             st.io_queues[slot] = true;
+            ctrl.epoch.load(Ordering::Acquire)
+        };
+        if let Some(hook) = self
+            .target
+            .inner
+            .io_connect_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            hook();
         }
-        let cmd = self.bind(ctrl, (subsystem, version), qid, sqsize, cmd);
+        let cmd = self.bind(ctrl, (subsystem, version), (qid, epoch), sqsize, cmd);
         self.respond(&cmd, Status::SUCCESS, 0)
     }
 
-    /// Makes this the queue `qid` of `ctrl`, with `sqsize + 1` entries, created by `connect`:
+    /// Makes this the queue `qid` of `ctrl` in its `epoch` (read when the queue ID was taken),
+    /// with `sqsize + 1` entries, created by `connect`:
     /// returns the Connect command with the SQ head its response carries. The Connect was the
     /// new queue's first entry, so once fetched the head is 1, as the kernel target reports.
     /// SQ flow control stays on even when the host asks to disable it (CATTR bit 2), which the
@@ -150,7 +164,7 @@ impl Queue {
         &mut self,
         ctrl: Arc<Controller>,
         (subsystem, version): (Option<Arc<Subsystem>>, u64),
-        qid: u16,
+        (qid, epoch): (u16, u32),
         sqsize: u16,
         connect: Command,
     ) -> Command {
@@ -159,7 +173,7 @@ impl Queue {
         self.sqhd = 1 % sqsize.wrapping_add(1).max(1);
         self.subsystem = subsystem;
         self.seen_version = version;
-        self.epoch = ctrl.epoch.load(Ordering::Acquire);
+        self.epoch = epoch;
         if qid > 0 {
             ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
         }
