@@ -209,6 +209,31 @@ step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsi
 one_path_per_reactor() { echo "request slots: $(stat_sum request_slots)"; [ "$(stat_sum request_slots)" -eq 2048 ]; }
 step one_path_per_reactor
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4421" verify --nqn $NQN --nsid 2
+# Removing the first listener, whose device the shared data path was made on, stops it
+# listening while the second serves on; its port can be listened on again at once.
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener remove "$RDMA_IP" --port 4420
+refused_4420() { ! $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" discover; }
+step refused_4420
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4421" verify --nqn $NQN --nsid 2
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener add "$RDMA_IP" --port 4420 --provider ibverbs
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
+step one_path_per_reactor
+# And the other way: what was made on the device held 4421's ID since 4420 went.
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener remove "$RDMA_IP" --port 4421
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener add "$RDMA_IP" --port 4421 --provider ibverbs
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4421" verify --nqn $NQN --nsid 2
+step one_path_per_reactor
+# With both gone (a soft listener stays: the daemon keeps one), rxe0 is let go once its data
+# paths have drained; then a listener on it can come back (a listening ID still held would
+# refuse it: address in use).
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener add 127.0.0.1 --port 4430 --provider soft
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener remove "$RDMA_IP" --port 4420
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener remove "$RDMA_IP" --port 4421
+let_go() { for _ in $(seq 100); do grep -q '"device let go' $WORK/nvmfd.log && return 0; sleep 0.1; done; return 1; }
+step let_go
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener add "$RDMA_IP" --port 4420 --provider ibverbs
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock stats
 # No controller may have ended for a missed keep-alive: the host kept up through every burst.
 no_keep_alive_timeouts() { ! grep "keep-alive timeout" $WORK/nvmfd.log; }

@@ -346,4 +346,33 @@ fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
     b2.write_read(1, 24, 0xB9);
     a.write_read(1, 32, 0xAA);
     assert_eq!(slots(&d), 1024);
+    // Both gone (a listener on another device stays: the daemon keeps one): once its data
+    // path has drained, the device is let go (on ibverbs, with the listening ID its handle
+    // held); a listener on it then builds a data path anew.
+    drop((a, b, b2));
+    change(
+        &d,
+        serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.2", "port": test_port(), "provider": "soft"}}),
+    );
+    for port in [addr.port(), second] {
+        change(
+            &d,
+            serde_json::json!({"request": "remove_listener", "address": "127.0.0.1", "port": port}),
+        );
+    }
+    wait_for("the device is let go", || {
+        d.log().contains("device let go").then_some(())
+    });
+    change(
+        &d,
+        serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.1", "port": addr.port(), "provider": "soft"}}),
+    );
+    let mut c = Host::connect("127.0.0.40", addr, A, 0x40);
+    c.write_read(1, 40, 0xC0);
+    // Two devices now, one data path each.
+    wait_for("a data path per device", || {
+        (slots(&d) == 2048).then_some(())
+    });
 }

@@ -136,6 +136,62 @@ impl Daemon {
         Ok(())
     }
 
+    /// Listener `i` goes: what was made on its device must not keep its listening ID, or the
+    /// ID would keep listening (and its port taken) while the data path lives on for another
+    /// listener of the device. The device watched for async events, on which the reactors'
+    /// data paths were made, holds another listener's ID of that device instead.
+    pub(super) fn let_go_of_listening_id(&mut self, i: usize) {
+        let Some(dev) = self.cm.get(i).and_then(|c| c.device.clone()) else {
+            return;
+        };
+        let fd = dev.async_fd();
+        let other = self
+            .cm
+            .iter()
+            .enumerate()
+            .filter(|&(j, c)| j != i && c.id.is_some())
+            .find_map(|(_, c)| c.device.as_ref().filter(|d| d.async_fd() == fd))
+            .cloned();
+        let Some(other) = other else { return };
+        for d in self
+            .async_devs
+            .iter()
+            .flatten()
+            .filter(|d| d.async_fd() == fd)
+        {
+            d.hold_id_of(&other);
+        }
+        dev.hold_id_of(&other);
+    }
+
+    /// Devices no listener serves any more (their last listener was removed) are watched
+    /// until nothing made on them is left (the reactors' data paths drain, and may need their
+    /// async events meanwhile), then let go of: the handle watched holds the listening ID of
+    /// one of their listeners, which only then stops listening.
+    pub(super) fn let_go_of_unserved_devices(&mut self, registry: &Registry) {
+        for slot in 0..self.async_devs.len() {
+            let Some(fd) = self.async_devs[slot]
+                .as_ref()
+                .filter(|d| !d.in_use())
+                .map(any::Device::async_fd)
+            else {
+                continue;
+            };
+            let served = self
+                .cm
+                .iter()
+                .any(|c| c.device.as_ref().is_some_and(|d| d.async_fd() == fd));
+            if served {
+                continue;
+            }
+            self.route_async(slot);
+            let _ = registry.deregister(&mut mio::unix::SourceFd(&fd));
+            self.async_devs[slot] = None;
+            info!(self.log, "device let go: no listener serves it and nothing made on it is left";
+                "async_fd" => fd);
+        }
+    }
+
     /// Sends every reactor the command `cmd` makes, and wakes it.
     pub(super) fn tell_reactors(&self, mut cmd: impl FnMut() -> ReactorCmd) {
         for (r, tx) in self.inboxes.iter().enumerate() {

@@ -60,11 +60,14 @@ pub fn device_names() -> Vec<String> {
 
 pub(crate) struct Ctx {
     pub(crate) ctx: NonNull<ibv_context>,
-    /// `None`: opened by `ibv_open_device`, closed on drop. `Some`: librdmacm's context for
-    /// the device of that rdma_cm ID. librdmacm keeps it open while an ID on the device lives,
-    /// so the ID is held here: every object made on the context (each holds this `Ctx`) goes
-    /// before the ID, and so before librdmacm may close the context.
-    cm_id: Option<Arc<cm::IdHandle>>,
+    /// False: opened by `ibv_open_device`, closed on drop. True: librdmacm's context for the
+    /// device of an rdma_cm ID, held in `cm_id`.
+    from_cm: bool,
+    /// librdmacm keeps its context open while an ID on the device lives, so an ID is held
+    /// here: every object made on the context (each holds this `Ctx`) goes before the ID, and
+    /// so before librdmacm may close the context. It is the ID the device was taken from until
+    /// [`Device::hold_id_of`] puts another ID of the same context in its place.
+    cm_id: Mutex<Option<Arc<cm::IdHandle>>>,
 }
 
 // SAFETY: an ibv_context is thread-safe (libibverbs locks internally where it must).
@@ -108,7 +111,7 @@ pub(crate) fn device_listed(dev: *mut ibv_device) -> bool {
 
 impl Drop for Ctx {
     fn drop(&mut self) {
-        if self.cm_id.is_none() {
+        if !self.from_cm {
             // SAFETY: opened by ibv_open_device; every child object holds an Arc<Ctx>, so none
             // is alive now.
             unsafe { ibv_close_device(self.ctx.as_ptr()) };
@@ -197,7 +200,11 @@ impl Device {
             why: "no such device, or it cannot be opened",
         })?;
         let dev = Device {
-            ctx: Arc::new(Ctx { ctx, cm_id: None }),
+            ctx: Arc::new(Ctx {
+                ctx,
+                from_cm: false,
+                cm_id: Mutex::new(None),
+            }),
         };
         check_ops(ctx.as_ptr())?;
         dev.set_async_nonblocking()?;
@@ -218,12 +225,49 @@ impl Device {
         let d = Device {
             ctx: Arc::new(Ctx {
                 ctx,
-                cm_id: Some(id),
+                from_cm: true,
+                cm_id: Mutex::new(Some(id)),
             }),
         };
         cm_contexts().push((ctx.as_ptr() as usize, Arc::downgrade(&d.ctx)));
         d.set_async_nonblocking()?;
         Ok(d)
+    }
+
+    /// Makes this device, and every object made on it, hold the rdma_cm ID `other` holds
+    /// instead of its own, when both are librdmacm's context of one device: the ID this one
+    /// was taken from (a listener's) can then be destroyed, and stop listening, while the
+    /// objects live on. False, and nothing changes, when they are not.
+    pub fn hold_id_of(&self, other: &Device) -> bool {
+        if self.ctx.ctx != other.ctx.ctx || !self.ctx.from_cm || !other.ctx.from_cm {
+            return false;
+        }
+        if Arc::ptr_eq(&self.ctx, &other.ctx) {
+            return true;
+        }
+        let id = other
+            .ctx
+            .cm_id
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let old = std::mem::replace(
+            &mut *self.ctx.cm_id.lock().unwrap_or_else(|e| e.into_inner()),
+            id,
+        );
+        // The old ID goes (maybe destroyed) outside the lock.
+        drop(old);
+        true
+    }
+
+    /// Whether anything but this one handle holds the device's context: objects made on it,
+    /// clones of this handle, or other handles of the context.
+    pub fn in_use(&self) -> bool {
+        if self.ctx.from_cm {
+            cm_context_holders(self.ctx.ctx.as_ptr()) > 1
+        } else {
+            Arc::strong_count(&self.ctx) > 1
+        }
     }
 
     fn set_async_nonblocking(&self) -> Result<(), VerbsError> {

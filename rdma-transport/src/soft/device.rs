@@ -27,6 +27,11 @@ impl Device {
         &self.inner.fabric
     }
 
+    /// Whether objects made on the device are still open (PDs, MRs, CQs, SRQs, QPs).
+    pub fn in_use(&self) -> bool {
+        self.fabric().objects_on(self) > 0
+    }
+
     /// Limits.
     pub fn attr(&self) -> Result<DeviceAttr, VerbsError> {
         Ok(SOFT_ATTR)
