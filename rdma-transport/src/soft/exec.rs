@@ -157,14 +157,52 @@ pub(super) fn scatter(sges: &[Sge], data: &[u8]) {
 
 /// Reads the bytes of `sges`, in order.
 pub(super) fn gather(sges: &[Sge]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
+    let mut out = Vec::new();
+    gather_into(sges, &mut out);
+    out
+}
+
+/// Reads the bytes of `sges`, in order, into `out` (emptied first).
+pub(super) fn gather_into(sges: &[Sge], out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(sges.iter().map(|s| s.length as usize).sum());
     for s in sges {
         // SAFETY: as in `scatter` (the caller checked the SGEs or they are inline data that
         // the poster guarantees readable).
         let src = unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
         out.extend_from_slice(src);
     }
-    out
+}
+
+/// Copies the bytes of `from`, in order, into `to`, in order, as far as both go, with no copy
+/// in between (a NIC's DMA from one region to the other).
+fn copy_sges(from: &[Sge], to: &[Sge]) {
+    let (mut fi, mut fo, mut ti, mut to_off) = (0, 0usize, 0, 0usize);
+    while let (Some(f), Some(t)) = (from.get(fi), to.get(ti)) {
+        let n = (f.length as usize - fo).min(t.length as usize - to_off);
+        if n > 0 {
+            // SAFETY: as in `scatter` and `gather`: the caller checked both lists against
+            // registered regions (or `from` is inline data the poster keeps readable); the
+            // copy is raw, as a NIC's DMA, and `copy` allows the two to overlap.
+            unsafe {
+                std::ptr::copy(
+                    (f.addr as *const u8).add(fo),
+                    (t.addr as *mut u8).add(to_off),
+                    n,
+                );
+            }
+        }
+        fo += n;
+        to_off += n;
+        if fo == f.length as usize {
+            fi += 1;
+            fo = 0;
+        }
+        if to_off == t.length as usize {
+            ti += 1;
+            to_off = 0;
+        }
+    }
 }
 
 /// Runs one send WR on the in-process wire.
@@ -307,25 +345,16 @@ fn run_local(
     let (pdev, ppd) = (s.qps[&peer].dev, s.qps[&peer].pd);
     match w.op {
         SendOp::RdmaWrite { remote_addr, rkey } => {
-            let data = gather(w.sges);
-            if !s.check_remote(
-                pdev,
-                ppd,
-                remote_addr,
-                data.len() as u64,
-                rkey,
-                Access::REMOTE_WRITE,
-            ) {
+            let len: u64 = w.sges.iter().map(|g| u64::from(g.length)).sum();
+            if !s.check_remote(pdev, ppd, remote_addr, len, rkey, Access::REMOTE_WRITE) {
                 return fail(s, WcStatus::RemAccessErr);
             }
-            scatter(
-                &[Sge {
-                    addr: remote_addr,
-                    length: u32::try_from(data.len()).unwrap_or(u32::MAX),
-                    lkey: 0,
-                }],
-                &data,
-            );
+            let dst = [Sge {
+                addr: remote_addr,
+                length: u32::try_from(len).unwrap_or(u32::MAX),
+                lkey: 0,
+            }];
+            copy_sges(w.sges, &dst);
             s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
         }
         SendOp::RdmaRead { remote_addr, rkey } => {
@@ -333,12 +362,12 @@ fn run_local(
             if !s.check_remote(pdev, ppd, remote_addr, len, rkey, Access::REMOTE_READ) {
                 return fail(s, WcStatus::RemAccessErr);
             }
-            let data = gather(&[Sge {
+            let src = [Sge {
                 addr: remote_addr,
                 length: u32::try_from(len).unwrap_or(u32::MAX),
                 lkey: 0,
-            }]);
-            scatter(w.sges, &data);
+            }];
+            copy_sges(&src, w.sges);
             s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
         }
         SendOp::Send | SendOp::SendWithInvalidate { .. } => {
@@ -364,19 +393,28 @@ fn send_local(
         SendOp::SendWithInvalidate { rkey } => Some(rkey),
         _ => None,
     };
+    // The message's bytes go through the fabric's scratch buffer, which stays with the
+    // message only when it has to wait for a receive.
+    let mut data = std::mem::take(&mut s.send_scratch);
+    gather_into(w.sges, &mut data);
     let m = Pending {
         from_qpn: qpn,
         wr_id: w.wr_id,
         signaled: w.signaled,
-        data: gather(w.sges),
+        data,
         invalidate,
         remote: None,
     };
     let waiting = s.qps.get(&peer).is_some_and(|q| !q.inbound.is_empty());
     let r = if waiting { None } else { s.deliver(peer, &m) };
     match r {
-        Some(Ok(())) => s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode),
-        Some(Err(())) => fail(s, WcStatus::RemInvReqErr),
+        Some(r) => {
+            s.send_scratch = m.data;
+            match r {
+                Ok(()) => s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode),
+                Err(()) => fail(s, WcStatus::RemInvReqErr),
+            }
+        }
         None if rnr_retry >= 7 => {
             // Receiver Not Ready, retried forever: the message waits for a receive.
             if let Some(q) = s.qps.get_mut(&qpn) {
