@@ -867,6 +867,64 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
     ADMIN.with(|s| s.borrow_mut().take());
 }
 
+/// Two Connects on one admin queue, the second sent before the first one's data (fetched by
+/// RDMA READ) arrived: the second is a sequence error, and no controller is left behind once
+/// the queue goes.
+#[test]
+fn a_second_connect_whose_data_arrives_after_the_first_bound_the_queue_is_refused() {
+    let w = world();
+    let h = host(1);
+    let mut q = Queue::new(
+        &w.target,
+        Some(CmParams {
+            qid: 0,
+            hsqsize: 31,
+        }),
+    );
+    let capsule = |cid: u16| {
+        let cmd = wire::ConnectCmd {
+            opcode: wire::admin_opcode::FABRICS,
+            flags: 1 << 6,
+            cid: U16::new(cid),
+            fctype: wire::fctype::CONNECT,
+            dptr: SglDesc::keyed(0x1000, 1024, 0x77, false),
+            sqsize: U16::new(31),
+            kato: U32::new(0),
+            ..wire::zeroed()
+        };
+        cmd.as_bytes().to_vec()
+    };
+    let mut data: wire::ConnectData = wire::zeroed();
+    data.hostid = h.id;
+    data.cntlid = U16::new(0xFFFF);
+    wire::put_str(&mut data.subnqn, SUB, 0);
+    wire::put_str(&mut data.hostnqn, &h.nqn, 0);
+    let now = Instant::now();
+    let mut fetch = |cid| match q.handle(&capsule(cid), now) {
+        Action::Fetch { cmd, .. } => cmd,
+        other => panic!("a keyed Connect fetches its data first: {other:?}"),
+    };
+    let (first, second) = (fetch(1), fetch(2));
+    let status_of = |a: Action| match a {
+        Action::Respond { cqe, .. } => cqe.status(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        status_of(q.data_arrived(first, data.as_bytes(), now)),
+        Status::SUCCESS
+    );
+    assert_eq!(
+        status_of(q.data_arrived(second, data.as_bytes(), now)),
+        status::COMMAND_SEQUENCE_ERROR
+    );
+    assert_eq!(w.target.controllers().len(), 1);
+    drop(q);
+    assert!(
+        w.target.controllers().is_empty(),
+        "a controller outlived its admin queue"
+    );
+}
+
 #[test]
 fn smart_log_counts_io() {
     let w = world();

@@ -5,6 +5,11 @@ use super::*;
 
 impl Queue {
     pub(super) fn connect(&mut self, cmd: Command, data: &[u8], now: Instant) -> Action {
+        // Another Connect sent before this one's data arrived bound the queue meanwhile: a
+        // second controller here would be left behind when the queue goes.
+        if self.qid.is_some() {
+            return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+        }
         let Some(c) = wire::read::<ConnectCmd>(cmd.sqe.as_bytes()) else {
             return self.respond(&cmd, status::INTERNAL_ERROR, 0);
         };
