@@ -564,16 +564,25 @@ impl Queue {
             let mut csts = 0;
             if let Some(ctrl) = &self.ctrl {
                 let mut st = ctrl.lock();
-                st.csts = (st.csts & !0xC) | (2 << 2); // SHST: shutdown processing complete
+                st.csts = if result.is_ok() {
+                    (st.csts & !0xC) | (2 << 2) // SHST: shutdown processing complete
+                } else {
+                    // A namespace could not be made durable: the shutdown never completes,
+                    // and Controller Fatal Status says why.
+                    st.csts | (1 << 1)
+                };
                 csts = st.csts;
             }
-            // A Property Get of CSTS that started the flush answers with the new value.
-            let dw0 = if req.cmd.sqe.opcode == wire::admin_opcode::FABRICS {
-                csts
-            } else {
-                0
+            let fabrics = req.cmd.sqe.opcode == wire::admin_opcode::FABRICS;
+            let property_get = fabrics && cmd_fctype(&req.cmd) == wire::fctype::PROPERTY_GET;
+            // A Property Get of CSTS that started the flush answers with the new value; the
+            // Property Set that asked for the shutdown fails with the flush.
+            let dw0 = if fabrics { csts } else { 0 };
+            let st = match &result {
+                Err(e) if !property_get => io::block_error_status(e, &req.op),
+                _ => Status::SUCCESS,
             };
-            return cqe(&req.cmd, qid, Status::SUCCESS, dw0);
+            return cqe(&req.cmd, qid, st, dw0);
         }
         let st = match result {
             Ok(_) => {
@@ -659,4 +668,9 @@ impl Drop for Queue {
 pub(crate) fn refresh_ready(ctrl: &Controller, st: &CtrlState) {
     let ready = st.cc & 1 == 1 && st.csts & 1 == 1;
     ctrl.ready.store(ready, Ordering::Release);
+}
+
+/// The Fabrics command type of `cmd` (a Fabrics command: opcode 7Fh).
+fn cmd_fctype(cmd: &Command) -> u8 {
+    cmd.sqe.nsid.get().to_le_bytes()[0]
 }

@@ -786,6 +786,44 @@ fn shutdown_flushes_and_reports_complete() {
     );
 }
 
+/// A shutdown whose flush fails is never reported complete: the host that asked for it gets an
+/// error, and CSTS says Controller Fatal Status with SHST not complete (what it wrote may not
+/// be durable).
+#[test]
+fn a_shutdown_whose_flush_fails_is_not_reported_complete() {
+    let w = world();
+    // The backend lost namespace 3's device: flushing it fails.
+    let backend = Backend::new(
+        &[
+            (SUB.into(), 1, malloc(SIZE, 512, false)),
+            (SUB.into(), 2, malloc(SIZE, 4096, false)),
+        ],
+        Limits::default().max_io_size,
+    )
+    .unwrap();
+    let w = World {
+        target: w.target,
+        backend,
+    };
+    let (mut a, ios) = w.controller(1);
+    drop(ios);
+    assert!(
+        a.shutdown().is_err(),
+        "a shutdown that could not flush succeeded"
+    );
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(
+        csts >> 1 & 1,
+        1,
+        "CSTS {csts:#x}: no Controller Fatal Status"
+    );
+    assert_ne!(
+        csts >> 2 & 3,
+        2,
+        "CSTS {csts:#x}: shutdown reported complete"
+    );
+}
+
 /// A shutdown while an I/O queue of the controller is still there ends that queue, and
 /// reports complete only once it is gone (the transport drops it when its connection is torn
 /// down and its block operations have completed) and the namespaces are flushed.
