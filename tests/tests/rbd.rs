@@ -165,6 +165,45 @@ fn an_rbd_namespace_passes_nvmf_verify_and_a_verified_bench() {
     eprintln!("randrw: {ios} I/Os, {verified} blocks verified");
 }
 
+/// An image shrunk behind nvmfd's back (`rbd resize --allow-shrink`, the namespace not
+/// resized): a read that runs past the new end either fails with a status (a short count
+/// from librbd) or reads zeroes there; it never answers with what the data buffer held before
+/// (maybe another host's data).
+#[test]
+fn a_read_past_the_end_of_an_image_shrunk_behind_nvmfds_back_returns_no_stale_data() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let d = rbd_daemon(&conf, &image, "create = true\nsize = \"32MiB\"");
+    let mut h = Host::connect(&d);
+    // The buffers hold data first, so that a short read would show it.
+    let data = pattern(5, 128 * 1024);
+    h.write(0, &data).unwrap();
+    assert_eq!(h.read(0, data.len()), data);
+    let out = Command::new("rbd")
+        .args(["-c", &conf, "resize", "--allow-shrink", "--size", "16M"])
+        .arg(format!("rbd/{image}"))
+        .output()
+        .expect("run rbd");
+    assert!(
+        out.status.success(),
+        "rbd resize: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 64 KiB before the new end and 64 KiB after it.
+    let lba = (16 << 20) / 512 - 128;
+    let mut buf = vec![0u8; 128 * 1024];
+    // The read before this one left the pattern in the target's buffer.
+    let r = h.io.read(1, lba, 256, &mut buf);
+    assert!(
+        r.is_err() || buf.iter().all(|&b| b == 0),
+        "a read past the image's end answered with stale data"
+    );
+    // Within the new end, reads go on.
+    assert_eq!(h.read(0, data.len()), data);
+    h.close();
+}
+
 #[test]
 fn a_second_daemon_on_the_image_reads_what_the_first_wrote() {
     let _c = shared();

@@ -118,8 +118,25 @@ impl Engine {
             };
             self.rbd.out -= 1;
             let data = matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua);
+            // librbd answers a read with the bytes read, a write with 0 (or its length), and
+            // cuts either short at the image's end: an image shrunk behind nvmfd's back. A
+            // short read's tail would be whatever the buffer held, so it fails.
+            let short = |done: u32| {
+                Err(BlockError::ShortTransfer {
+                    expected: s.len,
+                    done,
+                })
+            };
             let result = match i32::try_from(rv) {
                 Ok(e) if e < 0 => Err(BlockError::from_errno(-e)),
+                Ok(n) if data => {
+                    let n = u32::try_from(n).unwrap_or(0);
+                    if (s.op == OpKind::Read || n > 0) && n < s.len {
+                        short(n)
+                    } else {
+                        Ok(s.len)
+                    }
+                }
                 _ if data => Ok(s.len),
                 _ => Ok(0),
             };
