@@ -25,6 +25,10 @@ pub const MAX_LINE_BYTES: usize = 4096;
 pub const MAX_PENDING_OUTPUT_BYTES: usize = 1 << 20;
 /// Most clients connected at once; one more gets an error answer and is disconnected.
 pub const MAX_CLIENTS: usize = 64;
+/// Most requests of one client answered in one turn of the control loop: the rest of what it
+/// sent waits for the next turn ([`AdminServer::serve_pending`]), so that a client sending
+/// requests as fast as it reads the answers does not hold the control thread.
+pub const MAX_REQUESTS_PER_TURN: usize = 32;
 
 /// A request: `{"request": "status"}`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -308,6 +312,9 @@ struct Client {
     last_active: Instant,
     /// Close once `output` is flushed.
     closing: bool,
+    /// Its turn ended with requests left (received or still in the socket): it is served
+    /// again at the next turn, without a new readiness event.
+    more: bool,
 }
 
 /// The admin socket server.
@@ -409,6 +416,38 @@ impl AdminServer {
             self.accept(registry);
             return;
         }
+        self.serve_client(registry, token, handle);
+    }
+
+    /// Whether a client's turn ended with requests left ([`MAX_REQUESTS_PER_TURN`]): the
+    /// control loop then polls without waiting and calls [`AdminServer::serve_pending`].
+    pub fn has_pending(&self) -> bool {
+        self.clients.values().any(|c| c.more)
+    }
+
+    /// Gives each client with requests left its next turn.
+    pub fn serve_pending(
+        &mut self,
+        registry: &Registry,
+        handle: &mut dyn FnMut(Request, Option<u32>, &AdminStats) -> Response,
+    ) {
+        let due: Vec<Token> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.more)
+            .map(|(t, _)| *t)
+            .collect();
+        for token in due {
+            self.serve_client(registry, token, handle);
+        }
+    }
+
+    fn serve_client(
+        &mut self,
+        registry: &Registry,
+        token: Token,
+        handle: &mut dyn FnMut(Request, Option<u32>, &AdminStats) -> Response,
+    ) {
         let Some(mut client) = self.clients.remove(&token) else {
             return;
         };
@@ -473,6 +512,7 @@ impl AdminServer {
                             output: Vec::new(),
                             last_active: Instant::now(),
                             closing: false,
+                            more: false,
                         },
                     );
                 }
@@ -494,7 +534,11 @@ impl AdminServer {
     ) -> bool {
         let mut buf = [0u8; 4096];
         let mut eof = false;
-        while !c.closing {
+        let mut budget = MAX_REQUESTS_PER_TURN;
+        // What was left from its last turn first.
+        self.answer_lines(c, handle, &mut budget);
+        c.more = budget == 0;
+        while !c.closing && !c.more {
             match c.stream.read(&mut buf) {
                 Ok(0) => {
                     eof = true;
@@ -503,7 +547,8 @@ impl AdminServer {
                 Ok(n) => {
                     c.last_active = Instant::now();
                     c.input.extend_from_slice(&buf[..n]);
-                    self.answer_lines(c, handle);
+                    self.answer_lines(c, handle, &mut budget);
+                    c.more = budget == 0;
                     // Write answers as they are made; a client whose unread answers pass the
                     // bound is dropped now, before it can make the daemon read (and buffer)
                     // any more of its requests.
@@ -526,13 +571,15 @@ impl AdminServer {
         !(c.closing && c.output.is_empty())
     }
 
+    /// Answers the complete lines received, `budget` of them at most (counted down).
     fn answer_lines(
         &mut self,
         c: &mut Client,
         handle: &mut dyn FnMut(Request, Option<u32>, &AdminStats) -> Response,
+        budget: &mut usize,
     ) {
         while let Some(nl) = c.input.iter().position(|&b| b == b'\n') {
-            if nl + 1 > MAX_LINE_BYTES {
+            if nl + 1 > MAX_LINE_BYTES || *budget == 0 {
                 break;
             }
             let line: Vec<u8> = c.input.drain(..=nl).collect();
@@ -541,6 +588,7 @@ impl AdminServer {
             if text.is_empty() {
                 continue;
             }
+            *budget -= 1;
             let answer = match serde_json::from_str::<Request>(text) {
                 Ok(req) => handle(req, c.uid, &self.stats()),
                 Err(e) => Response::error(format!(

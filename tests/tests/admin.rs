@@ -379,3 +379,60 @@ fn nvmfctl_says_when_the_daemon_is_not_there() {
         "{err}"
     );
 }
+
+/// A client that sends requests as fast as it reads the answers never has its answers pile up
+/// past the output bound, yet it must not hold the control thread: another client is answered
+/// meanwhile, within a bound.
+#[test]
+fn a_client_flooding_requests_does_not_hold_the_control_thread() {
+    let d = Daemon::start(Options::default());
+    let flood = UnixStream::connect(&d.socket).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut w = flood.try_clone().unwrap();
+    let st = std::sync::Arc::clone(&stop);
+    let writer = std::thread::spawn(move || {
+        let line = b"{\"request\":\"status\"}\n".repeat(64);
+        while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            if w.write_all(&line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut r = flood.try_clone().unwrap();
+    let st = std::sync::Arc::clone(&stop);
+    let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let got_bytes = std::sync::Arc::clone(&received);
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 16];
+        r.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            match r.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    got_bytes.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                }
+                Err(_) => {}
+            }
+        }
+    });
+    // The flood is on: its answers are coming (a megabyte of them).
+    wait_for("the flood's answers", || {
+        (received.load(std::sync::atomic::Ordering::Relaxed) > 1 << 20).then_some(())
+    });
+    let mut other = UnixStream::connect(&d.socket).unwrap();
+    other
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    other.write_all(b"{\"request\":\"status\"}\n").unwrap();
+    let mut line = String::new();
+    let got = BufReader::new(&other).read_line(&mut line);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = flood.shutdown(std::net::Shutdown::Both);
+    let _ = writer.join();
+    let _ = reader.join();
+    assert!(
+        matches!(got, Ok(n) if n > 0),
+        "no answer within 5 s while another client floods: {got:?}"
+    );
+}

@@ -438,7 +438,12 @@ impl Daemon {
                 admin.sweep(poll.registry(), now);
                 next_tick = now + tick;
             }
-            let timeout = next_tick.saturating_duration_since(Instant::now());
+            // An admin client with requests left from its last turn is served without waiting.
+            let timeout = if admin.has_pending() {
+                Duration::ZERO
+            } else {
+                next_tick.saturating_duration_since(Instant::now())
+            };
             if let Err(e) = poll.poll(&mut events, Some(timeout)) {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
@@ -471,6 +476,12 @@ impl Daemon {
                         self.answer(registry, req, uid, stats)
                     });
                 }
+            }
+            if admin.has_pending() {
+                let registry = poll.registry();
+                admin.serve_pending(registry, &mut |req, uid, stats| {
+                    self.answer(registry, req, uid, stats)
+                });
             }
             // The flag is set by the signal handler itself, possibly before the signal's event
             // is polled: it alone decides.
