@@ -273,11 +273,10 @@ impl Device {
         check_range(self.size(), self.info.logical_block_size, offset, len)
     }
 
-    /// Changes the capacity: to `size` bytes (a file is truncated or extended, an RBD image
-    /// resized, a null device takes it, RAM within what was allocated at open), or, with
-    /// `None`, to what the backend reports now (a file, block device or RBD image resized
-    /// outside nvmfd). Returns the new capacity, a whole number of logical blocks.
-    pub fn resize(&self, size: Option<u64>) -> io::Result<u64> {
+    /// Whether [`Device::resize`] with `size` can be made, as far as can be told without
+    /// making it (the size's form, the device's kind and, for RAM, what it was created with):
+    /// what is refused here changes nothing, so several resizes can all be checked first.
+    pub fn check_resize(&self, size: Option<u64>) -> io::Result<()> {
         let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
         let bs = u64::from(self.info.logical_block_size);
         if let Some(n) = size {
@@ -290,6 +289,31 @@ impl Device {
                 return Err(bad("the namespace is read-only".into()));
             }
         }
+        match (&self.backing, size) {
+            (Backing::File(_), Some(_)) if self.info.kind != Kind::File => Err(bad(
+                "a block device's size is its own: resize the device, then resize the \
+                 namespace without a size"
+                    .into(),
+            )),
+            (Backing::Malloc(region), Some(n)) if n > region.len() as u64 => Err(bad(format!(
+                "a RAM namespace cannot grow past the {} bytes it was created with",
+                region.len()
+            ))),
+            (Backing::Malloc(_) | Backing::Null, None) => {
+                Err(bad("a RAM or null namespace needs the new size".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Changes the capacity: to `size` bytes (a file is truncated or extended, an RBD image
+    /// resized, a null device takes it, RAM within what was allocated at open), or, with
+    /// `None`, to what the backend reports now (a file, block device or RBD image resized
+    /// outside nvmfd). Returns the new capacity, a whole number of logical blocks.
+    pub fn resize(&self, size: Option<u64>) -> io::Result<u64> {
+        self.check_resize(size)?;
+        let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
+        let bs = u64::from(self.info.logical_block_size);
         let new = match (&self.backing, size) {
             (Backing::File(f), Some(n)) if self.info.kind == Kind::File => {
                 f.set_len(n)?;

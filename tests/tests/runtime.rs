@@ -376,3 +376,37 @@ fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
         (slots(&d) == 2048).then_some(())
     });
 }
+
+/// A change of several sizes that cannot all be made changes none of them: a reload that
+/// shrinks one namespace and grows another past what it can take is refused, and the first
+/// keeps its size (the target still says the old one; a shrunk device under it would fail
+/// the host's I/O past the new end, or lose its data on a file or image).
+#[test]
+fn a_reload_whose_second_resize_fails_leaves_the_first_namespace_as_it_was() {
+    let (d, addr) = start();
+    change(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 2, "backend": "malloc", "size": "8MiB"}}),
+    );
+    let mut a = Host::connect("127.0.0.41", addr, A, 0x41);
+    let text = config_text(&d);
+    let b_start = text.find("# subsystem B").unwrap();
+    let (a_part, b_part) = text.split_at(b_start);
+    // Namespace 1 shrinks to 4 MiB; namespace 2 would grow past the 8 MiB it was made with.
+    let ns2 = a_part.find("nsid = 2").unwrap();
+    let (ns1_part, ns2_part) = a_part.split_at(ns2);
+    let new = format!(
+        "{}{}{}",
+        ns1_part.replace("size = \"8MiB\"", "size = \"4MiB\""),
+        ns2_part.replace("size = \"8MiB\"", "size = \"16MiB\""),
+        b_part
+    );
+    std::fs::write(d.dir.path().join("nvmfd.toml"), new).unwrap();
+    let err = refused(&d, serde_json::json!({"request": "reload"}));
+    assert!(err.contains("namespace 2"), "{err}");
+    assert_eq!(a.blocks(1), 8 << 11);
+    // Past 4 MiB on namespace 1: still there.
+    a.write_read(1, 6 << 11, 0x61);
+    a.write_read(2, 6 << 11, 0x62);
+}

@@ -264,22 +264,51 @@ impl Daemon {
                 return Err(e);
             }
         }
-        // 4. Sizes.
+        // 4. Sizes: every one checked before any is made; one that still fails undoes those
+        // made before it.
+        let mut failed = None;
         for (nqn, nsid, size) in &plan.resizes {
-            let r = self
+            if let Some(Err(e)) = self
                 .devices
                 .get(&(nqn.clone(), *nsid))
-                .map(|d| d.resize(*size));
-            if let Some(Err(e)) = r {
-                if persist {
-                    let _ = self.write_config(&old_text);
-                }
-                self.source.text = old_text;
-                undo(self, &opened);
-                return Err(format!(
+                .map(|d| d.check_resize(*size))
+            {
+                failed = Some(format!(
                     "subsystem {nqn} namespace {nsid}: cannot resize: {e}"
                 ));
+                break;
             }
+        }
+        let mut made: Vec<(Arc<BlockDevice>, u64, String)> = Vec::new();
+        if failed.is_none() {
+            for (nqn, nsid, size) in &plan.resizes {
+                let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) else {
+                    continue;
+                };
+                let before = d.size();
+                if let Err(e) = d.resize(*size) {
+                    failed = Some(format!(
+                        "subsystem {nqn} namespace {nsid}: cannot resize: {e}"
+                    ));
+                    break;
+                }
+                made.push((Arc::clone(d), before, format!("{nqn} namespace {nsid}")));
+            }
+        }
+        if let Some(mut e) = failed {
+            for (d, before, name) in made.into_iter().rev() {
+                if let Err(back) = d.resize(Some(before)) {
+                    e.push_str(&format!(
+                        "; {name} was resized and could not be put back to {before} bytes: {back}"
+                    ));
+                }
+            }
+            if persist {
+                let _ = self.write_config(&old_text);
+            }
+            self.source.text = old_text;
+            undo(self, &opened);
+            return Err(e);
         }
         // Nothing below fails.
         let mut what = Vec::new();
