@@ -371,11 +371,12 @@ pub(crate) struct TargetInner {
     pub genctr: AtomicU64,
     /// Moves on whenever a controller ends or resets (`Controller::end`, `new_epoch`).
     pub ctrl_changes: Arc<AtomicU64>,
-    /// Tests: run when an I/O queue's Connect has taken its queue ID, before it is bound.
-    pub io_connect_hook: Mutex<Option<ConnectHook>>,
+    /// Tests: run when a Connect has passed its checks: an admin queue's before it makes its
+    /// controller, an I/O queue's once it has taken its queue ID, before it is bound.
+    pub connect_hook: Mutex<Option<ConnectHook>>,
 }
 
-/// What [`Target::set_io_connect_hook`] runs.
+/// What [`Target::set_connect_hook`] runs.
 pub type ConnectHook = Box<dyn Fn() + Send + Sync>;
 
 /// Why a change of the target's subsystems was refused.
@@ -426,7 +427,7 @@ impl Target {
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::new(AtomicU64::new(0)),
-                io_connect_hook: Mutex::new(None),
+                connect_hook: Mutex::new(None),
             }),
         };
         for s in subsystems {
@@ -436,14 +437,16 @@ impl Target {
         t
     }
 
-    /// Tests of what happens between an I/O queue's Connect taking its queue ID and the
-    /// queue being bound (a reset of its controller meanwhile): `hook` runs there, on the
-    /// thread serving the Connect, until it is replaced or cleared.
+    /// Tests of what happens while a Connect is served: `hook` runs once an admin queue's
+    /// Connect has passed its checks, before it makes its controller (its host's access
+    /// removed meanwhile), and once an I/O queue's Connect has taken its queue ID, before the
+    /// queue is bound (a reset of its controller meanwhile). It runs on the thread serving
+    /// the Connect, until it is replaced or cleared.
     #[doc(hidden)]
-    pub fn set_io_connect_hook(&self, hook: Option<ConnectHook>) {
+    pub fn set_connect_hook(&self, hook: Option<ConnectHook>) {
         *self
             .inner
-            .io_connect_hook
+            .connect_hook
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = hook;
     }

@@ -884,7 +884,7 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
     let (a, _) = w.controller(1);
     let cntlid = a.cntlid;
     ADMIN.with(|s| *s.borrow_mut() = Some(a));
-    w.target.set_io_connect_hook(Some(Box::new(|| {
+    w.target.set_connect_hook(Some(Box::new(|| {
         ADMIN.with(|s| {
             let mut s = s.borrow_mut();
             let a = s.as_mut().expect("the admin queue");
@@ -892,7 +892,7 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
         });
     })));
     let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127).unwrap();
-    w.target.set_io_connect_hook(None);
+    w.target.set_connect_hook(None);
     assert!(
         io.transport().queue().must_disconnect(),
         "an I/O queue connected across a reset outlived it"
@@ -961,6 +961,36 @@ fn a_second_connect_whose_data_arrives_after_the_first_bound_the_queue_is_refuse
         w.target.controllers().is_empty(),
         "a controller outlived its admin queue"
     );
+}
+
+/// A host's access removed while its admin queue's Connect is being served: the Connect fails,
+/// or the controller it made is ended; never a live controller of a host no longer allowed.
+#[test]
+fn a_host_removed_while_its_connect_is_served_gets_no_live_controller() {
+    let w = world();
+    let target = w.target.clone();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    w.target.set_connect_hook(Some(Box::new(move || {
+        if done.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let mut s = (*target.subsystem(RESTRICTED).unwrap()).clone();
+        s.hosts.clear();
+        target.replace_subsystem(s).unwrap();
+    })));
+    let r = w.admin(&host(1), RESTRICTED);
+    w.target.set_connect_hook(None);
+    let live = w
+        .target
+        .controllers()
+        .iter()
+        .filter(|c| c.subnqn == RESTRICTED && c.end_reason().is_none())
+        .count();
+    assert_eq!(
+        live, 0,
+        "a controller of a host no longer allowed lives ({r:?})"
+    );
+    assert_eq!(status_of(r), status::CONNECT_INVALID_HOST);
 }
 
 #[test]

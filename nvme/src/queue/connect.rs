@@ -47,8 +47,8 @@ impl Queue {
         };
         let discovery = subnqn == DISCOVERY_NQN;
         // The version first: a change after it is seen at the next command.
-        let version = self.target.version();
-        let subsystem = if discovery {
+        let mut version = self.target.version();
+        let mut subsystem = if discovery {
             None
         } else {
             match self.target.subsystem(subnqn) {
@@ -76,7 +76,27 @@ impl Queue {
             } else {
                 requested.clamp(limits.kato_min, limits.kato_max)
             };
-            let mut map = self.target.ctrls();
+            self.run_connect_hook();
+            // The controller goes in the map only if the subsystems have not changed since
+            // the host was checked: a change publishes them first and then ends, under the
+            // map's lock, the controllers it no longer allows, so either it finds this one
+            // there or this one sees the change and checks the host again.
+            let mut map = loop {
+                let map = self.target.ctrls();
+                let now_version = self.target.version();
+                if now_version == version {
+                    break map;
+                }
+                drop(map);
+                version = now_version;
+                if !discovery {
+                    match self.target.subsystem(subnqn) {
+                        Some(s) if s.allows(hostnqn) => subsystem = Some(s),
+                        Some(_) => return self.respond(&cmd, status::CONNECT_INVALID_HOST, 0),
+                        None => return invalid(self, true, 256),
+                    }
+                }
+            };
             let Some(cntlid) = self.target.alloc_cntlid(&map) else {
                 return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
             };
@@ -144,18 +164,23 @@ impl Queue {
             st.io_queues[slot] = true;
             ctrl.epoch.load(Ordering::Acquire)
         };
+        self.run_connect_hook();
+        let cmd = self.bind(ctrl, (subsystem, version), (qid, epoch), sqsize, cmd);
+        self.respond(&cmd, Status::SUCCESS, 0)
+    }
+
+    /// Tests: runs the target's connect hook ([`Target::set_connect_hook`]), if one is set.
+    fn run_connect_hook(&self) {
         if let Some(hook) = self
             .target
             .inner
-            .io_connect_hook
+            .connect_hook
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
         {
             hook();
         }
-        let cmd = self.bind(ctrl, (subsystem, version), (qid, epoch), sqsize, cmd);
-        self.respond(&cmd, Status::SUCCESS, 0)
     }
 
     /// Makes this the queue `qid` of `ctrl` in its `epoch` (read when the queue ID was taken),
