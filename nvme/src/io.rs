@@ -62,6 +62,13 @@ impl DsmLimits {
 
 pub(crate) fn handle(q: &mut Queue, cmd: Command, icd: &[u8]) -> Action {
     let sqe = cmd.sqe;
+    // An opcode the command set lacks is refused as such, before its NSID is looked at.
+    if !matches!(
+        sqe.opcode,
+        op::READ | op::WRITE | op::FLUSH | op::WRITE_ZEROES | op::DATASET_MANAGEMENT
+    ) {
+        return q.respond(&cmd, status::INVALID_OPCODE, 0);
+    }
     let nsid = sqe.nsid.get();
     let Some(ns) = q.subsystem().and_then(|s| s.namespace(nsid)) else {
         return q.respond(&cmd, status::INVALID_NAMESPACE, 0);

@@ -421,6 +421,11 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
     assert!(send(l, rw(2, bad_type, 0x40), &[]).same_code(status::SGL_DESCRIPTOR_TYPE_INVALID));
     assert!(send(l, rw(0x7E, SglDesc::keyed(0, 0, 0, false), 0x40), &[])
         .same_code(status::INVALID_OPCODE));
+    // An opcode the I/O command set lacks is an invalid opcode whatever its NSID (here an
+    // admin opcode, Keep Alive, with NSID 0).
+    let mut keep_alive = rw(0x18, SglDesc::keyed(0, 0, 0, false), 0x40);
+    keep_alive.nsid = U32::new(0);
+    assert!(send(l, keep_alive, &[]).same_code(status::INVALID_OPCODE));
     let mut fused = rw(2, SglDesc::keyed(addr, 1024, key, false), 0x41);
     fused.flags = 0x41;
     assert!(
