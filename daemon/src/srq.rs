@@ -379,13 +379,20 @@ impl ElasticSrq {
                 continue;
             }
             let gen = self.generation << GEN_SHIFT;
-            let wrs: [RecvWr<'_>; CHAIN] = std::array::from_fn(|i| {
-                let (idx, slot) = self.chain_ids.get(i).copied().unwrap_or((0, 0));
-                RecvWr {
+            // Only the chain's own entries are built (most turns re-post one or two).
+            let mut wrs = [RecvWr {
+                wr_id: 0,
+                sges: &[],
+            }; CHAIN];
+            for (w, (&(idx, slot), sges)) in wrs
+                .iter_mut()
+                .zip(self.chain_ids.iter().zip(&self.chain_sges))
+            {
+                *w = RecvWr {
                     wr_id: gen | ((idx as u64) << SLOT_BITS) | u64::from(slot),
-                    sges: &self.chain_sges[i][..1 + self.icd_pages],
-                }
-            });
+                    sges: &sges[..1 + self.icd_pages],
+                };
+            }
             let posted = match self.srq.post_recv(&wrs[..n]) {
                 Ok(()) => n,
                 Err(e) => {
