@@ -30,6 +30,8 @@ pub const MAX_ICD_PAGES: usize = 4;
 /// A receive's work request ID: chunk index above this many bits, slot below.
 const SLOT_BITS: u32 = 24;
 /// Most receives posted in one chain (the ibverbs provider's limit per call).
+/// How long after a failed registration of a spare chunk the next one is asked for.
+const REGISTER_RETRY: Duration = Duration::from_secs(1);
 const CHAIN: usize = 32;
 /// Above the chunk index, the SRQ's generation (4 bits): a completion of a receive of an
 /// SRQ since rebuilt is told apart from the new one's.
@@ -166,6 +168,9 @@ pub struct ElasticSrq {
     spare_requested: bool,
     /// A limit event came while no spare was ready: grow when one arrives.
     want_grow: bool,
+    /// A spare's registration failed: the next is asked for, and the limit armed again (a
+    /// limit event then grows if the SRQ still needs it), from this moment on.
+    retry_at: Option<Instant>,
     /// Receives given back since the last `flush` (chunk, slot), posted there in chains.
     pending: Vec<(usize, u32)>,
     /// The scatter lists of one chain, kept for every flush (no zeroing per receive).
@@ -245,6 +250,7 @@ impl ElasticSrq {
             spare_rx,
             spare: None,
             spare_requested: false,
+            retry_at: None,
             want_grow: false,
             pending: Vec::with_capacity(CHAIN),
             chain_sges: vec![[Sge::default(); 1 + MAX_ICD_PAGES]; CHAIN],
@@ -302,6 +308,7 @@ impl ElasticSrq {
     fn request_spare(&mut self) {
         if self.spare.is_none()
             && !self.spare_requested
+            && self.retry_at.is_none()
             && self.registered + self.cfg.chunk <= self.cfg.max
         {
             self.registrar.register(
@@ -640,13 +647,20 @@ impl ElasticSrq {
                     mr
                 }
                 Ok(Err(_)) => {
-                    self.spare_requested = false;
-                    self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
-                    self.request_spare();
+                    self.registration_failed(now);
                     return Change::CannotGrow;
                 }
-                // `tick` grows when it arrives; the reactor keeps polling meanwhile.
-                Err(_) => return Change::None,
+                // `tick` grows when it arrives (asked for now if it was not); the reactor
+                // keeps polling meanwhile. While a failed registration waits to be tried
+                // again, the SRQ cannot grow.
+                Err(_) => {
+                    if self.retry_at.is_some() {
+                        self.want_grow = false;
+                        return Change::CannotGrow;
+                    }
+                    self.request_spare();
+                    return Change::None;
+                }
             },
         };
         if self.add_chunk(mr, self.cfg.chunk).is_err() {
@@ -654,6 +668,15 @@ impl ElasticSrq {
         }
         self.request_spare();
         self.grown(now)
+    }
+
+    /// A spare's registration failed: nothing is asked for, and the SRQ does not wait to grow,
+    /// until `REGISTER_RETRY` has passed (`tick` then arms the limit again).
+    fn registration_failed(&mut self, now: Instant) {
+        self.spare_requested = false;
+        self.want_grow = false;
+        self.retry_at = Some(now + REGISTER_RETRY);
+        self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
     }
 
     fn grown(&mut self, now: Instant) -> Change {
@@ -675,12 +698,16 @@ impl ElasticSrq {
                     self.spare = Some(mr);
                     self.spare_requested = false;
                 }
-                Ok(Err(_)) => {
-                    self.spare_requested = false;
-                    self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
-                }
+                Ok(Err(_)) => self.registration_failed(now),
                 Err(_) => {}
             }
+        }
+        if self.retry_at.is_some_and(|t| now >= t) {
+            // Tried again: the next spare is asked for, and a limit event comes at once if
+            // the SRQ is still below its watermark.
+            self.retry_at = None;
+            self.request_spare();
+            self.arm();
         }
         if self.want_grow && self.spare.is_some() {
             return self.grow(now);
@@ -713,5 +740,71 @@ impl ElasticSrq {
         self.window_start = now;
         self.window_min = self.posted;
         Change::None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ticks until `done` holds, or fails after a bound: the registrar answers from its thread.
+    fn tick_until(
+        s: &mut ElasticSrq,
+        now: Instant,
+        what: &str,
+        done: impl Fn(&ElasticSrq) -> bool,
+    ) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done(s) {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            s.tick(now);
+            std::thread::yield_now();
+        }
+    }
+
+    /// A spare chunk whose registration fails is asked for again after `REGISTER_RETRY`, and
+    /// meanwhile the SRQ does not wait to grow (the reactor may sleep): a limit event after the
+    /// retry grows it. Before, the failed spare was never asked for again and a limit event
+    /// left the SRQ waiting for it for good.
+    #[test]
+    fn a_failed_spare_registration_is_asked_for_again_and_the_srq_grows() {
+        let fabric = nvmfd_rdma::soft::Fabric::new();
+        let dev = fabric.add_device([10, 0, 0, 9].into()).unwrap();
+        let pd = Pd::Soft(dev.alloc_pd().unwrap());
+        let cfg = SrqConfig {
+            initial: 8,
+            max: 64,
+            low_watermark: 2,
+            chunk: 8,
+            shrink_delay: Duration::from_secs(60),
+            cover_queues: false,
+        };
+        let t0 = Instant::now();
+        let mut s = ElasticSrq::new(
+            &pd,
+            1024,
+            cfg,
+            4096,
+            Registrar::spawn().unwrap(),
+            Arc::default(),
+            t0,
+        )
+        .unwrap();
+        tick_until(&mut s, t0, "the first spare", |s| s.spare.is_some());
+        // The next registration fails: the spare asked for after this growth.
+        fabric.fail_registrations(1);
+        assert!(matches!(s.limit_reached(t0), Change::Grew(16)));
+        tick_until(&mut s, t0, "the failed registration's answer", |s| {
+            s.counters.srq_errors.load(Ordering::Relaxed) == 1
+        });
+        // No spare: the SRQ cannot grow now, and does not keep the reactor awake for it.
+        assert!(matches!(s.limit_reached(t0), Change::CannotGrow));
+        assert!(!s.busy());
+        // After the retry delay the spare is asked for again, and the next event grows.
+        let later = t0 + REGISTER_RETRY;
+        tick_until(&mut s, later, "the spare asked for again", |s| {
+            s.spare.is_some()
+        });
+        assert!(matches!(s.limit_reached(later), Change::Grew(24)));
     }
 }

@@ -199,6 +199,10 @@ impl Pd {
         access: Access,
     ) -> Result<Mr, VerbsError> {
         let mut s = self.fabric.lock();
+        if s.fail_registrations > 0 {
+            s.fail_registrations -= 1;
+            return Err(VerbsError::os("reg_mr", libc::ENOMEM));
+        }
         let key = s.alloc_id();
         s.mrs.insert(
             key,

@@ -258,6 +258,12 @@ impl Fabric {
         self.lock().reuse_qpns.extend(qpns);
     }
 
+    /// The next `n` memory registrations anywhere on the fabric fail with `ENOMEM`, as when
+    /// the locked-memory limit is reached.
+    pub fn fail_registrations(&self, n: u32) {
+        self.lock().fail_registrations = n;
+    }
+
     /// Every registered memory region: (rkey, start address, length). What a peer that
     /// guesses keys could aim its RDMA READs and WRITEs at.
     pub fn memory_regions(&self) -> Vec<(u32, u64, u64)> {

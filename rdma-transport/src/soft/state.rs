@@ -135,6 +135,8 @@ pub(crate) struct State {
     pub(super) destroy_drops: DestroyDrops,
     /// QP numbers the next QPs made take, in order, where free ([`Fabric::reuse_qp_numbers`]).
     pub(super) reuse_qpns: std::collections::VecDeque<u32>,
+    /// Registrations still to refuse ([`Fabric::fail_registrations`]).
+    pub(super) fail_registrations: u32,
     /// The bytes of the SEND being delivered on the in-process wire (kept, not reallocated).
     pub(super) send_scratch: Vec<u8>,
     /// Seeded faults injected, by kind.
