@@ -234,6 +234,12 @@ let_go() { for _ in $(seq 100); do grep -q '"device let go' $WORK/nvmfd.log && r
 step let_go
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener add "$RDMA_IP" --port 4420 --provider ibverbs
 step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
+# The last listener on rxe0 removed and another added at once, then the first back.
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener remove "$RDMA_IP" --port 4420
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener add "$RDMA_IP" --port 4421 --provider ibverbs
+step $BIN/nvmfctl --socket $WORK/nvmfd.sock listener add "$RDMA_IP" --port 4420 --provider ibverbs
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4420" verify --nqn $NQN --nsid 2
+step $BIN/nvmf --provider ibverbs --addr "$RDMA_IP:4421" verify --nqn $NQN --nsid 2
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock stats
 # No controller may have ended for a missed keep-alive: the host kept up through every burst.
 no_keep_alive_timeouts() { ! grep "keep-alive timeout" $WORK/nvmfd.log; }
