@@ -116,7 +116,16 @@ impl Daemon {
         dev: &any::Device,
     ) -> std::io::Result<()> {
         let fd = dev.async_fd();
-        if self.async_devs.iter().flatten().any(|d| d.async_fd() == fd) {
+        if let Some(watched) = self
+            .async_devs
+            .iter()
+            .flatten()
+            .find(|d| d.async_fd() == fd)
+        {
+            // What was made on the device (through the watched handle) holds this new
+            // listener's ID from now on: the ID it held may be a removed listener's, still
+            // listening only for it (its last listener removed, its data path draining).
+            watched.hold_id_of(dev);
             return Ok(());
         }
         let slot = self
