@@ -237,13 +237,14 @@ impl Device {
     /// Makes this device, and every object made on it, hold the rdma_cm ID `other` holds
     /// instead of its own, when both are librdmacm's context of one device: the ID this one
     /// was taken from (a listener's) can then be destroyed, and stop listening, while the
-    /// objects live on. False, and nothing changes, when they are not.
-    pub fn hold_id_of(&self, other: &Device) -> bool {
-        if self.ctx.ctx != other.ctx.ctx || !self.ctx.from_cm || !other.ctx.from_cm {
-            return false;
-        }
-        if Arc::ptr_eq(&self.ctx, &other.ctx) {
-            return true;
+    /// objects live on. Nothing changes when they are not.
+    pub fn hold_id_of(&self, other: &Device) {
+        if self.ctx.ctx != other.ctx.ctx
+            || !self.ctx.from_cm
+            || !other.ctx.from_cm
+            || Arc::ptr_eq(&self.ctx, &other.ctx)
+        {
+            return;
         }
         let id = other
             .ctx
@@ -257,7 +258,6 @@ impl Device {
         );
         // The old ID goes (maybe destroyed) outside the lock.
         drop(old);
-        true
     }
 
     /// Whether anything but this one handle holds the device's context: objects made on it,
