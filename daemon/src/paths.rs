@@ -171,6 +171,8 @@ struct Removed {
     path: CountedPath,
     listener: usize,
     since: Instant,
+    /// Whether the wait for its block operations has been logged.
+    told_stuck: bool,
 }
 
 /// A reactor's data paths (one per device its listeners are on) and its inbox.
@@ -306,20 +308,31 @@ impl ReactorPaths {
             path,
             listener,
             since: now,
+            told_stuck: false,
         });
     }
 
     /// Drops the data paths of removed devices that have nothing outstanding any more, or
-    /// have waited `DRAIN_TIMEOUT` since their drains ended.
+    /// have waited `DRAIN_TIMEOUT` since their drains ended and have no block operation in
+    /// flight. Dropping an engine waits for its operations (the kernel or librbd may still
+    /// write into their buffers): a path whose operation is stuck (a hung disk, an
+    /// unreachable cluster) is kept, and polled, until it ends, so that this reactor's other
+    /// paths go on serving meanwhile.
     fn drop_removed(&mut self, now: Instant) {
         let mut i = 0;
         while i < self.removed.len() {
-            let r = &self.removed[i];
+            let r = &mut self.removed[i];
             let mut g = Gauges::default();
             g.add(&r.path.counters);
             let drained = r.path.dp.draining() == 0;
             let waited = now.duration_since(r.since) >= DRAIN_TIMEOUT;
-            if !(drained && (g.idle() || waited)) {
+            let block_ops = g.block_ops_in_flight();
+            if !(drained && (g.idle() || (waited && block_ops == 0))) {
+                if drained && waited && !r.told_stuck {
+                    r.told_stuck = true;
+                    slog::warn!(self.log, "data path of the removed device kept until its block operations end";
+                        "listener" => r.listener, "block_ops_in_flight" => block_ops);
+                }
                 i += 1;
                 continue;
             }
@@ -327,6 +340,7 @@ impl ReactorPaths {
                 path,
                 listener,
                 since,
+                ..
             } = self.removed.swap_remove(i);
             // Its last totals move before it goes; its levels leave the sum.
             path.counters.move_totals_into(&self.counters);

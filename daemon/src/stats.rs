@@ -288,6 +288,11 @@ impl Gauges {
         self.qps_draining += g(&c.qps_draining);
     }
 
+    /// Block operations in flight at the engines.
+    pub fn block_ops_in_flight(&self) -> u64 {
+        self.block_ops_in_flight
+    }
+
     /// Whether nothing is outstanding: no connection, command, block operation, send or
     /// drain, and every request slot and buffer free.
     pub fn idle(&self) -> bool {
