@@ -127,13 +127,24 @@ disconnect() { # NQN: disconnects and checks that no controller of it is left
   fail "controllers of $1 still there after disconnect: $(ctrls_of "$1")"
 }
 
+cpu_snap() { grep -E '^cpu[01] ' /proc/stat; }
+cpu_split() { # BEFORE AFTER: each vCPU's time over the interval, in per cent: user, system,
+  # interrupts (hard and soft), idle
+  printf '%s\n%s\n' "$1" "$2" | awk '
+    NR <= 2 { for (i = 2; i <= 11; i++) b[$1, i] = $i; next }
+    { t = 0; for (i = 2; i <= 11; i++) { d[i] = $i - b[$1, i]; t += d[i] }; if (!t) t = 1
+      printf "  %s usr %3.0f%% sys %3.0f%% irq %3.0f%% idle %3.0f%%", $1,
+        100 * (d[2] + d[3]) / t, 100 * d[4] / t, 100 * (d[7] + d[8]) / t, 100 * (d[5] + d[6]) / t }'
+}
 run_job() { # TARGET ROUND DEV NAME RW BS QD
-  local target=$1 round=$2 dev=$3 name=$4 rw=$5 bs=$6 qd=$7 dir out line
+  local target=$1 round=$2 dev=$3 name=$4 rw=$5 bs=$6 qd=$7 dir out line before cpus
   case $rw in *read) dir=read ;; *) dir=write ;; esac
   out=$WORK/$target-$round-$name.json
+  before=$(cpu_snap)
   timeout $((RUNTIME + 120)) taskset -c 1 fio --name="$name" --filename="$dev" --rw="$rw" \
     --bs="$bs" --iodepth="$qd" --ioengine=io_uring --direct=1 --runtime="$RUNTIME" --time_based \
     --norandommap --randrepeat=0 --output-format=json --output="$out"
+  cpus=$(cpu_split "$before" "$(cpu_snap)")
   [ "$(jq '.jobs[0].error' "$out")" = 0 ] || fail "fio $name on $target: error $(jq '.jobs[0].error' "$out")"
   line=$(jq -r --arg d $dir '.jobs[0][$d] | [.iops, .clat_ns.mean / 1e3,
     .clat_ns.percentile["99.000000"] / 1e3, .clat_ns.max / 1e6, .bw_bytes / 1048576,
@@ -142,19 +153,23 @@ run_job() { # TARGET ROUND DEV NAME RW BS QD
   awk -F'\t' -v t="$target" -v r="$round" -v n="$name" '{
     printf "%-6s round %s  %-17s %9.0f IOPS %8.1f MiB/s  clat mean %8.1f us  p99 %8.1f us  max %8.2f ms  (lat mean %.1f us)\n",
       t, r, n, $1, $5, $2, $3, $4, $6 }' <<< "$line"
+  echo "$cpus"
 }
 nvmf_job() { # TARGET ROUND NQN PORT NAME RW BS QD
-  local target=$1 round=$2 nqn=$3 port=$4 name=$5 rw=$6 bs=$7 qd=$8 out line
+  local target=$1 round=$2 nqn=$3 port=$4 name=$5 rw=$6 bs=$7 qd=$8 out line before cpus
   out=$WORK/$target-$round-$name.json
+  before=$(cpu_snap)
   timeout $((RUNTIME + 120)) taskset -c 1 $BIN/nvmf --provider ibverbs --addr "$IP:$port" \
     bench --nqn "$nqn" -q "$qd" -o "$bs" -w "$rw" -t "$RUNTIME" --warmup 1 --json > "$out" \
     || fail "nvmf bench $name on $target failed: $(tail -3 "$out")"
+  cpus=$(cpu_split "$before" "$(cpu_snap)")
   line=$(jq -r '.total | [.iops, .latency_us.mean, .latency_us.p99, .latency_us.max / 1e3,
     .mib_per_s, .latency_us.mean] | @tsv' "$out")
   printf '%s\t%s\t%s\t%s\n' "$target" "$round" "$name" "$line" >> $RESULTS
   awk -F'\t' -v t="$target" -v r="$round" -v n="$name" '{
     printf "%-6s round %s  %-21s %9.0f IOPS %8.1f MiB/s  lat mean %8.1f us  p99 %8.1f us  max %8.2f ms\n",
       t, r, n, $1, $5, $2, $3, $4 }' <<< "$line"
+  echo "$cpus"
 }
 round() { # TARGET ROUND: TARGET is kernel, nvmfd or nvmfd@IDLE_SLEEP_AFTER
   local target=$1 r=$2 nqn port spec
