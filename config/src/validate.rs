@@ -22,7 +22,9 @@ pub const IN_CAPSULE_MAX: ByteSize = ByteSize::kib(16);
 /// Largest I/O size accepted (MDTS).
 pub const MAX_IO_SIZE_MAX: ByteSize = ByteSize::mib(8);
 /// Smallest I/O size accepted: one memory page (CAP.MPSMIN).
-pub const MAX_IO_SIZE_MIN: ByteSize = ByteSize::kib(4);
+/// Smallest `max_io_size`: MDTS counts powers of two of 4 KiB pages and 0 means "no limit",
+/// so 8 KiB (MDTS 1) is the least a controller can advertise.
+pub const MAX_IO_SIZE_MIN: ByteSize = ByteSize::kib(8);
 /// Queue depth bounds.
 pub const QUEUE_DEPTH_RANGE: std::ops::RangeInclusive<u32> = 2..=1024;
 /// I/O queue count bounds.

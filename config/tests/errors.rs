@@ -109,6 +109,14 @@ error_case!(
     "\"128KiB\""
 );
 error_case!(
+    max_io_size_below_what_mdts_can_say,
+    with_listener("[transport]\nmax_io_size = \"4KiB\"\n"),
+    "transport.max_io_size",
+    5,
+    1,
+    "4KiB is not a power of two from 8KiB to 8MiB"
+);
+error_case!(
     bad_size_syntax,
     with_listener("[transport]\nmax_io_size = \"lots\"\n"),
     "transport.max_io_size",
@@ -281,7 +289,7 @@ error_case!(
 );
 error_case!(
     in_capsule_above_max_io,
-    with_listener("[transport]\nin_capsule_data_size = \"8KiB\"\nmax_io_size = \"4KiB\"\n"),
+    with_listener("[transport]\nin_capsule_data_size = \"16KiB\"\nmax_io_size = \"8KiB\"\n"),
     "transport.in_capsule_data_size",
     5,
     1,
@@ -301,7 +309,7 @@ error_case!(
     "transport.max_io_size",
     5,
     1,
-    "not a power of two from 4KiB to 8MiB"
+    "not a power of two from 8KiB to 8MiB"
 );
 error_case!(
     srq_watermark_above_initial,
