@@ -408,6 +408,15 @@ impl Queue {
         if sqe.fuse() != 0 {
             return self.respond(&cmd, status::INVALID_FIELD, 0);
         }
+        // Every command the controller processes restarts its keep-alive timer (TBKAS),
+        // Fabrics commands and those refused while it is not ready included. Queues on other
+        // reactors share this line: written only when the keep-alive check has cleared it,
+        // not per command.
+        if let Some(ctrl) = self.ctrl.as_ref() {
+            if !ctrl.traffic.load(Ordering::Relaxed) {
+                ctrl.traffic.store(true, Ordering::Relaxed);
+            }
+        }
         if sqe.opcode == wire::admin_opcode::FABRICS {
             return self.fabrics(cmd, icd, now);
         }
@@ -416,11 +425,6 @@ impl Queue {
         };
         if !ctrl.ready.load(Ordering::Acquire) {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
-        }
-        // Queues on other reactors share this line: written only when the keep-alive check
-        // has cleared it, not per command.
-        if !ctrl.traffic.load(Ordering::Relaxed) {
-            ctrl.traffic.store(true, Ordering::Relaxed);
         }
         if self.qid == Some(0) {
             let ctrl = Arc::clone(ctrl);

@@ -767,6 +767,28 @@ fn keep_alive_expiry_ends_the_controller_and_its_queues() {
     ios2[0].read(1, 0, 1, &mut buf).unwrap();
 }
 
+/// With TBKAS every command restarts the keep-alive timer, Fabrics commands included: a
+/// Linux host counts any completion as traffic and skips its Keep Alive, so a host that only
+/// reads CSTS (waiting out a reset, say) must keep its controller.
+#[test]
+fn property_gets_alone_keep_a_controller_alive() {
+    let w = world();
+    let (mut a, _ios) = w.controller(1);
+    let t0 = Instant::now();
+    let kato = Duration::from_millis(5000);
+    for k in 1..=6u32 {
+        a.property_get(wire::property::CSTS, false).unwrap();
+        let ended = w.target.expire_keep_alives(t0 + kato * k);
+        assert!(
+            ended.is_empty(),
+            "ended after {k} timeouts of Property Gets only"
+        );
+    }
+    // With no command at all for a whole timeout, it ends.
+    assert!(w.target.expire_keep_alives(t0 + kato * 7).is_empty());
+    assert_eq!(w.target.expire_keep_alives(t0 + kato * 9).len(), 1);
+}
+
 #[test]
 fn losing_the_admin_queue_ends_the_controller() {
     let w = world();
