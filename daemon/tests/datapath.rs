@@ -72,6 +72,8 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
 #[global_allocator]
 static ALLOCATOR: CountingAlloc = CountingAlloc;
 
+type DataPathJob = Box<dyn FnOnce(&mut DataPath) + Send>;
+
 struct Served {
     /// The serving thread's allocations so far and its loop turns, published every turn.
     allocations: Arc<std::sync::atomic::AtomicU64>,
@@ -86,6 +88,9 @@ struct Served {
     hold_cm: Arc<AtomicBool>,
     /// While set, the data path leaves block completions in its engine (a stalled disk).
     hold_block: Arc<AtomicBool>,
+    /// Work for the serving thread to do on its data path between two polls (what the
+    /// reactor does on a command from the control thread).
+    run: std::sync::mpsc::Sender<DataPathJob>,
     /// The data path's SRQ.
     srq_id: u32,
     /// Whether its data buffers are on huge pages.
@@ -199,6 +204,7 @@ fn serve_opts(
     );
     let (al, tu) = (Arc::clone(&allocations), Arc::clone(&turns));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (run, jobs) = std::sync::mpsc::channel::<DataPathJob>();
     let thread = std::thread::spawn(move || {
         let mk = |bs: u32| {
             let mut spec = DeviceSpec::new(Kind::Malloc);
@@ -313,6 +319,9 @@ fn serve_opts(
                 }
             }
             dp.hold_block_completions(hb.load(Ordering::Relaxed));
+            for job in jobs.try_iter() {
+                job(&mut dp);
+            }
             if p.load(Ordering::Relaxed) || !dp.poll(Instant::now()) {
                 std::thread::yield_now();
             }
@@ -331,6 +340,7 @@ fn serve_opts(
         hold_events,
         hold_cm,
         hold_block,
+        run,
         allocations,
         turns,
         srq_id,
@@ -400,6 +410,8 @@ fn serve_namespaces(
         hold_events: Arc::new(AtomicBool::new(false)),
         hold_cm: Arc::clone(&t.hold_cm),
         hold_block: Arc::new(AtomicBool::new(false)),
+        // Not served on this thread: jobs sent are dropped.
+        run: std::sync::mpsc::channel().0,
         allocations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         turns: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         srq_id: 0,
@@ -558,6 +570,9 @@ fn discovery_works_over_rdma_and_bad_requests_are_rejected() {
     let entries = d.discover().unwrap();
     assert_eq!(entries.len(), 1);
     assert_eq!(nvmfd_nvme::host::discovery_entry_text(&entries[0]).0, SUB);
+    // The host deletes a discovery controller with a shutdown (as Linux's `nvme discover`
+    // does): it has no namespace to make durable, and completes.
+    d.shutdown().unwrap();
     // An HSQSIZE above the limit is refused in the CM exchange.
     let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
     let e = RdmaQueue::connect(ch, s.addr, 1, 4096, 4096, 128 * 1024).unwrap_err();
@@ -1683,6 +1698,78 @@ fn a_dataset_management_command_is_answered_only_when_all_its_ranges_completed()
         c.stale_completions.load(Relaxed)
     );
     assert_eq!(c.stale_completions.load(Relaxed), 0);
+    wait_pools_full(&c, false);
+}
+
+/// A command checked against a namespace, and still to reach the disk when that NSID is
+/// removed and added again on another device, must not run on the new device: there a
+/// Dataset Management command would punch holes in data the host never meant. The DSM
+/// waits for room in a full engine (its first four ranges are there, their completions
+/// held, a stalled disk) while NSID 3 moves from one file to another.
+#[test]
+fn a_command_of_a_removed_namespace_never_runs_on_the_device_that_takes_its_nsid() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let dir = tempfile::tempdir().unwrap();
+    let (old_path, new_path) = (dir.path().join("old"), dir.path().join("new"));
+    std::fs::File::create(&old_path)
+        .unwrap()
+        .set_len(16 << 30)
+        .unwrap();
+    // The new device's first 4 MiB hold data.
+    let data = vec![0xa5u8; 4 << 20];
+    std::fs::write(&new_path, &data).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&new_path)
+        .unwrap()
+        .set_len(16 << 30)
+        .unwrap();
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    // Four request slots and buffers: four block operations at most in the engine.
+    let s = serve_files(4433, Some((4, 4)), None, Arc::clone(&c), Some(old_path));
+    let (_admin, mut ios) = controller(&s, 1);
+    let mut io = ios.pop().unwrap();
+    if let Err(e) = io.deallocate(3, &[(0, 1)]) {
+        skip(&format!("file namespace without deallocate here: {e}"));
+        return;
+    }
+    s.hold_block.store(true, Relaxed);
+    let dsm = std::thread::spawn(move || {
+        let ranges: Vec<(u64, u32)> = (0..255).map(|k| (2 * k, 1)).collect();
+        io.deallocate(3, &ranges)
+    });
+    wait_until("the engine is full and the command waits for room", || {
+        c.block_ops_in_flight.load(Relaxed) == 4
+    });
+    // NSID 3 is removed and added again, on the new file (the target's own view does not
+    // matter here: the command was checked before).
+    let mut spec = DeviceSpec::new(Kind::File);
+    spec.path = Some(new_path.clone());
+    spec.block_size = 4096;
+    let new_dev = Device::open(&spec).unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    s.run
+        .send(Box::new(move |dp: &mut DataPath| {
+            dp.detach_namespace(1, 3);
+            done_tx.send(dp.attach_namespace(1, 3, &new_dev)).unwrap();
+        }))
+        .unwrap();
+    done_rx
+        .recv_timeout(Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    s.hold_block.store(false, Relaxed);
+    let answer = dsm.join().unwrap();
+    assert!(
+        answer.is_err(),
+        "the command's ranges went to another namespace's device and it succeeded"
+    );
+    let after = std::fs::read(&new_path).unwrap();
+    let first = after[..data.len()].iter().position(|&b| b != 0xa5);
+    assert_eq!(
+        first, None,
+        "the new device's data changed (first at byte {first:?}): {answer:?}"
+    );
     wait_pools_full(&c, false);
 }
 

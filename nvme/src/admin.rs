@@ -85,7 +85,7 @@ pub(crate) fn property(
                     // read answers once it has (SHST complete).
                     st.shutdown_pending = false;
                     drop(st);
-                    return flush_all(q, cmd);
+                    return flush_all(q, ctrl, cmd);
                 }
                 if st.resetting && alive == 0 {
                     st.resetting = false;
@@ -145,17 +145,27 @@ pub(crate) fn property(
             return q.respond(&cmd, Status::SUCCESS, 0);
         }
         drop(st);
-        return flush_all(q, cmd);
+        return flush_all(q, ctrl, cmd);
     }
     q.respond(&cmd, Status::SUCCESS, 0)
 }
 
 /// A flush of every namespace of the queue's subsystem, answering `cmd` when done.
-fn flush_all(q: &Queue, cmd: Command) -> Action {
-    let nsids = q
+fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
+    let nsids: Vec<u32> = q
         .subsystem()
         .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
         .unwrap_or_default();
+    if nsids.is_empty() {
+        // Nothing to make durable (a discovery controller, a subsystem without namespaces):
+        // the shutdown is complete now, answered as `Queue::io_done` answers a flush.
+        let csts = {
+            let mut st = ctrl.lock();
+            st.csts = (st.csts & !0xC) | (2 << 2);
+            st.csts
+        };
+        return q.respond(&cmd, Status::SUCCESS, csts);
+    }
     Action::Io(IoRequest {
         cmd,
         nsid: 0,

@@ -164,7 +164,19 @@ impl DataPath {
                 },
                 _ => io.nsid,
             };
-            let Some(&dev) = self.devs.get(&(sub, nsid)) else {
+            // The namespace the command was checked against, if still attached: not one
+            // removed since, nor one added since under the same NSID.
+            let dev = match self.devs.get(&(sub, nsid)) {
+                Some(&(dev, since)) if since <= r.ns_changes => Some(dev),
+                _ => None,
+            };
+            let Some(dev) = dev else {
+                // A namespace removed since the shutdown's flush began is no longer the
+                // controller's to make durable.
+                if let IoOp::FlushAll { .. } = io.op {
+                    r.next_op += 1;
+                    continue;
+                }
                 r.failed = Some(BlockError::UnknownDevice);
                 break;
             };

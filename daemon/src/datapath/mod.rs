@@ -198,8 +198,13 @@ pub struct DataPath {
     pool: BufPool,
     small: BufPool,
     pd: Pd,
-    /// Devices by (subsystem index in the target, NSID): no key to build per I/O.
-    devs: HashMap<(u64, u32), DevId>,
+    /// Devices by (subsystem index in the target, NSID): no key to build per I/O; with the
+    /// `ns_changes` count when each was attached.
+    devs: HashMap<(u64, u32), (DevId, u64)>,
+    /// Namespaces attached while serving, counted: a request remembers the count at its
+    /// admission, and one whose namespace was attached after it (its NSID removed and
+    /// added again, on another device) submits nothing there.
+    ns_changes: u64,
     /// Devices of removed namespaces, detached from the engine once none of their
     /// operations is in flight.
     detaching: Vec<DevId>,
@@ -338,7 +343,7 @@ impl DataPath {
         let mut engine = Engine::new(cfg.requests, MAX_ATTACHED, &[pool.clone(), small.clone()])?;
         let mut devs = HashMap::default();
         for (sub, nsid, d) in namespaces {
-            devs.insert((*sub, *nsid), engine.attach(d)?);
+            devs.insert((*sub, *nsid), (engine.attach(d)?, 0));
         }
         let dp = DataPath {
             target,
@@ -355,6 +360,7 @@ impl DataPath {
             kept: [0; 2],
             pd,
             devs,
+            ns_changes: 0,
             detaching: Vec::new(),
             events_due: false,
             conns: Conns::default(),
@@ -536,7 +542,8 @@ impl DataPath {
         dev: &Arc<BlockDevice>,
     ) -> std::io::Result<()> {
         let id = self.engine.attach(dev)?;
-        if let Some(old) = self.devs.insert((sub, nsid), id) {
+        self.ns_changes += 1;
+        if let Some((old, _)) = self.devs.insert((sub, nsid), (id, self.ns_changes)) {
             self.detaching.push(old);
         }
         Ok(())
@@ -547,7 +554,7 @@ impl DataPath {
     /// from the engine once the last has. A command that reaches the disk after this fails
     /// with Invalid Namespace.
     pub fn detach_namespace(&mut self, sub: u64, nsid: u32) {
-        if let Some(old) = self.devs.remove(&(sub, nsid)) {
+        if let Some((old, _)) = self.devs.remove(&(sub, nsid)) {
             self.detaching.push(old);
         }
     }

@@ -142,6 +142,7 @@ impl DataPath {
             buf: None,
             zeros: false,
             generation: self.generations[i],
+            ns_changes: self.ns_changes,
             ops_left: 0,
             next_op: 0,
             op_off: 0,

@@ -76,6 +76,9 @@ pub(super) struct Req {
     /// operation tag of the command carries it, and a completion that names another
     /// generation is stale and dropped.
     pub(super) generation: u32,
+    /// The data path's count of namespace attachments when the command arrived: a device
+    /// attached after that is not the namespace the command was checked against.
+    pub(super) ns_changes: u64,
     /// Block operations submitted and not completed.
     pub(super) ops_left: u32,
     /// The next block operation to submit: a namespace of a flush of every namespace, a
