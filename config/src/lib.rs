@@ -25,7 +25,7 @@ pub use error::{ConfigError, ConfigErrors, KeyPath, Seg};
 pub use schema::*;
 pub use units::{ByteSize, ByteSizeError, HumanDuration};
 pub use validate::{
-    check_nqn, nqn_form, SystemFacts, DISCOVERY_NQN, IN_CAPSULE_MAX, NQN_MAX_BYTES,
+    check_nqn, nqn_form, SystemFacts, DISCOVERY_NQN, IN_CAPSULE_MAX, MAX_NAMESPACES, NQN_MAX_BYTES,
 };
 
 /// Why a configuration file could not be loaded.

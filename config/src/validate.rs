@@ -25,8 +25,13 @@ pub const MAX_IO_SIZE_MAX: ByteSize = ByteSize::mib(8);
 /// Smallest `max_io_size`: MDTS counts powers of two of 4 KiB pages and 0 means "no limit",
 /// so 8 KiB (MDTS 1) is the least a controller can advertise.
 pub const MAX_IO_SIZE_MIN: ByteSize = ByteSize::kib(8);
-/// Queue depth bounds.
-pub const QUEUE_DEPTH_RANGE: std::ops::RangeInclusive<u32> = 2..=1024;
+/// Queue depth bounds. The least is 32: hosts open their admin queue with 32 entries (Linux's
+/// `NVME_AQ_DEPTH`, the discovery log's ASQSZ), and a smaller limit would refuse every
+/// connection.
+pub const QUEUE_DEPTH_RANGE: std::ops::RangeInclusive<u32> = 32..=1024;
+/// Namespaces served in all, over every subsystem: each is a device every reactor's engine
+/// serves (a registered file table of this many).
+pub const MAX_NAMESPACES: u32 = 1024;
 /// I/O queue count bounds.
 pub const IO_QUEUES_RANGE: std::ops::RangeInclusive<u32> = 1..=1024;
 /// Largest SRQ size accepted (hardware commonly allows 2^15 to 2^20 work requests).
@@ -366,6 +371,7 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
     let mut nguids = HashMap::new();
     let mut paths = HashMap::new();
     let mut images = HashMap::new();
+    let mut total: u32 = 0;
     for (i, s) in cfg.subsystems.iter().enumerate() {
         let p = KeyPath::default().key("subsystem").index(i);
         if let Err(e) = check_nqn(&s.nqn) {
@@ -386,6 +392,13 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
         let mut nsids = HashMap::new();
         for (j, ns) in s.namespaces.iter().enumerate() {
             let np = p.key("namespace").index(j);
+            total += 1;
+            if total == MAX_NAMESPACES + 1 {
+                c.fail(
+                    np.clone(),
+                    format!("one namespace too many: nvmfd serves at most {MAX_NAMESPACES} in all subsystems"),
+                );
+            }
             if ns.nsid == 0 || ns.nsid == u32::MAX {
                 c.fail(
                     np.key("nsid"),

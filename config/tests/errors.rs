@@ -253,7 +253,15 @@ error_case!(
     "transport.max_queue_depth",
     5,
     1,
-    "outside 2..=1024"
+    "outside 32..=1024"
+);
+error_case!(
+    queue_depth_below_the_admin_queue_hosts_open,
+    with_listener("[transport]\nmax_queue_depth = 16\n"),
+    "transport.max_queue_depth",
+    5,
+    1,
+    "16 is outside 32..=1024"
 );
 error_case!(
     queue_depth_too_large,
@@ -261,7 +269,7 @@ error_case!(
     "transport.max_queue_depth",
     5,
     1,
-    "outside 2..=1024"
+    "outside 32..=1024"
 );
 error_case!(
     io_queues_zero,
@@ -791,4 +799,24 @@ fn rbd_images_of_other_clusters_or_rados_namespaces_are_other_images() {
             panic!("{other}: {e}");
         }
     }
+}
+
+/// More namespaces in all than a reactor's engine serves: refused at the first one too many,
+/// whichever subsystem it is in.
+#[test]
+fn more_namespaces_in_all_than_nvmfd_serves() {
+    let mut text = LISTENER.to_string();
+    for s in 0..2 {
+        text.push_str(&format!(
+            "[[subsystem]]\nnqn = \"nqn.2024-01.com.example:s{s}\"\nallow_any_host = true\n"
+        ));
+        for nsid in 1..=513 {
+            text.push_str(&format!(
+                "[[subsystem.namespace]]\nnsid = {nsid}\nbackend = \"null\"\nsize = \"1MiB\"\n"
+            ));
+        }
+    }
+    let e = one_error(&text);
+    assert_eq!(e.key, "subsystem[1].namespace[511]", "{e}");
+    assert!(e.message.contains("at most 1024 in all"), "{e}");
 }

@@ -37,8 +37,9 @@ use zerocopy::IntoBytes;
 use crate::srq::{Change, ElasticSrq, Registrar, SrqConfig};
 use crate::stats::bump;
 
-/// Namespace devices one data path's engine can serve at once (its registered file table).
-pub const MAX_ATTACHED: u32 = 1024;
+/// Namespace devices one data path's engine can serve at once (its registered file table):
+/// as many as the configuration allows namespaces.
+pub const MAX_ATTACHED: u32 = nvmfd_config::MAX_NAMESPACES;
 
 mod block;
 mod conn;
