@@ -55,7 +55,7 @@ fn root(level: slog::Level, human: bool) -> Logger {
     if human {
         let decorator = slog_term::TermDecorator::new().stderr().build();
         let drain = slog_term::FullFormat::new(decorator).build();
-        let drain = Mutex::new(drain).filter_level(level).fuse();
+        let drain = Mutex::new(drain).filter_level(level).ignore_res();
         Logger::root(drain, o!())
     } else {
         let drain = slog_json::Json::new(std::io::stderr())
@@ -67,7 +67,7 @@ fn root(level: slog::Level, human: bool) -> Logger {
                 "msg" => slog::PushFnValue(|r, ser| ser.emit(r.msg())),
             ))
             .build();
-        let drain = Mutex::new(drain).filter_level(level).fuse();
+        let drain = Mutex::new(drain).filter_level(level).ignore_res();
         Logger::root(drain, o!())
     }
 }

@@ -214,6 +214,9 @@ pub struct Options {
     pub env: Vec<(String, String)>,
     /// The `nvmfd` binary to start, instead of the one `bin` finds.
     pub binary: Option<PathBuf>,
+    /// Its standard error a pipe nobody reads (closed before it starts): every log line
+    /// fails with EPIPE. `Daemon::log` is then empty.
+    pub stderr_broken: bool,
 }
 
 /// A running `nvmfd` process, killed if still running when dropped.
@@ -279,12 +282,19 @@ impl Daemon {
         std::fs::write(&config_path, config).expect("write config");
         let log_path = dir.path().join("nvmfd.log");
         let log = std::fs::File::create(&log_path).expect("log file");
+        let stderr = if opts.stderr_broken {
+            let (reader, writer) = std::io::pipe().expect("pipe");
+            drop(reader);
+            Stdio::from(writer)
+        } else {
+            Stdio::from(log)
+        };
         let mut cmd = Command::new(opts.binary.clone().unwrap_or_else(|| bin("nvmfd")));
         cmd.arg("--config")
             .arg(&config_path)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log);
+            .stderr(stderr);
         cmd.env_remove("NOTIFY_SOCKET")
             .env_remove("WATCHDOG_USEC")
             .env_remove("WATCHDOG_PID");

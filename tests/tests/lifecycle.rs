@@ -141,6 +141,42 @@ fn a_second_daemon_on_the_same_socket_refuses_to_start() {
     );
 }
 
+/// A log line that cannot be written (its reader gone: EPIPE) is lost, and nothing else:
+/// the daemon serves on and stops cleanly.
+#[test]
+fn a_log_that_cannot_be_written_does_not_stop_the_daemon() {
+    let mut d = Daemon::start(Options {
+        stderr_broken: true,
+        extra_daemon: "log_level = \"debug\"\n".into(),
+        ..Options::default()
+    });
+    // Hosts connect and go (logged by the control thread and the reactor).
+    let f = nvmfd_rdma::soft::Fabric::networked();
+    f.add_device("127.0.0.21".parse().unwrap()).unwrap();
+    let host = nvmfd_nvme::host::HostId {
+        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000c1".into(),
+        id: [0xc1; 16],
+    };
+    for _ in 0..3 {
+        let ch =
+            nvmfd_rdma::any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&f).unwrap());
+        let q = nvmf_host::RdmaQueue::connect(ch, d.soft_addr(), 0, 31, 4096, 128 * 1024).unwrap();
+        let mut admin = nvmfd_nvme::host::AdminQueue::connect(
+            q,
+            &host,
+            "nqn.2024-01.io.nvmfd.test:ram0",
+            31,
+            0,
+        )
+        .unwrap();
+        admin.enable().unwrap();
+        admin.identify_controller().unwrap();
+        assert_eq!(d.data("status")["state"], "running");
+    }
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
 #[test]
 fn a_stale_socket_file_is_replaced() {
     let dir = tempfile::tempdir().unwrap();
