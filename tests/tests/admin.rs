@@ -300,6 +300,46 @@ fn nvmfctl(d: &Daemon, args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// A change the daemon takes several seconds to apply (here a reactor busy for 7 s) is waited
+/// for: nvmfctl reports what the daemon did, not a timeout for a change applied later.
+#[test]
+fn nvmfctl_waits_for_a_slow_change() {
+    let d = Daemon::start(Options {
+        test_hooks: true,
+        ..Options::default()
+    });
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":7000}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    wait_for("the reactor to stall", || {
+        d.log()
+            .contains("test hook: reactor stalling")
+            .then_some(())
+    });
+    let (ok, out, err) = nvmfctl(
+        &d,
+        &[
+            "namespace",
+            "add",
+            "nqn.2024-01.io.nvmfd.test:ram0",
+            "--nsid",
+            "5",
+            "--backend",
+            "null",
+            "--size",
+            "1MiB",
+        ],
+    );
+    assert!(ok, "nvmfctl failed: {out}{err}");
+    let config = d.data("config");
+    let nsids: Vec<u64> = config["subsystem"][0]["namespace"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["nsid"].as_u64().unwrap())
+        .collect();
+    assert!(nsids.contains(&5), "{config}");
+}
+
 #[test]
 fn nvmfctl_prints_tables_json_toml_and_prometheus() {
     let d = Daemon::start(Options::default());

@@ -24,8 +24,10 @@ struct Cli {
     /// Print the daemon's JSON answer instead of tables.
     #[arg(long, global = true)]
     json: bool,
-    /// Seconds to wait for the daemon.
-    #[arg(long, default_value_t = 5, global = true)]
+    /// Seconds to wait for the daemon's answer. A change can take tens of seconds (a
+    /// reactor that is busy, an RBD image to open on a slow cluster); one that times out here
+    /// may still be applied.
+    #[arg(long, default_value_t = 60, global = true)]
     timeout: u64,
     #[command(subcommand)]
     command: Command,
