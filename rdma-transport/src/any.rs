@@ -320,6 +320,11 @@ pub mod cm {
         pub fn fd(&self) -> RawFd {
             forward!(self, c => c.fd())
         }
+        /// Whether an ID made on the channel (a listener or a connection) is still open:
+        /// until none is, the channel must stay (rdma_cm delivers their events on it).
+        pub fn has_ids(&self) -> bool {
+            forward!(self, c => c.has_ids())
+        }
         /// Listens on `addr`.
         pub fn listen(&self, addr: SocketAddr, backlog: i32) -> Result<CmId, VerbsError> {
             match self {

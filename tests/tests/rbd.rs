@@ -377,3 +377,60 @@ fn a_missing_image_is_named_in_status() {
     );
     assert!(Path::new(&conf).exists());
 }
+
+/// Adding a namespace whose cluster does not answer waits until its client gives up (5 s
+/// here). Meanwhile the control thread keeps feeding systemd's watchdog (2 s), which would
+/// otherwise end a daemon that serves everything else; and the change is refused cleanly.
+#[test]
+fn the_watchdog_is_fed_while_a_namespace_added_waits_for_its_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("ceph.conf");
+    std::fs::write(
+        &dead,
+        "[global]\nmon_host = 127.0.0.1:1\nauth_client_required = none\nclient_mount_timeout = 5\n",
+    )
+    .unwrap();
+    let d = Daemon::start(Options {
+        notify: true,
+        watchdog_usec: Some(2_000_000),
+        ..Options::default()
+    });
+    d.notifications_until("READY=1");
+    d.notifications_until("WATCHDOG=1");
+    let req = serde_json::json!({"request": "add_namespace", "subsystem": SUB,
+        "namespace": {"nsid": 2, "backend": "rbd", "pool": "rbd", "image": "gone",
+                      "ceph_conf": dead.display().to_string()}})
+    .to_string();
+    let started = Instant::now();
+    let (answer, pings) = std::thread::scope(|s| {
+        let add = s.spawn(|| d.request(&req));
+        let mut pings = vec![Instant::now()];
+        while !add.is_finished() {
+            for m in d.notifications_for(Duration::from_millis(100)) {
+                if m.lines().any(|l| l == "WATCHDOG=1") {
+                    pings.push(Instant::now());
+                }
+            }
+        }
+        // The wait's end bounds the last gap.
+        pings.push(Instant::now());
+        (add.join().unwrap(), pings)
+    });
+    assert_eq!(answer["ok"], false, "{answer}");
+    let error = answer["error"].as_str().unwrap_or_default();
+    if started.elapsed() < Duration::from_secs(4) {
+        // librbd is not there, or refused at once: nothing waited.
+        return skip(&format!("the add did not wait for the cluster: {error}"));
+    }
+    let longest = pings
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+    assert!(
+        longest < Duration::from_millis(1500),
+        "no WATCHDOG=1 for {longest:?} while the add waited {:?} ({error})",
+        started.elapsed()
+    );
+    assert_eq!(d.data("status")["state"], "running");
+}

@@ -377,6 +377,124 @@ fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
     });
 }
 
+/// A change made through the admin socket writes the file back: edits made to the file and
+/// not yet loaded would be lost, so the change is refused until the file is reloaded.
+#[test]
+fn a_change_is_refused_while_the_file_holds_edits_not_yet_loaded() {
+    let (d, _addr) = start();
+    let path = d.dir.path().join("nvmfd.toml");
+    let edited = format!("{}# an operator's note, not yet loaded\n", config_text(&d));
+    std::fs::write(&path, &edited).unwrap();
+    let req = serde_json::json!({"request": "add_host", "subsystem": B, "host": host(0x78).nqn});
+    let err = refused(&d, req.clone());
+    assert!(err.contains("was edited since it was loaded"), "{err}");
+    assert_eq!(config_text(&d), edited, "the file was rewritten");
+    // Reloaded, the edits are the daemon's: the change goes through and keeps them.
+    change(&d, serde_json::json!({"request": "reload"}));
+    change(&d, req);
+    let text = config_text(&d);
+    assert!(text.contains("an operator's note"), "{text}");
+    assert!(text.contains(&host(0x78).nqn), "{text}");
+}
+
+/// A listener removed while its device is away still lets go of the device once nothing made
+/// on it is left (rxe and siw finish their removal only then). The reactor is stalled while
+/// the device goes, so that its data path on the device, and with it the old listening ID,
+/// is still there when the listener is removed.
+#[test]
+fn a_listener_removed_while_its_device_is_away_still_releases_the_device() {
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        ..Options::default()
+    });
+    let second = test_port();
+    change(
+        &d,
+        serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.2", "port": second, "provider": "soft"}}),
+    );
+    wait_for("the reactor serves the second listener", || {
+        d.log()
+            .contains("data path built on the listener's device")
+            .then_some(())
+    });
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":1500}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    let v = d.request(r#"{"request":"debug_fault","fault":"remove_device","listener":1}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    wait_for("the control thread to see the device go", || {
+        d.log()
+            .contains("device removed: the listener stops serving")
+            .then_some(())
+    });
+    let released = "removed device released: nothing nvmfd made on it is left";
+    assert!(!d.log().contains(released), "{}", d.log());
+    change(
+        &d,
+        serde_json::json!({"request": "remove_listener", "address": "127.0.0.2", "port": second}),
+    );
+    wait_for("the removed device to be released", || {
+        d.log().contains(released).then_some(())
+    });
+    let mut h = Host::connect(
+        "127.0.0.43",
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        A,
+        0x43,
+    );
+    h.write_read(1, 0, 0x43);
+}
+
+/// Listeners added and removed again and again leave nothing open behind them: a removed
+/// listener's CM channel (an fd) goes once no ID made on it is left. Its connections' IDs
+/// went with its data path's QPs.
+#[test]
+fn listeners_added_and_removed_again_and_again_leave_no_fd_behind() {
+    let (d, addr) = start();
+    let fds = |d: &Daemon| {
+        std::fs::read_dir(format!("/proc/{}/fd", d.child.id()))
+            .unwrap()
+            .count()
+    };
+    let port = test_port();
+    let cycle = |d: &Daemon, connect: bool| {
+        change(
+            d,
+            serde_json::json!({"request": "add_listener",
+                "listener": {"address": "127.0.0.1", "port": port, "provider": "soft"}}),
+        );
+        if connect {
+            let mut h = Host::connect(
+                "127.0.0.41",
+                SocketAddr::from(([127, 0, 0, 1], port)),
+                A,
+                0x41,
+            );
+            h.write_read(1, 0, 0x41);
+        }
+        change(
+            d,
+            serde_json::json!({"request": "remove_listener", "address": "127.0.0.1", "port": port}),
+        );
+    };
+    // Once first: whatever a listener's first use opens for good (the data path is shared
+    // with the first listener's, on the same device) is open from here on.
+    cycle(&d, true);
+    let mut h = Host::connect("127.0.0.42", addr, A, 0x42);
+    h.write_read(1, 8, 0x42);
+    let before = fds(&d);
+    for k in 0..30 {
+        cycle(&d, k % 3 == 0);
+    }
+    // (`before` may count a passing fd, an admin client's, say.)
+    wait_for("the removed listeners' channels to close", || {
+        (fds(&d) <= before).then_some(())
+    });
+    h.write_read(1, 16, 0x43);
+}
+
 /// A change of several sizes that cannot all be made changes none of them: a reload that
 /// shrinks one namespace and grows another past what it can take is refused, and the first
 /// keeps its size (the target still says the old one; a shrunk device under it would fail

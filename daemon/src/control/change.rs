@@ -157,6 +157,21 @@ impl Daemon {
         resize: Option<Resize>,
         uid: Option<u32>,
     ) -> Result<Vec<String>, String> {
+        // The file is written back with the change: edits made to it since it was loaded
+        // would be lost without a word.
+        if let Some(path) = &self.source.path {
+            match std::fs::read_to_string(path) {
+                Ok(on_disk) if on_disk != self.source.text => {
+                    let e = format!(
+                        "{} was edited since it was loaded: reload it first (SIGHUP or `nvmfctl reload`), or undo the edits; nothing was changed",
+                        path.display()
+                    );
+                    warn!(self.log, "configuration change refused"; "by_uid" => uid, "error" => &e);
+                    return Err(e);
+                }
+                _ => {}
+            }
+        }
         let mut doc = nvmfd_config::document(&self.source.text)?;
         for e in edits {
             e.apply(&mut doc)?;
@@ -220,7 +235,12 @@ impl Daemon {
         };
         for (nqn, ns) in &plan.namespaces_added {
             let sub = ids.get(nqn).copied().unwrap_or(0);
-            let attached = BlockDevice::open(&crate::serve::device_spec(ns))
+            // Opening can wait for a network store (an RBD cluster that does not answer,
+            // until its client gives up): off this thread, which keeps the watch meanwhile.
+            let spec = crate::serve::device_spec(ns);
+            let attached = self
+                .off_thread(move || BlockDevice::open(&spec))
+                .and_then(|r| r.map_err(|e| e.to_string()))
                 .map_err(|e| format!("subsystem {nqn} namespace {}: {e}", ns.nsid))
                 .and_then(|dev| {
                     self.attach_everywhere(sub, ns.nsid, &dev)?;
@@ -286,7 +306,14 @@ impl Daemon {
                     continue;
                 };
                 let before = d.size();
-                if let Err(e) = d.resize(*size) {
+                let (dev, size) = (Arc::clone(d), *size);
+                let resized = self
+                    .off_thread(move || dev.resize(size).map_err(|e| e.to_string()))
+                    .and_then(|r| r);
+                let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) else {
+                    continue;
+                };
+                if let Err(e) = resized {
                     failed = Some(format!(
                         "subsystem {nqn} namespace {nsid}: cannot resize: {e}"
                     ));
@@ -304,7 +331,11 @@ impl Daemon {
                 }
             }
             if persist {
-                let _ = self.write_config(&old_text);
+                if let Err(w) = self.write_config(&old_text) {
+                    e.push_str(&format!(
+                        "; the file could not be put back and holds the refused change (a reload would apply it): {w}"
+                    ));
+                }
             }
             self.source.text = old_text;
             undo(self, &opened);
@@ -418,8 +449,54 @@ impl Daemon {
         self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
     }
 
+    /// Runs `f` on a thread of its own and waits for it, keeping the watch meanwhile
+    /// (`wait_keeping_watch`): for what can block for long (opening or resizing an RBD image
+    /// on a cluster that does not answer).
+    fn off_thread<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("nvmfd-change".into())
+            .spawn(move || {
+                let _ = tx.send(f());
+            })
+            .map_err(|e| format!("cannot start a thread: {e}"))?;
+        self.wait_keeping_watch(&rx, None)
+            .map_err(|_| "the operation ended without an answer".to_owned())
+    }
+
+    /// Waits for `rx` (until `deadline`, if any) while checking the reactors' heartbeats
+    /// every tick, which feeds systemd's watchdog as long as they move: a change that waits
+    /// for a slow device does not make the service manager end a daemon that serves.
+    fn wait_keeping_watch<T>(
+        &mut self,
+        rx: &mpsc::Receiver<T>,
+        deadline: Option<Instant>,
+    ) -> Result<T, mpsc::RecvTimeoutError> {
+        let tick = self.tick_interval();
+        loop {
+            let now = Instant::now();
+            let slice = deadline.map_or(tick, |d| tick.min(d.saturating_duration_since(now)));
+            match rx.recv_timeout(slice) {
+                Err(mpsc::RecvTimeoutError::Timeout)
+                    if deadline.is_none_or(|d| Instant::now() < d) =>
+                {
+                    self.check_heartbeats(Instant::now());
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Attaches `dev` on every reactor, waiting for each; on a failure, detaches it again.
-    fn attach_everywhere(&self, sub: u64, nsid: u32, dev: &Arc<BlockDevice>) -> Result<(), String> {
+    fn attach_everywhere(
+        &mut self,
+        sub: u64,
+        nsid: u32,
+        dev: &Arc<BlockDevice>,
+    ) -> Result<(), String> {
         let (tx, rx) = mpsc::channel();
         self.tell_reactors(|| ReactorCmd::AttachNamespace {
             sub,
@@ -431,7 +508,7 @@ impl Daemon {
         let deadline = Instant::now() + ATTACH_TIMEOUT;
         let mut failed = None;
         for _ in 0..self.inboxes.len() {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            match self.wait_keeping_watch(&rx, Some(deadline)) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => failed = Some(e),
                 Err(_) => {
@@ -546,8 +623,9 @@ impl Daemon {
     }
 
     /// Stops listener `i`: no new connection, and every reactor tears its connections on the
-    /// listener down. Its CM channel stays (the IDs of those connections need it until they
-    /// are destroyed); the slot stays empty.
+    /// listener down. Its CM channel stays until those connections' IDs are destroyed
+    /// (`let_go_of_removed_channels`), and so does the old listening ID of a removed device
+    /// until it has let go of the device (`release_removed`); the slot stays empty.
     fn remove_listener(&mut self, _registry: &Registry, i: usize) {
         let Some(slot) = self.listener_slots.get_mut(i) else {
             return;
@@ -557,7 +635,6 @@ impl Daemon {
         if let Some(c) = self.cm.get_mut(i) {
             c.id = None;
             c.device = None;
-            c.retiring = None;
             c.relisten_at = None;
         }
         if let Some(st) = self.listeners.get_mut(i) {

@@ -201,6 +201,27 @@ impl Daemon {
         }
     }
 
+    /// Every tick: a removed listener's CM channel goes once no ID made on it is left (the
+    /// reactors have destroyed its connections' IDs, and its old listening ID let go of a
+    /// removed device); before, rdma_cm still delivers their events on it.
+    pub(super) fn let_go_of_removed_channels(&mut self, registry: &Registry) {
+        for i in 0..self.cm.len() {
+            let removed = matches!(self.listener_slots.get(i), Some(None));
+            let c = &mut self.cm[i];
+            if !removed
+                || c.id.is_some()
+                || c.retiring.is_some()
+                || c.channel.as_ref().is_none_or(any::cm::CmChannel::has_ids)
+            {
+                continue;
+            }
+            if let Some(ch) = c.channel.take() {
+                let _ = registry.deregister(&mut mio::unix::SourceFd(&ch.fd()));
+                debug!(self.log, "removed listener's CM channel closed: no ID made on it is left"; "listener" => i);
+            }
+        }
+    }
+
     /// Sends every reactor the command `cmd` makes, and wakes it.
     pub(super) fn tell_reactors(&self, mut cmd: impl FnMut() -> ReactorCmd) {
         for (r, tx) in self.inboxes.iter().enumerate() {

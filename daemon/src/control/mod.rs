@@ -430,6 +430,7 @@ impl Daemon {
                 self.check_heartbeats(now);
                 self.relisten(poll.registry(), now);
                 self.let_go_of_unserved_devices(poll.registry());
+                self.let_go_of_removed_channels(poll.registry());
                 if let Some(t) = &self.target {
                     for c in t.expire_keep_alives(now) {
                         warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);

@@ -238,6 +238,11 @@ impl CmChannel {
         unsafe { (*self.inner.ch.as_ptr()).fd }
     }
 
+    /// Whether an ID made on the channel is still open (each holds the channel's handle).
+    pub fn has_ids(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1
+    }
+
     fn create_id(&self) -> Result<CmId, VerbsError> {
         let mut id = ptr::null_mut();
         let token = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);

@@ -154,6 +154,16 @@ impl CmChannel {
         self.fd.as_raw_fd()
     }
 
+    /// Whether an ID made on the channel is still open.
+    pub fn has_ids(&self) -> bool {
+        self.fabric
+            .lock()
+            .cm
+            .ids
+            .values()
+            .any(|i| i.channel == self.id)
+    }
+
     fn new_id(&self, dst: Option<SocketAddr>) -> CmId {
         let mut s = self.fabric.lock();
         let id = s.alloc_id();
