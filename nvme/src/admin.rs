@@ -511,9 +511,16 @@ fn smart_log(ctrl: &Controller) -> wire::SmartLog {
 /// The discovery log page: one entry per port for every subsystem this host may reach.
 pub(crate) fn discovery_log(q: &Queue, ctrl: &Controller) -> Vec<u8> {
     let t = q.target();
+    // The generation first: a change that lands while the entries are built moves it on,
+    // and a host that reads the header again sees that its entries may be stale. (Read
+    // last, a new generation could name old entries.)
+    let genctr = t.inner.genctr.load(Ordering::Acquire);
+    let subsystems = t.subsystems();
+    t.run_discovery_hook();
+    let ports = t.ports();
     let mut entries = Vec::new();
-    for s in t.subsystems().iter().filter(|s| s.allows(&ctrl.hostnqn)) {
-        for p in t.ports() {
+    for s in subsystems.iter().filter(|s| s.allows(&ctrl.hostnqn)) {
+        for p in &ports {
             let mut e: wire::DiscoveryLogEntry = wire::zeroed();
             e.trtype = 1; // RDMA
             e.adrfam = if p.addr.is_ipv4() { 1 } else { 2 };
@@ -532,7 +539,7 @@ pub(crate) fn discovery_log(q: &Queue, ctrl: &Controller) -> Vec<u8> {
         }
     }
     let mut h: wire::DiscoveryLogHeader = wire::zeroed();
-    h.genctr = U64::new(t.inner.genctr.load(Ordering::Relaxed));
+    h.genctr = U64::new(genctr);
     h.numrec = U64::new(entries.len() as u64);
     let mut out = h.as_bytes().to_vec();
     for e in &entries {

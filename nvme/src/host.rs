@@ -343,6 +343,12 @@ impl<T: HostTransport> AdminQueue<T> {
     /// The discovery log (on a discovery controller): every entry, read consistently (the
     /// generation counter must not change during the read).
     pub fn discover(&mut self) -> Result<Vec<wire::DiscoveryLogEntry>, HostError> {
+        // A long log goes in pieces: at most MDTS per Get Log Page, and 64 entries.
+        let mdts = self.identify_controller()?.mdts;
+        let piece: u64 = match mdts {
+            0 => 64 * 1024,
+            m => (4096u64 << m.min(16)).min(64 * 1024),
+        };
         for _ in 0..10 {
             let head = self.get_log_page(wire::log_page::DISCOVERY, 0, 1024)?;
             let h: wire::DiscoveryLogHeader =
@@ -351,11 +357,14 @@ impl<T: HostTransport> AdminQueue<T> {
             if n > 1024 {
                 return Err(HostError::Protocol(format!("{n} discovery records")));
             }
-            let body = if n == 0 {
-                Vec::new()
-            } else {
-                self.get_log_page(wire::log_page::DISCOVERY, 1024, wire::sat(n * 1024))?
-            };
+            let mut body = Vec::new();
+            let end = 1024 + n * 1024;
+            let mut at = 1024;
+            while at < end {
+                let len = piece.min(end - at);
+                body.extend(self.get_log_page(wire::log_page::DISCOVERY, at, wire::sat(len))?);
+                at += len;
+            }
             let again = self.get_log_page(wire::log_page::DISCOVERY, 0, 1024)?;
             let h2: wire::DiscoveryLogHeader =
                 wire::read(&again).ok_or_else(|| HostError::Protocol("short log".into()))?;

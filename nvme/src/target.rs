@@ -374,6 +374,8 @@ pub(crate) struct TargetInner {
     /// Tests: run when a Connect has passed its checks: an admin queue's before it makes its
     /// controller, an I/O queue's once it has taken its queue ID, before it is bound.
     pub connect_hook: Mutex<Option<ConnectHook>>,
+    /// Tests: run while a discovery log is built, once it has taken the subsystems.
+    pub discovery_hook: Mutex<Option<ConnectHook>>,
 }
 
 /// What [`Target::set_connect_hook`] runs.
@@ -428,6 +430,7 @@ impl Target {
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::new(AtomicU64::new(0)),
                 connect_hook: Mutex::new(None),
+                discovery_hook: Mutex::new(None),
             }),
         };
         for s in subsystems {
@@ -449,6 +452,30 @@ impl Target {
             .connect_hook
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = hook;
+    }
+
+    /// Tests of a change that lands while a discovery log is built: `hook` runs once the log
+    /// has taken the subsystems, before it takes the ports, on the thread serving the Get Log
+    /// Page, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_discovery_hook(&self, hook: Option<ConnectHook>) {
+        *self
+            .inner
+            .discovery_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = hook;
+    }
+
+    pub(crate) fn run_discovery_hook(&self) {
+        if let Some(hook) = self
+            .inner
+            .discovery_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            hook();
+        }
     }
 
     /// The limits in force.
@@ -491,13 +518,13 @@ impl Target {
     /// Replaces the ports reported in the discovery log.
     pub fn set_ports(&self, ports: Vec<Port>) {
         *write(&self.inner.ports) = ports;
-        self.inner.genctr.fetch_add(1, Ordering::Relaxed);
+        self.inner.genctr.fetch_add(1, Ordering::Release);
     }
 
     fn publish(&self, subs: &mut Subsystems, new: Vec<Arc<Subsystem>>) {
         *subs = Arc::new(new);
         self.inner.version.fetch_add(1, Ordering::AcqRel);
-        self.inner.genctr.fetch_add(1, Ordering::Relaxed);
+        self.inner.genctr.fetch_add(1, Ordering::Release);
     }
 
     /// A subsystem ID no subsystem has had: for a subsystem whose namespaces are set up on

@@ -174,6 +174,72 @@ fn discovery_lists_what_the_host_may_reach() {
     }
 }
 
+/// A subsystem added while a discovery log is built: the log's generation is taken before
+/// its entries, so the host, reading the header again, sees the change, reads the log again
+/// and lists the new subsystem (with the generation taken last, it accepted the stale log).
+#[test]
+fn a_subsystem_added_while_the_discovery_log_is_built_is_listed() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    const LATE: &str = "nqn.2024-01.io.nvmfd.test:late";
+    let w = world();
+    let mut d = w.admin(&host(2), DISCOVERY_NQN).unwrap();
+    d.enable().unwrap();
+    let (t, fired) = (w.target.clone(), Arc::new(AtomicBool::new(false)));
+    let f = Arc::clone(&fired);
+    w.target.set_discovery_hook(Some(Box::new(move || {
+        if !f.swap(true, SeqCst) {
+            t.add_subsystem(Subsystem {
+                id: 0,
+                nqn: LATE.into(),
+                serial: "SN-TEST-0003".into(),
+                model: "nvmfd test".into(),
+                allow_any_host: true,
+                hosts: vec![],
+                namespaces: vec![],
+            })
+            .unwrap();
+        }
+    })));
+    let entries = d.discover().unwrap();
+    w.target.set_discovery_hook(None);
+    assert!(fired.load(SeqCst));
+    let got: Vec<String> = entries.iter().map(|e| host_text(e).0).collect();
+    assert_eq!(got, vec![SUB.to_string(), LATE.to_string()]);
+}
+
+/// A discovery log longer than one transfer (MDTS, 128 KiB here) is read whole, in pieces.
+#[test]
+fn a_discovery_log_longer_than_one_transfer_is_read_whole() {
+    let w = world();
+    let nqns: Vec<String> = (0..140)
+        .map(|k| format!("nqn.2024-01.io.nvmfd.test:many{k:03}"))
+        .collect();
+    for (k, nqn) in nqns.iter().enumerate() {
+        w.target
+            .add_subsystem(Subsystem {
+                id: 0,
+                nqn: nqn.clone(),
+                serial: format!("SN-MANY-{k:03}"),
+                model: "nvmfd test".into(),
+                allow_any_host: true,
+                hosts: vec![],
+                namespaces: vec![],
+            })
+            .unwrap();
+    }
+    let mut d = w.admin(&host(2), DISCOVERY_NQN).unwrap();
+    d.enable().unwrap();
+    let got: Vec<String> = d
+        .discover()
+        .unwrap()
+        .iter()
+        .map(|e| host_text(e).0)
+        .collect();
+    let mut want = vec![SUB.to_string()];
+    want.extend(nqns);
+    assert_eq!(got, want);
+}
+
 fn host_text(e: &wire::DiscoveryLogEntry) -> (String, String, String) {
     nvmfd_nvme::host::discovery_entry_text(e)
 }
