@@ -1305,7 +1305,9 @@ fn failed_connects_are_released_through_the_real_reactor_thread_while_it_sleeps(
         idle_sleep_after: Duration::from_micros(50),
         max_sleep: Duration::from_millis(20),
     };
-    let s = serve_on_reactor_with(4438, cfg, Arc::clone(&c), srq, Duration::from_millis(50));
+    // The connect timeout leaves the CM's failure events time to be routed on a loaded
+    // machine (a failed RTU ended by the timeout first counts as no Connect).
+    let s = serve_on_reactor_with(4438, cfg, Arc::clone(&c), srq, Duration::from_secs(1));
     use FailedConnect::*;
     let mut want = ConnectCounts::default();
     for how in [
@@ -2228,7 +2230,7 @@ fn bench_latency_includes_the_time_spent_in_the_post() {
     let m = nvmf_host::bench::run(&job, &connect, &mut |_, _| {}, &AtomicBool::new(false))
         .expect("bench runs");
     let lat = &m.figures[0].latency;
-    assert!(m.figures[0].ios > 10, "{} I/Os", m.figures[0].ios);
+    assert!(m.figures[0].ios > 0, "no I/O in {:?}", job.time);
     // Each read waits for the host's post and then the target's reply.
     assert!(
         lat.min() >= u64::try_from(delay.as_nanos()).unwrap(),
