@@ -451,10 +451,11 @@ fn open_path(
     } else {
         let bs = u64::from(spec.block_size);
         let size = meta.len() / bs * bs;
+        // Probed past the file's end: bytes past the last whole block are the user's too.
         let (z, d) = if spec.read_only {
             (false, false)
         } else {
-            probe_fallocate(fd, size, bs)
+            probe_fallocate(fd, meta.len().next_multiple_of(bs), bs)
         };
         // A file system punches a hole of any length in one call.
         (size, spec.block_size, spec.block_size.max(4096), z, d, 0)

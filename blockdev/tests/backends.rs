@@ -679,6 +679,25 @@ fn opening_checks_kind_and_geometry() {
         .contains("not 512 or 4096"));
 }
 
+/// A file whose length is not a whole number of blocks: what lies past its last whole block
+/// is not the namespace's, but it is the user's, and opening leaves it as it was (the probe
+/// of the file system's fallocate modes once zeroed it and punched it out).
+#[test]
+fn opening_a_file_leaves_its_bytes_past_the_last_whole_block_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("odd.img");
+    std::fs::write(&path, vec![0xFFu8; 1000]).unwrap();
+    let mut s = DeviceSpec::new(Kind::File);
+    s.path = Some(path.clone());
+    s.block_size = 512;
+    let d = Device::open(&s).unwrap();
+    assert_eq!(d.size(), 512);
+    drop(d);
+    let after = std::fs::read(&path).unwrap();
+    assert_eq!(after.len(), 1000);
+    assert!(after.iter().all(|&b| b == 0xFF), "the file's bytes changed");
+}
+
 #[cfg(feature = "rbd")]
 fn rbd_spec(conf: PathBuf, pool: &str, image: &str, create: bool) -> DeviceSpec {
     let mut s = DeviceSpec::new(Kind::Rbd);
