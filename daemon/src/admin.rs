@@ -225,6 +225,9 @@ pub enum Fault {
     Seeded(SeededFaults),
     /// Nothing changes: the answer counts the seeded faults injected so far.
     Count,
+    /// The next N memory registrations anywhere on the soft fabric fail (`ENOMEM`, as at
+    /// the locked-memory limit); 0 ends it.
+    FailRegistrations(u32),
 }
 
 /// Seeded random faults of the soft provider, as chances per million of a send work request

@@ -120,8 +120,15 @@ impl InProcTarget {
         };
         let devices = vec![Some(dev.clone())];
         let counters = o.counters;
-        let factory: crate::reactor::WorkFactory =
-            Box::new(move || Box::new(ReactorPaths::new(&devices, builder, counters, rx)));
+        let factory: crate::reactor::WorkFactory = Box::new(move || {
+            Box::new(ReactorPaths::new(
+                &devices,
+                builder,
+                counters,
+                rx,
+                crate::paths::Unserved::default(),
+            ))
+        });
         let (reactor, manual) = if spawn {
             let r = ReactorHandle::spawn(0, o.core, o.loop_cfg, &log, Some(factory))
                 .map_err(|e| std::io::Error::other(e.to_string()))?;

@@ -133,6 +133,11 @@ impl PathBuilder {
     }
 }
 
+/// Listeners a reactor has no data path for because setting one up on their device failed,
+/// with why: shared with the control thread, which reports such a listener as not serving
+/// (the reactor refuses the connections handed to it for the listener).
+pub type Unserved = Arc<std::sync::Mutex<std::collections::BTreeMap<usize, String>>>;
+
 /// A data path and its own counters, which the reactor's counters sum up.
 #[derive(Debug)]
 pub struct CountedPath {
@@ -143,15 +148,15 @@ pub struct CountedPath {
 }
 
 impl CountedPath {
-    /// Builds a data path on `dev` with counters of its own; logs and returns `None` when the
+    /// Builds a data path on `dev` with counters of its own; logs and says why when the
     /// device refuses.
-    pub fn build(builder: &PathBuilder, dev: &Device) -> Option<CountedPath> {
+    pub fn build(builder: &PathBuilder, dev: &Device) -> Result<CountedPath, String> {
         let counters = Arc::new(DataPathCounters::default());
         match builder.build(dev, Arc::clone(&counters)) {
-            Ok(dp) => Some(CountedPath { dp, counters }),
+            Ok(dp) => Ok(CountedPath { dp, counters }),
             Err(e) => {
                 slog::error!(builder.log, "cannot set up a data path"; "error" => %e);
-                None
+                Err(e.to_string())
             }
         }
     }
@@ -193,6 +198,8 @@ pub struct ReactorPaths {
     builder: PathBuilder,
     /// A data path was added since the reactor last asked for its wake-up fds.
     fds_changed: bool,
+    /// Listeners without a data path here because setting one up failed.
+    unserved: Unserved,
     log: slog::Logger,
 }
 
@@ -203,6 +210,7 @@ impl ReactorPaths {
         builder: PathBuilder,
         counters: Arc<DataPathCounters>,
         inbox: std::sync::mpsc::Receiver<ReactorCmd>,
+        unserved: Unserved,
     ) -> ReactorPaths {
         let log = builder.log.clone();
         let mut rp = ReactorPaths {
@@ -212,6 +220,7 @@ impl ReactorPaths {
             counters,
             builder,
             fds_changed: false,
+            unserved,
             log,
         };
         for (listener, d) in devices.iter().enumerate() {
@@ -238,13 +247,21 @@ impl ReactorPaths {
         let fd = device.async_fd();
         if let Some(s) = self.paths.iter_mut().find(|s| s.path.dp.async_fd() == fd) {
             s.listeners.push(listener);
+            let mut unserved = self.unserved.lock().unwrap_or_else(|e| e.into_inner());
+            unserved.remove(&listener);
+            drop(unserved);
             slog::info!(self.log, "listener shares its device's data path";
                 "listener" => listener, "with" => ?s.listeners);
             return true;
         }
-        let Some(path) = CountedPath::build(&self.builder, device) else {
-            return false;
+        let path = match CountedPath::build(&self.builder, device) {
+            Ok(path) => path,
+            Err(why) => {
+                self.set_unserved(listener, Some(why));
+                return false;
+            }
         };
+        self.set_unserved(listener, None);
         self.paths.push(Shared {
             path,
             listeners: vec![listener],
@@ -282,6 +299,7 @@ impl ReactorPaths {
     /// down; when no other listener shares its data path, the data path tears everything
     /// down, drains, and goes.
     fn remove_device(&mut self, listener: usize) {
+        self.set_unserved(listener, None);
         let Some(k) = self
             .paths
             .iter()
@@ -381,6 +399,15 @@ impl ReactorPaths {
         }
         self.builder.namespaces.push((sub, nsid, Arc::clone(dev)));
         Ok(())
+    }
+
+    /// Records why listener `listener` has no data path here (`None`: it has one, or is gone).
+    fn set_unserved(&self, listener: usize, why: Option<String>) {
+        let mut unserved = self.unserved.lock().unwrap_or_else(|e| e.into_inner());
+        match why {
+            Some(why) => unserved.insert(listener, why),
+            None => unserved.remove(&listener),
+        };
     }
 
     /// Listener `listener` serves again on `device` (its device came back, or it was added).

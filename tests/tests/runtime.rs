@@ -447,6 +447,70 @@ fn a_listener_removed_while_its_device_is_away_still_releases_the_device() {
     h.write_read(1, 0, 0x43);
 }
 
+/// A reactor that cannot set up a data path on a listener's device (its memory cannot be
+/// registered, as at the locked-memory limit) refuses every connection handed to it for the
+/// listener: the listener is reported not serving, with why, not serving in name only. Once
+/// the device can be set up (the listener added again), it serves.
+#[test]
+fn a_listener_whose_data_path_cannot_be_set_up_is_not_serving() {
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        ..Options::default()
+    });
+    let fail = |n: u32| {
+        let v = d.request(&format!(
+            r#"{{"request":"debug_fault","fault":{{"fail_registrations":{n}}},"listener":0}}"#
+        ));
+        assert_eq!(v["ok"], true, "{v}");
+    };
+    fail(1_000_000);
+    let second = test_port();
+    let add = serde_json::json!({"request": "add_listener",
+        "listener": {"address": "127.0.0.2", "port": second, "provider": "soft"}});
+    change(&d, add.clone());
+    let listener = |d: &Daemon| {
+        d.data("status")["listeners"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["port"] == second)
+            .cloned()
+    };
+    let st = wait_for("the listener to be reported not serving", || {
+        listener(&d).filter(|l| l["serving"] == false)
+    });
+    let why = st["reason"].as_str().unwrap_or_default();
+    assert!(why.contains("could not set up a data path"), "{st}");
+    let stats = d.data("stats");
+    let l = stats["listeners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["address"] == format!("127.0.0.2:{second}"))
+        .cloned()
+        .unwrap();
+    assert_eq!(l["serving"], false, "{stats}");
+    // Registrations work again; the listener, added anew, serves.
+    fail(0);
+    change(
+        &d,
+        serde_json::json!({"request": "remove_listener", "address": "127.0.0.2", "port": second}),
+    );
+    change(&d, add);
+    wait_for("the listener to serve", || {
+        listener(&d).filter(|l| l["serving"] == true)
+    });
+    let mut h = Host::connect(
+        "127.0.0.44",
+        SocketAddr::from(([127, 0, 0, 2], second)),
+        A,
+        0x44,
+    );
+    h.write_read(1, 0, 0x44);
+}
+
 /// Listeners added and removed again and again leave nothing open behind them: a removed
 /// listener's CM channel (an fd) goes once no ID made on it is left. Its connections' IDs
 /// went with its data path's QPs.

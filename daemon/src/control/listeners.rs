@@ -570,6 +570,7 @@ impl Daemon {
                 ..Default::default()
             }),
             Fault::Count => {}
+            Fault::FailRegistrations(n) => fabric.fail_registrations(n),
         }
         if fault != Fault::Count {
             warn!(self.log, "test hook: fault injected"; "fault" => ?fault, "listener" => i,

@@ -195,6 +195,8 @@ struct Daemon {
     async_devs: Vec<Option<any::Device>>,
     inboxes: Vec<std::sync::mpsc::Sender<ReactorCmd>>,
     dp_counters: Vec<Arc<crate::stats::DataPathCounters>>,
+    /// Per reactor: listeners it could not set up a data path for, and why.
+    unserved: Vec<crate::paths::Unserved>,
     next_reactor: usize,
     soft_fabric: Option<nvmfd_rdma::soft::Fabric>,
     /// The configuration file and its text.
@@ -255,6 +257,7 @@ pub fn run(
         async_devs: Vec::new(),
         inboxes: Vec::new(),
         dp_counters: Vec::new(),
+        unserved: Vec::new(),
         next_reactor: 0,
         soft_fabric: None,
         source: change::Source {
@@ -357,8 +360,11 @@ impl Daemon {
                 registrar: registrar.clone(),
                 log: self.log.new(o!("reactor" => id)),
             };
-            let factory: WorkFactory =
-                Box::new(move || Box::new(ReactorPaths::new(&devs, builder, counters, rx)));
+            let unserved = crate::paths::Unserved::default();
+            self.unserved.push(Arc::clone(&unserved));
+            let factory: WorkFactory = Box::new(move || {
+                Box::new(ReactorPaths::new(&devs, builder, counters, rx, unserved))
+            });
             self.reactors.push(ReactorHandle::spawn(
                 id,
                 core,
@@ -389,9 +395,33 @@ impl Daemon {
         Ok(admin)
     }
 
+    /// Listener `i`'s status as hosts find it: one that a reactor could not set up a data
+    /// path for is not serving (that reactor refuses the connections handed to it).
+    fn listener_status(&self, i: usize) -> ListenerStatus {
+        let mut st = self.listeners[i].clone();
+        if st.serving {
+            for (r, u) in self.unserved.iter().enumerate() {
+                if let Some(why) = u.lock().unwrap_or_else(|e| e.into_inner()).get(&i) {
+                    st.serving = false;
+                    st.reason = Some(format!(
+                        "reactor {r} could not set up a data path on its device: {why}"
+                    ));
+                    break;
+                }
+            }
+        }
+        st
+    }
+
     fn status_line(&self) -> String {
         let namespaces: usize = self.cfg.subsystems.iter().map(|s| s.namespaces.len()).sum();
-        let serving = self.listeners.iter().filter(|l| l.serving).count();
+        let live: Vec<usize> = (0..self.listeners.len())
+            .filter(|&i| self.listener_slots.get(i).is_some_and(Option::is_some))
+            .collect();
+        let serving = live
+            .iter()
+            .filter(|&&i| self.listener_status(i).serving)
+            .count();
         let stalled = self
             .heartbeats
             .iter()
@@ -403,7 +433,7 @@ impl Daemon {
             self.cfg.subsystems.len(),
             namespaces,
             serving,
-            self.listeners.len(),
+            live.len(),
             self.reactors.len()
         );
         if stalled > 0 {
@@ -685,12 +715,9 @@ impl Daemon {
                     stalled: r.shared.counters.stalled.load(Ordering::Relaxed),
                 })
                 .collect(),
-            listeners: self
-                .listeners
-                .iter()
-                .zip(&self.listener_slots)
-                .filter(|(_, slot)| slot.is_some())
-                .map(|(l, _)| l.clone())
+            listeners: (0..self.listeners.len())
+                .filter(|&i| self.listener_slots.get(i).is_some_and(Option::is_some))
+                .map(|i| self.listener_status(i))
                 .collect(),
             subsystems: self
                 .cfg
@@ -735,7 +762,7 @@ impl Daemon {
                     id: i,
                     address: format!("{}:{}", st.address, st.port),
                     provider: st.provider.clone(),
-                    serving: st.serving,
+                    serving: st.serving && self.listener_status(i).serving,
                     device_removals_total: c.device_removals,
                     returns_total: c.returns,
                 })
