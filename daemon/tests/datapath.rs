@@ -1775,6 +1775,85 @@ fn a_command_of_a_removed_namespace_never_runs_on_the_device_that_takes_its_nsid
     wait_pools_full(&c, false);
 }
 
+/// A read the target answers without its data must not look as if the data came. The host
+/// library's buffer held the same blocks' write, and handed it back: `nvmf verify` passed a
+/// target that sends no read data. The buffer is now poisoned before each read.
+#[test]
+fn a_read_answered_without_its_data_does_not_return_what_the_buffer_held() {
+    let s = serve(4480);
+    let (_admin, mut ios) = controller(&s, 1);
+    let mut io = ios.pop().unwrap();
+    // 8 KiB: past the in-capsule size, so the write goes through the host's data buffer.
+    let data = pattern(77, 8192);
+    io.write(1, 64, 16, &data, false).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.run
+        .send(Box::new(move |dp: &mut DataPath| {
+            dp.omit_read_data(true);
+            tx.send(()).unwrap();
+        }))
+        .unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let mut back = vec![0u8; 8192];
+    io.read(1, 64, 16, &mut back).unwrap();
+    assert!(
+        back != data,
+        "a read answered without data returned the data written"
+    );
+}
+
+/// `nvmf bench --verify` against a target that answers reads without their data: the reads'
+/// buffers, never written by a read-only run, held zeroes, which count as "never written",
+/// so the run passed. They are poisoned now, and the run fails.
+#[test]
+fn bench_verify_fails_when_reads_come_back_without_their_data() {
+    let s = serve(4481);
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let (cntlid, fabric, addr) = (admin.cntlid, s.fabric.clone(), s.addr);
+    let connect = move |qid: u16| {
+        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).unwrap());
+        let q = nvmf_host::PipelinedQueue::connect(ch, addr, qid, 4, 4096, 8192)?;
+        IoQueue::connect(q, &host(), SUB, cntlid, qid, 3)
+    };
+    let job = |pattern, time| nvmf_host::bench::Job {
+        nsid: 2,
+        block_size: 4096,
+        blocks: 64,
+        io_size: 8192,
+        depth: 4,
+        pattern,
+        read_pct: 100,
+        queues: 1,
+        threads: 1,
+        time,
+        warmup: Duration::ZERO,
+        verify: true,
+    };
+    let run = |j: &nvmf_host::bench::Job| {
+        nvmf_host::bench::run(j, &connect, &mut |_, _| {}, &AtomicBool::new(false))
+    };
+    // Every block written (sequentially, then read back intact) ...
+    let w = job(nvmf_host::bench::Pattern::Write, Duration::from_millis(300));
+    run(&w).expect("the write pass");
+    let r = job(nvmf_host::bench::Pattern::Read, Duration::from_millis(200));
+    let m = run(&r).expect("the read pass");
+    assert!(m.figures[0].verified > 0, "nothing verified: {m:?}");
+    // ... then the target stops sending read data.
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.run
+        .send(Box::new(move |dp: &mut DataPath| {
+            dp.omit_read_data(true);
+            tx.send(()).unwrap();
+        }))
+        .unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let e = run(&r).expect_err("reads without data passed the check");
+    assert!(e.contains("verify"), "{e}");
+}
+
 /// Records a skipped test (the test command lists them) and says so.
 fn skip(why: &str) {
     use std::io::Write;

@@ -218,7 +218,12 @@ fn thread_main(
         queues.push(q.map_err(|e| format!("connecting I/O queue {qid}: {e}")));
     }
     start.wait();
-    let queues = queues.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let mut queues = queues.into_iter().collect::<Result<Vec<_>, _>>()?;
+    if job.verify {
+        for q in &mut queues {
+            q.transport().poison_reads(true);
+        }
+    }
     let io_blocks = u64::from(job.io_size / job.block_size);
     let places = job.blocks / io_blocks;
     if places == 0 {
@@ -266,6 +271,22 @@ fn thread_main(
             l.reap(&mut done, measuring, progress)?;
         }
     }
+    // Every command sent is answered (its read checked) before the figures stand: a target
+    // that stopped answering is an error, not lower figures.
+    let end = Instant::now() + UNANSWERED_AFTER_RUN;
+    for l in &mut lanes {
+        while l.io.transport().outstanding() > 0 {
+            if Instant::now() >= end {
+                return Err(format!(
+                    "queue {}: {} command(s) unanswered {UNANSWERED_AFTER_RUN:?} after the run",
+                    l.figures.qid,
+                    l.io.transport().outstanding()
+                ));
+            }
+            l.reap(&mut done, false, progress)?;
+            std::thread::yield_now();
+        }
+    }
     Ok(lanes
         .into_iter()
         .map(|mut l| {
@@ -274,6 +295,9 @@ fn thread_main(
         })
         .collect())
 }
+
+/// How long the commands still out when the run ends may take to be answered.
+const UNANSWERED_AFTER_RUN: Duration = Duration::from_secs(10);
 
 /// What a run measured: each queue's figures, and the time they were measured over (the job's
 /// time, or less when the run was interrupted).

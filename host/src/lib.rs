@@ -373,6 +373,16 @@ impl HostTransport for RdmaQueue {
                         "transfer larger than the queue's buffer".into(),
                     ));
                 }
+                // The buffer still holds the last transfer's data (a write of the same
+                // blocks, say): poisoned, a read the target answers without its data
+                // cannot hand that back as if it had come.
+                const POISON: [u8; 4096] = [0xDB; 4096];
+                let mut at = 0;
+                while at < b.len() {
+                    let n = (b.len() - at).min(POISON.len());
+                    self.data.write(at, &POISON[..n]);
+                    at += n;
+                }
                 icd = self.keyed(&mut sqe, b.len(), None);
             }
         }
@@ -431,5 +441,45 @@ impl HostTransport for RdmaQueue {
             }
         }
         cqe.ok_or(HostError::Timeout("the command's completion"))
+    }
+}
+
+/// What `nvmf verify` writes at `lba` (blocks of `bs` bytes, `len` bytes in all): every byte
+/// depends on its block's LBA and its place in the block, so a block read back from another
+/// place (swapped, repeated or shifted within a command, or from another command) differs.
+pub fn verify_pattern(lba: u64, bs: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let block = lba.wrapping_add((i / bs.max(1)) as u64);
+            let off = (i % bs.max(1)) as u64;
+            // splitmix64 of (block, offset).
+            let mut z = block.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(off);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            (z ^ (z >> 31)).to_le_bytes()[0]
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod verify_pattern_tests {
+    /// Every block of a command, and every 256-byte stretch of a block, differs from the
+    /// others, and the same block at another LBA differs: a misplaced block cannot pass.
+    #[test]
+    fn no_two_blocks_or_stretches_alike() {
+        let bs = 512;
+        let p = super::verify_pattern(1000, bs, 128 * 1024);
+        let blocks: Vec<&[u8]> = p.chunks(bs).collect();
+        for (a, x) in blocks.iter().enumerate() {
+            assert_ne!(x[..256], x[256..], "block {a}: its two halves are alike");
+            for (b, y) in blocks.iter().enumerate().skip(a + 1) {
+                assert_ne!(x, y, "blocks {a} and {b} are alike");
+            }
+        }
+        assert_ne!(
+            p[..bs],
+            super::verify_pattern(1001, bs, bs)[..],
+            "LBA not in the pattern"
+        );
     }
 }

@@ -85,6 +85,8 @@ pub struct PipelinedQueue {
     ready: VecDeque<Done>,
     broken: Option<String>,
     timeout: Duration,
+    /// Reads find their buffer poisoned (`poison_reads`).
+    poison: bool,
     wc: Vec<Wc>,
     _pd: Pd,
 }
@@ -170,6 +172,7 @@ impl PipelinedQueue {
             ready: VecDeque::new(),
             broken: None,
             timeout: COMMAND_TIMEOUT,
+            poison: false,
             wc: vec![Wc::default(); 32],
             _pd: pd,
         })
@@ -183,6 +186,13 @@ impl PipelinedQueue {
     /// Slots free for submissions.
     pub fn free_slots(&self) -> usize {
         self.free.len()
+    }
+
+    /// Whether each read's buffer is filled with a poison byte before the read is sent, so
+    /// that a read the target answers without its data shows (what a check of the data needs;
+    /// it costs a fill per read).
+    pub fn poison_reads(&mut self, on: bool) {
+        self.poison = on;
     }
 
     /// Commands outstanding (submitted and not yet handed back by [`PipelinedQueue::poll`]).
@@ -252,12 +262,23 @@ impl PipelinedQueue {
                     false,
                 )
             }
-            Payload::In(n) => SglDesc::keyed(
-                self.data.addr() + data_at as u64,
-                wire::sat(n),
-                self.data.rkey(),
-                false,
-            ),
+            Payload::In(n) => {
+                if self.poison {
+                    const POISON: [u8; 4096] = [0xDB; 4096];
+                    let mut at = 0;
+                    while at < n {
+                        let k = (n - at).min(POISON.len());
+                        self.data.write(data_at + at, &POISON[..k]);
+                        at += k;
+                    }
+                }
+                SglDesc::keyed(
+                    self.data.addr() + data_at as u64,
+                    wire::sat(n),
+                    self.data.rkey(),
+                    false,
+                )
+            }
         };
         sqe.cid = U16::new(slot);
         self.cmds.write(cmd_at, sqe.as_bytes());

@@ -136,6 +136,47 @@ fn bench_at_depth_one_keeps_one_command_out_on_a_queue_of_two_entries() {
     assert!(v["total"]["ios"].as_u64().unwrap() > 0, "{v}");
 }
 
+/// A target that stops answering during the run: the commands still out when it ends are
+/// waited for (10 s), and then the run fails, instead of printing lower figures and exiting 0.
+#[test]
+fn bench_fails_when_commands_are_left_unanswered_at_the_end() {
+    let d = Daemon::start(Options {
+        test_hooks: true,
+        ..Options::default()
+    });
+    let a = addr(&d);
+    let bench = Command::new(bin("nvmf"))
+        .args([
+            "bench", "--addr", &a, "--nqn", SUB, "-q", "8", "-o", "4k", "-w", "randread", "-t",
+            "2", "--warmup", "0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    nvmfd_tests::wait_for("the bench's reads to flow", || {
+        let s = d.data("stats");
+        let n: u64 = s["datapath"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["commands_total"].as_u64().unwrap_or(0))
+            .sum();
+        (n > 1000).then_some(())
+    });
+    // The reactor stops answering for longer than the run and the bench's wait after it.
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":16000}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    let out = bench.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "bench exited 0: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(err.contains("unanswered"), "{err}");
+}
+
 #[test]
 fn bench_errors_are_clear_and_exit_non_zero() {
     let d = Daemon::start(Options::default());

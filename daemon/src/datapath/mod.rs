@@ -276,6 +276,8 @@ pub struct DataPath {
     send_invalidate: bool,
     /// Tests: block completions stay in the engine while set, as behind a disk that stalls.
     hold_block_completions: bool,
+    /// Tests: responses go without their data (a faulty target).
+    omit_read_data: bool,
     log: slog::Logger,
 }
 
@@ -391,6 +393,7 @@ impl DataPath {
             wait_last_wqe: dev.sends_last_wqe(),
             send_invalidate: dev.supports_send_with_invalidate(),
             hold_block_completions: false,
+            omit_read_data: false,
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         Ok(dp)
@@ -600,6 +603,13 @@ impl DataPath {
     /// does not take their completions, as if the disk had stalled.
     pub fn hold_block_completions(&mut self, hold: bool) {
         self.hold_block_completions = hold;
+    }
+
+    /// Tests of hosts: while `omit` is set, responses are sent without the RDMA WRITEs of
+    /// their data, as a faulty target would answer a read.
+    #[doc(hidden)]
+    pub fn omit_read_data(&mut self, omit: bool) {
+        self.omit_read_data = omit;
     }
 
     /// Request slots taken: the commands in flight.

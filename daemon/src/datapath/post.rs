@@ -175,10 +175,14 @@ impl DataPath {
                 None if r.zeros => (self.zeros.addr(), self.zeros.lkey(), r.data_len),
                 None => (0, 0, 0),
             };
-            let writes = r.segs[..r.nsegs as usize]
-                .iter()
-                .take_while(|s| s.off < data_len)
-                .fold(0u32, |n, _| n + 1);
+            let writes = if self.omit_read_data {
+                0
+            } else {
+                r.segs[..r.nsegs as usize]
+                    .iter()
+                    .take_while(|s| s.off < data_len)
+                    .fold(0u32, |n, _| n + 1)
+            };
             if c.sq_budget - c.sq_used.min(c.sq_budget) < writes + 1 {
                 break;
             }

@@ -381,9 +381,7 @@ fn run(cli: &Cli) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             let (mut len, mut lba, mut n) = (bs, 0u64, 0);
             while len <= 128 * 1024 {
-                let data: Vec<u8> = (0..len)
-                    .map(|i| ((i as u64 ^ lba).wrapping_mul(31) & 0xff) as u8)
-                    .collect();
+                let data = nvmf_host::verify_pattern(lba, bs, len);
                 let nlb = u32::try_from(len / bs).map_err(|e| e.to_string())?;
                 io.write(*nsid, lba, nlb, &data, false)
                     .map_err(|e| format!("write {len} bytes at LBA {lba}: {e}"))?;
