@@ -158,29 +158,6 @@ fn a_removed_device_with_a_stuck_block_operation_does_not_stop_its_reactor() {
         id: [b; 16],
     };
 
-    // Host B, on listener 1, does verified I/O on the RAM namespace until told to stop.
-    let run_b = Arc::new(AtomicBool::new(true));
-    let done_b = Arc::new(AtomicU64::new(0));
-    let b = {
-        let (run, done) = (Arc::clone(&run_b), Arc::clone(&done_b));
-        let h = host(0xb3);
-        std::thread::spawn(move || {
-            let (f, admin, mut io) = connect_host("127.0.0.12", a1, &h);
-            let mut n = 0u64;
-            while run.load(Ordering::Relaxed) {
-                let data = pattern(7000 + n, 8192);
-                let lba = 50_000 + (n % 32) * 16;
-                io.write(1, lba, 16, &data, false).unwrap();
-                let mut back = vec![0u8; 8192];
-                io.read(1, lba, 16, &mut back).unwrap();
-                assert!(back == data, "host B: LBA {lba} read back differs");
-                n += 1;
-                done.store(n, Ordering::Relaxed);
-            }
-            (f, admin, io)
-        })
-    };
-
     // Host A, on listener 0, writes to the file namespace; then the file system freezes and
     // host A's next write waits in the kernel.
     let (_fa, _admin_a, mut io_a) = connect_host("127.0.0.11", a0, &host(0xa3));
@@ -203,13 +180,36 @@ fn a_removed_device_with_a_stuck_block_operation_does_not_stop_its_reactor() {
             .contains("data path of the removed device kept until its block operations end")
             .then_some(())
     });
-    // The reactor serves host B meanwhile.
-    let now = done_b.load(Ordering::Relaxed);
+    // The reactor serves meanwhile: host B, on listener 1, connects and does verified I/O on
+    // the RAM namespace until told to stop.
+    let run_b = Arc::new(AtomicBool::new(true));
+    let done_b = Arc::new(AtomicU64::new(0));
+    let b = {
+        let (run, done) = (Arc::clone(&run_b), Arc::clone(&done_b));
+        let h = host(0xb3);
+        std::thread::spawn(move || {
+            let (f, admin, mut io) = connect_host("127.0.0.12", a1, &h);
+            let mut n = 0u64;
+            while run.load(Ordering::Relaxed) {
+                let data = pattern(7000 + n, 8192);
+                let lba = 50_000 + (n % 32) * 16;
+                io.write(1, lba, 16, &data, false).unwrap();
+                let mut back = vec![0u8; 8192];
+                io.read(1, lba, 16, &mut back).unwrap();
+                assert!(back == data, "host B: LBA {lba} read back differs");
+                n += 1;
+                done.store(n, Ordering::Relaxed);
+            }
+            (f, admin, io)
+        })
+    };
+
     nvmfd_tests::wait_for("host B's I/O to go on with the write stuck", || {
-        (done_b.load(Ordering::Relaxed) >= now + 20).then_some(())
+        (done_b.load(Ordering::Relaxed) >= 20).then_some(())
     });
+    // (Host B's own operation may be in flight too.)
     let s = d.data("stats");
-    assert_eq!(dp_sum(&s, "block_ops_in_flight"), 1, "{s}");
+    assert!(dp_sum(&s, "block_ops_in_flight") >= 1, "{s}");
 
     // Thawed, the write ends; the data path is released with everything back.
     drop(frozen);
