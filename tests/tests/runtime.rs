@@ -420,7 +420,7 @@ fn a_listener_removed_while_its_device_is_away_still_releases_the_device() {
             .contains("data path built on the listener's device")
             .then_some(())
     });
-    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":1500}"#);
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":5000}"#);
     assert_eq!(v["ok"], true, "{v}");
     let v = d.request(r#"{"request":"debug_fault","fault":"remove_device","listener":1}"#);
     assert_eq!(v["ok"], true, "{v}");
