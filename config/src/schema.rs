@@ -161,7 +161,7 @@ impl std::fmt::Display for Provider {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TransportConfig {
-    /// Largest queue size (entries) granted to a host's admin or I/O queue; 2 to 1024.
+    /// Largest queue size (entries) granted to a host's admin or I/O queue; 32 to 1024.
     /// Default 128.
     #[serde(default = "defaults::max_queue_depth")]
     pub max_queue_depth: u32,
@@ -178,7 +178,7 @@ pub struct TransportConfig {
     /// and at most `max_io_size`; 0 turns in-capsule data off. Default `"4KiB"`.
     #[serde(default = "defaults::in_capsule_data_size")]
     pub in_capsule_data_size: ByteSize,
-    /// Largest transfer of one command (MDTS); a power of two from 4KiB to 8MiB.
+    /// Largest transfer of one command (MDTS); a power of two from 8KiB to 8MiB.
     /// Default `"128KiB"`.
     #[serde(default = "defaults::max_io_size")]
     pub max_io_size: ByteSize,

@@ -349,7 +349,7 @@ impl<T: HostTransport> AdminQueue<T> {
             0 => 64 * 1024,
             m => (4096u64 << m.min(16)).min(64 * 1024),
         };
-        for _ in 0..10 {
+        'again: for _ in 0..10 {
             let head = self.get_log_page(wire::log_page::DISCOVERY, 0, 1024)?;
             let h: wire::DiscoveryLogHeader =
                 wire::read(&head).ok_or_else(|| HostError::Protocol("short log".into()))?;
@@ -362,7 +362,12 @@ impl<T: HostTransport> AdminQueue<T> {
             let mut at = 1024;
             while at < end {
                 let len = piece.min(end - at);
-                body.extend(self.get_log_page(wire::log_page::DISCOVERY, at, wire::sat(len))?);
+                match self.get_log_page(wire::log_page::DISCOVERY, at, wire::sat(len)) {
+                    Ok(piece) => body.extend(piece),
+                    // The log shrank since its header was read: read it again.
+                    Err(HostError::Status { .. }) => continue 'again,
+                    Err(e) => return Err(e),
+                }
                 at += len;
             }
             let again = self.get_log_page(wire::log_page::DISCOVERY, 0, 1024)?;

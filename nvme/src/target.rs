@@ -74,7 +74,7 @@ pub struct Limits {
     pub max_nsid: u32,
     /// In-capsule data bytes accepted per command.
     pub in_capsule_data_size: u32,
-    /// Largest transfer per command, bytes (a power of two, at least 4 KiB).
+    /// Largest transfer per command, bytes (a power of two, at least 8 KiB).
     pub max_io_size: u32,
     /// Shortest keep-alive timeout granted.
     pub kato_min: Duration,

@@ -511,6 +511,60 @@ fn a_listener_whose_data_path_cannot_be_set_up_is_not_serving() {
     h.write_read(1, 0, 0x44);
 }
 
+/// The file edited while a change waits for its devices (here a reactor busy for 5 s before
+/// it attaches the new namespace's device): the change is refused, the edits stay.
+#[test]
+fn a_change_is_refused_when_the_file_is_edited_while_it_is_made() {
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        ..Options::default()
+    });
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":5000}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    wait_for("the reactor to stall", || {
+        d.log()
+            .contains("test hook: reactor stalling")
+            .then_some(())
+    });
+    let path = d.dir.path().join("nvmfd.toml");
+    let answer = std::thread::scope(|s| {
+        let add = s.spawn(|| {
+            d.request(
+                &serde_json::json!({"request": "add_namespace", "subsystem": A,
+                    "namespace": {"nsid": 7, "backend": "malloc", "size": "1MiB"}})
+                .to_string(),
+            )
+        });
+        wait_for("the change to open its device", || {
+            d.log()
+                .contains("opening the device of an added namespace")
+                .then_some(())
+        });
+        let edited = format!("{}# edited during the change\n", config_text(&d));
+        std::fs::write(&path, &edited).unwrap();
+        (add.join().unwrap(), edited)
+    });
+    let (answer, edited) = answer;
+    assert_eq!(answer["ok"], false, "{answer}");
+    let err = answer["error"].as_str().unwrap_or_default();
+    assert!(
+        err.contains("was edited while the change was made"),
+        "{err}"
+    );
+    assert_eq!(config_text(&d), edited, "the edits were overwritten");
+    let status = d.data("status");
+    assert!(
+        !status["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["nsid"] == 7),
+        "{status}"
+    );
+}
+
 /// Listeners added and removed again and again leave nothing open behind them: a removed
 /// listener's CM channel (an fd) goes once no ID made on it is left. Its connections' IDs
 /// went with its data path's QPs.

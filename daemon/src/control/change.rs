@@ -20,6 +20,11 @@ use crate::serve::NamespaceStatus;
 /// How long a reactor has to attach a namespace's device before the change is given up.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a change may wait for a device (opening, resizing) while the control thread still
+/// feeds the watchdog: longer than the store's own timeouts (an RBD client's 10 s mount and
+/// 30 s operation timeouts), after which the wait is taken for a hang.
+const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
+
 /// Where the configuration in force came from, and its text (what edits apply to).
 #[derive(Debug)]
 pub(super) struct Source {
@@ -237,6 +242,7 @@ impl Daemon {
             let sub = ids.get(nqn).copied().unwrap_or(0);
             // Opening can wait for a network store (an RBD cluster that does not answer,
             // until its client gives up): off this thread, which keeps the watch meanwhile.
+            info!(self.log, "opening the device of an added namespace"; "subsystem" => nqn, "nsid" => ns.nsid);
             let spec = crate::serve::device_spec(ns);
             let attached = self
                 .off_thread(move || BlockDevice::open(&spec))
@@ -278,6 +284,23 @@ impl Daemon {
         // 3. The file.
         let old_text = std::mem::take(&mut self.source.text);
         if persist {
+            // Edited while the devices opened? Writing would lose those edits.
+            let edited = self.source.path.as_ref().and_then(|p| {
+                std::fs::read_to_string(p)
+                    .ok()
+                    .filter(|on_disk| *on_disk != old_text)
+                    .map(|_| {
+                        format!(
+                            "{} was edited while the change was made: reload it first (SIGHUP or `nvmfctl reload`), or undo the edits; nothing was changed",
+                            p.display()
+                        )
+                    })
+            });
+            if let Some(e) = edited {
+                self.source.text = old_text;
+                undo(self, &opened);
+                return Err(e);
+            }
             if let Err(e) = self.write_config(&text) {
                 self.source.text = old_text;
                 undo(self, &opened);
@@ -476,6 +499,7 @@ impl Daemon {
         deadline: Option<Instant>,
     ) -> Result<T, mpsc::RecvTimeoutError> {
         let tick = self.tick_interval();
+        let began = Instant::now();
         loop {
             let now = Instant::now();
             let slice = deadline.map_or(tick, |d| tick.min(d.saturating_duration_since(now)));
@@ -483,7 +507,12 @@ impl Daemon {
                 Err(mpsc::RecvTimeoutError::Timeout)
                     if deadline.is_none_or(|d| Instant::now() < d) =>
                 {
-                    self.check_heartbeats(Instant::now());
+                    // A wait past any timeout of the store (a hard NFS mount, an RBD
+                    // configuration without op timeouts) is a hang: the watchdog is no longer
+                    // fed, and the service manager restarts the daemon as it did before.
+                    if began.elapsed() < KEEP_WATCH_MAX {
+                        self.check_heartbeats(Instant::now());
+                    }
                 }
                 other => return other,
             }
@@ -593,7 +622,25 @@ impl Daemon {
         let i = self.cm.len();
         self.cm.push(listeners::Listening::default());
         self.listener_slots.push(Some(l.clone()));
-        if let Err(e) = self.listen(registry, i) {
+        let mut listened = self.listen(registry, i);
+        if listened.is_err() {
+            // A removed listener's old listening ID, kept to let go of its removed device,
+            // may hold the address (its device came back meanwhile): the new listener goes
+            // first; that ID goes without letting go of the device.
+            let mut dropped = 0;
+            for j in 0..i {
+                if matches!(self.listener_slots.get(j), Some(None)) && self.cm[j].retiring.is_some()
+                {
+                    self.cm[j].retiring = None;
+                    dropped += 1;
+                }
+            }
+            if dropped > 0 {
+                warn!(self.log, "old listening IDs of removed listeners dropped to listen again"; "ids" => dropped);
+                listened = self.listen(registry, i);
+            }
+        }
+        if let Err(e) = listened {
             if let Some(mut c) = self.cm.pop() {
                 if let Some(ch) = c.channel.take() {
                     let _ = registry.deregister(&mut mio::unix::SourceFd(&ch.fd()));

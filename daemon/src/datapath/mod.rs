@@ -38,8 +38,9 @@ use crate::srq::{Change, ElasticSrq, Registrar, SrqConfig};
 use crate::stats::bump;
 
 /// Namespace devices one data path's engine can serve at once (its registered file table):
-/// as many as the configuration allows namespaces.
-pub const MAX_ATTACHED: u32 = nvmfd_config::MAX_NAMESPACES;
+/// as many as the configuration allows namespaces, and room for devices of removed namespaces
+/// still detaching (operations in flight) while others replace them.
+pub const MAX_ATTACHED: u32 = nvmfd_config::MAX_NAMESPACES + 64;
 
 mod block;
 mod conn;
