@@ -38,9 +38,9 @@ use crate::srq::{Change, ElasticSrq, Registrar, SrqConfig};
 use crate::stats::bump;
 
 /// Namespace devices one data path's engine can serve at once (its registered file table):
-/// as many as the configuration allows namespaces, and room for devices of removed namespaces
-/// still detaching (operations in flight) while others replace them.
-pub const MAX_ATTACHED: u32 = nvmfd_config::MAX_NAMESPACES + 64;
+/// as many as the configuration allows namespaces. No more: registering a file table larger
+/// than RLIMIT_NOFILE fails with EMFILE, and the usual soft limit is 1024.
+pub const MAX_ATTACHED: u32 = nvmfd_config::MAX_NAMESPACES;
 
 mod block;
 mod conn;
