@@ -511,3 +511,13 @@ pub mod ceph {
         )
     }
 }
+
+/// Gauge or counter `k` of a `stats` answer, summed over the reactors' data paths.
+pub fn dp_sum(s: &Value, k: &str) -> u64 {
+    s["datapath"]
+        .as_array()
+        .expect("stats has datapath")
+        .iter()
+        .map(|r| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}")))
+        .sum()
+}

@@ -89,15 +89,6 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
     v
 }
 
-fn dp_sum(s: &serde_json::Value, k: &str) -> u64 {
-    s["datapath"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}")))
-        .sum()
-}
-
 /// A host with its own fabric (device `ip`): an admin queue and one I/O queue on `addr`.
 fn connect_host(
     ip: &str,
@@ -166,7 +157,7 @@ fn a_removed_device_with_a_stuck_block_operation_does_not_stop_its_reactor() {
     let frozen = fs.freeze();
     let a = std::thread::spawn(move || io_a.write(2, 64, 8, &pattern(2, 4096), false));
     nvmfd_tests::wait_for("host A's write to wait at the frozen file system", || {
-        (dp_sum(&d.data("stats"), "block_ops_in_flight") == 1).then_some(())
+        (nvmfd_tests::dp_sum(&d.data("stats"), "block_ops_in_flight") == 1).then_some(())
     });
 
     // Listener 0's device goes, with the write still in the kernel.
@@ -209,7 +200,7 @@ fn a_removed_device_with_a_stuck_block_operation_does_not_stop_its_reactor() {
     });
     // (Host B's own operation may be in flight too.)
     let s = d.data("stats");
-    assert!(dp_sum(&s, "block_ops_in_flight") >= 1, "{s}");
+    assert!(nvmfd_tests::dp_sum(&s, "block_ops_in_flight") >= 1, "{s}");
 
     // Thawed, the write ends; the data path is released with everything back.
     drop(frozen);
@@ -225,10 +216,11 @@ fn a_removed_device_with_a_stuck_block_operation_does_not_stop_its_reactor() {
     // Host B's last response may still await its send completion at the target.
     nvmfd_tests::wait_for("every slot and buffer back", || {
         let s = d.data("stats");
-        (dp_sum(&s, "block_ops_in_flight") == 0
-            && dp_sum(&s, "requests_active") == 0
-            && dp_sum(&s, "request_slots_free") == dp_sum(&s, "request_slots")
-            && dp_sum(&s, "buffers_free") == dp_sum(&s, "buffers"))
+        (nvmfd_tests::dp_sum(&s, "block_ops_in_flight") == 0
+            && nvmfd_tests::dp_sum(&s, "requests_active") == 0
+            && nvmfd_tests::dp_sum(&s, "request_slots_free")
+                == nvmfd_tests::dp_sum(&s, "request_slots")
+            && nvmfd_tests::dp_sum(&s, "buffers_free") == nvmfd_tests::dp_sum(&s, "buffers"))
         .then_some(())
     });
     assert!(

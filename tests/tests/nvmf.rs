@@ -571,17 +571,17 @@ fn connects_that_fail_before_the_fabrics_connect_are_released_and_counted() {
     let released = |what: &str, counter: &str| {
         nvmfd_tests::wait_for(what, || {
             let s = d.data("stats");
-            (dp_sum(&s, counter) == 1
-                && dp_sum(&s, "qps") == 0
-                && dp_sum(&s, "qps_draining") == 0
-                && dp_sum(&s, "srq_receives_reserved") == 0)
+            (nvmfd_tests::dp_sum(&s, counter) == 1
+                && nvmfd_tests::dp_sum(&s, "qps") == 0
+                && nvmfd_tests::dp_sum(&s, "qps_draining") == 0
+                && nvmfd_tests::dp_sum(&s, "srq_receives_reserved") == 0)
                 .then_some(s)
         })
     };
     // Accepted, then the host goes away before it takes its ESTABLISHED: its REJ.
     let (id, ch, qp_on) = bare_connect(&f, addr);
     nvmfd_tests::wait_for("the daemon to accept", || {
-        (dp_sum(&d.data("stats"), "qps_accepted_total") == 1).then_some(())
+        (nvmfd_tests::dp_sum(&d.data("stats"), "qps_accepted_total") == 1).then_some(())
     });
     drop((id, ch, qp_on));
     released(
@@ -630,27 +630,19 @@ fn connects_that_fail_before_the_fabrics_connect_are_released_and_counted() {
 }
 
 /// Sum of a `stats` data path field over the reactors.
-fn dp_sum(s: &serde_json::Value, k: &str) -> u64 {
-    s["datapath"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}")))
-        .sum()
-}
-
 /// Whether every pool of every reactor is back to its full count: no command active or
 /// waiting, every request slot and buffer free, no block operation or signaled send in
 /// flight, no QP draining, every registered receive posted.
 fn pools_full(s: &serde_json::Value) -> bool {
-    dp_sum(s, "requests_active") == 0
-        && dp_sum(s, "requests_waiting") == 0
-        && dp_sum(s, "request_slots_free") == dp_sum(s, "request_slots")
-        && dp_sum(s, "buffers_free") == dp_sum(s, "buffers")
-        && dp_sum(s, "block_ops_in_flight") == 0
-        && dp_sum(s, "sends_in_flight") == 0
-        && dp_sum(s, "qps_draining") == 0
-        && dp_sum(s, "srq_receives_posted") == dp_sum(s, "srq_receives_registered")
+    nvmfd_tests::dp_sum(s, "requests_active") == 0
+        && nvmfd_tests::dp_sum(s, "requests_waiting") == 0
+        && nvmfd_tests::dp_sum(s, "request_slots_free") == nvmfd_tests::dp_sum(s, "request_slots")
+        && nvmfd_tests::dp_sum(s, "buffers_free") == nvmfd_tests::dp_sum(s, "buffers")
+        && nvmfd_tests::dp_sum(s, "block_ops_in_flight") == 0
+        && nvmfd_tests::dp_sum(s, "sends_in_flight") == 0
+        && nvmfd_tests::dp_sum(s, "qps_draining") == 0
+        && nvmfd_tests::dp_sum(s, "srq_receives_posted")
+            == nvmfd_tests::dp_sum(s, "srq_receives_registered")
 }
 
 /// A host with its own fabric (device `ip`): an admin queue and one I/O queue on `addr`.
@@ -811,8 +803,16 @@ fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_se
         let s = d.data("stats");
         pools_full(&s).then_some(s)
     });
-    assert_eq!(dp_sum(&stats, "qps"), 2, "host B's queues: {stats}");
-    assert_eq!(dp_sum(&stats, "drain_timeouts_total"), 0, "{stats}");
+    assert_eq!(
+        nvmfd_tests::dp_sum(&stats, "qps"),
+        2,
+        "host B's queues: {stats}"
+    );
+    assert_eq!(
+        nvmfd_tests::dp_sum(&stats, "drain_timeouts_total"),
+        0,
+        "{stats}"
+    );
     let torn: u64 = [
         "teardowns_device_total",
         "teardowns_qp_error_total",
@@ -820,7 +820,7 @@ fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_se
         "teardowns_controller_total",
     ]
     .iter()
-    .map(|k| dp_sum(&stats, k))
+    .map(|k| nvmfd_tests::dp_sum(&stats, k))
     .sum();
     assert_eq!(torn, 2, "host A's two queues, and only them: {stats}");
     assert_eq!(stats["listeners"][0]["device_removals_total"], 1, "{stats}");
