@@ -1115,6 +1115,17 @@ fn fail_connects(
             })
         };
         let mut kept = Vec::new();
+        // Only the silent ways are ended by the connect timeout (50 ms here). For the others,
+        // the data path takes no turn, so its timer cannot run, from before the connects until
+        // each failure is counted: on a slow machine, a failure rdma_cm reports after the
+        // timeout would otherwise be counted as a missing Fabrics Connect.
+        let timed_out = matches!(
+            how,
+            FailedConnect::SilentAfterEstablished | FailedConnect::VanishedAfterEstablished
+        );
+        if !timed_out {
+            s.paused.store(true, Relaxed);
+        }
         match how {
             FailedConnect::DestroyedBeforeAccept | FailedConnect::VanishedBeforeAccept => {
                 s.hold_cm.store(true, Relaxed);
@@ -1181,6 +1192,12 @@ fn fail_connects(
                 want.accepted += round;
                 want.no_connect += round;
             }
+        }
+        if !timed_out {
+            wait_until("every failure of the round counted by its cause", || {
+                ConnectCounts::of(c) == *want
+            });
+            s.paused.store(false, Relaxed);
         }
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
