@@ -646,8 +646,8 @@ fn the_srq_grows_under_a_burst_and_shrinks_back_when_the_load_stays_low() {
     assert_eq!(c.srq_limit_events.load(Relaxed), 0);
     // The reactor stops polling and the limit event is held back; each of the 24 queues
     // sends an in-capsule write, so the 16 posted receives run out and 8 SENDs wait (RNR).
-    s.paused.store(true, Relaxed);
-    s.hold_events.store(true, Relaxed);
+    s.set_switch(&s.paused, true);
+    s.set_switch(&s.hold_events, true);
     let written: Vec<Vec<u8>> = std::thread::scope(|sc| {
         let handles: Vec<_> = ios
             .iter_mut()
@@ -744,7 +744,7 @@ fn covering_the_queues_grows_the_srq_at_connect_so_no_send_meets_an_empty_srq() 
     );
     // The reactor stops polling; 24 in-capsule writes arrive at once, more than the 16
     // initial receives (the same burst makes 8 SENDs wait in the load-only test above).
-    s.paused.store(true, Relaxed);
+    s.set_switch(&s.paused, true);
     std::thread::scope(|sc| {
         let handles: Vec<_> = ios
             .iter_mut()
@@ -848,7 +848,7 @@ fn a_fatal_qp_with_commands_in_flight_is_torn_down_and_the_other_queue_keeps_ser
         (it.next().unwrap(), it.next().unwrap())
     };
     // The reactor stops; the doomed queue's in-capsule write and a read wait in the SRQ.
-    s.paused.store(true, Relaxed);
+    s.set_switch(&s.paused, true);
     let doomed_io = std::thread::spawn(move || {
         let w = doomed.write(2, 20, 1, &pattern(2, 4096), false);
         let mut b = vec![0u8; 4096];
@@ -1124,11 +1124,11 @@ fn fail_connects(
             FailedConnect::SilentAfterEstablished | FailedConnect::VanishedAfterEstablished
         );
         if !timed_out {
-            s.paused.store(true, Relaxed);
+            s.set_switch(&s.paused, true);
         }
         match how {
             FailedConnect::DestroyedBeforeAccept | FailedConnect::VanishedBeforeAccept => {
-                s.hold_cm.store(true, Relaxed);
+                s.set_switch(&s.hold_cm, true);
                 let hosts: Vec<BareHost> = (0..round).map(|_| bare_connect(s)).collect();
                 for h in hosts {
                     if matches!(how, FailedConnect::VanishedBeforeAccept) {
@@ -1580,6 +1580,22 @@ fn a_write_in_more_pieces_than_the_read_depth_is_fetched_in_rounds_within_the_de
 }
 
 impl Served {
+    /// Sets one of the serving thread's switches (`paused`, `hold_*`) and waits until a whole
+    /// turn has seen it: the turn under way when it was set may have read it before, and
+    /// served a command the switch was meant to hold.
+    /// (The in-process target's stand-ins read `hold_cm` between events; the other switches
+    /// are this thread's.)
+    fn set_switch(&self, switch: &AtomicBool, on: bool) {
+        switch.store(on, Ordering::Relaxed);
+        if self.thread.is_none() {
+            return;
+        }
+        let t = self.turns.load(Ordering::Relaxed);
+        wait_until("a whole turn with the switch set", || {
+            self.turns.load(Ordering::Relaxed) >= t + 2
+        });
+    }
+
     /// The serving thread's allocations, read once it has finished two more turns (so the
     /// turn that answered the last command is over).
     fn allocations_settled(&self) -> u64 {
@@ -1752,7 +1768,7 @@ fn a_command_of_a_removed_namespace_never_runs_on_the_device_that_takes_its_nsid
         skip(&format!("file namespace without deallocate here: {e}"));
         return;
     }
-    s.hold_block.store(true, Relaxed);
+    s.set_switch(&s.hold_block, true);
     let dsm = std::thread::spawn(move || {
         let ranges: Vec<(u64, u32)> = (0..255).map(|k| (2 * k, 1)).collect();
         io.deallocate(3, &ranges)
@@ -1964,7 +1980,7 @@ fn a_reset_is_reported_done_only_after_its_io_queues_drained() {
     let (mut admin, mut ios) = controller(&s, 1);
     let old = pattern(41, 4096);
     ios[0].write(2, 12, 1, &old, false).unwrap();
-    s.hold_events.store(true, Relaxed);
+    s.set_switch(&s.hold_events, true);
     let cc = admin.property_get(property::CC, false).unwrap() as u32;
     admin.property_set(property::CC, cc & !1).unwrap();
     wait_until("the I/O QP is torn down and draining", || {
@@ -2126,7 +2142,7 @@ fn small_commands_are_admitted_by_the_small_pool_not_the_large_buffers() {
     let mut done = Vec::new();
     let mut run = |q: &mut PipelinedQueue, reads: bool, size: usize| -> Vec<Vec<u8>> {
         let blocks = (size / 512) as u32;
-        s.paused.store(true, Relaxed);
+        s.set_switch(&s.paused, true);
         for k in 0..24usize {
             let lba = (k * 64 * 1024 / 512) as u64;
             let (op, p) = if reads {
@@ -2497,7 +2513,7 @@ fn a_late_completion_of_a_destroyed_qp_never_answers_a_new_qp_of_the_same_number
     // A write to read back later, then a read whose completion the stalled disk holds.
     let data = pattern(73, 4096);
     old.write(2, 5, 1, &data, false).unwrap();
-    s.hold_block.store(true, Relaxed);
+    s.set_switch(&s.hold_block, true);
     let zeroes = |lba| {
         let mut sqe =
             nvmfd_nvme::host::rw_sqe(nvmfd_nvme::wire::io_opcode::WRITE_ZEROES, 2, lba, 1, false);
