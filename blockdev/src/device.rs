@@ -143,11 +143,108 @@ impl DeviceSpec {
 
 pub(crate) enum Backing {
     File(File),
-    Malloc(DmaRegion),
+    Malloc(Ram),
     Null,
     /// The device's own handle (engines open theirs from it).
     #[cfg(feature = "rbd")]
     Rbd(crate::rbd::Image),
+}
+
+/// How many locks a RAM device's chunks share (a power of two).
+const RAM_STRIPES: usize = 256;
+/// The bytes each of a RAM device's locks covers at once: a multiple of every block size a
+/// RAM device may have, so that no block spans two.
+const RAM_CHUNK: usize = 4096;
+
+/// One lock of a RAM device, on its own cache line (reactors copying different chunks do not
+/// write the same line): a ticket lock, so that reactors take a chunk in turn. A chunk is held
+/// for one copy of at most 4 KiB; a mutex let one reactor writing a block in a loop take it
+/// back again and again while another's read of it slept.
+#[repr(align(64))]
+#[derive(Default)]
+struct Stripe {
+    next: std::sync::atomic::AtomicU32,
+    serving: std::sync::atomic::AtomicU32,
+}
+
+impl Stripe {
+    fn lock(&self) -> StripeGuard<'_> {
+        use std::sync::atomic::Ordering;
+        let mine = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut spins = 0u32;
+        while self.serving.load(Ordering::Acquire) != mine {
+            spins += 1;
+            // The holder may have lost its CPU: after a while, let it run.
+            if spins.is_multiple_of(64) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        StripeGuard(self)
+    }
+}
+
+/// A held [`Stripe`]; dropping it lets the next ticket in.
+struct StripeGuard<'a>(&'a Stripe);
+
+impl Drop for StripeGuard<'_> {
+    fn drop(&mut self) {
+        self.0
+            .serving
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// A RAM device's memory, shared by every reactor that serves it. Each 4 KiB chunk is copied
+/// under a lock (one of [`RAM_STRIPES`], by chunk number), so a block is read or written whole
+/// with respect to other reactors' commands, as AWUN 0 (one block written atomically)
+/// promises; and no two threads ever copy into the same bytes at once.
+pub(crate) struct Ram {
+    region: DmaRegion,
+    stripes: Box<[Stripe]>,
+}
+
+impl Ram {
+    fn new(region: DmaRegion) -> Ram {
+        Ram {
+            region,
+            stripes: (0..RAM_STRIPES).map(|_| Stripe::default()).collect(),
+        }
+    }
+
+    /// The bytes mapped (at least the device's size when opened).
+    pub(crate) fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Calls `f(at, done, n)` for each chunk-aligned piece of `off..off + len`, in order, with
+    /// that chunk's lock held: `at` points at the piece in the mapping, `done` is how many
+    /// bytes of the range came before it, `n` its length. The caller copies with raw pointers
+    /// only (no reference to the shared mapping is formed).
+    ///
+    /// # Safety
+    ///
+    /// `off + len` must not exceed [`Ram::len`].
+    pub(crate) unsafe fn each_chunk(
+        &self,
+        off: usize,
+        len: usize,
+        mut f: impl FnMut(*mut u8, usize, usize),
+    ) {
+        debug_assert!(off + len <= self.region.len());
+        let mut pos = off;
+        let end = off + len;
+        while pos < end {
+            let chunk = pos / RAM_CHUNK;
+            let n = ((chunk + 1) * RAM_CHUNK).min(end) - pos;
+            let held = self.stripes[chunk % RAM_STRIPES].lock();
+            // SAFETY: pos + n <= end <= the mapping's length (the caller's contract).
+            f(unsafe { self.region.as_ptr().add(pos) }, pos - off, n);
+            drop(held);
+            pos += n;
+        }
+    }
 }
 
 /// An open device, shared by the reactors that serve it (each attaches it to its own engine).
@@ -167,10 +264,10 @@ impl std::fmt::Debug for Device {
     }
 }
 
-// SAFETY: `Backing::Malloc` holds a raw mapping; the engine copies into and out of it with
-// whole-object copies (see `engine.rs`), and the mapping lives as long as the `Device`. Files
-// are thread-safe. Concurrent writes to the same blocks from two reactors leave one of the two
-// contents per byte range, as a disk would; no Rust reference to the mapping is ever formed.
+// SAFETY: `Backing::Malloc` holds a raw mapping; the engine copies into and out of it with raw
+// copies, each chunk under its lock (`Ram::each_chunk`), so no two threads touch the same
+// bytes at once, and the mapping lives as long as the `Device`. Files are thread-safe. No Rust
+// reference to the mapping is ever formed.
 unsafe impl Send for Device {}
 // SAFETY: as for `Send`: shared access goes through raw copies only.
 unsafe impl Sync for Device {}
@@ -222,7 +319,7 @@ impl Device {
                 Ok(Arc::new(Device {
                     size: info.size.into(),
                     info,
-                    backing: Backing::Malloc(region),
+                    backing: Backing::Malloc(Ram::new(region)),
                     fallback_reason: None,
                 }))
             }
@@ -295,9 +392,9 @@ impl Device {
                  namespace without a size"
                     .into(),
             )),
-            (Backing::Malloc(region), Some(n)) if n > region.len() as u64 => Err(bad(format!(
+            (Backing::Malloc(ram), Some(n)) if n > ram.len() as u64 => Err(bad(format!(
                 "a RAM namespace cannot grow past the {} bytes it was created with",
-                region.len()
+                ram.len()
             ))),
             (Backing::Malloc(_) | Backing::Null, None) => {
                 Err(bad("a RAM or null namespace needs the new size".into()))
@@ -335,11 +432,11 @@ impl Device {
                 }
                 n
             }
-            (Backing::Malloc(region), Some(n)) => {
-                if n > region.len() as u64 {
+            (Backing::Malloc(ram), Some(n)) => {
+                if n > ram.len() as u64 {
                     return Err(bad(format!(
                         "a RAM namespace cannot grow past the {} bytes it was created with",
-                        region.len()
+                        ram.len()
                     )));
                 }
                 n

@@ -464,32 +464,32 @@ impl Engine {
             (_, OpKind::Flush) => {}
             (Backing::Null, OpKind::Read) => s.buf.as_mut().expect("buffer").as_mut_slice().fill(0),
             (Backing::Null, _) => {}
-            (Backing::Malloc(region), op) => {
-                // `queue` checked off + len <= size <= region.len().
-                debug_assert!(off + len <= region.len());
-                // SAFETY: off..off+len is inside the mapping (checked by `check_range`), the
-                // buffer is at least `len` bytes and owned by this slot; the copies are raw so
-                // no reference to the shared mapping is formed (see `Device`'s Sync).
+            (Backing::Malloc(ram), op) => {
+                // `queue` checked off + len <= size <= ram.len().
+                debug_assert!(off + len <= ram.len());
+                let buf = match (s.buf.as_mut(), s.from) {
+                    (Some(b), _) => b.as_mut_ptr(),
+                    // `write_from`'s contract: `len` readable bytes.
+                    (None, Some(p)) => p.as_ptr(),
+                    (None, None) => std::ptr::null_mut(),
+                };
+                debug_assert!(
+                    !buf.is_null()
+                        || !matches!(op, OpKind::Read | OpKind::Write | OpKind::WriteFua)
+                );
+                // SAFETY: off..off+len is inside the mapping (checked by `check_range`). For a
+                // transfer the buffer holds at least `len` bytes and is this slot's (a read's
+                // is its own; a write's only read); `done + n <= len`. The copies are raw, each
+                // under its chunk's lock, so no reference to the shared mapping is formed and
+                // no other reactor copies the same bytes meanwhile (see `Device`'s Sync).
                 unsafe {
-                    let dst = region.as_ptr().add(off);
-                    match op {
-                        OpKind::Read => std::ptr::copy_nonoverlapping(
-                            dst,
-                            s.buf.as_mut().expect("buffer").as_mut_ptr(),
-                            len,
-                        ),
-                        OpKind::Write | OpKind::WriteFua => std::ptr::copy_nonoverlapping(
-                            match (s.buf.as_mut(), s.from) {
-                                (Some(b), _) => b.as_mut_ptr().cast_const(),
-                                // `write_from`'s contract: `len` readable bytes.
-                                (None, Some(p)) => p.as_ptr().cast_const(),
-                                (None, None) => unreachable!("writes carry data"),
-                            },
-                            dst,
-                            len,
-                        ),
-                        _ => std::ptr::write_bytes(dst, 0, len),
-                    }
+                    ram.each_chunk(off, len, |at, done, n| match op {
+                        OpKind::Read => std::ptr::copy_nonoverlapping(at, buf.add(done), n),
+                        OpKind::Write | OpKind::WriteFua => {
+                            std::ptr::copy_nonoverlapping(buf.add(done).cast_const(), at, n);
+                        }
+                        _ => std::ptr::write_bytes(at, 0, n),
+                    });
                 }
             }
             (Backing::File(_), _) => unreachable!("files go through the ring"),
