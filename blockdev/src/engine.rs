@@ -34,6 +34,9 @@ pub enum OpKind {
     Flush,
     /// Zero a range.
     WriteZeroes,
+    /// Zero a range and make it durable before completing (FUA): on a file or block device,
+    /// an fdatasync follows the `fallocate`.
+    WriteZeroesFua,
     /// Deallocate (trim) a range; it reads back as zeroes.
     Deallocate,
 }
@@ -263,15 +266,21 @@ impl Engine {
         self.queue(dev, OpKind::Flush, 0, 0, None, tag)
     }
 
-    /// Queues zeroing `len` bytes at `offset`.
+    /// Queues zeroing `len` bytes at `offset`; with `fua`, they are durable when it completes.
     pub fn write_zeroes(
         &mut self,
         dev: DevId,
         offset: u64,
         len: u64,
+        fua: bool,
         tag: u64,
     ) -> Result<(), Rejected> {
-        self.queue(dev, OpKind::WriteZeroes, offset, len, None, tag)
+        let op = if fua {
+            OpKind::WriteZeroesFua
+        } else {
+            OpKind::WriteZeroes
+        };
+        self.queue(dev, op, offset, len, None, tag)
     }
 
     /// Queues deallocating `len` bytes at `offset`.
@@ -319,7 +328,7 @@ impl Engine {
             return reject(BlockError::ReadOnly, buf);
         }
         match op {
-            OpKind::WriteZeroes if !info.write_zeroes => {
+            OpKind::WriteZeroes | OpKind::WriteZeroesFua if !info.write_zeroes => {
                 return reject(BlockError::Unsupported("write zeroes"), buf)
             }
             OpKind::Deallocate if !info.deallocate => {
@@ -424,10 +433,16 @@ impl Engine {
             OpKind::Flush => opcode::Fsync::new(file)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
-            OpKind::WriteZeroes => opcode::Fallocate::new(file, u64::from(s.len))
-                .offset(s.offset)
-                .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+            // A FUA zeroing's second step, once the range is zeroed.
+            OpKind::WriteZeroesFua if s.done > 0 => opcode::Fsync::new(file)
+                .flags(types::FsyncFlags::DATASYNC)
                 .build(),
+            OpKind::WriteZeroes | OpKind::WriteZeroesFua => {
+                opcode::Fallocate::new(file, u64::from(s.len))
+                    .offset(s.offset)
+                    .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                    .build()
+            }
             OpKind::Deallocate => opcode::Fallocate::new(file, u64::from(s.len))
                 .offset(s.offset)
                 .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
@@ -576,6 +591,12 @@ impl Engine {
                 continue;
             }
             let data = matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua);
+            if s.op == OpKind::WriteZeroesFua && s.done == 0 {
+                // Zeroed: now made durable.
+                s.done = 1;
+                self.push_sqe(slot);
+                continue;
+            }
             if !data {
                 self.finish(slot, Ok(0));
                 continue;

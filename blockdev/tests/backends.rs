@@ -409,8 +409,8 @@ per_backend!(flush_and_fua_complete);
 fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
     let bs = f.device.info().logical_block_size as usize;
     let len = 64 * 1024;
-    for (op, seed) in [("zeroes", 1), ("deallocate", 2)] {
-        let supported = if op == "zeroes" {
+    for (op, seed) in [("zeroes", 1), ("zeroes fua", 3), ("deallocate", 2)] {
+        let supported = if op != "deallocate" {
             f.device.info().write_zeroes
         } else {
             f.device.info().deallocate
@@ -419,8 +419,8 @@ fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
         let data = pattern(seed, len);
         f.write(base, &data, false);
         let (zo, zl) = (base + 8192, 4 * bs as u64);
-        let r = if op == "zeroes" {
-            f.engine.write_zeroes(f.dev, zo, zl, 5)
+        let r = if op != "deallocate" {
+            f.engine.write_zeroes(f.dev, zo, zl, op == "zeroes fua", 5)
         } else {
             f.engine.deallocate(f.dev, zo, zl, 5)
         };
@@ -489,7 +489,10 @@ fn misaligned_and_out_of_range_are_refused_with_the_buffer_back(mut f: Fixture) 
         "overflow: {e:?}"
     );
     drop(e);
-    let e = f.engine.write_zeroes(f.dev, SIZE, bs, 1).unwrap_err();
+    let e = f
+        .engine
+        .write_zeroes(f.dev, SIZE, bs, false, 1)
+        .unwrap_err();
     assert!(
         matches!(
             e.error,
@@ -831,4 +834,52 @@ fn ram_blocks_are_read_and_written_whole_across_engines() {
             "{bs}-byte blocks: {torn} blocks read torn in {reads} reads"
         );
     }
+}
+
+/// A FUA Write Zeroes is durable when it completes: on a loop device, whose statistics count
+/// the flushes it receives, it sends one after zeroing; one without FUA sends none. The FUA
+/// bit was once dropped, and the zeroes stayed in the backing file's page cache.
+#[test]
+fn write_zeroes_with_fua_flushes_the_device() {
+    let Some(mut f) = fixture("loop", 4096) else {
+        return;
+    };
+    let name = f
+        .spec
+        .path
+        .as_ref()
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap();
+    let stat = format!("/sys/block/{name}/stat");
+    // Field 16 of the block statistics (kernel 5.5 and later): flush requests completed.
+    let flushes = || -> Option<u64> {
+        std::fs::read_to_string(&stat)
+            .ok()?
+            .split_whitespace()
+            .nth(15)?
+            .parse()
+            .ok()
+    };
+    if flushes().is_none() {
+        skip(
+            "write_zeroes_with_fua_flushes_the_device",
+            &format!("{stat} does not count flushes"),
+        );
+        return;
+    }
+    let mut zero = |fua: bool| {
+        let before = flushes().unwrap();
+        f.engine
+            .write_zeroes(f.dev, 64 * 4096, 4 * 4096, fua, 7)
+            .unwrap();
+        let c = f.run();
+        assert_eq!((c[0].tag, &c[0].result), (7, &Ok(0)));
+        flushes().unwrap() - before
+    };
+    assert_eq!(zero(false), 0, "a plain Write Zeroes flushed");
+    assert!(
+        zero(true) >= 1,
+        "a FUA Write Zeroes completed without a flush"
+    );
 }

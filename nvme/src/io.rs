@@ -137,6 +137,7 @@ pub(crate) fn handle(q: &mut Queue, cmd: Command, icd: &[u8]) -> Action {
                 op: IoOp::WriteZeroes {
                     offset: slba * lbs,
                     len: nlb * lbs,
+                    fua: sqe.cdw12.get() & (1 << 30) != 0,
                 },
                 data: None,
             })
@@ -263,6 +264,7 @@ mod tests {
         let zeroes = IoOp::WriteZeroes {
             offset: 0,
             len: 512,
+            fua: false,
         };
         let dealloc = IoOp::Deallocate {
             ranges: vec![(0, 512)],

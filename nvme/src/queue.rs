@@ -158,6 +158,8 @@ pub enum IoOp {
         offset: u64,
         /// Byte length.
         len: u64,
+        /// Durable before completion.
+        fua: bool,
     },
     /// Deallocate each (offset, len) range.
     Deallocate {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nvmfd_blockdev::{Device, DeviceSpec, Kind};
-use nvmfd_nvme::host::{AdminQueue, DataDir, HostError, HostId, IoQueue};
+use nvmfd_nvme::host::{AdminQueue, DataDir, HostError, HostId, HostTransport, IoQueue};
 #[path = "support/loopback.rs"]
 mod loopback;
 use loopback::{namespace_info, Backend, Loopback};
@@ -412,6 +412,28 @@ fn flush_write_zeroes_and_deallocate() {
         want[s * 512..(s + n) * 512].fill(0);
     }
     assert!(back == want);
+}
+
+/// Write Zeroes with FUA set asks the backend for durable zeroes; without it, plain ones. The
+/// bit was once dropped: a FUA Write Zeroes completed with its zeroes in a volatile cache.
+#[test]
+fn write_zeroes_passes_its_fua_bit_to_the_backend() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let io = &mut ios[0];
+    for fua in [true, false] {
+        let sqe = nvmfd_nvme::host::rw_sqe(wire::io_opcode::WRITE_ZEROES, 1, 40, 8, fua);
+        let c = io.transport().execute(sqe, DataDir::None).unwrap();
+        assert!(c.status().is_success(), "{:?}", c.status());
+        assert_eq!(
+            io.transport().ops.last(),
+            Some(&IoOp::WriteZeroes {
+                offset: 40 * 512,
+                len: 8 * 512,
+                fua
+            })
+        );
+    }
 }
 
 #[test]

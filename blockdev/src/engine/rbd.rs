@@ -66,7 +66,9 @@ impl Engine {
                 },
             ),
             OpKind::Flush => (Op::Flush, None),
-            OpKind::WriteZeroes => (Op::WriteZeroes, None),
+            // librbd's writes are durable when they complete (no client cache: the device has
+            // no volatile cache), so FUA asks nothing more.
+            OpKind::WriteZeroes | OpKind::WriteZeroesFua => (Op::WriteZeroes, None),
             OpKind::Deallocate => (Op::Discard, None),
         };
         let (off, len) = (s.offset, u64::from(s.len));

@@ -92,7 +92,9 @@ fn queue_op(
                 op_off: 0,
             },
         ),
-        IoOp::WriteZeroes { offset, len } => (engine.write_zeroes(dev, *offset, *len, tag), one),
+        IoOp::WriteZeroes { offset, len, fua } => {
+            (engine.write_zeroes(dev, *offset, *len, *fua, tag), one)
+        }
         IoOp::Deallocate { ranges } => {
             let &(o, l) = ranges.get(at.next_op as usize)?;
             // A range longer than the backend takes at once goes in pieces.

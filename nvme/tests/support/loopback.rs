@@ -91,7 +91,9 @@ impl Backend {
                 self.engine.write(dev, *offset, b, *fua, 0)
             }
             IoOp::Flush | IoOp::FlushAll { .. } => self.engine.flush(dev, 0),
-            IoOp::WriteZeroes { offset, len } => self.engine.write_zeroes(dev, *offset, *len, 0),
+            IoOp::WriteZeroes { offset, len, fua } => {
+                self.engine.write_zeroes(dev, *offset, *len, *fua, 0)
+            }
             IoOp::Deallocate { ranges } => {
                 for &(o, l) in ranges {
                     if let Err(r) = self.engine.deallocate(dev, o, l, 0) {
@@ -141,6 +143,8 @@ pub struct Loopback {
     pub held: Vec<u16>,
     /// The time the queue sees (tests move it to expire keep-alives).
     pub now: Instant,
+    /// The block operations the target asked for, in order.
+    pub ops: Vec<IoOp>,
 }
 
 impl std::fmt::Debug for Loopback {
@@ -170,6 +174,7 @@ impl Loopback {
             events: Vec::new(),
             held: Vec::new(),
             now: Instant::now(),
+            ops: Vec::new(),
         }
     }
 
@@ -260,6 +265,7 @@ impl Loopback {
     }
 
     fn io(&mut self, capsule: &[u8], req: &IoRequest) -> Result<Cqe, String> {
+        self.ops.push(req.op.clone());
         let subnqn = self
             .queue
             .controller()
