@@ -379,6 +379,35 @@ fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
 
 /// A change made through the admin socket writes the file back: edits made to the file and
 /// not yet loaded would be lost, so the change is refused until the file is reloaded.
+/// A reload that removes subsystem A and lists an allowed host for B reports B's hosts as
+/// changed: the subsystems were once compared by their place in the list, and B had moved to
+/// A's.
+#[test]
+fn a_reload_reports_a_subsystems_hosts_changed_when_another_subsystem_goes() {
+    let (d, _addr) = start();
+    let text = config_text(&d);
+    let (a_start, b_start) = (
+        text.find("# subsystem A").unwrap(),
+        text.find("# subsystem B").unwrap(),
+    );
+    let new = format!("{}{}", &text[..a_start], &text[b_start..]).replace(
+        "allow_any_host = true",
+        &format!("hosts = [\"{}\"]", host(0x79).nqn),
+    );
+    std::fs::write(d.dir.path().join("nvmfd.toml"), new).unwrap();
+    let done = change(&d, serde_json::json!({"request": "reload"}));
+    let changes: Vec<&str> = done["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c.as_str())
+        .collect();
+    assert!(
+        changes.contains(&format!("allowed hosts of {B} changed").as_str()),
+        "{changes:?}"
+    );
+}
+
 #[test]
 fn a_change_is_refused_while_the_file_holds_edits_not_yet_loaded() {
     let (d, _addr) = start();

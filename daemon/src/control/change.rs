@@ -432,15 +432,12 @@ impl Daemon {
                 nvmfd_config::sockaddr(l.address, l.port)
             ));
         }
-        if old_cfg
-            .subsystems
-            .iter()
-            .zip(&self.cfg.subsystems)
-            .any(|(a, b)| {
-                a.nqn == b.nqn && (a.hosts != b.hosts || a.allow_any_host != b.allow_any_host)
-            })
-        {
-            what.push("allowed hosts changed".into());
+        // By NQN: a subsystem added or removed moves the others in the list.
+        for b in &self.cfg.subsystems {
+            let was = old_cfg.subsystems.iter().find(|a| a.nqn == b.nqn);
+            if was.is_some_and(|a| a.hosts != b.hosts || a.allow_any_host != b.allow_any_host) {
+                what.push(format!("allowed hosts of {} changed", b.nqn));
+            }
         }
         self.source.text = text;
         self.refresh_ports(&target);
