@@ -940,6 +940,36 @@ fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_the_rebuilt_srq_serves_agai
     assert_eq!(c.srq_rebuilds.load(Relaxed), 1);
 }
 
+/// A broken SRQ whose rebuild fails (no memory can be registered) is tried again after a
+/// wait that doubles from 50 ms, not on every turn: the data path once retried, and logged a
+/// warning, each turn, thousands of times a second while other work kept it busy. Once
+/// registrations work again, the SRQ is rebuilt and hosts are served.
+#[test]
+fn a_failed_srq_rebuild_is_tried_again_after_a_growing_wait_and_then_serves() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4483, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 1, 1);
+    let errors = c.srq_errors.load(Relaxed);
+    s.fabric.fail_registrations(u32::MAX);
+    s.fabric.inject_srq_error(s.srq_id);
+    wait_until("a rebuild failed", || c.srq_errors.load(Relaxed) > errors);
+    let first = c.srq_errors.load(Relaxed);
+    // The time itself is what is measured: in 400 ms, tries at about 50, 150 and 350 ms
+    // after the first (a retry on every turn made thousands).
+    std::thread::sleep(Duration::from_millis(400));
+    let tries = c.srq_errors.load(Relaxed) - first;
+    assert!(tries <= 4, "{tries} tries to rebuild the SRQ in 400 ms");
+    assert_eq!(c.srq_rebuilds.load(Relaxed), 0);
+    s.fabric.fail_registrations(0);
+    wait_until("the SRQ is rebuilt", || c.srq_rebuilds.load(Relaxed) == 1);
+    drop(ios);
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 2, 2);
+    wait_pools_full(&c, true);
+}
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
@@ -1885,6 +1915,74 @@ fn bench_verify_fails_when_reads_come_back_without_their_data() {
     rx.recv_timeout(Duration::from_secs(10)).unwrap();
     let e = run(&r).expect_err("reads without data passed the check");
     assert!(e.contains("verify"), "{e}");
+}
+
+/// `nvmf bench --verify` against a target that acknowledges writes and loses them: every
+/// block read back was intact and in its place, an earlier write's, so the run passed. The
+/// bench now knows which writes each read may find, and the run fails.
+#[test]
+fn bench_verify_fails_when_acknowledged_writes_are_lost() {
+    let s = serve(4482);
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let (cntlid, fabric, addr) = (admin.cntlid, s.fabric.clone(), s.addr);
+    let connect = move |qid: u16| {
+        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).unwrap());
+        let q = nvmf_host::PipelinedQueue::connect(ch, addr, qid, 4, 4096, 8192)?;
+        IoQueue::connect(q, &host(), SUB, cntlid, qid, 3)
+    };
+    let job = |pattern, time| nvmf_host::bench::Job {
+        nsid: 2,
+        block_size: 4096,
+        blocks: 64,
+        io_size: 8192,
+        depth: 4,
+        pattern,
+        read_pct: 50,
+        queues: 2,
+        threads: 2,
+        time,
+        warmup: Duration::ZERO,
+        verify: true,
+    };
+    let run = |j: &nvmf_host::bench::Job| {
+        nvmf_host::bench::run(j, &connect, &mut |_, _| {}, &AtomicBool::new(false))
+    };
+    // Every block written, then a mixed run on a target that keeps its writes passes ...
+    run(&job(
+        nvmf_host::bench::Pattern::Write,
+        Duration::from_millis(300),
+    ))
+    .expect("writes");
+    let mixed = job(
+        nvmf_host::bench::Pattern::RandRw,
+        Duration::from_millis(500),
+    );
+    let m = run(&mixed).expect("a mixed run on a sound target");
+    let verified: Vec<u64> = m.figures.iter().map(|f| f.verified).collect();
+    assert!(
+        verified.iter().all(|&v| v > 0),
+        "blocks verified: {verified:?}"
+    );
+    // ... then the target acknowledges writes without making them.
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.run
+        .send(Box::new(move |dp: &mut DataPath| {
+            dp.discard_writes(true);
+            tx.send(()).unwrap();
+        }))
+        .unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let e = match run(&mixed) {
+        Ok(m) => panic!(
+            "lost writes passed the check: {} blocks verified",
+            m.figures.iter().map(|f| f.verified).sum::<u64>()
+        ),
+        Err(e) => e,
+    };
+    assert!(e.contains("a write was lost"), "{e}");
 }
 
 /// Records a skipped test (the test command lists them) and says so.

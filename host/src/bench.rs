@@ -4,6 +4,7 @@
 //! from submission to the completion's arrival, kept in an HDR histogram per queue; a
 //! warm-up is run first and not counted.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -64,8 +65,11 @@ pub struct Job {
     pub time: Duration,
     /// Unmeasured time before it.
     pub warmup: Duration,
-    /// Stamp every written block with its LBA and a pattern, and check every block read
-    /// (a block never written reads as zeroes).
+    /// Stamp every written block with its LBA, a stamp of its write and a pattern, and check
+    /// every block read: intact, in its place, and from a write the read may see (once a
+    /// write is acknowledged, no older one). Each thread works in its own part of the
+    /// namespace, so it knows every write there. A block not written in the run may hold
+    /// zeroes or any intact block.
     pub verify: bool,
 }
 
@@ -96,37 +100,142 @@ fn histogram() -> Histogram<u64> {
 /// One queue of a thread: where it is in its part of the namespace, when each of its
 /// commands left, and its figures.
 struct Lane {
+    /// Its index among the thread's lanes.
+    index: usize,
     io: IoQueue<PipelinedQueue>,
     next: u64,
     sent_at: Vec<Instant>,
-    /// With `verify`: each slot's first LBA, when it is a read.
-    read_lba: Vec<Option<u64>>,
+    /// With `verify`: each slot's write, when it is one: (place, stamp).
+    writes: Vec<Option<(u64, u64)>>,
     /// With `verify`: a write's data, or a read's.
     scratch: Vec<u8>,
     block_size: u32,
     figures: QueueFigures,
 }
 
+/// With `verify`, what each I/O-sized place of a thread's part may hold. Every I/O covers one
+/// whole place, and only this thread writes its part.
+#[derive(Default)]
+struct Tracker {
+    places: HashMap<u64, PlaceState>,
+    /// Reads in flight, by (lane, slot).
+    reads: HashMap<(usize, u16), ReadCheck>,
+    /// The next write's stamp (a random start, so that a run's stamps are not an earlier's).
+    next_stamp: u64,
+}
+
+#[derive(Default)]
+struct PlaceState {
+    /// What the place holds once no write to it is in flight: one of the stamps of the last
+    /// group of writes in flight together (one write, usually). Empty: not written in this
+    /// run (zeroes, or an earlier run's data).
+    settled: Vec<u64>,
+    /// The writes of the group under way: each one sent since the place was last quiet.
+    group: Vec<u64>,
+    /// The writes of the group still in flight.
+    writing: Vec<u64>,
+    /// Reads of the place in flight, by (lane, slot).
+    readers: Vec<(usize, u16)>,
+}
+
+/// A read in flight, and what it may find.
+struct ReadCheck {
+    place: u64,
+    /// A write to the place had been acknowledged when the read was sent: the read must
+    /// find one of `allowed`, never zeroes or an older write.
+    known: bool,
+    /// The writes it may find: what was settled or under way when it was sent, and every
+    /// write sent to the place before it was answered.
+    allowed: Vec<u64>,
+}
+
+impl Tracker {
+    /// A write to `place` is sent: its stamp.
+    fn write_sent(&mut self, place: u64) -> u64 {
+        self.next_stamp = self.next_stamp.wrapping_add(1);
+        let stamp = self.next_stamp;
+        let p = self.places.entry(place).or_default();
+        if p.writing.is_empty() {
+            p.group.clear();
+        }
+        p.group.push(stamp);
+        p.writing.push(stamp);
+        for key in &p.readers {
+            if let Some(r) = self.reads.get_mut(key) {
+                r.allowed.push(stamp);
+            }
+        }
+        stamp
+    }
+
+    /// The write stamped `stamp` to `place` is acknowledged.
+    fn write_done(&mut self, place: u64, stamp: u64) {
+        if let Some(p) = self.places.get_mut(&place) {
+            p.writing.retain(|&s| s != stamp);
+            if p.writing.is_empty() {
+                p.settled = std::mem::take(&mut p.group);
+            }
+        }
+    }
+
+    /// A read of `place` is sent from `key` (lane, slot).
+    fn read_sent(&mut self, key: (usize, u16), place: u64) {
+        let p = self.places.entry(place).or_default();
+        // Once any write to it was acknowledged, the place holds this run's data.
+        let known = !p.settled.is_empty() || p.group.len() > p.writing.len();
+        let mut allowed = p.settled.clone();
+        allowed.extend_from_slice(&p.group);
+        p.readers.push(key);
+        self.reads.insert(
+            key,
+            ReadCheck {
+                place,
+                known,
+                allowed,
+            },
+        );
+    }
+
+    /// The read sent from `key` is answered: what it may have found.
+    fn read_done(&mut self, key: (usize, u16)) -> Option<ReadCheck> {
+        let r = self.reads.remove(&key)?;
+        if let Some(p) = self.places.get_mut(&r.place) {
+            p.readers.retain(|&k| k != key);
+        }
+        Some(r)
+    }
+}
+
 /// What every lane of a thread shares.
 struct Shape<'a> {
     job: &'a Job,
-    /// Blocks per I/O, and I/O-sized places in the namespace.
+    /// Blocks per I/O.
     io_blocks: u64,
-    places: u64,
+    /// The places this thread works in: all of them, or with `verify` its own part.
+    part: std::ops::Range<u64>,
     data: Vec<u8>,
 }
 
 impl Lane {
     /// Submits commands until the queue is at its depth.
-    fn fill(&mut self, sh: &Shape<'_>, rng: &mut fastrand::Rng) -> Result<(), String> {
+    fn fill(
+        &mut self,
+        sh: &Shape<'_>,
+        rng: &mut fastrand::Rng,
+        tracker: &mut Tracker,
+    ) -> Result<(), String> {
         let job = sh.job;
         let q = self.io.transport();
         while q.outstanding() < usize::from(job.depth) {
             let at = if job.pattern.random() {
-                rng.u64(0..sh.places)
+                rng.u64(sh.part.clone())
             } else {
                 let at = self.next;
-                self.next = (at + 1) % sh.places;
+                self.next = if at + 1 >= sh.part.end {
+                    sh.part.start
+                } else {
+                    at + 1
+                };
                 at
             };
             let read = match job.pattern {
@@ -142,10 +251,13 @@ impl Lane {
             let nlb = wire::sat(sh.io_blocks);
             let s = rw_sqe(opcode, job.nsid, at * sh.io_blocks, nlb, false);
             let lba = at * sh.io_blocks;
+            let mut write = None;
             let payload = if read {
                 Payload::In(job.io_size as usize)
             } else if job.verify {
-                verify::stamp(&mut self.scratch, lba, job.block_size, rng.u64(..));
+                let stamp = tracker.write_sent(at);
+                verify::stamp(&mut self.scratch, lba, job.block_size, stamp);
+                write = Some((at, stamp));
                 Payload::Out(&self.scratch)
             } else {
                 Payload::Out(&sh.data)
@@ -158,7 +270,10 @@ impl Lane {
                 .map_err(|e| format!("I/O queue {}: {e}", self.figures.qid))?;
             self.sent_at[usize::from(slot)] = sent_at;
             if job.verify {
-                self.read_lba[usize::from(slot)] = read.then_some(lba);
+                self.writes[usize::from(slot)] = write;
+                if read {
+                    tracker.read_sent((self.index, slot), at);
+                }
             }
         }
         Ok(())
@@ -170,21 +285,28 @@ impl Lane {
         done: &mut Vec<Done>,
         measuring: bool,
         progress: &Progress,
+        (tracker, io_blocks): (&mut Tracker, u64),
     ) -> Result<(), String> {
         self.io.transport().poll(done);
         let now = Instant::now();
         for d in done.drain(..) {
             d.ok()
                 .map_err(|e| format!("I/O error on queue {}: {e}", self.figures.qid))?;
-            if let Some(lba) = self
-                .read_lba
+            if let Some((place, stamp)) = self
+                .writes
                 .get_mut(usize::from(d.slot))
                 .and_then(Option::take)
             {
+                tracker.write_done(place, stamp);
+            }
+            if let Some(r) = tracker.read_done((self.index, d.slot)) {
                 let q = self.io.transport();
                 q.data(d.slot, &mut self.scratch);
-                self.figures.verified += verify::check(&self.scratch, lba, self.block_size)
-                    .map_err(|e| format!("verify, queue {}: {e}", self.figures.qid))?;
+                let allowed = r.known.then_some(&r.allowed[..]);
+                let lba = r.place * io_blocks;
+                self.figures.verified +=
+                    verify::check(&self.scratch, lba, self.block_size, allowed)
+                        .map_err(|e| format!("verify, queue {}: {e}", self.figures.qid))?;
             }
             progress.ios.fetch_add(1, Ordering::Relaxed);
             if measuring {
@@ -205,6 +327,7 @@ impl Lane {
 /// The work of one thread: queues `qids`, connected by `connect`.
 fn thread_main(
     job: &Job,
+    (thread, threads): (u16, u16),
     qids: &[u16],
     connect: &(dyn Fn(u16) -> Result<IoQueue<PipelinedQueue>, HostError> + Sync),
     start: &Barrier,
@@ -229,22 +352,48 @@ fn thread_main(
     if places == 0 {
         return Err("the namespace is smaller than one I/O".into());
     }
+    let part = if job.verify {
+        let (t, n) = (u64::from(thread), u64::from(threads));
+        let part = t * places / n..(t + 1) * places / n;
+        if part.is_empty() {
+            return Err(format!(
+                "--verify gives each of the {threads} threads its own part of the namespace, \
+                 and it holds only {places} I/Os of {} bytes",
+                job.io_size
+            ));
+        }
+        part
+    } else {
+        0..places
+    };
     let sh = Shape {
         job,
         io_blocks,
-        places,
+        part,
         data: (0..job.io_size).map(|i| (i % 251) as u8).collect(),
     };
     let mut rng = fastrand::Rng::with_seed(u64::from(qids.first().copied().unwrap_or(0)));
+    let mut tracker = Tracker {
+        next_stamp: fastrand::u64(..),
+        ..Tracker::default()
+    };
+    let lanes_here = qids.len().max(1) as u64;
     let mut lanes: Vec<Lane> = queues
         .into_iter()
         .zip(qids)
-        .map(|(io, &qid)| Lane {
+        .enumerate()
+        .map(|(index, (io, &qid))| Lane {
+            index,
             io,
-            // Sequential patterns: each queue in its own part of the namespace.
-            next: (u64::from(qid) - 1) * (places / u64::from(job.queues)),
+            // Sequential patterns: each queue in its own part of the namespace (of the
+            // thread's part, with `verify`).
+            next: if job.verify {
+                sh.part.start + index as u64 * ((sh.part.end - sh.part.start) / lanes_here)
+            } else {
+                (u64::from(qid) - 1) * (places / u64::from(job.queues))
+            },
             sent_at: vec![Instant::now(); usize::from(job.depth) + 1],
-            read_lba: vec![None; usize::from(job.depth) + 1],
+            writes: vec![None; usize::from(job.depth) + 1],
             scratch: vec![0; job.io_size as usize],
             block_size: job.block_size,
             figures: QueueFigures {
@@ -267,8 +416,8 @@ fn thread_main(
             }
         }
         for l in &mut lanes {
-            l.fill(&sh, &mut rng)?;
-            l.reap(&mut done, measuring, progress)?;
+            l.fill(&sh, &mut rng, &mut tracker)?;
+            l.reap(&mut done, measuring, progress, (&mut tracker, io_blocks))?;
         }
     }
     // Every command sent is answered (its read checked) before the figures stand: a target
@@ -283,7 +432,7 @@ fn thread_main(
                     l.io.transport().outstanding()
                 ));
             }
-            l.reap(&mut done, false, progress)?;
+            l.reap(&mut done, false, progress, (&mut tracker, io_blocks))?;
             std::thread::yield_now();
         }
     }
@@ -335,7 +484,9 @@ pub fn run(
                     .filter(|q| (q - 1) % threads == t)
                     .collect();
                 let (stop, progress, start) = (&stop, &progress, &start);
-                scope.spawn(move || thread_main(job, &qids, connect, start, stop, progress))
+                scope.spawn(move || {
+                    thread_main(job, (t, threads), &qids, connect, start, stop, progress)
+                })
             })
             .collect();
         start.wait();
@@ -435,9 +586,10 @@ pub fn line(v: &Value) -> String {
 
 /// `--verify`: what a written block holds, and the check of a block read.
 ///
-/// A block is a header (a tag, its LBA, a stamp chosen per write) and bytes drawn from a
+/// A block is a header (a tag, its LBA, the stamp of its write) and bytes drawn from a
 /// generator seeded by LBA and stamp, so a read finds any block that is torn, stale from
-/// another place (wrong LBA) or altered, and any block that is zeroes is one never written.
+/// another place (wrong LBA) or altered; and, given the stamps it may find, one left from a
+/// write older than an acknowledged one (a lost write) or zeroes where a write landed.
 pub mod verify {
     const TAG: &[u8; 8] = b"nvmfdvfy";
 
@@ -457,13 +609,25 @@ pub mod verify {
     }
 
     /// Checks the blocks of `buf`, read from `lba`: the blocks found written and intact, or
-    /// what is wrong with the first that is not.
-    pub fn check(buf: &[u8], lba: u64, block_size: u32) -> Result<u64, String> {
+    /// what is wrong with the first that is not. With `allowed`, every block must hold the
+    /// write of one of those stamps; without, any intact block or zeroes pass.
+    pub fn check(
+        buf: &[u8],
+        lba: u64,
+        block_size: u32,
+        allowed: Option<&[u64]>,
+    ) -> Result<u64, String> {
         let mut expect = vec![0u8; block_size as usize];
         let mut written = 0;
         for (i, block) in buf.chunks(block_size as usize).enumerate() {
             let at = lba + i as u64;
             if block.iter().all(|&b| b == 0) {
+                if allowed.is_some() {
+                    return Err(format!(
+                        "block {at} reads as zeroes after a write to it was acknowledged: \
+                         the write was lost"
+                    ));
+                }
                 continue;
             }
             if &block[..8] != TAG {
@@ -482,6 +646,12 @@ pub mod verify {
             if block != &expect[..block.len()] {
                 return Err(format!("block {at} is torn or altered after its header"));
             }
+            if let Some(allowed) = allowed.filter(|a| !a.contains(&stamp)) {
+                return Err(format!(
+                    "block {at} holds an older write (stamp {stamp:#x}) than the one \
+                     acknowledged (stamps it may hold: {allowed:x?}): a write was lost"
+                ));
+            }
             written += 1;
         }
         Ok(written)
@@ -494,20 +664,27 @@ pub mod verify {
         #[test]
         fn a_written_block_checks_and_every_damage_is_named() {
             let mut buf = vec![0u8; 4 * 512];
-            assert_eq!(check(&buf, 100, 512), Ok(0), "zeroes: never written");
+            assert_eq!(check(&buf, 100, 512, None), Ok(0), "zeroes: never written");
+            assert!(check(&buf, 100, 512, Some(&[7]))
+                .unwrap_err()
+                .contains("block 100 reads as zeroes after a write"));
             stamp(&mut buf, 100, 512, 7);
-            assert_eq!(check(&buf, 100, 512), Ok(4));
-            assert!(check(&buf, 101, 512)
+            assert_eq!(check(&buf, 100, 512, None), Ok(4));
+            assert_eq!(check(&buf, 100, 512, Some(&[6, 7])), Ok(4));
+            assert!(check(&buf, 100, 512, Some(&[8]))
+                .unwrap_err()
+                .contains("block 100 holds an older write (stamp 0x7)"));
+            assert!(check(&buf, 101, 512, None)
                 .unwrap_err()
                 .contains("written to block 100"));
             let mut torn = buf.clone();
             torn[512 + 300] ^= 1;
-            assert!(check(&torn, 100, 512)
+            assert!(check(&torn, 100, 512, None)
                 .unwrap_err()
                 .contains("block 101 is torn"));
             let mut junk = buf.clone();
             junk[1024] = 0xff;
-            assert!(check(&junk, 100, 512)
+            assert!(check(&junk, 100, 512, None)
                 .unwrap_err()
                 .contains("block 102 holds neither"));
         }

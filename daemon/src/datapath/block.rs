@@ -199,6 +199,10 @@ impl DataPath {
                 next_op: r.next_op,
                 op_off: r.op_off,
             };
+            let op = match io.op {
+                IoOp::Write { .. } if self.discard_writes => &IoOp::Flush,
+                _ => &io.op,
+            };
             let Some((result, next)) = queue_op(
                 &mut self.engine,
                 match r.class {
@@ -206,7 +210,7 @@ impl DataPath {
                     _ => &self.pool,
                 },
                 &self.counters,
-                &io.op,
+                op,
                 (&mut r.buf, r.recv),
                 place,
                 (dev, tag),

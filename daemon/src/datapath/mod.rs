@@ -255,6 +255,9 @@ pub struct DataPath {
     settling: usize,
     /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
     srq_broken: bool,
+    /// A rebuild of the broken SRQ failed: when to try again, and the wait after this try
+    /// (doubling from `SRQ_RETRY_FIRST` to `SRQ_RETRY_MAX`).
+    srq_retry: Option<(Instant, std::time::Duration)>,
     /// Accepted connections whose host has not sent a Fabrics Connect yet, by deadline
     /// (adoption order, so deadlines only grow): (deadline, QP number, CM token).
     unconnected: VecDeque<(Instant, u32, usize)>,
@@ -279,6 +282,8 @@ pub struct DataPath {
     hold_block_completions: bool,
     /// Tests: responses go without their data (a faulty target).
     omit_read_data: bool,
+    /// Tests of hosts: writes are acknowledged without reaching the disk.
+    discard_writes: bool,
     log: slog::Logger,
 }
 
@@ -385,6 +390,7 @@ impl DataPath {
             cq_empty_polls: 0,
             settling: 0,
             srq_broken: false,
+            srq_retry: None,
             unconnected: VecDeque::new(),
             connect_timeout: cfg.connect_timeout,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
@@ -395,6 +401,7 @@ impl DataPath {
             send_invalidate: dev.supports_send_with_invalidate(),
             hold_block_completions: false,
             omit_read_data: false,
+            discard_writes: false,
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         Ok(dp)
@@ -530,6 +537,7 @@ impl DataPath {
             && self.draining.is_empty()
             && self.conns.is_empty()
             && self.held_receives == 0
+            && self.srq_retry.is_none_or(|(at, _)| now >= at)
         {
             self.rebuild_srq(now);
         }
@@ -611,6 +619,13 @@ impl DataPath {
     #[doc(hidden)]
     pub fn omit_read_data(&mut self, omit: bool) {
         self.omit_read_data = omit;
+    }
+
+    /// Tests of hosts: while `discard` is set, writes are acknowledged without reaching the
+    /// disk (each becomes a flush), as a target that loses acknowledged writes would.
+    #[doc(hidden)]
+    pub fn discard_writes(&mut self, discard: bool) {
+        self.discard_writes = discard;
     }
 
     /// Request slots taken: the commands in flight.

@@ -212,14 +212,25 @@ impl DataPath {
             Ok(srq) => {
                 self.srq = srq;
                 self.srq_broken = false;
+                self.srq_retry = None;
                 self.counters.srq_rebuilds.fetch_add(1, Ordering::Relaxed);
                 slog::info!(self.log, "SRQ rebuilt"; "srq" => self.srq.srq().id());
             }
             Err(e) => {
-                // Tried again next turn; connections are refused meanwhile.
+                // Tried again after a wait that doubles (every turn would flood the log);
+                // connections are refused meanwhile.
+                let wait = self
+                    .srq_retry
+                    .map_or(SRQ_RETRY_FIRST, |(_, w)| (w * 2).min(SRQ_RETRY_MAX));
+                self.srq_retry = Some((now + wait, wait));
                 self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
-                slog::warn!(self.log, "cannot rebuild the SRQ"; "error" => %e);
+                slog::warn!(self.log, "cannot rebuild the SRQ"; "error" => %e, "retry_in" => ?wait);
             }
         }
     }
 }
+
+/// The wait before the second try at rebuilding a broken SRQ; it doubles with each failure.
+const SRQ_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(50);
+/// The longest wait between tries.
+const SRQ_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);

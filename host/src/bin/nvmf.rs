@@ -123,9 +123,11 @@ struct BenchArgs {
     /// Print the figures as JSON.
     #[arg(long)]
     json: bool,
-    /// Write every block with its LBA and a checkable pattern and check every block read
-    /// (never written: zeroes); the first bad block ends the run with an error. Run a write
-    /// or randrw job first, then reads.
+    /// Write every block with its LBA, its write's stamp and a checkable pattern, and check
+    /// every block read: intact, in its place, and, once a write to it was acknowledged in
+    /// this run, from that write or a later one (a lost write or a stale block is found). A
+    /// block not written in the run may hold zeroes or an earlier run's data. Each thread
+    /// works in its own part of the namespace. The first bad block ends the run with an error.
     #[arg(long)]
     verify: bool,
 }
