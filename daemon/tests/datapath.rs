@@ -1896,7 +1896,13 @@ fn bench_verify_fails_when_reads_come_back_without_their_data() {
         verify: true,
     };
     let run = |j: &nvmf_host::bench::Job| {
-        nvmf_host::bench::run(j, &connect, &mut |_, _| {}, &AtomicBool::new(false))
+        nvmf_host::bench::run(
+            j,
+            &connect,
+            &mut |_, _| {},
+            &AtomicBool::new(false),
+            &mut || {},
+        )
     };
     // Every block written (sequentially, then read back intact) ...
     let w = job(nvmf_host::bench::Pattern::Write, Duration::from_millis(300));
@@ -1948,7 +1954,13 @@ fn bench_verify_fails_when_acknowledged_writes_are_lost() {
         verify: true,
     };
     let run = |j: &nvmf_host::bench::Job| {
-        nvmf_host::bench::run(j, &connect, &mut |_, _| {}, &AtomicBool::new(false))
+        nvmf_host::bench::run(
+            j,
+            &connect,
+            &mut |_, _| {},
+            &AtomicBool::new(false),
+            &mut || {},
+        )
     };
     // Every block written, then a mixed run on a target that keeps its writes passes ...
     run(&job(
@@ -2437,8 +2449,14 @@ fn bench_latency_includes_the_time_spent_in_the_post() {
         let q = nvmf_host::PipelinedQueue::connect(ch, addr, qid, 2, 4096, 4096)?;
         IoQueue::connect(q, &host(), SUB, cntlid, qid, 1)
     };
-    let m = nvmf_host::bench::run(&job, &connect, &mut |_, _| {}, &AtomicBool::new(false))
-        .expect("bench runs");
+    let m = nvmf_host::bench::run(
+        &job,
+        &connect,
+        &mut |_, _| {},
+        &AtomicBool::new(false),
+        &mut || {},
+    )
+    .expect("bench runs");
     let lat = &m.figures[0].latency;
     assert!(m.figures[0].ios > 0, "no I/O in {:?}", job.time);
     // Each read waits for the host's post and then the target's reply.

@@ -446,7 +446,7 @@ fn thread_main(
 }
 
 /// How long the commands still out when the run ends may take to be answered.
-const UNANSWERED_AFTER_RUN: Duration = Duration::from_secs(10);
+pub const UNANSWERED_AFTER_RUN: Duration = Duration::from_secs(10);
 
 /// What a run measured: each queue's figures, and the time they were measured over (the job's
 /// time, or less when the run was interrupted).
@@ -461,11 +461,14 @@ pub struct Measured {
 /// Runs `job`; `connect(qid)` connects I/O queue `qid` (with `job.depth` slots). Calls
 /// `tick` with the I/Os so far about every 200 ms (the progress line). The run ends early,
 /// with the figures so far, once `interrupt` is raised (SIGINT or SIGTERM in `nvmf bench`).
+/// Calls `waiting` once if, 200 ms after the run ended, commands are still out (the threads
+/// wait up to `UNANSWERED_AFTER_RUN` for them).
 pub fn run(
     job: &Job,
     connect: &(dyn Fn(u16) -> Result<IoQueue<PipelinedQueue>, HostError> + Sync),
     tick: &mut dyn FnMut(u64, Duration),
     interrupt: &AtomicBool,
+    waiting: &mut dyn FnMut(),
 ) -> Result<Measured, String> {
     if job.io_size == 0 || !job.io_size.is_multiple_of(job.block_size) {
         return Err(format!(
@@ -503,6 +506,15 @@ pub fn run(
         }
         stop.store(true, Ordering::Relaxed);
         let measured = began.elapsed().saturating_sub(job.warmup).min(job.time);
+        let ended = Instant::now();
+        let mut told = false;
+        while !handles.iter().all(|h| h.is_finished()) {
+            if !told && ended.elapsed() >= Duration::from_millis(200) {
+                told = true;
+                waiting();
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let results = handles
             .into_iter()
             .map(|h| {

@@ -278,3 +278,62 @@ fn an_interrupted_bench_prints_the_figures_of_the_time_it_ran() {
         "{v}"
     );
 }
+
+/// Interrupted while a stalled target holds its commands, the bench waits for them (up to
+/// 10 s) and says so; a second SIGINT then quits at once with status 130. It once waited
+/// the 10 s out whatever the user did.
+#[test]
+fn an_interrupted_bench_waiting_for_a_stalled_target_says_so_and_quits_on_a_second_sigint() {
+    use std::io::BufRead;
+    let d = Daemon::start(Options {
+        test_hooks: true,
+        ..Options::default()
+    });
+    let a = addr(&d);
+    let mut child = Command::new(bin("nvmf"))
+        .args([
+            "bench", "--addr", &a, "--nqn", SUB, "-q", "8", "-o", "4k", "-w", "randread", "-t",
+            "600", "--warmup", "0",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    nvmfd_tests::wait_for("the bench's reads to flow", || {
+        let s = d.data("stats");
+        let n: u64 = s["datapath"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["commands_total"].as_u64().unwrap_or(0))
+            .sum();
+        (n > 100).then_some(())
+    });
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":20000}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    let sigint = |child: &std::process::Child| {
+        // SAFETY: kill(2) on the child's PID, which has not been reaped yet.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    };
+    sigint(&child);
+    let mut seen = Vec::new();
+    nvmfd_tests::wait_for("the bench to say it waits", || {
+        seen.extend(rx.try_iter());
+        seen.iter()
+            .any(|l| l.contains("waiting up to"))
+            .then_some(())
+    });
+    sigint(&child);
+    let status = nvmfd_tests::wait_for("nvmf bench to quit", || child.try_wait().unwrap());
+    assert_eq!(status.code(), Some(130), "{status}: {seen:?}");
+}

@@ -274,13 +274,32 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
             last = (ios, at);
         }
     };
-    // SIGINT or SIGTERM ends the run early with the figures so far, as fio does.
+    // SIGINT or SIGTERM ends the run early with the figures so far, as fio does; another one
+    // while the bench waits for commands still out quits at once (exit status 130).
     let interrupt = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, std::sync::Arc::clone(&interrupt))
-            .map_err(|e| format!("cannot catch signal {sig}: {e}"))?;
+        signal_hook::flag::register_conditional_shutdown(
+            sig,
+            130,
+            std::sync::Arc::clone(&interrupt),
+        )
+        .and_then(|_| signal_hook::flag::register(sig, std::sync::Arc::clone(&interrupt)))
+        .map_err(|e| format!("cannot catch signal {sig}: {e}"))?;
     }
-    let measured = bench::run(&job, &connect, &mut tick, &interrupt);
+    let flag = std::sync::Arc::clone(&interrupt);
+    let bar_waiting = bar.clone();
+    let mut waiting = move || {
+        // From now on the first SIGINT or SIGTERM quits.
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+        bar_waiting.suspend(|| {
+            eprintln!(
+                "nvmf bench: the run is over; waiting up to {} s for the commands still out \
+                 (SIGINT quits at once)",
+                bench::UNANSWERED_AFTER_RUN.as_secs()
+            );
+        });
+    };
+    let measured = bench::run(&job, &connect, &mut tick, &interrupt, &mut waiting);
     bar.finish_and_clear();
     let _ = a.shutdown();
     let measured = measured?;
