@@ -173,7 +173,7 @@ impl Stripe {
         let mine = self.next.fetch_add(1, Ordering::Relaxed);
         let mut spins = 0u32;
         while self.serving.load(Ordering::Acquire) != mine {
-            spins += 1;
+            spins = spins.wrapping_add(1);
             // The holder may have lost its CPU: after a while, let it run.
             if spins.is_multiple_of(64) {
                 std::thread::yield_now();

@@ -954,7 +954,10 @@ fn a_failed_srq_rebuild_is_tried_again_after_a_growing_wait_and_then_serves() {
     let errors = c.srq_errors.load(Relaxed);
     s.fabric.fail_registrations(u32::MAX);
     s.fabric.inject_srq_error(s.srq_id);
-    wait_until("a rebuild failed", || c.srq_errors.load(Relaxed) > errors);
+    // The SRQ's error event counts one, the first failed rebuild another.
+    wait_until("a rebuild failed", || {
+        c.srq_errors.load(Relaxed) >= errors + 2
+    });
     let first = c.srq_errors.load(Relaxed);
     // The time itself is what is measured: in 400 ms, tries at about 50, 150 and 350 ms
     // after the first (a retry on every turn made thousands).
@@ -1610,20 +1613,28 @@ fn a_write_in_more_pieces_than_the_read_depth_is_fetched_in_rounds_within_the_de
 }
 
 impl Served {
-    /// Sets one of the serving thread's switches (`paused`, `hold_*`) and waits until a whole
-    /// turn has seen it: the turn under way when it was set may have read it before, and
-    /// served a command the switch was meant to hold.
-    /// (The in-process target's stand-ins read `hold_cm` between events; the other switches
-    /// are this thread's.)
+    /// Sets one of the serving thread's switches (`paused`, `hold_*`) and waits until every
+    /// later turn sees it: the turn under way when it was set may have read it before, and
+    /// served a command the switch was meant to hold. Two jobs run through the serving
+    /// thread, one after the other: the turn that runs the second began after the first ran,
+    /// which the store happened before (the channel orders them), so that turn and every
+    /// later one read the switch as set. The in-process target's control thread reads
+    /// `hold_cm` between events and nothing reads the other switches there: it is only set.
     fn set_switch(&self, switch: &AtomicBool, on: bool) {
         switch.store(on, Ordering::Relaxed);
         if self.thread.is_none() {
             return;
         }
-        let t = self.turns.load(Ordering::Relaxed);
-        wait_until("a whole turn with the switch set", || {
-            self.turns.load(Ordering::Relaxed) >= t + 2
-        });
+        for _ in 0..2 {
+            let (tx, rx) = std::sync::mpsc::channel();
+            self.run
+                .send(Box::new(move |_: &mut DataPath| {
+                    let _ = tx.send(());
+                }))
+                .unwrap();
+            rx.recv_timeout(Duration::from_secs(20))
+                .expect("the serving thread ran a job");
+        }
     }
 
     /// The serving thread's allocations, read once it has finished two more turns (so the

@@ -377,8 +377,6 @@ fn listeners_on_one_device_share_one_data_path_and_leave_it_one_at_a_time() {
     });
 }
 
-/// A change made through the admin socket writes the file back: edits made to the file and
-/// not yet loaded would be lost, so the change is refused until the file is reloaded.
 /// A reload that removes subsystem A and lists an allowed host for B reports B's hosts as
 /// changed: the subsystems were once compared by their place in the list, and B had moved to
 /// A's.
@@ -408,6 +406,8 @@ fn a_reload_reports_a_subsystems_hosts_changed_when_another_subsystem_goes() {
     );
 }
 
+/// A change made through the admin socket writes the file back: edits made to the file and
+/// not yet loaded would be lost, so the change is refused until the file is reloaded.
 #[test]
 fn a_change_is_refused_while_the_file_holds_edits_not_yet_loaded() {
     let (d, _addr) = start();

@@ -127,7 +127,8 @@ struct BenchArgs {
     /// every block read: intact, in its place, and, once a write to it was acknowledged in
     /// this run, from that write or a later one (a lost write or a stale block is found). A
     /// block not written in the run may hold zeroes or an earlier run's data. Each thread
-    /// works in its own part of the namespace. The first bad block ends the run with an error.
+    /// works in its own part of the namespace, and keeps about 50 bytes for each place it
+    /// writes. The first bad block ends the run with an error.
     #[arg(long)]
     verify: bool,
 }
