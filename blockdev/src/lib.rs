@@ -18,6 +18,28 @@ mod mem;
 mod rbd;
 
 pub use device::{Device, DeviceInfo, DeviceSpec, Kind, RbdSpec};
+
+/// Waits until every RBD image handle let go so far is closed, or `timeout`: whether they all
+/// are. Handles are closed on a thread of their own (closing one can wait on the cluster for
+/// as long as an OSD operation may take); a daemon waits for them before it exits, so that
+/// the cluster does not keep their watches until they time out. Without RBD: true at once.
+pub fn wait_for_rbd_closes(timeout: std::time::Duration) -> bool {
+    #[cfg(feature = "rbd")]
+    return rbd::wait_for_closes(timeout);
+    #[cfg(not(feature = "rbd"))]
+    {
+        let _ = timeout;
+        true
+    }
+}
+
+/// RBD image handles let go and not closed yet.
+pub fn rbd_closes_pending() -> usize {
+    #[cfg(feature = "rbd")]
+    return rbd::closes_pending();
+    #[cfg(not(feature = "rbd"))]
+    0
+}
 pub use engine::{Completion, DevId, Engine, OpKind, Rejected};
 pub use mem::{BufPool, DmaBuf, DmaRegion, DMA_ALIGN};
 

@@ -121,22 +121,61 @@ impl Drop for Cluster {
 /// A connection's configuration file and user.
 type ClusterKey = (PathBuf, String);
 
-/// Connections by configuration file and user: one per process (`Weak`, so that the last
-/// image closed shuts it down).
-static CLUSTERS: Mutex<Vec<(ClusterKey, Weak<Cluster>)>> = Mutex::new(Vec::new());
+/// A connection's slot: the connection (`Weak`, so that the last image closed shuts it
+/// down), and the last failure to connect, with when it ended.
+#[derive(Default)]
+struct ClusterSlot {
+    cluster: Weak<Cluster>,
+    failed: Option<(std::time::Instant, io::ErrorKind, String)>,
+}
+
+/// Connections by configuration file and user: one per process. Each key has its own lock,
+/// held while connecting (which can take `client_mount_timeout`): opens on other clusters go
+/// on meanwhile, and opens on the same one wait and share the result.
+static CLUSTERS: Mutex<Vec<(ClusterKey, Arc<Mutex<ClusterSlot>>)>> = Mutex::new(Vec::new());
+
+/// How long a failure to connect answers the opens that waited for it, instead of each
+/// trying (and waiting) again.
+const CONNECT_FAILURE_SHARED: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn connect(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
     libs()?;
     let key = (conf.to_owned(), client.to_owned());
-    let mut all = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
-    all.retain(|(_, w)| w.strong_count() > 0);
-    if let Some(c) = all
-        .iter()
-        .find(|(k, _)| *k == key)
-        .and_then(|(_, w)| w.upgrade())
-    {
+    let slot = {
+        let mut all = CLUSTERS.lock().unwrap_or_else(|e| e.into_inner());
+        match all.iter().find(|(k, _)| *k == key) {
+            Some((_, s)) => Arc::clone(s),
+            None => {
+                let s = Arc::new(Mutex::new(ClusterSlot::default()));
+                all.push((key, Arc::clone(&s)));
+                s
+            }
+        }
+    };
+    let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = slot.cluster.upgrade() {
         return Ok(c);
     }
+    if let Some((at, kind, msg)) = &slot.failed {
+        if at.elapsed() < CONNECT_FAILURE_SHARED {
+            return Err(io::Error::new(*kind, msg.clone()));
+        }
+    }
+    let connected = connect_new(conf, client);
+    match &connected {
+        Ok(c) => {
+            slot.cluster = Arc::downgrade(c);
+            slot.failed = None;
+        }
+        Err(e) => {
+            slot.failed = Some((std::time::Instant::now(), e.kind(), e.to_string()));
+        }
+    }
+    connected
+}
+
+/// A new connection to the cluster of `conf`, as `client`.
+fn connect_new(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
     let id = cstr("client_id", client)?;
     let path = cstr("ceph_conf", &conf.to_string_lossy())?;
     let mut h: rados_ffi::rados_t = ptr::null_mut();
@@ -182,9 +221,7 @@ fn connect(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
             rc,
         ));
     }
-    let cluster = Arc::new(cluster);
-    all.push((key, Arc::downgrade(&cluster)));
-    Ok(cluster)
+    Ok(Arc::new(cluster))
 }
 
 fn conf_set(h: rados_ffi::rados_t, k: &std::ffi::CStr, v: &std::ffi::CStr) -> io::Result<()> {
@@ -270,18 +307,104 @@ pub(crate) struct Image {
 }
 
 // SAFETY: librbd image handles may be used from any thread (librbd serialises internally);
-// each engine's handle is used by its reactor only, and closed once in `Drop`.
+// each engine's handle is used by its reactor only, and closed once, by `Closing`.
 unsafe impl Send for Image {}
-// SAFETY: as for `Send`: the device's own handle is only read (its size) after opening.
+// SAFETY: as for `Send`: the device's own handle is read (its size) and resized from the
+// control side, which librbd's internal locking allows from any thread.
 unsafe impl Sync for Image {}
 
 impl Drop for Image {
+    /// The handle is closed on the closing thread: `rbd_close` unwatches the image and can
+    /// wait on the cluster for as long as an OSD operation may take, and the last handle of a
+    /// device often goes on a reactor (a namespace removed, a data path dropped), which must
+    /// not stop serving meanwhile. The pool (and the cluster connection, if this was its
+    /// last image) goes with it, after the close.
     fn drop(&mut self) {
-        // SAFETY: opened in `open_handle`; an engine closes its handle only once no operation
-        // of it is in flight (the engine drains first).
+        closer::close(Closing {
+            handle: self.handle,
+            _pool: Arc::clone(&self.pool),
+        });
+    }
+}
+
+/// An image handle to close, and what must outlive the close.
+struct Closing {
+    handle: ffi::rbd_image_t,
+    _pool: Arc<Pool>,
+}
+
+// SAFETY: a handle no one else holds any more (its `Image` was dropped), closed once in
+// `Drop`, on whichever thread drops it.
+unsafe impl Send for Closing {}
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        // SAFETY: opened in `open_handle` and closed only here, once; no operation of it is in
+        // flight (an engine drains before it lets a handle go).
         unsafe { lib().rbd.rbd_close(self.handle) };
     }
 }
+
+/// The thread that closes image handles, and a count of the closes still to make.
+mod closer {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Mutex, OnceLock};
+    use std::time::{Duration, Instant};
+
+    use super::Closing;
+
+    static QUEUE: OnceLock<Option<Mutex<mpsc::Sender<Closing>>>> = OnceLock::new();
+    static PENDING: AtomicUsize = AtomicUsize::new(0);
+
+    /// Closes `c` on the closing thread (started at the first close), or here if it cannot
+    /// be started.
+    pub(super) fn close(c: Closing) {
+        let queue = QUEUE.get_or_init(|| {
+            let (tx, rx) = mpsc::channel::<Closing>();
+            std::thread::Builder::new()
+                .name("nvmfd-rbd-close".into())
+                .spawn(move || {
+                    for c in rx {
+                        drop(c);
+                        PENDING.fetch_sub(1, Ordering::AcqRel);
+                    }
+                })
+                .ok()
+                .map(|_| Mutex::new(tx))
+        });
+        let Some(tx) = queue else {
+            return drop(c);
+        };
+        PENDING.fetch_add(1, Ordering::AcqRel);
+        let sent = tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .send(c);
+        if let Err(mpsc::SendError(c)) = sent {
+            PENDING.fetch_sub(1, Ordering::AcqRel);
+            drop(c);
+        }
+    }
+
+    /// Waits until every handle let go so far is closed, or `timeout`: whether they all are.
+    pub fn wait_closed(timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        while PENDING.load(Ordering::Acquire) > 0 {
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    /// Handles let go and not closed yet.
+    pub fn pending() -> usize {
+        PENDING.load(Ordering::Acquire)
+    }
+}
+
+pub(crate) use closer::{pending as closes_pending, wait_closed as wait_for_closes};
 
 fn open_handle(pool: &Arc<Pool>, name: &CString, read_only: bool) -> Result<Image, i32> {
     let mut handle: ffi::rbd_image_t = ptr::null_mut();

@@ -55,12 +55,13 @@ pub fn block_failure(e: &BlockError) -> BlockFailure {
 }
 
 /// Errors of a store that cannot be reached for now (an RBD image whose OSDs or monitors do
-/// not answer in `rados_osd_op_timeout`), which a later retry may get past.
+/// not answer in `rados_osd_op_timeout`), which a later retry may get past. Not ESHUTDOWN:
+/// librados's "blocklisted", which lasts as long as the client's connection does, so a host
+/// told to retry would retry for ever; it is an I/O error.
 fn unavailable(errno: i32) -> bool {
     [
         libc::ETIMEDOUT,
         libc::ENOTCONN,
-        libc::ESHUTDOWN,
         libc::ECONNREFUSED,
         libc::EHOSTUNREACH,
     ]
@@ -298,6 +299,8 @@ mod tests {
             (BlockError::Io(5), BlockFailure::Io),
             (BlockError::Io(libc::ETIMEDOUT), BlockFailure::Unavailable),
             (BlockError::Io(libc::ENOTCONN), BlockFailure::Unavailable),
+            // Blocklisted by the cluster: retrying cannot help.
+            (BlockError::Io(libc::ESHUTDOWN), BlockFailure::Io),
         ];
         for (e, want) in cases {
             assert_eq!(block_failure(&e), want, "{e:?}");

@@ -434,3 +434,122 @@ fn the_watchdog_is_fed_while_a_namespace_added_waits_for_its_cluster() {
     );
     assert_eq!(d.data("status")["state"], "running");
 }
+
+/// An RBD namespace removed while its cluster is gone: its image handles are closed on a
+/// thread of their own. Closing one (`rbd_close`) waits on the cluster for as long as an OSD
+/// operation may take (8 s in the test cluster), and the reactors once closed their handles
+/// themselves: the reactor stopped serving the other namespaces meanwhile, and its stalled
+/// heartbeat stopped the watchdog (systemd would restart the daemon).
+#[test]
+fn removing_a_namespace_whose_cluster_is_gone_keeps_the_reactors_serving() {
+    let _c = exclusive();
+    let Some(conf) = cluster() else { return };
+    let d = Daemon::start(Options {
+        notify: true,
+        watchdog_usec: Some(2_000_000),
+        ..Options::default()
+    });
+    d.notifications_until("READY=1");
+    let image = ceph::image_name();
+    let add = serde_json::json!({"request": "add_namespace", "subsystem": SUB,
+        "namespace": {"nsid": 2, "backend": "rbd", "pool": "rbd", "image": image,
+                      "ceph_conf": conf, "create": true, "size": "16MiB"}});
+    let a = d.request(&add.to_string());
+    assert_eq!(a["ok"], true, "{a}");
+    let mut h = Host::connect(&d);
+    h.io.write(2, 0, 8, &pattern(5, 4096), false).unwrap();
+    /// Starts what the test stopped, whatever its outcome: the tests after it need the cluster.
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            let _ = ceph::run(&["mon-start"]);
+            let _ = ceph::run(&["osd-start", "1"]);
+            let _ = ceph::run(&["osd-start", "2"]);
+        }
+    }
+    let restart = Restart;
+    ceph::run(&["mon-stop"]).unwrap();
+    ceph::run(&["osd-kill", "1"]).unwrap();
+    ceph::run(&["osd-kill", "2"]).unwrap();
+    let remove = serde_json::json!({"request": "remove_namespace", "subsystem": SUB, "nsid": 2});
+    let removed = d.request(&remove.to_string());
+    let since = Instant::now();
+    // Longer than a close can wait on the cluster: every reactor turns, and namespace 1
+    // serves, all along.
+    let mut pings = vec![since];
+    let mut writes = 0u32;
+    while since.elapsed() < Duration::from_secs(12) {
+        let t = Instant::now();
+        h.write(writes as u64 * 8, &pattern(u64::from(writes), 4096))
+            .unwrap_or_else(|e| panic!("namespace 1, write {writes}: {e}"));
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "a write took {:?}",
+            t.elapsed()
+        );
+        writes += 1;
+        for m in d.notifications_for(Duration::from_millis(100)) {
+            if m.lines().any(|l| l == "WATCHDOG=1") {
+                pings.push(Instant::now());
+            }
+        }
+    }
+    pings.push(Instant::now());
+    drop(restart);
+    assert_eq!(removed["ok"], true, "{removed}");
+    let longest = pings
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+    eprintln!("{writes} writes to namespace 1 after the removal; longest watchdog gap {longest:?}");
+    assert!(
+        longest < Duration::from_millis(1500),
+        "no WATCHDOG=1 for {longest:?}"
+    );
+    assert!(h.read(0, 4096) == pattern(0, 4096));
+    h.close();
+}
+
+/// Four namespaces on one cluster that does not answer: their opens at start wait for one
+/// connection attempt (5 s here) and share its failure. Each once took the process-wide
+/// lock of connections for its own attempt, one after the other: 20 s before the daemon was
+/// ready, past systemd's start timeout with enough of them.
+#[test]
+fn namespaces_on_an_unreachable_cluster_share_one_attempt_to_connect() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("ceph.conf");
+    std::fs::write(
+        &dead,
+        "[global]\nmon_host = 127.0.0.1:1\nauth_client_required = none\nclient_mount_timeout = 5\n",
+    )
+    .unwrap();
+    let mut extra = String::from("backend = \"malloc\"\nsize = \"16MiB\"\n");
+    for nsid in 2..=5 {
+        extra.push_str(&format!(
+            "\n[[subsystem.namespace]]\nnsid = {nsid}\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"gone{nsid}\"\nceph_conf = \"{}\"\n",
+            dead.display()
+        ));
+    }
+    let t0 = Instant::now();
+    let d = daemon_with(&extra);
+    let took = t0.elapsed();
+    let status = d.data("status");
+    let ns = status["namespaces"].as_array().unwrap();
+    let reasons: Vec<&str> = ns[1..]
+        .iter()
+        .map(|n| n["reason"].as_str().unwrap_or_default())
+        .collect();
+    if reasons.iter().any(|r| r.contains("cannot be loaded")) {
+        return skip(&format!("librbd is not there: {reasons:?}"));
+    }
+    assert_eq!(ns.len(), 5, "{status}");
+    assert!(
+        reasons
+            .iter()
+            .all(|r| r.contains("connecting to the cluster")),
+        "{reasons:?}"
+    );
+    // One attempt of 5 s, not four in a row.
+    assert!(took < Duration::from_secs(12), "ready after {took:?}");
+}

@@ -71,7 +71,14 @@ fn main() -> ExitCode {
     // Written back after changes made while serving: by its absolute path, whatever the
     // working directory becomes.
     let path = std::fs::canonicalize(&cli.config).unwrap_or_else(|_| cli.config.clone());
-    match control::run(cfg, Some(path), facts, log.clone()) {
+    let result = control::run(cfg, Some(path), facts, log.clone());
+    // RBD image handles are closed on a thread of their own: the last of them close now.
+    let closing = nvmfd_blockdev::rbd_closes_pending();
+    if closing > 0 && !nvmfd_blockdev::wait_for_rbd_closes(std::time::Duration::from_secs(10)) {
+        warn!(log, "RBD images still closing at exit: the cluster drops their watches when they time out";
+              "images" => nvmfd_blockdev::rbd_closes_pending());
+    }
+    match result {
         Ok(()) => {
             info!(log, "nvmfd stopped");
             ExitCode::SUCCESS
