@@ -347,8 +347,19 @@ impl CmChannel {
         }
     }
 
-    /// The next event, without blocking.
+    /// The next event, without blocking (events of kinds nvmfd does not act on are acked and
+    /// passed over).
     pub fn next_event(&self) -> Option<CmEvent> {
+        loop {
+            if let Some(e) = self.one_event()? {
+                return Some(e);
+            }
+        }
+    }
+
+    /// One event, acked: `None` when there is none, `Some(None)` for one of a kind nvmfd does
+    /// not act on.
+    fn one_event(&self) -> Option<Option<CmEvent>> {
         let mut ev = ptr::null_mut();
         // SAFETY: live, non-blocking channel.
         if unsafe { rdma_get_cm_event(self.inner.ch.as_ptr(), &mut ev) } != 0 {
@@ -418,7 +429,7 @@ impl CmChannel {
         };
         // SAFETY: acked once, after its data was copied.
         unsafe { rdma_ack_cm_event(ev) };
-        out.or_else(|| self.next_event())
+        Some(out)
     }
 }
 
@@ -501,6 +512,11 @@ impl CmId {
         srq: &Srq,
         caps: QpCaps,
     ) -> Result<u32, VerbsError> {
+        // A second QP would replace the first in the ID, which would then never be destroyed
+        // (and keep its CQ and SRQ busy).
+        if self.has_qp {
+            return Err(VerbsError::os("rdma_create_qp", libc::EINVAL));
+        }
         // SAFETY: plain data.
         let mut a: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         a.send_cq = cq.cq.as_ptr();
@@ -543,28 +559,32 @@ impl CmId {
         unsafe { socket_addr(rdma_sys::rdma_get_peer_addr(&*self.raw())) }
     }
 
-    fn conn_param(private_data: &[u8]) -> rdma_conn_param {
+    /// Connection parameters carrying `private_data` (at most 255 bytes: longer is refused,
+    /// not cut).
+    fn conn_param(private_data: &[u8]) -> Result<rdma_conn_param, VerbsError> {
+        let len = u8::try_from(private_data.len())
+            .map_err(|_| VerbsError::os("rdma_conn_param", libc::EINVAL))?;
         // SAFETY: plain data.
         let mut p: rdma_conn_param = unsafe { std::mem::zeroed() };
         p.private_data = private_data.as_ptr().cast();
-        p.private_data_len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);
+        p.private_data_len = len;
         p.responder_resources = 16;
         p.initiator_depth = 16;
         p.retry_count = 7;
         p.rnr_retry_count = 7; // retry forever when the peer's SRQ is empty
-        p
+        Ok(p)
     }
 
     /// Connects (after `resolve` and `create_qp`); the answer comes as an event.
     pub fn connect(&self, private_data: &[u8]) -> Result<(), VerbsError> {
-        let mut p = Self::conn_param(private_data);
+        let mut p = Self::conn_param(private_data)?;
         // SAFETY: live ID with a QP; the private data outlives the call (it is copied).
         check("rdma_connect", unsafe { rdma_connect(self.raw(), &mut p) })
     }
 
     /// Accepts a connect request (after `create_qp`).
     pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
-        let mut p = Self::conn_param(private_data);
+        let mut p = Self::conn_param(private_data)?;
         // SAFETY: as for connect.
         check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
     }
@@ -575,7 +595,7 @@ impl CmId {
     /// READs from its host, and the kernel's nvmet-rdma accepts the same way). The peer's QP
     /// then reads `initiator` 0 in [`CmId::read_depths`].
     pub fn accept_with(&self, private_data: &[u8], initiator_depth: u8) -> Result<(), VerbsError> {
-        let mut p = Self::conn_param(private_data);
+        let mut p = Self::conn_param(private_data)?;
         p.initiator_depth = initiator_depth;
         p.responder_resources = 0;
         // SAFETY: as for connect.
@@ -600,7 +620,8 @@ impl CmId {
 
     /// Rejects a connect request.
     pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
-        let len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);
+        let len = u8::try_from(private_data.len())
+            .map_err(|_| VerbsError::os("rdma_reject", libc::EINVAL))?;
         // SAFETY: live ID; the data is copied.
         check("rdma_reject", unsafe {
             rdma_reject(self.raw(), private_data.as_ptr().cast(), len)

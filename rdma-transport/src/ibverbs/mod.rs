@@ -375,8 +375,19 @@ impl Device {
         unsafe { (*self.ctx.ctx.as_ptr()).async_fd }
     }
 
-    /// The next async event, without blocking.
+    /// The next async event, without blocking (events of kinds nvmfd does not act on are
+    /// acked and passed over).
     pub fn next_event(&self) -> Option<AsyncEvent> {
+        loop {
+            if let Some(e) = self.one_event()? {
+                return Some(e);
+            }
+        }
+    }
+
+    /// One async event, acked: `None` when there is none, `Some(None)` for one of a kind
+    /// nvmfd does not act on.
+    fn one_event(&self) -> Option<Option<AsyncEvent>> {
         // SAFETY: zeroed is a valid initial value for this plain struct.
         let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
         // SAFETY: live context; the fd is non-blocking, so this returns at once.
@@ -409,7 +420,7 @@ impl Device {
         };
         // SAFETY: every event got is acked once.
         unsafe { ibv_ack_async_event(&mut ev) };
-        e.or_else(|| self.next_event())
+        Some(e)
     }
 
     /// A protection domain.
@@ -449,6 +460,7 @@ impl Device {
         let cq = Cq {
             cq,
             channel: ch,
+            scratch: std::cell::UnsafeCell::new(queues::zeroed_wcs()),
             owner: Arc::new(CqOwner {
                 cq,
                 channel: ch,

@@ -143,7 +143,12 @@ impl Mr {
     }
     /// Copies bytes out of the region.
     pub fn read(&self, offset: usize, out: &mut [u8]) {
-        assert!(offset + out.len() <= self.len(), "read past the region");
+        assert!(
+            offset
+                .checked_add(out.len())
+                .is_some_and(|end| end <= self.len()),
+            "read past the region"
+        );
         // SAFETY: in bounds of registered, mapped memory; raw copy of shared memory.
         unsafe {
             ptr::copy(
@@ -155,7 +160,12 @@ impl Mr {
     }
     /// Copies bytes into the region.
     pub fn write(&self, offset: usize, data: &[u8]) {
-        assert!(offset + data.len() <= self.len(), "write past the region");
+        assert!(
+            offset
+                .checked_add(data.len())
+                .is_some_and(|end| end <= self.len()),
+            "write past the region"
+        );
         // SAFETY: as in `read`.
         unsafe {
             ptr::copy(
@@ -202,9 +212,22 @@ pub struct Cq {
     pub(crate) cq: NonNull<ibv_cq>,
     pub(super) channel: NonNull<ibv_comp_channel>,
     pub(crate) owner: Arc<CqOwner>,
+    /// Where `poll` has the provider write completions: zeroed once, at creation, since a
+    /// provider writes only the fields valid for each completion (an error's opcode and
+    /// length are left as they were), and a busy-polling reactor calls `poll` every turn.
+    pub(super) scratch: std::cell::UnsafeCell<Box<[ibv_wc; POLL_BATCH]>>,
 }
 
-// SAFETY: a CQ is polled by the thread that owns the handle; the handle may move.
+/// A zeroed batch of work completions, for [`Cq::scratch`].
+pub(super) fn zeroed_wcs() -> Box<[ibv_wc; POLL_BATCH]> {
+    // SAFETY: `ibv_wc` is plain C data (integers, C enums whose zero is a valid value, and a
+    // union of integers), for which all-zero bytes are a valid value.
+    Box::new(unsafe { std::mem::zeroed() })
+}
+
+// SAFETY: a CQ is polled by the thread that owns the handle; the handle may move (with its
+// scratch batch, which only `poll`, through `&self` on that thread, touches: `Cq` is not
+// `Sync`).
 unsafe impl Send for Cq {}
 
 impl std::fmt::Debug for Cq {
@@ -235,41 +258,48 @@ pub(super) fn wc_status(s: u32) -> WcStatus {
 impl Cq {
     /// Polls up to `out.len()` (at most [`POLL_BATCH`]) completions.
     pub fn poll(&self, out: &mut [Wc]) -> Result<usize, VerbsError> {
-        // Not zeroed: a busy-polling reactor calls this every turn, mostly to find nothing,
-        // and the provider writes every entry it returns.
-        let mut raw = std::mem::MaybeUninit::<[ibv_wc; POLL_BATCH]>::uninit();
+        // SAFETY: `Cq` is not `Sync` and `poll` does not re-enter itself, so this is the only
+        // reference to the scratch batch while it lives.
+        let raw = unsafe { &mut *self.scratch.get() };
         let n = i32::try_from(out.len().min(POLL_BATCH)).unwrap_or(0);
         // SAFETY: live CQ; `raw` has room for n <= POLL_BATCH entries; poll_cq was checked at
         // open.
-        let got = unsafe { ibv_poll_cq(self.cq.as_ptr(), n, raw.as_mut_ptr().cast::<ibv_wc>()) };
+        let got = unsafe { ibv_poll_cq(self.cq.as_ptr(), n, raw.as_mut_ptr()) };
         if got < 0 {
             return Err(VerbsError::os("poll_cq", -got));
         }
         let got = usize::try_from(got).unwrap_or(0).min(POLL_BATCH);
-        // SAFETY: poll_cq wrote the first `got` entries (plain data), which alone are read.
-        let raw = unsafe { std::slice::from_raw_parts(raw.as_ptr().cast::<ibv_wc>(), got) };
-        for (o, w) in out.iter_mut().zip(raw) {
-            // SAFETY: status and opcode are C enums read as integers.
+        for (o, w) in out.iter_mut().zip(&raw[..got]) {
+            // SAFETY: status and opcode are C enums read as integers (every value is
+            // initialized: the batch was zeroed, and the provider writes integers).
             let status =
                 unsafe { ptr::read((&w.status as *const ibv_wc_status::Type).cast::<u32>()) };
+            let status = wc_status(status);
+            let ok = status == WcStatus::Success;
+            // The opcode and length of a failed completion are not set by every provider:
+            // reported as a receive of nothing.
             // SAFETY: as above.
             let opcode =
                 unsafe { ptr::read((&w.opcode as *const ibv_wc_opcode::Type).cast::<u32>()) };
-            let with_inv = w.wc_flags & 8 != 0; // IBV_WC_WITH_INV
+            let with_inv = ok && w.wc_flags & 8 != 0; // IBV_WC_WITH_INV
             *o = Wc {
                 wr_id: w.wr_id,
-                status: wc_status(status),
-                opcode: match opcode {
-                    0 => WcOpcode::Send,
-                    1 => WcOpcode::RdmaWrite,
-                    2 => WcOpcode::RdmaRead,
+                status,
+                opcode: match (ok, opcode) {
+                    (true, 0) => WcOpcode::Send,
+                    (true, 1) => WcOpcode::RdmaWrite,
+                    (true, 2) => WcOpcode::RdmaRead,
                     _ => WcOpcode::Recv,
                 },
-                byte_len: w.byte_len,
+                byte_len: if ok { w.byte_len } else { 0 },
                 qp_num: w.qp_num,
-                // SAFETY: the union holds the invalidated rkey when WITH_INV is set.
-                invalidated_rkey: with_inv
-                    .then_some(unsafe { w.imm_data_invalidated_rkey_union.invalidated_rkey }),
+                invalidated_rkey: if with_inv {
+                    // SAFETY: the union holds the invalidated rkey when WITH_INV is set (and
+                    // is read only then).
+                    Some(unsafe { w.imm_data_invalidated_rkey_union.invalidated_rkey })
+                } else {
+                    None
+                },
             };
         }
         Ok(got)
