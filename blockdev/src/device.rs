@@ -403,6 +403,29 @@ impl Device {
         }
     }
 
+    /// Opens `n` handles of an RBD image ahead, for the engines that will attach it, so
+    /// that their reactors do not wait on the cluster (`rbd_open`); an engine that finds none
+    /// opens its own. Other backends have nothing to open.
+    pub fn prepare_handles(&self, n: usize) -> io::Result<()> {
+        match &self.backing {
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(image) => image.prepare(n),
+            _ => {
+                let _ = n;
+                Ok(())
+            }
+        }
+    }
+
+    /// Handles opened ahead ([`Device::prepare_handles`]) that no engine has taken yet.
+    pub fn handles_ready(&self) -> usize {
+        match &self.backing {
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(image) => image.spares(),
+            _ => 0,
+        }
+    }
+
     /// Changes the capacity: to `size` bytes (a file is truncated or extended, an RBD image
     /// resized, a null device takes it, RAM within what was allocated at open), or, with
     /// `None`, to what the backend reports now (a file, block device or RBD image resized

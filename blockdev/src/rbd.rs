@@ -304,6 +304,8 @@ pub(crate) struct Image {
     pool: Arc<Pool>,
     name: CString,
     read_only: bool,
+    /// Handles opened ahead for engines (`prepare`), off the reactors that take them.
+    spares: Mutex<Vec<Image>>,
 }
 
 // SAFETY: librbd image handles may be used from any thread (librbd serialises internally);
@@ -428,6 +430,7 @@ fn open_handle(pool: &Arc<Pool>, name: &CString, read_only: bool) -> Result<Imag
         pool: Arc::clone(pool),
         name: name.clone(),
         read_only,
+        spares: Mutex::new(Vec::new()),
     })
 }
 
@@ -485,6 +488,32 @@ impl Image {
     pub(crate) fn reopen(&self) -> io::Result<Image> {
         open_handle(&self.pool, &self.name, self.read_only)
             .map_err(|rc| err("opening the image again", rc))
+    }
+
+    /// Opens handles ahead until `n` wait for engines: `rbd_open` waits on the cluster, which
+    /// the caller does rather than the reactor that attaches the image.
+    pub(crate) fn prepare(&self, n: usize) -> io::Result<()> {
+        loop {
+            let have = self.spares.lock().unwrap_or_else(|e| e.into_inner()).len();
+            if have >= n {
+                return Ok(());
+            }
+            let h = self.reopen()?;
+            self.spares
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(h);
+        }
+    }
+
+    /// Handles opened ahead and not taken.
+    pub(crate) fn spares(&self) -> usize {
+        self.spares.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// A handle opened ahead, if one waits.
+    pub(crate) fn take_spare(&self) -> Option<Image> {
+        self.spares.lock().unwrap_or_else(|e| e.into_inner()).pop()
     }
 
     /// The image's size in bytes.

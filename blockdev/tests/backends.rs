@@ -883,3 +883,39 @@ fn write_zeroes_with_fua_flushes_the_device() {
         "a FUA Write Zeroes completed without a flush"
     );
 }
+
+/// RBD handles opened ahead (on the control side, off the reactors) are the ones engines take
+/// when they attach the image; an engine that finds none opens its own; I/O works through
+/// either.
+#[cfg(feature = "rbd")]
+#[test]
+fn rbd_handles_opened_ahead_are_taken_by_the_engines_that_attach() {
+    let Some(f) = fixture("rbd", 512) else {
+        return;
+    };
+    f.device.prepare_handles(2).unwrap();
+    assert_eq!(f.device.handles_ready(), 2);
+    let pool = BufPool::new(4, 4096, false).unwrap();
+    let mut engines: Vec<(Engine, DevId)> = (0..3)
+        .map(|i| {
+            let mut e = Engine::new(8, 4, std::slice::from_ref(&pool)).unwrap();
+            let id = e.attach(&f.device).unwrap();
+            assert_eq!(f.device.handles_ready(), 1usize.saturating_sub(i));
+            (e, id)
+        })
+        .collect();
+    for (i, (e, id)) in engines.iter_mut().enumerate() {
+        let data = pattern(300 + i as u64, 4096);
+        let mut b = pool.take().unwrap();
+        assert!(b.set_len(4096));
+        b.as_mut_slice().copy_from_slice(&data);
+        e.write(*id, 4096 * i as u64, b, false, 1).unwrap();
+        e.drain(|c| assert_eq!(c.result, Ok(4096))).unwrap();
+        let mut b = pool.take().unwrap();
+        assert!(b.set_len(4096));
+        e.read(*id, 4096 * i as u64, b, 2).unwrap();
+        let mut back = None;
+        e.drain(|c| back = c.buf).unwrap();
+        assert!(back.unwrap().as_slice() == &data[..], "engine {i}");
+    }
+}

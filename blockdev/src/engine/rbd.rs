@@ -48,7 +48,11 @@ impl Engine {
             // SAFETY: `fd` is a new descriptor nothing else owns.
             self.rbd.eventfd = Some(unsafe { OwnedFd::from_raw_fd(fd) });
         }
-        let h = image.reopen()?;
+        // One opened ahead by the control side if there is one: opening waits on the cluster.
+        let h = match image.take_spare() {
+            Some(h) => h,
+            None => image.reopen()?,
+        };
         h.notify(self.rbd.eventfd.as_ref().map_or(-1, AsRawFd::as_raw_fd))?;
         Ok(h)
     }

@@ -244,8 +244,17 @@ impl Daemon {
             // until its client gives up): off this thread, which keeps the watch meanwhile.
             info!(self.log, "opening the device of an added namespace"; "subsystem" => nqn, "nsid" => ns.nsid);
             let spec = crate::serve::device_spec(ns);
+            // An RBD image's engine handles are opened here too, one for each data path a
+            // reactor may have (one per listener's device at most), so that no reactor waits
+            // on the cluster when it attaches the image.
+            let engines =
+                self.inboxes.len() * self.cm.iter().filter(|c| c.device.is_some()).count().max(1);
             let attached = self
-                .off_thread(move || BlockDevice::open(&spec))
+                .off_thread(move || {
+                    let dev = BlockDevice::open(&spec)?;
+                    dev.prepare_handles(engines)?;
+                    Ok::<_, std::io::Error>(dev)
+                })
                 .and_then(|r| r.map_err(|e| e.to_string()))
                 .map_err(|e| format!("subsystem {nqn} namespace {}: {e}", ns.nsid))
                 .and_then(|dev| {
