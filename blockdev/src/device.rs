@@ -403,16 +403,17 @@ impl Device {
         }
     }
 
-    /// Opens `n` handles of an RBD image ahead, for the engines that will attach it, so
-    /// that their reactors do not wait on the cluster (`rbd_open`); an engine that finds none
-    /// opens its own. Other backends have nothing to open.
-    pub fn prepare_handles(&self, n: usize) -> io::Result<()> {
+    /// Opens `n` handles of an RBD image ahead (in parallel), for the engines that will
+    /// attach it, so that their reactors do not wait on the cluster (`rbd_open`); an engine
+    /// that finds none opens its own. Returns how many wait. Other backends have nothing to
+    /// open.
+    pub fn prepare_handles(&self, n: usize) -> usize {
         match &self.backing {
             #[cfg(feature = "rbd")]
             Backing::Rbd(image) => image.prepare(n),
             _ => {
                 let _ = n;
-                Ok(())
+                0
             }
         }
     }

@@ -703,6 +703,13 @@ impl Drop for Engine {
                     std::mem::forget(slot.buf);
                 }
             }
+            // Operations may still be at librbd: their completions write to the eventfd,
+            // until the handles' closes (on threads of their own, later) have waited for
+            // them. The descriptor is leaked, so that its number is not reused meanwhile.
+            #[cfg(feature = "rbd")]
+            if let Some(fd) = self.rbd.eventfd.take() {
+                std::mem::forget(fd);
+            }
         }
     }
 }

@@ -347,44 +347,32 @@ impl Drop for Closing {
     }
 }
 
-/// The thread that closes image handles, and a count of the closes still to make.
+/// The threads that close image handles, and a count of the closes still to make.
 mod closer {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::{mpsc, Mutex, OnceLock};
     use std::time::{Duration, Instant};
 
     use super::Closing;
 
-    static QUEUE: OnceLock<Option<Mutex<mpsc::Sender<Closing>>>> = OnceLock::new();
     static PENDING: AtomicUsize = AtomicUsize::new(0);
 
-    /// Closes `c` on the closing thread (started at the first close), or here if it cannot
-    /// be started.
+    /// Closes `c` on a thread of its own (closes are rare, and one waiting on a cluster that
+    /// does not answer must not hold up the others), or here if none can be started.
     pub(super) fn close(c: Closing) {
-        let queue = QUEUE.get_or_init(|| {
-            let (tx, rx) = mpsc::channel::<Closing>();
-            std::thread::Builder::new()
-                .name("nvmfd-rbd-close".into())
-                .spawn(move || {
-                    for c in rx {
-                        drop(c);
-                        PENDING.fetch_sub(1, Ordering::AcqRel);
-                    }
-                })
-                .ok()
-                .map(|_| Mutex::new(tx))
-        });
-        let Some(tx) = queue else {
-            return drop(c);
-        };
         PENDING.fetch_add(1, Ordering::AcqRel);
-        let sent = tx
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .send(c);
-        if let Err(mpsc::SendError(c)) = sent {
-            PENDING.fetch_sub(1, Ordering::AcqRel);
+        let slot = std::sync::Arc::new(std::sync::Mutex::new(Some(c)));
+        let theirs = std::sync::Arc::clone(&slot);
+        let started = std::thread::Builder::new()
+            .name("nvmfd-rbd-close".into())
+            .spawn(move || {
+                let c = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
+                drop(c);
+                PENDING.fetch_sub(1, Ordering::AcqRel);
+            });
+        if started.is_err() {
+            let c = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
             drop(c);
+            PENDING.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
@@ -490,20 +478,21 @@ impl Image {
             .map_err(|rc| err("opening the image again", rc))
     }
 
-    /// Opens handles ahead until `n` wait for engines: `rbd_open` waits on the cluster, which
-    /// the caller does rather than the reactor that attaches the image.
-    pub(crate) fn prepare(&self, n: usize) -> io::Result<()> {
-        loop {
-            let have = self.spares.lock().unwrap_or_else(|e| e.into_inner()).len();
-            if have >= n {
-                return Ok(());
-            }
-            let h = self.reopen()?;
-            self.spares
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(h);
-        }
+    /// Opens handles ahead until `n` wait for engines, in parallel: `rbd_open` waits on the
+    /// cluster, which the caller does rather than the reactor that attaches the image. Returns
+    /// how many wait; an open that fails leaves its engine to open its own.
+    pub(crate) fn prepare(&self, n: usize) -> usize {
+        let have = self.spares();
+        let opened: Vec<Image> = std::thread::scope(|s| {
+            let opens: Vec<_> = (have..n).map(|_| s.spawn(|| self.reopen())).collect();
+            opens
+                .into_iter()
+                .filter_map(|h| h.join().ok().and_then(Result::ok))
+                .collect()
+        });
+        let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        spares.extend(opened);
+        spares.len()
     }
 
     /// Handles opened ahead and not taken.

@@ -893,7 +893,7 @@ fn rbd_handles_opened_ahead_are_taken_by_the_engines_that_attach() {
     let Some(f) = fixture("rbd", 512) else {
         return;
     };
-    f.device.prepare_handles(2).unwrap();
+    assert_eq!(f.device.prepare_handles(2), 2);
     assert_eq!(f.device.handles_ready(), 2);
     let pool = BufPool::new(4, 4096, false).unwrap();
     let mut engines: Vec<(Engine, DevId)> = (0..3)

@@ -72,20 +72,25 @@ fn main() -> ExitCode {
     // working directory becomes.
     let path = std::fs::canonicalize(&cli.config).unwrap_or_else(|_| cli.config.clone());
     let result = control::run(cfg, Some(path), facts, log.clone());
-    // RBD image handles are closed on a thread of their own: the last of them close now.
+    let code = match result {
+        Ok(()) => {
+            info!(log, "nvmfd stopped");
+            0
+        }
+        Err(e) => {
+            error!(log, "nvmfd failed"; "error" => %e);
+            1
+        }
+    };
+    // RBD image handles are closed on threads of their own: the last of them close now.
     let closing = nvmfd_blockdev::rbd_closes_pending();
     if closing > 0 && !nvmfd_blockdev::wait_for_rbd_closes(std::time::Duration::from_secs(10)) {
         warn!(log, "RBD images still closing at exit: the cluster drops their watches when they time out";
               "images" => nvmfd_blockdev::rbd_closes_pending());
+        // A close is still inside librbd: leave without running the libraries' destructors
+        // under it (the log is written synchronously, so nothing is lost).
+        // SAFETY: _exit ends the process at once; no Rust state needs to outlive it.
+        unsafe { libc::_exit(code) };
     }
-    match result {
-        Ok(()) => {
-            info!(log, "nvmfd stopped");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            error!(log, "nvmfd failed"; "error" => %e);
-            ExitCode::FAILURE
-        }
-    }
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
 }

@@ -252,7 +252,8 @@ impl Daemon {
             let attached = self
                 .off_thread(move || {
                     let dev = BlockDevice::open(&spec)?;
-                    dev.prepare_handles(engines)?;
+                    // Not all need open: an engine that finds none opens its own.
+                    dev.prepare_handles(engines);
                     Ok::<_, std::io::Error>(dev)
                 })
                 .and_then(|r| r.map_err(|e| e.to_string()))
