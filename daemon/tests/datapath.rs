@@ -1626,15 +1626,24 @@ impl Served {
             return;
         }
         for _ in 0..2 {
-            let (tx, rx) = std::sync::mpsc::channel();
-            self.run
-                .send(Box::new(move |_: &mut DataPath| {
-                    let _ = tx.send(());
-                }))
-                .unwrap();
-            rx.recv_timeout(Duration::from_secs(20))
-                .expect("the serving thread ran a job");
+            self.on_data_path(|_| ());
         }
+    }
+
+    /// Runs `f` on the serving thread's data path, between two turns, and waits for its
+    /// result.
+    fn on_data_path<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut DataPath) -> T + Send + 'static,
+    ) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.run
+            .send(Box::new(move |dp: &mut DataPath| {
+                let _ = tx.send(f(dp));
+            }))
+            .unwrap();
+        rx.recv_timeout(Duration::from_secs(20))
+            .expect("the serving thread ran a job")
     }
 
     /// The serving thread's allocations, read once it has finished two more turns (so the
@@ -1823,17 +1832,11 @@ fn a_command_of_a_removed_namespace_never_runs_on_the_device_that_takes_its_nsid
     spec.path = Some(new_path.clone());
     spec.block_size = 4096;
     let new_dev = Device::open(&spec).unwrap();
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    s.run
-        .send(Box::new(move |dp: &mut DataPath| {
-            dp.detach_namespace(1, 3);
-            done_tx.send(dp.attach_namespace(1, 3, &new_dev)).unwrap();
-        }))
-        .unwrap();
-    done_rx
-        .recv_timeout(Duration::from_secs(10))
-        .unwrap()
-        .unwrap();
+    s.on_data_path(move |dp| {
+        dp.detach_namespace(1, 3);
+        dp.attach_namespace(1, 3, &new_dev)
+    })
+    .unwrap();
     s.hold_block.store(false, Relaxed);
     let answer = dsm.join().unwrap();
     assert!(
@@ -1860,14 +1863,7 @@ fn a_read_answered_without_its_data_does_not_return_what_the_buffer_held() {
     // 8 KiB: past the in-capsule size, so the write goes through the host's data buffer.
     let data = pattern(77, 8192);
     io.write(1, 64, 16, &data, false).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    s.run
-        .send(Box::new(move |dp: &mut DataPath| {
-            dp.omit_read_data(true);
-            tx.send(()).unwrap();
-        }))
-        .unwrap();
-    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    s.on_data_path(|dp| dp.omit_read_data(true));
     let mut back = vec![0u8; 8192];
     io.read(1, 64, 16, &mut back).unwrap();
     assert!(
@@ -1876,61 +1872,68 @@ fn a_read_answered_without_its_data_does_not_return_what_the_buffer_held() {
     );
 }
 
-/// `nvmf bench --verify` against a target that answers reads without their data: the reads'
-/// buffers, never written by a read-only run, held zeroes, which count as "never written",
-/// so the run passed. They are poisoned now, and the run fails.
-#[test]
-fn bench_verify_fails_when_reads_come_back_without_their_data() {
-    let s = serve(4481);
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+/// `nvmf bench --verify` on namespace 2 (4 KiB blocks, the first 64) through `queues` I/O
+/// queues of depth 4 of one controller, a thread each, 8 KiB I/Os: the controller's admin
+/// queue (kept while the runs go), and a run of `pattern` with `read_pct` reads for `time`.
+#[allow(clippy::type_complexity)]
+fn verified_bench(
+    s: &Served,
+    queues: u16,
+) -> (
+    AdminQueue<RdmaQueue>,
+    impl Fn(nvmf_host::bench::Pattern, u32, Duration) -> Result<nvmf_host::bench::Measured, String>,
+) {
+    let mut admin = AdminQueue::connect(queue(s, 0, 31), &host(), SUB, 31, 0).unwrap();
     admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    assert_eq!(admin.set_queue_count(queues).unwrap(), queues);
     let (cntlid, fabric, addr) = (admin.cntlid, s.fabric.clone(), s.addr);
     let connect = move |qid: u16| {
         let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).unwrap());
         let q = nvmf_host::PipelinedQueue::connect(ch, addr, qid, 4, 4096, 8192)?;
         IoQueue::connect(q, &host(), SUB, cntlid, qid, 3)
     };
-    let job = |pattern, time| nvmf_host::bench::Job {
-        nsid: 2,
-        block_size: 4096,
-        blocks: 64,
-        io_size: 8192,
-        depth: 4,
-        pattern,
-        read_pct: 100,
-        queues: 1,
-        threads: 1,
-        time,
-        warmup: Duration::ZERO,
-        verify: true,
-    };
-    let run = |j: &nvmf_host::bench::Job| {
+    let run = move |pattern, read_pct, time| {
+        let job = nvmf_host::bench::Job {
+            nsid: 2,
+            block_size: 4096,
+            blocks: 64,
+            io_size: 8192,
+            depth: 4,
+            pattern,
+            read_pct,
+            queues,
+            threads: queues,
+            time,
+            warmup: Duration::ZERO,
+            verify: true,
+        };
         nvmf_host::bench::run(
-            j,
+            &job,
             &connect,
             &mut |_, _| {},
             &AtomicBool::new(false),
             &mut || {},
         )
     };
+    (admin, run)
+}
+
+/// `nvmf bench --verify` against a target that answers reads without their data: the reads'
+/// buffers, never written by a read-only run, held zeroes, which count as "never written",
+/// so the run passed. They are poisoned now, and the run fails.
+#[test]
+fn bench_verify_fails_when_reads_come_back_without_their_data() {
+    use nvmf_host::bench::Pattern;
+    let s = serve(4481);
+    let (_admin, run) = verified_bench(&s, 1);
     // Every block written (sequentially, then read back intact) ...
-    let w = job(nvmf_host::bench::Pattern::Write, Duration::from_millis(300));
-    run(&w).expect("the write pass");
-    let r = job(nvmf_host::bench::Pattern::Read, Duration::from_millis(200));
-    let m = run(&r).expect("the read pass");
+    run(Pattern::Write, 100, Duration::from_millis(300)).expect("the write pass");
+    let read = || run(Pattern::Read, 100, Duration::from_millis(200));
+    let m = read().expect("the read pass");
     assert!(m.figures[0].verified > 0, "nothing verified: {m:?}");
     // ... then the target stops sending read data.
-    let (tx, rx) = std::sync::mpsc::channel();
-    s.run
-        .send(Box::new(move |dp: &mut DataPath| {
-            dp.omit_read_data(true);
-            tx.send(()).unwrap();
-        }))
-        .unwrap();
-    rx.recv_timeout(Duration::from_secs(10)).unwrap();
-    let e = run(&r).expect_err("reads without data passed the check");
+    s.on_data_path(|dp| dp.omit_read_data(true));
+    let e = read().expect_err("reads without data passed the check");
     assert!(e.contains("verify"), "{e}");
 }
 
@@ -1939,66 +1942,21 @@ fn bench_verify_fails_when_reads_come_back_without_their_data() {
 /// bench now knows which writes each read may find, and the run fails.
 #[test]
 fn bench_verify_fails_when_acknowledged_writes_are_lost() {
+    use nvmf_host::bench::Pattern;
     let s = serve(4482);
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
-    let (cntlid, fabric, addr) = (admin.cntlid, s.fabric.clone(), s.addr);
-    let connect = move |qid: u16| {
-        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).unwrap());
-        let q = nvmf_host::PipelinedQueue::connect(ch, addr, qid, 4, 4096, 8192)?;
-        IoQueue::connect(q, &host(), SUB, cntlid, qid, 3)
-    };
-    let job = |pattern, time| nvmf_host::bench::Job {
-        nsid: 2,
-        block_size: 4096,
-        blocks: 64,
-        io_size: 8192,
-        depth: 4,
-        pattern,
-        read_pct: 50,
-        queues: 2,
-        threads: 2,
-        time,
-        warmup: Duration::ZERO,
-        verify: true,
-    };
-    let run = |j: &nvmf_host::bench::Job| {
-        nvmf_host::bench::run(
-            j,
-            &connect,
-            &mut |_, _| {},
-            &AtomicBool::new(false),
-            &mut || {},
-        )
-    };
+    let (_admin, run) = verified_bench(&s, 2);
     // Every block written, then a mixed run on a target that keeps its writes passes ...
-    run(&job(
-        nvmf_host::bench::Pattern::Write,
-        Duration::from_millis(300),
-    ))
-    .expect("writes");
-    let mixed = job(
-        nvmf_host::bench::Pattern::RandRw,
-        Duration::from_millis(500),
-    );
-    let m = run(&mixed).expect("a mixed run on a sound target");
+    run(Pattern::Write, 50, Duration::from_millis(300)).expect("writes");
+    let mixed = || run(Pattern::RandRw, 50, Duration::from_millis(500));
+    let m = mixed().expect("a mixed run on a sound target");
     let verified: Vec<u64> = m.figures.iter().map(|f| f.verified).collect();
     assert!(
         verified.iter().all(|&v| v > 0),
         "blocks verified: {verified:?}"
     );
     // ... then the target acknowledges writes without making them.
-    let (tx, rx) = std::sync::mpsc::channel();
-    s.run
-        .send(Box::new(move |dp: &mut DataPath| {
-            dp.discard_writes(true);
-            tx.send(()).unwrap();
-        }))
-        .unwrap();
-    rx.recv_timeout(Duration::from_secs(10)).unwrap();
-    let e = match run(&mixed) {
+    s.on_data_path(|dp| dp.discard_writes(true));
+    let e = match mixed() {
         Ok(m) => panic!(
             "lost writes passed the check: {} blocks verified",
             m.figures.iter().map(|f| f.verified).sum::<u64>()

@@ -138,6 +138,23 @@ fn bench_at_depth_one_keeps_one_command_out_on_a_queue_of_two_entries() {
 
 /// A target that stops answering during the run: the commands still out when it ends are
 /// waited for (10 s), and then the run fails, instead of printing lower figures and exiting 0.
+/// Waits until the daemon has served more than 100 commands (a bench's I/O flows), then
+/// stalls its reactor for 20 s (the `debug_stall_reactor` test hook).
+fn stall_once_io_flows(d: &Daemon) {
+    nvmfd_tests::wait_for("the bench's I/O to flow", || {
+        let s = d.data("stats");
+        let n: u64 = s["datapath"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["commands_total"].as_u64().unwrap_or(0))
+            .sum();
+        (n > 100).then_some(())
+    });
+    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":20000}"#);
+    assert_eq!(v["ok"], true, "{v}");
+}
+
 #[test]
 fn bench_fails_when_commands_are_left_unanswered_at_the_end() {
     let d = Daemon::start(Options {
@@ -154,19 +171,8 @@ fn bench_fails_when_commands_are_left_unanswered_at_the_end() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    nvmfd_tests::wait_for("the bench's reads to flow", || {
-        let s = d.data("stats");
-        let n: u64 = s["datapath"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r["commands_total"].as_u64().unwrap_or(0))
-            .sum();
-        (n > 100).then_some(())
-    });
     // The reactor stops answering for longer than the run and the bench's wait after it.
-    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":20000}"#);
-    assert_eq!(v["ok"], true, "{v}");
+    stall_once_io_flows(&d);
     let out = bench.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -309,18 +315,7 @@ fn an_interrupted_bench_waiting_for_a_stalled_target_says_so_and_quits_on_a_seco
             let _ = tx.send(line);
         }
     });
-    nvmfd_tests::wait_for("the bench's reads to flow", || {
-        let s = d.data("stats");
-        let n: u64 = s["datapath"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r["commands_total"].as_u64().unwrap_or(0))
-            .sum();
-        (n > 100).then_some(())
-    });
-    let v = d.request(r#"{"request":"debug_stall_reactor","reactor":0,"ms":20000}"#);
-    assert_eq!(v["ok"], true, "{v}");
+    stall_once_io_flows(&d);
     let sigint = |child: &std::process::Child| {
         // SAFETY: kill(2) on the child's PID, which has not been reaped yet.
         assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);

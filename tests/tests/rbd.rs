@@ -57,6 +57,21 @@ fn rbd_daemon(conf: &str, image: &str, extra: &str) -> Daemon {
     ))
 }
 
+/// A ceph.conf whose monitor address has nobody behind it (a client gives up connecting
+/// after `mount_timeout` seconds), in a directory kept as long as the first value lives.
+fn dead_cluster(mount_timeout: u32) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("ceph.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "[global]\nmon_host = 127.0.0.1:1\nauth_client_required = none\nclient_mount_timeout = {mount_timeout}\n"
+        ),
+    )
+    .unwrap();
+    (dir, conf)
+}
+
 fn nvmf(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(bin("nvmf"))
         .args(args)
@@ -319,13 +334,7 @@ fn io_fails_with_a_status_while_the_cluster_is_gone_and_works_when_it_returns() 
 #[test]
 fn a_namespace_whose_cluster_is_unreachable_is_left_out_and_the_others_are_served() {
     // No cluster needed: this one's monitor address has nobody behind it.
-    let dir = tempfile::tempdir().unwrap();
-    let dead = dir.path().join("ceph.conf");
-    std::fs::write(
-        &dead,
-        "[global]\nmon_host = 127.0.0.1:1\nauth_client_required = none\nclient_mount_timeout = 2\n",
-    )
-    .unwrap();
+    let (_dir, dead) = dead_cluster(2);
     let d = daemon_with(&format!(
         "backend = \"malloc\"\nsize = \"16MiB\"\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"gone\"\nceph_conf = \"{}\"\n",
         dead.display()
@@ -383,13 +392,7 @@ fn a_missing_image_is_named_in_status() {
 /// otherwise end a daemon that serves everything else; and the change is refused cleanly.
 #[test]
 fn the_watchdog_is_fed_while_a_namespace_added_waits_for_its_cluster() {
-    let dir = tempfile::tempdir().unwrap();
-    let dead = dir.path().join("ceph.conf");
-    std::fs::write(
-        &dead,
-        "[global]\nmon_host = 127.0.0.1:1\nauth_client_required = none\nclient_mount_timeout = 5\n",
-    )
-    .unwrap();
+    let (_dir, dead) = dead_cluster(5);
     let d = Daemon::start(Options {
         notify: true,
         watchdog_usec: Some(2_000_000),
@@ -528,13 +531,7 @@ fn removing_a_namespace_whose_cluster_is_gone_keeps_the_reactors_serving() {
 /// ready, past systemd's start timeout with enough of them.
 #[test]
 fn namespaces_on_an_unreachable_cluster_share_one_attempt_to_connect() {
-    let dir = tempfile::tempdir().unwrap();
-    let dead = dir.path().join("ceph.conf");
-    std::fs::write(
-        &dead,
-        "[global]\nmon_host = 127.0.0.1:1\nauth_client_required = none\nclient_mount_timeout = 5\n",
-    )
-    .unwrap();
+    let (_dir, dead) = dead_cluster(5);
     let mut extra = String::from("backend = \"malloc\"\nsize = \"16MiB\"\n");
     for nsid in 2..=5 {
         extra.push_str(&format!(
