@@ -41,8 +41,8 @@ fn rbd() {
     );
     generate(
         "Rbd",
-        "rbd_(open|open_read_only|close|create2|get_size|set_image_notification|poll_io_events|aio_create_completion|aio_get_return_value|aio_get_arg|aio_release|aio_read|aio_write|aio_flush|aio_discard|aio_write_zeroes|resize)",
-        "RBD_FEATURE_LAYERING|EVENT_TYPE_EVENTFD",
+        "rbd_(open|open_read_only|close|create2|get_size|set_image_notification|poll_io_events|aio_create_completion|aio_get_return_value|aio_get_arg|aio_release|aio_read|aio_write|aio_flush|aio_discard|aio_write_zeroes|resize|get_features|config_image_list|config_image_list_cleanup)",
+        "RBD_FEATURE_LAYERING|RBD_FEATURE_EXCLUSIVE_LOCK|EVENT_TYPE_EVENTFD",
         "rbd_bindings.rs",
     );
 }

@@ -69,7 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         spec.block_size = 4096;
     }
     let dev = Device::open(&spec)?;
-    if let Some(why) = dev.fallback_reason() {
+    if let Some(why) = dev.warning() {
         eprintln!("warning: {why}");
     }
     let pool = BufPool::new(a.qd, a.bs, false)?;

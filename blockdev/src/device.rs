@@ -254,8 +254,9 @@ pub struct Device {
     /// Capacity now, in bytes: a resize changes it while reactors serve the device.
     pub(crate) size: std::sync::atomic::AtomicU64,
     pub(crate) backing: Backing,
-    /// Why O_DIRECT was not used, when it was wanted.
-    pub(crate) fallback_reason: Option<String>,
+    /// What to warn of when serving it: why O_DIRECT was not used when it was wanted; an
+    /// RBD image's feature that slows it down.
+    pub(crate) warning: Option<String>,
 }
 
 impl std::fmt::Debug for Device {
@@ -320,14 +321,14 @@ impl Device {
                     size: info.size.into(),
                     info,
                     backing: Backing::Malloc(Ram::new(region)),
-                    fallback_reason: None,
+                    warning: None,
                 }))
             }
             Kind::Null => Ok(Arc::new(Device {
                 size: spec.size.into(),
                 info: ram(Kind::Null)?,
                 backing: Backing::Null,
-                fallback_reason: None,
+                warning: None,
             })),
             Kind::Rbd => open_rbd(spec),
             Kind::File | Kind::Bdev => {
@@ -485,9 +486,10 @@ impl Device {
         Ok(new)
     }
 
-    /// Why buffered I/O is used although O_DIRECT was asked for.
-    pub fn fallback_reason(&self) -> Option<&str> {
-        self.fallback_reason.as_deref()
+    /// What the daemon should warn of when it serves this device: why buffered I/O is used
+    /// although O_DIRECT was asked for; an RBD image's exclusive-lock feature.
+    pub fn warning(&self) -> Option<&str> {
+        self.warning.as_deref()
     }
 }
 
@@ -610,7 +612,7 @@ fn open_path(
             volatile_cache: true,
         },
         backing: Backing::File(file),
-        fallback_reason,
+        warning: fallback_reason,
     }))
 }
 
@@ -623,6 +625,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         )
     })?;
     let image = crate::rbd::Image::open(r, spec.size, spec.read_only)?;
+    let warning = image.warning();
     let bs = u64::from(spec.block_size);
     let size = image.size()? / bs * bs;
     if size == 0 {
@@ -648,7 +651,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
             volatile_cache: false,
         },
         backing: Backing::Rbd(image),
-        fallback_reason: None,
+        warning,
     }))
 }
 

@@ -594,13 +594,13 @@ fn o_direct_refusal_falls_back_to_buffered_io_and_says_why() {
     let dev = Device::open_with(&spec, &refuse_direct).unwrap();
     assert!(!dev.info().direct);
     assert!(
-        dev.fallback_reason().unwrap().contains("refuses O_DIRECT"),
+        dev.warning().unwrap().contains("refuses O_DIRECT"),
         "{:?}",
-        dev.fallback_reason()
+        dev.warning()
     );
     let d = Device::open(&spec).unwrap();
     assert!(d.info().direct, "ext4 takes O_DIRECT");
-    assert!(d.fallback_reason().is_none());
+    assert!(d.warning().is_none());
 }
 
 /// `OpenOptions` does not expose its flags; the test opener marks direct opens itself.

@@ -93,6 +93,10 @@ pub struct NamespaceStatus {
     /// Why not, when it is not served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// What to know of how it is served (buffered I/O where O_DIRECT was asked for, an RBD
+    /// image's exclusive-lock), also logged as a warning when it opens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
 }
 
 /// What [`build_target`] built.
@@ -188,6 +192,7 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                         size: 0,
                         serving: false,
                         reason: Some(e.to_string()),
+                        warning: None,
                     });
                     continue;
                 }
@@ -206,6 +211,7 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                 size: dev.size(),
                 serving: true,
                 reason: None,
+                warning: dev.warning().map(str::to_owned),
             });
             devices.push((s.nqn.clone(), ns.nsid, dev));
         }

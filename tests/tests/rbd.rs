@@ -219,6 +219,140 @@ fn a_read_past_the_end_of_an_image_shrunk_behind_nvmfds_back_returns_no_stale_da
     h.close();
 }
 
+/// A write that runs past the end of an image shrunk behind nvmfd's back: librbd writes what
+/// lies before the end and completes the write without saying it cut it. It fails with a
+/// status; it is never acknowledged with its tail lost.
+#[test]
+fn a_write_past_the_end_of_an_image_shrunk_behind_nvmfds_back_fails() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let d = rbd_daemon(&conf, &image, "create = true\nsize = \"32MiB\"");
+    let mut h = Host::connect(&d);
+    rbd(
+        &conf,
+        &[
+            "resize",
+            "--allow-shrink",
+            "--size",
+            "16M",
+            &format!("rbd/{image}"),
+        ],
+    );
+    // 64 KiB before the new end and 64 KiB after it.
+    let lba = (16 << 20) / 512 - 128;
+    let e = h
+        .write(lba, &pattern(6, 128 * 1024))
+        .expect_err("a write cut at the image's end was acknowledged");
+    assert!(matches!(e, HostError::Status { .. }), "{e}");
+    // Within the new end, writes go on.
+    let data = pattern(7, 64 * 1024);
+    h.write(lba, &data).unwrap();
+    assert_eq!(h.read(lba, data.len()), data);
+    h.close();
+}
+
+/// Runs `rbd -c conf ARGS`, which must succeed.
+fn rbd(conf: &str, args: &[&str]) {
+    let out = Command::new("rbd")
+        .args(["-c", conf])
+        .args(args)
+        .output()
+        .expect("run rbd");
+    assert!(
+        out.status.success(),
+        "rbd {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A daemon serving a RAM namespace 1 and image `image` of the test cluster as namespace 2.
+fn image_as_namespace_2(conf: &str, image: &str) -> Daemon {
+    daemon_with(&format!(
+        "backend = \"malloc\"\nsize = \"16MiB\"\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{conf}\"\n"
+    ))
+}
+
+/// nvmfd turns librbd's cache off, but an image's own configuration overrides that when it
+/// is opened: such an image would acknowledge writes still in the client's memory. It is not
+/// served, and its status says why; with the cache made write-through it is.
+#[test]
+fn an_image_whose_configuration_turns_write_back_caching_on_is_not_served() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let spec = format!("rbd/{image}");
+    rbd(&conf, &["create", "--size", "16M", &spec]);
+    rbd(
+        &conf,
+        &["config", "image", "set", &spec, "rbd_cache", "true"],
+    );
+    {
+        let d = image_as_namespace_2(&conf, &image);
+        let status = d.data("status");
+        let ns = &status["namespaces"][1];
+        assert_eq!(ns["serving"], false, "{status}");
+        let reason = ns["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("write-back cache") && reason.contains("the image's configuration"),
+            "{status}"
+        );
+    }
+    rbd(
+        &conf,
+        &["config", "image", "set", &spec, "rbd_cache_max_dirty", "0"],
+    );
+    let d = image_as_namespace_2(&conf, &image);
+    let status = d.data("status");
+    assert_eq!(status["namespaces"][1]["serving"], true, "{status}");
+}
+
+/// An image with the exclusive-lock feature (what a plain `rbd create` makes) is served, with
+/// a warning in the log and in status: each reactor's handle takes the lock in turn.
+#[test]
+fn an_image_with_exclusive_lock_is_served_with_a_warning() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let spec = format!("rbd/{image}");
+    rbd(
+        &conf,
+        &[
+            "create",
+            "--size",
+            "16M",
+            "--image-feature",
+            "layering,exclusive-lock",
+            &spec,
+        ],
+    );
+    let d = image_as_namespace_2(&conf, &image);
+    let status = d.data("status");
+    let ns = &status["namespaces"][1];
+    assert_eq!(ns["serving"], true, "{status}");
+    assert!(
+        ns["warning"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("exclusive-lock"),
+        "{status}"
+    );
+    assert!(
+        d.log().contains("namespace served with a warning"),
+        "{}",
+        d.log()
+    );
+    // Namespace 1, on RAM, has none.
+    assert!(status["namespaces"][0].get("warning").is_none(), "{status}");
+    let mut h = Host::connect(&d);
+    let data = pattern(8, 64 * 1024);
+    h.io.write(2, 0, 128, &data, false).unwrap();
+    let mut back = vec![0u8; data.len()];
+    h.io.read(2, 0, 128, &mut back).unwrap();
+    assert_eq!(back, data);
+    h.close();
+}
+
 #[test]
 fn a_second_daemon_on_the_image_reads_what_the_first_wrote() {
     let _c = shared();

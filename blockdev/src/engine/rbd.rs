@@ -124,26 +124,42 @@ impl Engine {
             };
             self.rbd.out -= 1;
             let data = matches!(s.op, OpKind::Read | OpKind::Write | OpKind::WriteFua);
-            // librbd answers a read with the bytes read, a write with 0 (or its length), and
-            // cuts either short at the image's end: an image shrunk behind nvmfd's back. A
-            // short read's tail would be whatever the buffer held, so it fails.
+            // librbd answers a read with the bytes read, a write with 0, and cuts either
+            // short at the image's end: an image shrunk behind nvmfd's back. A short read's
+            // tail would be whatever the buffer held, so it fails. A write cut short says
+            // nothing of it, so a write is complete only if the image still reaches its end.
             let short = |done: u32| {
                 Err(BlockError::ShortTransfer {
                     expected: s.len,
                     done,
                 })
             };
+            let written_whole = || {
+                let end = s.offset.saturating_add(u64::from(s.len));
+                let image = self.devices[s.dev as usize]
+                    .as_ref()
+                    .and_then(|a| a.rbd.as_ref());
+                match image.map(Image::size) {
+                    Some(Ok(size)) if size < end => {
+                        short(u32::try_from(size.saturating_sub(s.offset)).unwrap_or(0))
+                    }
+                    Some(Err(e)) => Err(BlockError::from_errno(
+                        e.raw_os_error().unwrap_or(libc::EIO),
+                    )),
+                    _ => Ok(s.len),
+                }
+            };
             let result = match i32::try_from(rv) {
                 Ok(e) if e < 0 => Err(BlockError::from_errno(-e)),
-                Ok(n) if data => {
+                Ok(n) if s.op == OpKind::Read => {
                     let n = u32::try_from(n).unwrap_or(0);
-                    if (s.op == OpKind::Read || n > 0) && n < s.len {
+                    if n < s.len {
                         short(n)
                     } else {
                         Ok(s.len)
                     }
                 }
-                _ if data => Ok(s.len),
+                _ if data => written_whole(),
                 _ => Ok(0),
             };
             self.finish(slot, result);

@@ -263,7 +263,12 @@ impl Daemon {
                     Ok(dev)
                 });
             match attached {
-                Ok(dev) => opened.push((nqn.clone(), ns.nsid, dev)),
+                Ok(dev) => {
+                    if let Some(w) = dev.warning() {
+                        warn!(self.log, "namespace served with a warning"; "subsystem" => nqn, "nsid" => ns.nsid, "warning" => w);
+                    }
+                    opened.push((nqn.clone(), ns.nsid, dev));
+                }
                 Err(e) => {
                     // This one attached nowhere (`attach_everywhere` undoes its own).
                     undo_attach(self, &opened);
@@ -617,6 +622,7 @@ impl Daemon {
                     size: dev.map_or(0, |d| d.size()),
                     serving: dev.is_some(),
                     reason: if dev.is_some() { None } else { earlier },
+                    warning: dev.and_then(|d| d.warning()).map(str::to_owned),
                 });
             }
         }

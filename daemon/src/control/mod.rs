@@ -293,6 +293,12 @@ impl Daemon {
                    "subsystem" => &n.subsystem, "nsid" => n.nsid, "backend" => &n.backend,
                    "reason" => n.reason.as_deref().unwrap_or(""));
         }
+        for n in &built.status {
+            if let Some(w) = &n.warning {
+                warn!(self.log, "namespace served with a warning";
+                      "subsystem" => &n.subsystem, "nsid" => n.nsid, "warning" => w);
+            }
+        }
         info!(self.log, "namespaces open"; "count" => built.devices.len(),
               "not served" => built.status.len() - built.devices.len());
         let (target, namespaces) = (built.target, built.devices);
