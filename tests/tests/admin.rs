@@ -1,7 +1,7 @@
 //! The admin socket under good and bad clients, and `nvmfctl` against a live daemon.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
 use std::time::Duration;
@@ -474,5 +474,69 @@ fn a_client_flooding_requests_does_not_hold_the_control_thread() {
     assert!(
         matches!(got, Ok(n) if n > 0),
         "no answer within 5 s while another client floods: {got:?}"
+    );
+}
+
+/// A ramfs mounted on a directory of its own, unmounted on drop.
+struct Ramfs(tempfile::TempDir);
+
+impl Ramfs {
+    fn mount() -> Option<Ramfs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = Command::new("mount")
+            .args(["-t", "ramfs", "nvmfd-test"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(Ramfs(dir))
+    }
+}
+
+impl Drop for Ramfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+/// A file namespace on a file system that refuses O_DIRECT (ramfs) is served with buffered
+/// I/O, and the daemon says so: a warning in its log and in its status entry.
+#[test]
+fn a_file_namespace_served_without_o_direct_is_reported() {
+    let Some(fs) = Ramfs::mount() else {
+        nvmfd_tests::skip("cannot mount a ramfs (needs root) to put a file without O_DIRECT on");
+        return;
+    };
+    let img = fs.0.path().join("ns.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(8 << 20))
+        .unwrap();
+    let direct = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&img);
+    if direct.is_ok() {
+        nvmfd_tests::skip("ramfs takes O_DIRECT on this kernel");
+        return;
+    }
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "backend = \"malloc\"\nsize = \"64MiB\"\n".into(),
+            format!("backend = \"file\"\npath = \"{}\"\n", img.display()),
+        )],
+        ..Options::default()
+    });
+    let status = d.data("status");
+    let ns = &status["namespaces"][0];
+    assert_eq!(ns["serving"], true, "{status}");
+    assert!(
+        ns["warning"]
+            .as_str()
+            .is_some_and(|w| w.contains("O_DIRECT") && w.contains("buffered")),
+        "{status}"
+    );
+    assert!(
+        d.log().contains("namespace served with a warning"),
+        "{}",
+        d.log()
     );
 }
