@@ -130,6 +130,15 @@ pub enum Request {
         /// How long, in milliseconds.
         ms: u64,
     },
+    /// Test hook (only with `NVMFD_TEST_HOOKS=1`): the next change that resizes namespace
+    /// `nsid` of `subsystem` fails when it makes that resize (after every check passed), as
+    /// a store that fails just then would.
+    DebugFailResize {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The namespace.
+        nsid: u32,
+    },
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): injects `fault` on listener `listener`'s
     /// device; soft provider only.
     DebugFault {

@@ -252,6 +252,69 @@ fn a_write_past_the_end_of_an_image_shrunk_behind_nvmfds_back_fails() {
     h.close();
 }
 
+/// A change that shrinks an image and grows another namespace, whose grow fails when it is
+/// made: the change is refused and the image keeps what lay past the smaller size. (A shrink
+/// undone by growing back would have left zeroes there: librbd deletes the tail.) A change
+/// that shrinks two namespaces is refused before either is made.
+#[test]
+fn a_refused_change_never_loses_what_a_shrink_would_cut_off() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "backend = \"malloc\"\nsize = \"64MiB\"\n".into(),
+            format!(
+                "backend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{conf}\"\n\
+                 create = true\nsize = \"32MiB\"\n\n[[subsystem.namespace]]\nnsid = 2\n\
+                 backend = \"null\"\nsize = \"8MiB\"\n"
+            ),
+        )],
+        test_hooks: true,
+        ..Options::default()
+    });
+    let mut h = Host::connect(&d);
+    // 24 MiB in: past the 16 MiB namespace 1 is asked to shrink to.
+    let lba = (24 << 20) / 512;
+    let data = pattern(9, 64 * 1024);
+    h.write(lba, &data).unwrap();
+    let path = d.dir.path().join("nvmfd.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let reload = |new: String| {
+        std::fs::write(&path, new).unwrap();
+        let a = d.request(r#"{"request": "reload"}"#);
+        assert_eq!(a["ok"], false, "the change was made: {a}");
+        a["error"].as_str().unwrap_or_default().to_owned()
+    };
+    let ok = d.request(&format!(
+        r#"{{"request": "debug_fail_resize", "subsystem": "{SUB}", "nsid": 2}}"#
+    ));
+    assert_eq!(ok["ok"], true, "{ok}");
+    let err = reload(
+        text.replace("size = \"32MiB\"", "size = \"16MiB\"")
+            .replace("size = \"8MiB\"", "size = \"16MiB\""),
+    );
+    assert!(
+        err.contains("namespace 2") && err.contains("test hook"),
+        "{err}"
+    );
+    assert!(
+        h.read(lba, data.len()) == data,
+        "the shrink was undone by growing back: its tail reads otherwise"
+    );
+    // Two shrinks in one change: refused, and neither is made.
+    let err = reload(
+        text.replace("size = \"32MiB\"", "size = \"16MiB\"")
+            .replace("size = \"8MiB\"", "size = \"4MiB\""),
+    );
+    assert!(err.contains("shrinks 2 namespaces"), "{err}");
+    assert!(
+        h.read(lba, data.len()) == data,
+        "a refused change shrank the image"
+    );
+    h.close();
+}
+
 /// Runs `rbd -c conf ARGS`, which must succeed.
 fn rbd(conf: &str, args: &[&str]) {
     let out = Command::new("rbd")

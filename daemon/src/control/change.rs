@@ -323,9 +323,35 @@ impl Daemon {
             }
         }
         // 4. Sizes: every one checked before any is made; one that still fails undoes those
-        // made before it.
+        // made before it. Growing is undone by shrinking back what no host was told of yet;
+        // a shrink is not undone by growing back (a file's or an image's tail is gone, and
+        // would read as zeroes): so grows go first and at most one shrink, last.
         let mut failed = None;
-        for (nqn, nsid, size) in &plan.resizes {
+        let shrinks = |plan: &Plan| -> Vec<String> {
+            plan.resizes
+                .iter()
+                .filter(|(nqn, nsid, size)| {
+                    let now = self.devices.get(&(nqn.clone(), *nsid)).map(|d| d.size());
+                    matches!((now, size), (Some(now), Some(size)) if *size < now)
+                })
+                .map(|(nqn, nsid, _)| format!("{nqn} namespace {nsid}"))
+                .collect()
+        };
+        let shrunk = shrinks(&plan);
+        if shrunk.len() > 1 {
+            failed = Some(format!(
+                "the change shrinks {} namespaces ({}): shrink one per change, as a shrink that \
+                 had to be undone would lose the data it cut off",
+                shrunk.len(),
+                shrunk.join(", ")
+            ));
+        }
+        let mut order: Vec<&(String, u32, Option<u64>)> = plan.resizes.iter().collect();
+        order.sort_by_key(|(nqn, nsid, size)| {
+            let now = self.devices.get(&(nqn.clone(), *nsid)).map(|d| d.size());
+            matches!((now, size), (Some(now), Some(size)) if *size < now)
+        });
+        for (nqn, nsid, size) in order.iter().copied().filter(|_| failed.is_none()) {
             if let Some(Err(e)) = self
                 .devices
                 .get(&(nqn.clone(), *nsid))
@@ -339,15 +365,19 @@ impl Daemon {
         }
         let mut made: Vec<(Arc<BlockDevice>, u64, String)> = Vec::new();
         if failed.is_none() {
-            for (nqn, nsid, size) in &plan.resizes {
+            for (nqn, nsid, size) in order {
                 let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) else {
                     continue;
                 };
                 let before = d.size();
                 let (dev, size) = (Arc::clone(d), *size);
-                let resized = self
-                    .off_thread(move || dev.resize(size).map_err(|e| e.to_string()))
-                    .and_then(|r| r);
+                let resized = if self.fail_resize.as_ref() == Some(&(nqn.clone(), *nsid)) {
+                    self.fail_resize = None;
+                    Err("failed by the debug_fail_resize test hook".to_owned())
+                } else {
+                    self.off_thread(move || dev.resize(size).map_err(|e| e.to_string()))
+                        .and_then(|r| r)
+                };
                 let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) else {
                     continue;
                 };

@@ -186,6 +186,8 @@ struct Daemon {
     /// Every configured namespace, served or not.
     namespaces: Vec<crate::serve::NamespaceStatus>,
     test_hooks: bool,
+    /// Test hook: the namespace whose next resize fails (`debug_fail_resize`).
+    fail_resize: Option<(String, u32)>,
     stopping: bool,
     target: Option<Target>,
     /// Per listener (in configuration order): its channel, listening ID and device.
@@ -251,6 +253,7 @@ pub fn run(
         listeners: Vec::new(),
         namespaces: Vec::new(),
         test_hooks: std::env::var(TEST_HOOKS_ENV).is_ok_and(|v| v == "1"),
+        fail_resize: None,
         stopping: false,
         target: None,
         cm: Vec::new(),
@@ -617,6 +620,13 @@ impl Daemon {
                     }
                     None => Response::error(format!("no reactor {reactor}")),
                 }
+            }
+            Request::DebugFailResize { subsystem, nsid } => {
+                if !self.test_hooks {
+                    return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));
+                }
+                self.fail_resize = Some((subsystem, nsid));
+                Response::data(serde_json::json!({ "fail_resize": nsid }))
             }
             Request::DebugFault { fault, listener } => {
                 if !self.test_hooks {
