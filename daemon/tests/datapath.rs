@@ -2647,3 +2647,192 @@ fn a_late_completion_of_a_destroyed_qp_never_answers_a_new_qp_of_the_same_number
     drop(new);
     drop(admin);
 }
+
+/// Large writes that fill every large buffer of a backend that does not finish them (held
+/// block completions) leave their next large write waiting for a buffer; another host's
+/// admin commands and small I/O do not wait behind it. Before, every command that arrived
+/// after it waited in one line: the other host's Keep Alives too, until its controller
+/// expired.
+#[test]
+fn commands_of_other_hosts_do_not_wait_behind_a_large_write_waiting_for_a_buffer() {
+    use nvmf_host::{Payload, PipelinedQueue};
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    // Two large buffers, 32 request slots.
+    let s = serve_counted(4484, Some((2, 32)), Arc::clone(&c));
+    // Host A: an I/O queue that can have three 64 KiB writes out.
+    let h = host();
+    let mut admin_a = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin_a.enable().unwrap();
+    assert_eq!(admin_a.set_queue_count(1).unwrap(), 1);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let q = PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 64 * 1024).unwrap();
+    let mut io_a = IoQueue::connect(q, &h, SUB, admin_a.cntlid, 1, 7).unwrap();
+    // Host B (another controller): its admin queue, and an I/O queue for a small write.
+    let mut admin_b = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin_b.enable().unwrap();
+    assert_eq!(admin_b.set_queue_count(1).unwrap(), 1);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let q = PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 64 * 1024).unwrap();
+    let mut io_b = IoQueue::connect(q, &h, SUB, admin_b.cntlid, 1, 7).unwrap();
+
+    s.set_switch(&s.hold_block, true);
+    let data = pattern(84, 3 * 64 * 1024);
+    let qa = io_a.transport();
+    for k in 0..3usize {
+        let lba = (k * 128) as u64;
+        let at = k * 64 * 1024;
+        qa.submit(
+            k as u64,
+            rw_sqe(io_opcode::WRITE, 1, lba, 128, false),
+            Payload::Out(&data[at..at + 64 * 1024]),
+        )
+        .unwrap();
+    }
+    wait_until(
+        "two writes hold both large buffers and the third waits",
+        || c.block_ops_in_flight.load(Relaxed) == 2 && c.requests_waiting.load(Relaxed) == 1,
+    );
+    // B's admin commands are answered while A's write waits (on a thread: before, they
+    // waited for the hold to end).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let b = std::thread::spawn(move || {
+        let r = admin_b
+            .keep_alive()
+            .and_then(|()| admin_b.identify_controller().map(|_| ()));
+        let _ = tx.send(r.is_ok());
+        admin_b
+    });
+    let answered = rx.recv_timeout(Duration::from_secs(5));
+    if answered.is_err() {
+        s.hold_block.store(false, Relaxed);
+    }
+    assert_eq!(
+        answered,
+        Ok(true),
+        "another host's Keep Alive waited behind a large write waiting for a buffer"
+    );
+    let _admin_b = b.join().unwrap();
+    // B's small write reaches the backend past A's waiting one.
+    let small = pattern(85, 4096);
+    let qb = io_b.transport();
+    qb.submit(
+        9,
+        rw_sqe(io_opcode::WRITE, 1, 4096, 8, false),
+        Payload::Out(&small),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while c.block_ops_in_flight.load(Relaxed) < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let passed = c.block_ops_in_flight.load(Relaxed) == 3;
+    s.set_switch(&s.hold_block, false);
+    assert!(
+        passed,
+        "another host's 4 KiB write waited behind a large write"
+    );
+    // Everything completes once the backend answers.
+    let mut done = Vec::new();
+    let mut left = 3;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while left > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{left} of A's writes never completed"
+        );
+        qa.poll(&mut done);
+        for d in done.drain(..) {
+            d.ok().unwrap();
+            left -= 1;
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while done.is_empty() {
+        assert!(Instant::now() < deadline, "B's write never completed");
+        qb.poll(&mut done);
+    }
+    for d in done.drain(..) {
+        d.ok().unwrap();
+    }
+    for k in 0..3usize {
+        let mut back = vec![0u8; 64 * 1024];
+        io_a.read(1, (k * 128) as u64, 128, &mut back).unwrap();
+        assert!(
+            back == data[k * 64 * 1024..(k + 1) * 64 * 1024],
+            "A's write {k} reads back otherwise"
+        );
+    }
+    assert_eq!(c.command_errors.load(Relaxed), 0);
+    wait_pools_full(&c, false);
+}
+
+/// Small writes of one host that a backend does not finish take every request slot but the
+/// admin queues' reserve: the next one waits, and another host's Keep Alive still runs.
+#[test]
+fn io_filling_every_request_slot_leaves_admin_commands_room() {
+    use nvmf_host::{Payload, PipelinedQueue};
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    // 32 request slots: 2 kept for admin queues.
+    let s = serve_counted(4485, Some((2, 32)), Arc::clone(&c));
+    let h = host();
+    let connect = || {
+        let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+        admin.enable().unwrap();
+        assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+        let q = PipelinedQueue::connect(ch, s.addr, 1, 64, 4096, 8192).unwrap();
+        let io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 63).unwrap();
+        (admin, io)
+    };
+    let (_admin_a, mut io_a) = connect();
+    let (admin_b, _io_b) = connect();
+    s.set_switch(&s.hold_block, true);
+    let data = pattern(86, 4096);
+    let qa = io_a.transport();
+    for k in 0..40u64 {
+        qa.submit(
+            k,
+            rw_sqe(io_opcode::WRITE, 1, k * 8, 8, false),
+            Payload::Out(&data),
+        )
+        .unwrap();
+    }
+    wait_until("the 40 writes are at the backend or waiting", || {
+        c.block_ops_in_flight.load(Relaxed) + c.requests_waiting.load(Relaxed) == 40
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut admin_b = admin_b;
+    let b = std::thread::spawn(move || {
+        let _ = tx.send(admin_b.keep_alive().is_ok());
+        admin_b
+    });
+    let answered = rx.recv_timeout(Duration::from_secs(5));
+    let held = c.block_ops_in_flight.load(Relaxed);
+    s.set_switch(&s.hold_block, false);
+    assert_eq!(
+        answered,
+        Ok(true),
+        "a Keep Alive found no request slot while I/O held them all"
+    );
+    assert_eq!(held, 30, "I/O took the admin queues' slots");
+    b.join().unwrap();
+    let mut done = Vec::new();
+    let mut left = 40;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while left > 0 {
+        assert!(Instant::now() < deadline, "{left} writes never completed");
+        qa.poll(&mut done);
+        for d in done.drain(..) {
+            d.ok().unwrap();
+            left -= 1;
+        }
+    }
+    assert_eq!(c.command_errors.load(Relaxed), 0);
+    wait_pools_full(&c, false);
+}

@@ -437,11 +437,8 @@ impl DataPath {
         }
         // Receives held for its commands go back to the SRQ.
         let srq = &mut self.srq;
-        self.incoming.retain(|&(q, wr, _, _)| {
-            if q == qpn {
-                srq.completed(wr, now);
-            }
-            q != qpn
+        self.incoming.remove_qp(qpn, |w| {
+            srq.completed(w.wr, now);
         });
         self.draining.insert(
             qpn,

@@ -47,10 +47,12 @@ mod conn;
 mod post;
 mod receive;
 mod request;
+mod waiting;
 
 use conn::*;
 use post::*;
 use request::*;
+use waiting::{Lane, Waiting};
 
 /// Sizes of one reactor's data path.
 #[derive(Clone, Copy, Debug)]
@@ -115,6 +117,11 @@ pub enum ConnectFailure {
 
 /// The size of a small data buffer (SPDK's small buffer is the same).
 pub const SMALL_BUFFER: u32 = 8192;
+
+/// Request slots kept for admin queues' commands (at most a sixteenth of the slots): a host
+/// has at most a few admin commands out (Keep Alive, AERs hold none), so a handful of hosts'
+/// fit while I/O holds every other slot.
+const ADMIN_RESERVE: usize = 16;
 
 /// The data buffer a command may need, told from its SGL before it is admitted: each
 /// admitted command has one of its class kept for it.
@@ -230,10 +237,15 @@ pub struct DataPath {
     kept: [usize; 2],
     /// Bytes in a small buffer.
     small_size: u32,
-    /// Commands that arrived while they could not be admitted: (QP, receive, length, class).
-    /// Their receives stay off the SRQ until they start, in order, as commands finish (the
-    /// SRQ grows if that makes it run low). Bounded by the receives the SRQ can hold.
-    incoming: VecDeque<(u32, u64, u32, Class)>,
+    /// Commands that arrived while they could not be admitted, by lane (admin, small I/O,
+    /// large I/O). Their receives stay off the SRQ until they start, the oldest that can be
+    /// admitted first, as commands finish (the SRQ grows if that makes it run low). Bounded
+    /// by the receives the SRQ can hold.
+    incoming: Waiting,
+    /// Request slots only admin queues' commands may take: I/O that fills every other slot
+    /// (a backend that stopped answering) leaves Keep Alives and the other admin commands
+    /// of every host room to run.
+    admin_reserve: usize,
     /// QPs with work staged this turn: (connection index, QP number).
     dirty: Vec<(u32, u32)>,
     /// Receives kept by requests (in-capsule writes in flight): the SRQ is not rebuilt while
@@ -379,7 +391,8 @@ impl DataPath {
             blocked: VecDeque::with_capacity(cfg.requests as usize),
             wc: [Wc::default(); 32],
             counters,
-            incoming: VecDeque::with_capacity(cfg.srq.max as usize),
+            incoming: Waiting::with_capacity(cfg.srq.max as usize),
+            admin_reserve: (cfg.requests as usize / 16).min(ADMIN_RESERVE),
             dirty: Vec::with_capacity(256),
             held_receives: 0,
             max_read_depth: attr.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH),
@@ -441,7 +454,7 @@ impl DataPath {
         if self.engine.in_flight() > 0
             || self.srq.busy()
             || !self.draining.is_empty()
-            || self.incoming.front().is_some_and(|w| self.admits(w.3))
+            || self.incoming.next(|l, k| self.admits(l, k)).is_some()
         {
             return false;
         }
@@ -455,12 +468,11 @@ impl DataPath {
     /// True when there was work.
     pub fn poll(&mut self, now: Instant) -> bool {
         let mut worked = false;
-        while let Some(&(qpn, wr, len, class)) = self.incoming.front() {
-            if !self.admits(class) {
+        while let Some(lane) = self.incoming.next(|l, k| self.admits(l, k)) {
+            let Some(w) = self.incoming.pop(lane) else {
                 break;
-            }
-            self.incoming.pop_front();
-            self.start_command(qpn, wr, len, Some(class), now);
+            };
+            self.start_command(w.qpn, w.wr, w.len, Some(w.class), now);
             worked = true;
         }
         let mut n = 0;
@@ -633,15 +645,23 @@ impl DataPath {
         self.reqs.len() - self.free.len()
     }
 
-    /// Whether a command of `class` can be admitted now: a slot is free and its class's
-    /// pool has a buffer for every admitted command of the class, this one included.
-    fn admits(&self, class: Class) -> bool {
-        !self.free.is_empty() && self.kept[class as usize] < self.pool_of(class).count()
+    /// Whether a command of `lane` and `class` can be admitted now: a slot is free (beyond
+    /// the admin queues' reserve, for I/O) and its class's pool has a buffer for every
+    /// admitted command of the class, this one included.
+    fn admits(&self, lane: Lane, class: Class) -> bool {
+        let reserve = if lane == Lane::Admin {
+            0
+        } else {
+            self.admin_reserve
+        };
+        self.free.len() > reserve && self.kept[class as usize] < self.pool_of(class).count()
     }
 
-    /// Whether a command of either class can be admitted now.
-    fn admits_any(&self) -> bool {
-        self.admits(Class::Small) && self.admits(Class::Large)
+    /// Whether a command of either class can be admitted now on an admin (`admin`) or an
+    /// I/O queue.
+    fn admits_any(&self, admin: bool) -> bool {
+        self.admits(Lane::of(admin, Class::Small), Class::Small)
+            && self.admits(Lane::of(admin, Class::Large), Class::Large)
     }
 
     /// The pool of `class`.

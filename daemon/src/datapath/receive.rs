@@ -18,31 +18,33 @@ impl DataPath {
             }
             return;
         }
-        if !self.conns.contains_key(&c.qp_num) {
+        let Some(conn) = self.conns.get(&c.qp_num) else {
             self.srq.completed(c.wr_id, now);
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
-        }
-        bump(&self.counters.commands, 1);
-        // While both pools have a buffer for one more command, which class this one is
-        // matters only once its capsule is copied out; else its SGL is read where it landed.
-        let class = if self.admits_any() {
-            None
-        } else {
-            Some(self.peek_class(c.wr_id, c.byte_len))
         };
-        if class.is_some_and(|k| !self.admits(k)) || !self.incoming.is_empty() {
+        // An admin queue's commands (or a new queue's Connect) have slots kept for them.
+        let admin = conn.queue.qid().is_none_or(|q| q == 0);
+        bump(&self.counters.commands, 1);
+        // While both pools have a buffer for one more command and nothing waits, which class
+        // this one is matters only once its capsule is copied out; else its SGL is read where
+        // it landed.
+        if self.incoming.len() == 0 && self.admits_any(admin) {
+            return self.start_command(c.qp_num, c.wr_id, c.byte_len, None, now);
+        }
+        let class = self.peek_class(c.wr_id, c.byte_len);
+        let lane = Lane::of(admin, class);
+        if self.incoming.has(lane) || !self.admits(lane, class) {
             // Every slot, or every buffer of its class, may be in use: the command waits its
-            // turn, in its receive.
+            // turn in its lane, in its receive. Other lanes do not wait for it.
             self.counters
                 .commands_queued
                 .fetch_add(1, Ordering::Relaxed);
-            let class = class.unwrap_or_else(|| self.peek_class(c.wr_id, c.byte_len));
             self.incoming
-                .push_back((c.qp_num, c.wr_id, c.byte_len, class));
+                .push(lane, c.qp_num, c.wr_id, c.byte_len, class);
             return;
         }
-        self.start_command(c.qp_num, c.wr_id, c.byte_len, class, now);
+        self.start_command(c.qp_num, c.wr_id, c.byte_len, Some(class), now);
     }
 
     /// The class of the command in receive `wr` (`len` bytes), from its SGL read where it
