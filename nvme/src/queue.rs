@@ -656,7 +656,12 @@ impl Drop for Queue {
         }
         if qid == 0 {
             ctrl.end(EndReason::AdminQueueLost);
-            self.target.ctrls().remove(&ctrl.cntlid);
+            // Only this controller: one that ended early (keep-alive expiry, a removed host)
+            // left the map, and its ID may be another's by now.
+            let mut map = self.target.ctrls();
+            if map.get(&ctrl.cntlid).is_some_and(|c| Arc::ptr_eq(c, &ctrl)) {
+                map.remove(&ctrl.cntlid);
+            }
             return;
         }
         ctrl.io_queues_alive.fetch_sub(1, Ordering::AcqRel);

@@ -440,6 +440,16 @@ impl Target {
         t
     }
 
+    /// Tests of controller IDs handed out again: the next admin Connect gets `cntlid` if no
+    /// controller in the map has it (the counter wraps after 65,519 Connects).
+    #[doc(hidden)]
+    pub fn set_next_cntlid(&self, cntlid: u16) {
+        // `alloc_cntlid` hands out `n % 0xFFEF + 1` for counter value `n`.
+        self.inner
+            .next_cntlid
+            .store(u32::from(cntlid.max(1)) - 1, Ordering::Relaxed);
+    }
+
     /// Tests of what happens while a Connect is served: `hook` runs once an admin queue's
     /// Connect has passed its checks, before it makes its controller (its host's access
     /// removed meanwhile), and once an I/O queue's Connect has taken its queue ID, before the

@@ -855,6 +855,38 @@ fn keep_alive_expiry_ends_the_controller_and_its_queues() {
     ios2[0].read(1, 0, 1, &mut buf).unwrap();
 }
 
+/// A controller that expired leaves the map while its admin queue is still open; once the
+/// controller IDs wrap, a new controller may get its ID. Closing the old admin queue then ends
+/// only the old controller, never the new one that has its ID.
+#[test]
+fn closing_the_admin_queue_of_an_expired_controller_leaves_the_one_that_reuses_its_id() {
+    let w = world();
+    let a = w.admin(&host(1), SUB).unwrap();
+    let old = a.cntlid;
+    let ended = w
+        .target
+        .expire_keep_alives(Instant::now() + Duration::from_secs(60));
+    assert_eq!(ended.len(), 1);
+    w.target.set_next_cntlid(old);
+    let mut b = w.admin(&host(2), SUB).unwrap();
+    assert_eq!(b.cntlid, old, "the ID was not handed out again");
+    drop(a);
+    let live: Vec<u16> = w
+        .target
+        .controllers()
+        .iter()
+        .filter(|c| c.end_reason().is_none())
+        .map(|c| c.cntlid)
+        .collect();
+    assert_eq!(
+        live,
+        [old],
+        "the new controller left the map with the old admin queue"
+    );
+    b.enable().unwrap();
+    b.keep_alive().unwrap();
+}
+
 /// With TBKAS every command restarts the keep-alive timer, Fabrics commands included: a
 /// Linux host counts any completion as traffic and skips its Keep Alive, so a host that only
 /// reads CSTS (waiting out a reset, say) must keep its controller.
@@ -1106,6 +1138,39 @@ fn a_host_removed_while_its_connect_is_served_gets_no_live_controller() {
         "a controller of a host no longer allowed lives ({r:?})"
     );
     assert_eq!(status_of(r), status::CONNECT_INVALID_HOST);
+}
+
+/// A subsystem removed and added again under the same NQN while a host's Connect is served:
+/// the controller belongs to the subsystem now in force (its ID), so a later change that no
+/// longer allows the host ends it.
+#[test]
+fn a_connect_served_while_its_subsystem_is_replaced_joins_the_new_one() {
+    let w = world();
+    let target = w.target.clone();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    w.target.set_connect_hook(Some(Box::new(move || {
+        if done.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let (gone, _) = target.remove_subsystem(RESTRICTED).unwrap();
+        target.add_subsystem((*gone).clone()).unwrap();
+    })));
+    let r = w.admin(&host(1), RESTRICTED);
+    w.target.set_connect_hook(None);
+    assert!(r.is_ok(), "{r:?}");
+    let mut s = (*w.target.subsystem(RESTRICTED).unwrap()).clone();
+    s.hosts.clear();
+    w.target.replace_subsystem(s).unwrap();
+    let live = w
+        .target
+        .controllers()
+        .iter()
+        .filter(|c| c.subnqn == RESTRICTED && c.end_reason().is_none())
+        .count();
+    assert_eq!(
+        live, 0,
+        "a controller of a host no longer allowed lives on, tied to the removed subsystem"
+    );
 }
 
 #[test]

@@ -104,7 +104,9 @@ impl Queue {
                 cntlid,
                 hostnqn: hostnqn.to_owned(),
                 hostid: d.hostid,
-                subsystem: sub_id,
+                // The subsystem the host was last checked against: it may have been
+                // replaced (a new ID) while this Connect waited for the map.
+                subsystem: subsystem.as_ref().map(|s| s.id),
                 subnqn: subnqn.to_owned(),
                 state: std::sync::Mutex::new(CtrlState {
                     cc: 0,
