@@ -464,6 +464,15 @@ fn a_listener_removed_while_its_device_is_away_still_releases_the_device() {
         &d,
         serde_json::json!({"request": "remove_listener", "address": "127.0.0.2", "port": second}),
     );
+    // A listener added elsewhere that fails to listen (no RDMA device here) while the old ID
+    // waits: refused, and the old ID is kept to let go of its device.
+    let third = test_port();
+    let v = d.request(
+        &serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.3", "port": third, "provider": "ibverbs"}})
+        .to_string(),
+    );
+    assert_eq!(v["ok"], false, "an ibverbs listener was added: {v}");
     wait_for("the removed device to be released", || {
         d.log().contains(released).then_some(())
     });

@@ -669,10 +669,23 @@ impl Daemon {
         if listened.is_err() {
             // A removed listener's old listening ID, kept to let go of its removed device,
             // may hold the address (its device came back meanwhile): the new listener goes
-            // first; that ID goes without letting go of the device.
+            // first; that ID goes without letting go of the device. Only an ID on the same
+            // port and a clashing address: the others still let go of theirs.
+            let clashes = |a: Option<std::net::SocketAddr>| {
+                a.is_some_and(|a| {
+                    a.port() == l.port
+                        && (a.ip() == l.address
+                            || a.ip().is_unspecified()
+                            || l.address.is_unspecified())
+                })
+            };
             let mut dropped = 0;
             for j in 0..i {
-                if matches!(self.listener_slots.get(j), Some(None)) && self.cm[j].retiring.is_some()
+                if matches!(self.listener_slots.get(j), Some(None))
+                    && self.cm[j]
+                        .retiring
+                        .as_ref()
+                        .is_some_and(|r| clashes(r.addr))
                 {
                     self.cm[j].retiring = None;
                     dropped += 1;

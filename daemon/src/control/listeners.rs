@@ -31,6 +31,8 @@ pub(super) struct Listening {
 #[derive(Debug)]
 pub(super) struct Retiring {
     pub(super) id: any::cm::CmId,
+    /// The address it listens on.
+    pub(super) addr: Option<std::net::SocketAddr>,
     pub(super) since: Instant,
     /// `RELEASE_TIMEOUT` passed with the device still held (logged once); the listener tries
     /// to listen again meanwhile.
@@ -422,6 +424,11 @@ impl Daemon {
         let now = Instant::now();
         let mut any = false;
         for i in 0..self.cm.len() {
+            let addr = self
+                .listener_slots
+                .get(i)
+                .and_then(Option::as_ref)
+                .map(|l| std::net::SocketAddr::new(l.address, l.port));
             let c = &mut self.cm[i];
             if c.device.as_ref().is_none_or(|d| d.async_fd() != fd) {
                 continue;
@@ -431,6 +438,7 @@ impl Daemon {
             if let Some(id) = c.id.take() {
                 c.retiring = Some(Retiring {
                     id,
+                    addr,
                     since: now,
                     overdue: false,
                     failed: false,
