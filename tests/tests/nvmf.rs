@@ -433,6 +433,47 @@ fn a_silent_host_loses_its_controller_and_all_its_queues_and_can_connect_again_a
     a_new_host_is_served(addr, "127.0.0.8", 100, 11);
 }
 
+/// A reactor that sleeps long between turns (`stall_timeout` 40 s: up to 10 s) closes the
+/// queues of a controller that expired at once: the control thread wakes it.
+#[test]
+fn the_queues_of_an_expired_controller_close_at_once_on_a_sleeping_reactor() {
+    let d = Daemon::start(Options {
+        replace: vec![
+            (
+                "[[subsystem]]".into(),
+                "[transport]\nkeep_alive_timeout_min = \"1s\"\n\n[[subsystem]]".into(),
+            ),
+            (
+                "stall_timeout = \"300ms\"".into(),
+                "stall_timeout = \"40s\"".into(),
+            ),
+        ],
+        ..Options::default()
+    });
+    let addr = listener(&d);
+    let dp = |d: &Daemon| d.data("stats")["datapath"][0].clone();
+    let f = Fabric::networked();
+    f.add_device("127.0.0.6".parse().unwrap()).unwrap();
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 1000).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let _io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    assert_eq!(dp(&d)["qps"], 2);
+    nvmfd_tests::wait_for("the controller to expire", || {
+        d.log().contains("keep-alive timeout").then_some(())
+    });
+    let expired = std::time::Instant::now();
+    while dp(&d)["qps"] != 0 {
+        assert!(
+            expired.elapsed() < std::time::Duration::from_secs(5),
+            "the expired controller's queues were still open 5 s later: {}",
+            dp(&d)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// I/O commands are traffic (NVMe base spec, Keep Alive: any command resets the timer when
 /// TBKAS is off). Host A sends only I/O, never a Keep Alive, for four keep-alive timeouts
 /// after its last admin command; host B, connected beside it with the same timeout, says

@@ -471,8 +471,14 @@ impl Daemon {
                 self.let_go_of_unserved_devices(poll.registry());
                 self.let_go_of_removed_channels(poll.registry());
                 if let Some(t) = &self.target {
-                    for c in t.expire_keep_alives(now) {
+                    let ended = t.expire_keep_alives(now);
+                    for c in &ended {
                         warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);
+                    }
+                    // Reactors asleep close the ended controllers' queues now, not at the
+                    // end of their sleep.
+                    if !ended.is_empty() {
+                        self.tell_reactors(|| ReactorCmd::PollEvents);
                     }
                 }
                 admin.sweep(poll.registry(), now);
