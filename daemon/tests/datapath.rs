@@ -2836,3 +2836,61 @@ fn io_filling_every_request_slot_leaves_admin_commands_room() {
     assert_eq!(c.command_errors.load(Relaxed), 0);
     wait_pools_full(&c, false);
 }
+
+/// A host that loses its association while a write of it is still at the backend (held) and
+/// connects again: its Connect is answered Controller Busy until the write has completed and
+/// the old queue is gone, so the old write cannot land over one of the new association.
+#[test]
+fn a_host_reconnecting_while_its_old_write_is_at_the_backend_waits_for_it() {
+    use nvmf_host::{Payload, PipelinedQueue};
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::{io_opcode, status};
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4486, None, Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let q = PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 8192).unwrap();
+    let mut io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 7).unwrap();
+    s.set_switch(&s.hold_block, true);
+    let old = pattern(87, 4096);
+    io.transport()
+        .submit(
+            1,
+            rw_sqe(io_opcode::WRITE, 1, 64, 8, false),
+            Payload::Out(&old),
+        )
+        .unwrap();
+    wait_until("the write is at the backend", || {
+        c.block_ops_in_flight.load(Relaxed) == 1
+    });
+    // The host goes: both queues disconnect.
+    drop(io);
+    drop(admin);
+    wait_until("both queues are torn down", || {
+        c.connections.load(Relaxed) == 0
+    });
+    let busy = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0);
+    let refused = matches!(&busy, Err(nvmfd_nvme::host::HostError::Status { status: st, .. })
+        if st.same_code(status::CONNECT_CONTROLLER_BUSY));
+    s.set_switch(&s.hold_block, false);
+    let got = busy.as_ref().map(|a| a.cntlid).map_err(ToString::to_string);
+    assert!(
+        refused,
+        "a new association while the old write was at the backend: {got:?}"
+    );
+    drop(busy);
+    wait_until("the old write completed", || {
+        c.block_ops_in_flight.load(Relaxed) == 0
+    });
+    let (_admin, mut ios) = controller(&s, 1);
+    let new = pattern(88, 4096);
+    ios[0].write(1, 64, 8, &new, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    ios[0].read(1, 64, 8, &mut back).unwrap();
+    assert!(back == new);
+    wait_pools_full(&c, false);
+}

@@ -662,6 +662,8 @@ impl Drop for Queue {
             if map.get(&ctrl.cntlid).is_some_and(|c| Arc::ptr_eq(c, &ctrl)) {
                 map.remove(&ctrl.cntlid);
             }
+            drop(map);
+            self.target.retire(&ctrl);
             return;
         }
         ctrl.io_queues_alive.fetch_sub(1, Ordering::AcqRel);

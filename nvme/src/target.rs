@@ -367,6 +367,10 @@ pub(crate) struct TargetInner {
     pub ports: RwLock<Vec<Port>>,
     pub limits: Limits,
     pub controllers: Mutex<HashMap<u16, Arc<Controller>>>,
+    /// Controllers that ended and left the map while I/O queues of theirs were alive (their
+    /// commands may still be at a backend), until those are gone: see
+    /// [`Target::io_left_behind`].
+    pub retired: Mutex<Vec<std::sync::Weak<Controller>>>,
     pub next_cntlid: AtomicU32,
     pub genctr: AtomicU64,
     /// Moves on whenever a controller ends or resets (`Controller::end`, `new_epoch`).
@@ -426,6 +430,7 @@ impl Target {
                 ports: RwLock::new(ports),
                 limits,
                 controllers: Mutex::new(HashMap::new()),
+                retired: Mutex::new(Vec::new()),
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::new(AtomicU64::new(0)),
@@ -662,6 +667,50 @@ impl Target {
         self.ctrls().values().cloned().collect()
     }
 
+    /// Keeps `c`, which ended and leaves the map, for [`Target::io_left_behind`] while I/O
+    /// queues of it are alive.
+    pub(crate) fn retire(&self, c: &Arc<Controller>) {
+        if c.io_queues_alive.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut r = self.inner.retired.lock().unwrap_or_else(|e| e.into_inner());
+        r.retain(|w| {
+            w.upgrade()
+                .is_some_and(|c| c.io_queues_alive.load(Ordering::Acquire) > 0)
+        });
+        r.push(Arc::downgrade(c));
+    }
+
+    /// Whether an ended controller of host `hostnqn` on subsystem `subnqn` still has I/O
+    /// queues (`map` is the controllers' map, locked). Their commands may still be at a
+    /// backend (a write a store has not finished): a new association of the same host must
+    /// not start before they are done, or an old write could land over a new one the host
+    /// was told is done. Its Connect is answered Controller Busy, which a host retries.
+    pub(crate) fn io_left_behind(
+        &self,
+        map: &HashMap<u16, Arc<Controller>>,
+        hostnqn: &str,
+        subnqn: &str,
+    ) -> bool {
+        let left = |c: &Controller| {
+            c.is_dead()
+                && c.hostnqn == hostnqn
+                && c.subnqn == subnqn
+                && c.io_queues_alive.load(Ordering::Acquire) > 0
+        };
+        if map.values().any(|c| left(c)) {
+            return true;
+        }
+        let mut r = self.inner.retired.lock().unwrap_or_else(|e| e.into_inner());
+        r.retain(|w| {
+            w.upgrade()
+                .is_some_and(|c| c.io_queues_alive.load(Ordering::Acquire) > 0)
+        });
+        r.iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .any(|c| left(&c))
+    }
+
     /// Allocates a controller ID (1 to 0xFFEF) not in use.
     pub(crate) fn alloc_cntlid(&self, map: &HashMap<u16, Arc<Controller>>) -> Option<u16> {
         for _ in 0..0xFFEF {
@@ -693,6 +742,10 @@ impl Target {
             }
             !expired
         });
+        drop(map);
+        for c in &ended {
+            self.retire(c);
+        }
         ended
     }
 

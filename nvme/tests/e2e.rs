@@ -849,7 +849,10 @@ fn keep_alive_expiry_ends_the_controller_and_its_queues() {
         Err(HostError::Transport(_))
     ));
     assert!(matches!(a.keep_alive(), Err(HostError::Transport(_))));
-    // The host can connect again at once.
+    // The host can connect again once the transport has let go of the ended queues (at
+    // once here: nothing of them is at a backend).
+    drop(ios);
+    drop(a);
     let (mut a2, mut ios2) = w.controller(1);
     a2.keep_alive().unwrap();
     ios2[0].read(1, 0, 1, &mut buf).unwrap();
@@ -885,6 +888,39 @@ fn closing_the_admin_queue_of_an_expired_controller_leaves_the_one_that_reuses_i
     );
     b.enable().unwrap();
     b.keep_alive().unwrap();
+}
+
+/// A host whose old controller ended (its admin queue closed, or its keep-alive expired)
+/// while an I/O queue of it still exists (a transport drops one only once its block
+/// operations completed) cannot start a new association on the subsystem: its Connect is
+/// answered Controller Busy until the old queue is gone, so no write of the old association
+/// lands after the new one's. Other hosts connect meanwhile.
+#[test]
+fn a_host_reconnects_only_once_its_old_controllers_io_queues_are_gone() {
+    let w = world();
+    for expire in [false, true] {
+        let (a, ios) = w.controller(1);
+        if expire {
+            // The first check takes in the traffic of the setup; the second ends it.
+            let now = Instant::now();
+            assert!(w.target.expire_keep_alives(now).is_empty());
+            let ended = w.target.expire_keep_alives(now + Duration::from_secs(60));
+            assert_eq!(ended.len(), 1);
+        } else {
+            drop(a);
+        }
+        let r = w.admin(&host(1), SUB);
+        assert!(
+            status_of(r).same_code(status::CONNECT_CONTROLLER_BUSY),
+            "a new controller while the old one's I/O queue lives (expired: {expire})"
+        );
+        let mut other = w.admin(&host(2), SUB).unwrap();
+        other.enable().unwrap();
+        drop(ios);
+        let mut again = w.admin(&host(1), SUB).unwrap();
+        again.enable().unwrap();
+        again.keep_alive().unwrap();
+    }
 }
 
 /// With TBKAS every command restarts the keep-alive timer, Fabrics commands included: a

@@ -97,6 +97,11 @@ impl Queue {
                     }
                 }
             };
+            // The host's last association on this subsystem still has commands out (a reset
+            // or reconnect while a backend had not finished them): not before they are done.
+            if !discovery && self.target.io_left_behind(&map, hostnqn, subnqn) {
+                return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
+            }
             let Some(cntlid) = self.target.alloc_cntlid(&map) else {
                 return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
             };
