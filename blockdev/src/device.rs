@@ -419,6 +419,16 @@ impl Device {
         }
     }
 
+    /// The backend's own size now, where it can change behind nvmfd: an RBD image's, as its
+    /// handles last saw it (`rbd resize` elsewhere). `None` for the other backends.
+    pub fn backend_size(&self) -> Option<u64> {
+        match &self.backing {
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(image) => Some(image.seen_size()),
+            _ => None,
+        }
+    }
+
     /// Handles opened ahead ([`Device::prepare_handles`]) that no engine has taken yet.
     pub fn handles_ready(&self) -> usize {
         match &self.backing {

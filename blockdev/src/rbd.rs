@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use crate::device::RbdSpec;
 use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 /// librados, loaded at the first use.
@@ -306,6 +307,35 @@ pub(crate) struct Image {
     read_only: bool,
     /// Handles opened ahead for engines (`prepare`), off the reactors that take them.
     spares: Mutex<Vec<Image>>,
+    /// The image's size as its handles last saw it, shared by every handle of the image:
+    /// each handle's header-update callback (on librbd's thread) stores it, so the reactors
+    /// read it without asking librbd, which would refresh the header there first.
+    seen_size: Arc<AtomicU64>,
+    /// This handle's header-update watch: librbd's handle and the callback's context.
+    watch: Option<(u64, *mut Watch)>,
+}
+
+/// What a header-update callback needs: the handle it asks, and where it stores the size.
+struct Watch {
+    handle: ffi::rbd_image_t,
+    size: Arc<AtomicU64>,
+}
+
+/// A header-update callback: the image changed (a resize, a snapshot, a setting), so the
+/// handle's size is read again (librbd refreshes the header here, on its own thread).
+///
+/// # Safety
+///
+/// `arg` is the `Watch` registered with this callback, which lives until
+/// `rbd_update_unwatch` has returned (it waits for callbacks under way).
+unsafe extern "C" fn header_updated(arg: *mut c_void) {
+    // SAFETY: as the function's contract says.
+    let w = unsafe { &*arg.cast::<Watch>() };
+    let mut size = 0u64;
+    // SAFETY: the handle is open while its watch is registered (unwatched before closing).
+    if unsafe { lib().rbd.rbd_get_size(w.handle, &mut size) } == 0 {
+        w.size.store(size, Ordering::Release);
+    }
 }
 
 // SAFETY: librbd image handles may be used from any thread (librbd serialises internally);
@@ -324,6 +354,7 @@ impl Drop for Image {
     fn drop(&mut self) {
         closer::close(Closing {
             handle: self.handle,
+            watch: self.watch.take(),
             _pool: Arc::clone(&self.pool),
         });
     }
@@ -332,6 +363,7 @@ impl Drop for Image {
 /// An image handle to close, and what must outlive the close.
 struct Closing {
     handle: ffi::rbd_image_t,
+    watch: Option<(u64, *mut Watch)>,
     _pool: Arc<Pool>,
 }
 
@@ -341,6 +373,15 @@ unsafe impl Send for Closing {}
 
 impl Drop for Closing {
     fn drop(&mut self) {
+        if let Some((h, w)) = self.watch.take() {
+            // SAFETY: the watch registered in `open_handle` on this open handle, unwatched
+            // once; librbd waits for a callback under way, after which nothing uses `w`,
+            // made by `Box::into_raw` and freed here once.
+            unsafe {
+                lib().rbd.rbd_update_unwatch(self.handle, h);
+                drop(Box::from_raw(w));
+            }
+        }
         // SAFETY: opened in `open_handle` and closed only here, once; no operation of it is in
         // flight (an engine drains before it lets a handle go).
         unsafe { lib().rbd.rbd_close(self.handle) };
@@ -396,7 +437,12 @@ mod closer {
 
 pub(crate) use closer::{pending as closes_pending, wait_closed as wait_for_closes};
 
-fn open_handle(pool: &Arc<Pool>, name: &CString, read_only: bool) -> Result<Image, i32> {
+fn open_handle(
+    pool: &Arc<Pool>,
+    name: &CString,
+    read_only: bool,
+    seen_size: &Arc<AtomicU64>,
+) -> Result<Image, i32> {
     let mut handle: ffi::rbd_image_t = ptr::null_mut();
     // SAFETY: a live I/O context; the name is NUL-terminated; no snapshot (NULL).
     let rc = unsafe {
@@ -413,13 +459,34 @@ fn open_handle(pool: &Arc<Pool>, name: &CString, read_only: bool) -> Result<Imag
     if rc < 0 {
         return Err(rc);
     }
-    Ok(Image {
+    let mut image = Image {
         handle,
         pool: Arc::clone(pool),
         name: name.clone(),
         read_only,
         spares: Mutex::new(Vec::new()),
-    })
+        seen_size: Arc::clone(seen_size),
+        watch: None,
+    };
+    let w = Box::into_raw(Box::new(Watch {
+        handle,
+        size: Arc::clone(seen_size),
+    }));
+    let mut h = 0u64;
+    // SAFETY: an open handle; `w` lives until the watch is unregistered (`Closing`), and
+    // `header_updated` only reads it.
+    let rc = unsafe {
+        lib()
+            .rbd
+            .rbd_update_watch(handle, &mut h, Some(header_updated), w.cast())
+    };
+    if rc < 0 {
+        // SAFETY: never registered: nothing else has `w`.
+        drop(unsafe { Box::from_raw(w) });
+        return Err(rc);
+    }
+    image.watch = Some((h, w));
+    Ok(image)
 }
 
 impl Image {
@@ -429,6 +496,7 @@ impl Image {
     pub(crate) fn open(spec: &RbdSpec, size: u64, read_only: bool) -> io::Result<Image> {
         let pool = open_pool(spec)?;
         let name = cstr("image", &spec.image)?;
+        let seen = Arc::new(AtomicU64::new(u64::MAX));
         let what = || {
             format!(
                 "image `{}/{}{}`",
@@ -440,7 +508,7 @@ impl Image {
                 spec.image
             )
         };
-        match open_handle(&pool, &name, read_only) {
+        let image = match open_handle(&pool, &name, read_only, &seen) {
             Ok(i) => i.writing_through(what),
             Err(rc) if rc == -libc::ENOENT && spec.create => {
                 if size == 0 {
@@ -466,17 +534,20 @@ impl Image {
                 if rc < 0 && rc != -libc::EEXIST {
                     return Err(err(&format!("creating {}", what()), rc));
                 }
-                open_handle(&pool, &name, read_only)
+                open_handle(&pool, &name, read_only, &seen)
                     .map_err(|rc| err(&what(), rc))?
                     .writing_through(what)
             }
             Err(rc) => Err(err(&what(), rc)),
-        }
+        }?;
+        let size = image.size()?;
+        seen.store(size, Ordering::Release);
+        Ok(image)
     }
 
     /// Another handle on the same image (an engine's own).
     pub(crate) fn reopen(&self) -> io::Result<Image> {
-        open_handle(&self.pool, &self.name, self.read_only)
+        open_handle(&self.pool, &self.name, self.read_only, &self.seen_size)
             .map_err(|rc| err("opening the image again", rc))?
             .writing_through(|| "the image".to_owned())
     }
@@ -647,6 +718,12 @@ impl Image {
         Ok(size)
     }
 
+    /// The image's size as its handles last saw it (their header-update callbacks): read
+    /// without calling librbd, which would refresh a changed header on the caller's thread.
+    pub(crate) fn seen_size(&self) -> u64 {
+        self.seen_size.load(Ordering::Acquire)
+    }
+
     /// Resizes the image to `size` bytes.
     pub(crate) fn resize(&self, size: u64) -> io::Result<()> {
         // SAFETY: an open handle.
@@ -654,6 +731,7 @@ impl Image {
         if rc < 0 {
             return Err(err("rbd_resize", rc));
         }
+        self.seen_size.store(size, Ordering::Release);
         Ok(())
     }
 

@@ -97,6 +97,10 @@ pub struct NamespaceStatus {
     /// image's exclusive-lock), also logged as a warning when it opens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warning: Option<String>,
+    /// The backend's own size where it can change behind nvmfd (an RBD image): below `size`,
+    /// the image was shrunk elsewhere and I/O past its end fails.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend_size: Option<u64>,
 }
 
 /// What [`build_target`] built.
@@ -193,6 +197,7 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                         serving: false,
                         reason: Some(e.to_string()),
                         warning: None,
+                        backend_size: None,
                     });
                     continue;
                 }
@@ -212,6 +217,7 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                 serving: true,
                 reason: None,
                 warning: dev.warning().map(str::to_owned),
+                backend_size: None,
             });
             devices.push((s.nqn.clone(), ns.nsid, dev));
         }

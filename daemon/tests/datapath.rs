@@ -2705,7 +2705,7 @@ fn commands_of_other_hosts_do_not_wait_behind_a_large_write_waiting_for_a_buffer
         let _ = tx.send(r.is_ok());
         admin_b
     });
-    let answered = rx.recv_timeout(Duration::from_secs(5));
+    let answered = rx.recv_timeout(Duration::from_secs(10));
     if answered.is_err() {
         s.hold_block.store(false, Relaxed);
     }
@@ -2724,7 +2724,7 @@ fn commands_of_other_hosts_do_not_wait_behind_a_large_write_waiting_for_a_buffer
         Payload::Out(&small),
     )
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while c.block_ops_in_flight.load(Relaxed) < 3 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -2812,7 +2812,7 @@ fn io_filling_every_request_slot_leaves_admin_commands_room() {
         let _ = tx.send(admin_b.keep_alive().is_ok());
         admin_b
     });
-    let answered = rx.recv_timeout(Duration::from_secs(5));
+    let answered = rx.recv_timeout(Duration::from_secs(10));
     let held = c.block_ops_in_flight.load(Relaxed);
     s.set_switch(&s.hold_block, false);
     assert_eq!(

@@ -337,6 +337,15 @@ impl Queue {
         self.ctrl.as_ref()
     }
 
+    /// The transport tore this queue's connection down. An admin queue's controller ends
+    /// now, not when the queue is dropped once its connection has drained: a Connect of the
+    /// same host meanwhile finds it ended (and fenced while I/O queues of it are alive).
+    pub fn connection_lost(&self) {
+        if let (Some(ctrl), Some(0)) = (self.ctrl.as_ref(), self.qid) {
+            ctrl.end(EndReason::AdminQueueLost);
+        }
+    }
+
     /// The target.
     pub fn target(&self) -> &Target {
         &self.target
@@ -662,7 +671,6 @@ impl Drop for Queue {
             if map.get(&ctrl.cntlid).is_some_and(|c| Arc::ptr_eq(c, &ctrl)) {
                 map.remove(&ctrl.cntlid);
             }
-            drop(map);
             self.target.retire(&ctrl);
             return;
         }

@@ -371,6 +371,8 @@ pub(crate) struct TargetInner {
     /// commands may still be at a backend), until those are gone: see
     /// [`Target::io_left_behind`].
     pub retired: Mutex<Vec<std::sync::Weak<Controller>>>,
+    /// Connects refused by that check, and the host and subsystem of the last.
+    pub fenced: Mutex<(u64, Option<(String, String)>)>,
     pub next_cntlid: AtomicU32,
     pub genctr: AtomicU64,
     /// Moves on whenever a controller ends or resets (`Controller::end`, `new_epoch`).
@@ -431,6 +433,7 @@ impl Target {
                 limits,
                 controllers: Mutex::new(HashMap::new()),
                 retired: Mutex::new(Vec::new()),
+                fenced: Mutex::new((0, None)),
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::new(AtomicU64::new(0)),
@@ -669,10 +672,12 @@ impl Target {
 
     /// Keeps `c`, which ended and leaves the map, for [`Target::io_left_behind`] while I/O
     /// queues of it are alive.
+    ///
+    /// Called with the controllers' map locked, in the same step that takes `c` out of it:
+    /// a Connect checking meanwhile finds it in one or the other. (An I/O queue binding to it
+    /// after it ended counts as alive later: kept whatever the count now, dropped once it is
+    /// 0.)
     pub(crate) fn retire(&self, c: &Arc<Controller>) {
-        if c.io_queues_alive.load(Ordering::Acquire) == 0 {
-            return;
-        }
         let mut r = self.inner.retired.lock().unwrap_or_else(|e| e.into_inner());
         r.retain(|w| {
             w.upgrade()
@@ -699,6 +704,7 @@ impl Target {
                 && c.io_queues_alive.load(Ordering::Acquire) > 0
         };
         if map.values().any(|c| left(c)) {
+            self.note_fenced(hostnqn, subnqn);
             return true;
         }
         let mut r = self.inner.retired.lock().unwrap_or_else(|e| e.into_inner());
@@ -706,9 +712,32 @@ impl Target {
             w.upgrade()
                 .is_some_and(|c| c.io_queues_alive.load(Ordering::Acquire) > 0)
         });
-        r.iter()
+        let fenced = r
+            .iter()
             .filter_map(std::sync::Weak::upgrade)
-            .any(|c| left(&c))
+            .any(|c| left(&c));
+        drop(r);
+        if fenced {
+            self.note_fenced(hostnqn, subnqn);
+        }
+        fenced
+    }
+
+    fn note_fenced(&self, hostnqn: &str, subnqn: &str) {
+        let mut f = self.inner.fenced.lock().unwrap_or_else(|e| e.into_inner());
+        f.0 += 1;
+        f.1 = Some((hostnqn.to_owned(), subnqn.to_owned()));
+    }
+
+    /// Admin Connects answered Controller Busy because the host's ended controller on the
+    /// subsystem still had I/O queues ([`Target::io_left_behind`]), and the host and
+    /// subsystem of the last: the control thread logs them.
+    pub fn fenced_connects(&self) -> (u64, Option<(String, String)>) {
+        self.inner
+            .fenced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Allocates a controller ID (1 to 0xFFEF) not in use.
@@ -742,10 +771,10 @@ impl Target {
             }
             !expired
         });
-        drop(map);
         for c in &ended {
             self.retire(c);
         }
+        drop(map);
         ended
     }
 

@@ -909,11 +909,16 @@ fn a_host_reconnects_only_once_its_old_controllers_io_queues_are_gone() {
         } else {
             drop(a);
         }
+        let (before, _) = w.target.fenced_connects();
         let r = w.admin(&host(1), SUB);
         assert!(
             status_of(r).same_code(status::CONNECT_CONTROLLER_BUSY),
             "a new controller while the old one's I/O queue lives (expired: {expire})"
         );
+        // Counted, with whom, for the log.
+        let (after, last) = w.target.fenced_connects();
+        assert_eq!(after, before + 1);
+        assert_eq!(last, Some((host(1).nqn, SUB.to_owned())));
         let mut other = w.admin(&host(2), SUB).unwrap();
         other.enable().unwrap();
         drop(ios);

@@ -229,6 +229,8 @@ fn a_write_past_the_end_of_an_image_shrunk_behind_nvmfds_back_fails() {
     let image = ceph::image_name();
     let d = rbd_daemon(&conf, &image, "create = true\nsize = \"32MiB\"");
     let mut h = Host::connect(&d);
+    let backend_size = |d: &Daemon| d.data("status")["namespaces"][0]["backend_size"].as_u64();
+    assert_eq!(backend_size(&d), Some(32 << 20));
     rbd(
         &conf,
         &[
@@ -239,6 +241,11 @@ fn a_write_past_the_end_of_an_image_shrunk_behind_nvmfds_back_fails() {
             &format!("rbd/{image}"),
         ],
     );
+    // The handles see the shrink (status says so, beside the namespace's own size).
+    nvmfd_tests::wait_for("status to show the image shrunk", || {
+        (backend_size(&d) == Some(16 << 20)).then_some(())
+    });
+    assert_eq!(d.data("status")["namespaces"][0]["size"], 32 << 20);
     // 64 KiB before the new end and 64 KiB after it.
     let lba = (16 << 20) / 512 - 128;
     let e = h
@@ -313,6 +320,35 @@ fn a_refused_change_never_loses_what_a_shrink_would_cut_off() {
         "a refused change shrank the image"
     );
     h.close();
+}
+
+/// A listener added while serving an RBD namespace: the reactor's new data path needs its
+/// own handle on the image, opened ahead by the control side (not by the reactor, which
+/// would stop serving while the cluster answers), and serves I/O on it.
+#[test]
+fn a_listener_added_while_serving_an_image_gets_its_handles_opened_ahead() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let d = rbd_daemon(
+        &conf,
+        &ceph::image_name(),
+        "create = true\nsize = \"32MiB\"",
+    );
+    let port = nvmfd_tests::test_port();
+    let a = d.request(
+        &serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.2", "port": port, "provider": "soft"}})
+        .to_string(),
+    );
+    assert_eq!(a["ok"], true, "{a}");
+    nvmfd_tests::wait_for("the handles opened ahead", || {
+        d.log()
+            .contains("RBD handles opened ahead for the reactors' new data paths")
+            .then_some(())
+    });
+    let addr = format!("127.0.0.2:{port}");
+    let (ok, out, err) = nvmf(&["verify", "--addr", &addr, "--nqn", SUB]);
+    assert!(ok && out.contains("read back intact"), "{out}{err}");
 }
 
 /// Runs `rbd -c conf ARGS`, which must succeed.

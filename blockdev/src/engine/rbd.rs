@@ -127,7 +127,9 @@ impl Engine {
             // librbd answers a read with the bytes read, a write with 0, and cuts either
             // short at the image's end: an image shrunk behind nvmfd's back. A short read's
             // tail would be whatever the buffer held, so it fails. A write cut short says
-            // nothing of it, so a write is complete only if the image still reaches its end.
+            // nothing of it, so a write is complete only if the image, as its handles' header
+            // callbacks last saw it, still reaches its end (not `rbd_get_size`: after a header
+            // change, a snapshot say, it refreshes the header on this reactor first).
             let short = |done: u32| {
                 Err(BlockError::ShortTransfer {
                     expected: s.len,
@@ -139,13 +141,10 @@ impl Engine {
                 let image = self.devices[s.dev as usize]
                     .as_ref()
                     .and_then(|a| a.rbd.as_ref());
-                match image.map(Image::size) {
-                    Some(Ok(size)) if size < end => {
+                match image.map(Image::seen_size) {
+                    Some(size) if size < end => {
                         short(u32::try_from(size.saturating_sub(s.offset)).unwrap_or(0))
                     }
-                    Some(Err(e)) => Err(BlockError::from_errno(
-                        e.raw_os_error().unwrap_or(libc::EIO),
-                    )),
                     _ => Ok(s.len),
                 }
             };

@@ -25,6 +25,10 @@ const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 /// 30 s operation timeouts), after which the wait is taken for a hang.
 const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
 
+/// How long the control thread waits for RBD handles opened ahead of new data paths; opens
+/// still under way then finish as spares, and an engine that finds none opens its own.
+const PREPARE_WAIT: Duration = Duration::from_secs(2);
+
 /// Where the configuration in force came from, and its text (what edits apply to).
 #[derive(Debug)]
 pub(super) struct Source {
@@ -514,6 +518,48 @@ impl Daemon {
         self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
     }
 
+    /// Opens ahead, off this thread, a handle of every RBD namespace for each reactor about
+    /// to build a data path (a listener added, or its device back), so that no reactor
+    /// waits on a cluster in `rbd_open` meanwhile. Waits at most [`PREPARE_WAIT`], keeping
+    /// the watchdog fed.
+    pub(super) fn prepare_rbd_handles(&mut self) {
+        let devs: Vec<Arc<BlockDevice>> = self
+            .devices
+            .values()
+            .filter(|d| d.info().kind == nvmfd_blockdev::Kind::Rbd)
+            .cloned()
+            .collect();
+        if devs.is_empty() {
+            return;
+        }
+        let n = self.inboxes.len();
+        let (tx, rx) = mpsc::channel();
+        let started = std::thread::Builder::new()
+            .name("nvmfd-rbd-open".into())
+            .spawn(move || {
+                let ready: usize = std::thread::scope(|s| {
+                    let opens: Vec<_> = devs
+                        .iter()
+                        .map(|d| s.spawn(move || d.prepare_handles(n)))
+                        .collect();
+                    opens.into_iter().filter_map(|h| h.join().ok()).sum()
+                });
+                let _ = tx.send(ready);
+            });
+        if started.is_err() {
+            return;
+        }
+        match self.wait_keeping_watch(&rx, Some(Instant::now() + PREPARE_WAIT)) {
+            Ok(ready) => {
+                info!(self.log, "RBD handles opened ahead for the reactors' new data paths"; "handles" => ready);
+            }
+            Err(_) => {
+                warn!(self.log, "RBD handles for the new data paths still opening: reactors that find none open their own";
+                      "waited_ms" => PREPARE_WAIT.as_millis());
+            }
+        }
+    }
+
     /// Runs `f` on a thread of its own and waits for it, keeping the watch meanwhile
     /// (`wait_keeping_watch`): for what can block for long (opening or resizing an RBD image
     /// on a cluster that does not answer).
@@ -653,6 +699,7 @@ impl Daemon {
                     serving: dev.is_some(),
                     reason: if dev.is_some() { None } else { earlier },
                     warning: dev.and_then(|d| d.warning()).map(str::to_owned),
+                    backend_size: None,
                 });
             }
         }
@@ -716,6 +763,7 @@ impl Daemon {
             reason: None,
         });
         if let Some(dev) = self.cm[i].device.clone() {
+            self.prepare_rbd_handles();
             self.tell_reactors(|| ReactorCmd::AddPath {
                 listener: i,
                 device: dev.clone(),

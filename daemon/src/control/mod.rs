@@ -188,6 +188,8 @@ struct Daemon {
     test_hooks: bool,
     /// Test hook: the namespace whose next resize fails (`debug_fail_resize`).
     fail_resize: Option<(String, u32)>,
+    /// Fenced Connects already logged (`Target::fenced_connects`).
+    fenced_seen: u64,
     stopping: bool,
     target: Option<Target>,
     /// Per listener (in configuration order): its channel, listening ID and device.
@@ -254,6 +256,7 @@ pub fn run(
         namespaces: Vec::new(),
         test_hooks: std::env::var(TEST_HOOKS_ENV).is_ok_and(|v| v == "1"),
         fail_resize: None,
+        fenced_seen: 0,
         stopping: false,
         target: None,
         cm: Vec::new(),
@@ -479,6 +482,13 @@ impl Daemon {
                     // end of their sleep.
                     if !ended.is_empty() {
                         self.tell_reactors(|| ReactorCmd::PollEvents);
+                    }
+                    let (fenced, last) = t.fenced_connects();
+                    if fenced != self.fenced_seen {
+                        let (host, sub) = last.unwrap_or_default();
+                        warn!(self.log, "a host's Connect waits until I/O of its ended controller is done (answered Controller Busy)";
+                              "host" => host, "subsystem" => sub, "refused" => fenced - self.fenced_seen);
+                        self.fenced_seen = fenced;
                     }
                 }
                 admin.sweep(poll.registry(), now);
@@ -756,7 +766,18 @@ impl Daemon {
                     hosts: s.hosts.clone(),
                 })
                 .collect(),
-            namespaces: self.namespaces.clone(),
+            namespaces: self
+                .namespaces
+                .iter()
+                .cloned()
+                .map(|mut n| {
+                    n.backend_size = self
+                        .devices
+                        .get(&(n.subsystem.clone(), n.nsid))
+                        .and_then(|d| d.backend_size());
+                    n
+                })
+                .collect(),
         }
     }
 

@@ -400,6 +400,7 @@ impl DataPath {
             }
         }
         let _ = c.id.disconnect();
+        c.queue.connection_lost();
         let marker = [SendWr {
             wr_id: wr_id(KIND_DRAIN, 0, u64::from(qpn)),
             op: SendOp::Send,

@@ -237,8 +237,8 @@ pub struct DataPath {
     kept: [usize; 2],
     /// Bytes in a small buffer.
     small_size: u32,
-    /// Commands that arrived while they could not be admitted, by lane (admin, small I/O,
-    /// large I/O). Their receives stay off the SRQ until they start, the oldest that can be
+    /// Commands that arrived while they could not be admitted, by lane (admin and I/O, each
+    /// small or large). Their receives stay off the SRQ until they start, the oldest that can be
     /// admitted first, as commands finish (the SRQ grows if that makes it run low). Bounded
     /// by the receives the SRQ can hold.
     incoming: Waiting,
@@ -649,7 +649,7 @@ impl DataPath {
     /// the admin queues' reserve, for I/O) and its class's pool has a buffer for every
     /// admitted command of the class, this one included.
     fn admits(&self, lane: Lane, class: Class) -> bool {
-        let reserve = if lane == Lane::Admin {
+        let reserve = if lane.is_admin() {
             0
         } else {
             self.admin_reserve

@@ -34,9 +34,14 @@ impl DataPath {
         }
         let class = self.peek_class(c.wr_id, c.byte_len);
         let lane = Lane::of(admin, class);
-        if self.incoming.has(lane) || !self.admits(lane, class) {
+        if self.incoming.has(lane)
+            || !self.admits(lane, class)
+            || self.incoming.next(|l, k| self.admits(l, k)).is_some()
+        {
             // Every slot, or every buffer of its class, may be in use: the command waits its
-            // turn in its lane, in its receive. Other lanes do not wait for it.
+            // turn in its lane, in its receive. Other lanes do not wait for it; and it does
+            // not pass an older command of another lane that could start now (a slot came
+            // free this turn), which the next turn starts first.
             self.counters
                 .commands_queued
                 .fetch_add(1, Ordering::Relaxed);

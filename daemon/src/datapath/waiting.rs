@@ -11,23 +11,36 @@ use super::Class;
 /// Which waiting line a command joins.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Lane {
-    /// A command of an admin queue, or of a queue not connected yet (its Fabrics Connect).
+    /// A command of an admin queue, or of a queue not connected yet (its Fabrics Connect),
+    /// with a small buffer (or none): Keep Alive, Connect, Identify.
     Admin = 0,
+    /// An admin command with a large buffer (a long log page): it waits for large buffers
+    /// without holding up the other admin commands.
+    AdminLarge = 1,
     /// An I/O command with a small buffer (or none).
-    Small = 1,
+    Small = 2,
     /// An I/O command with a large buffer.
-    Large = 2,
+    Large = 3,
 }
+
+/// Every lane.
+const LANES: [Lane; 4] = [Lane::Admin, Lane::AdminLarge, Lane::Small, Lane::Large];
 
 impl Lane {
     /// The lane of a command of class `class` on a queue that is an admin queue (or not
     /// connected) when `admin`.
     pub(super) fn of(admin: bool, class: Class) -> Lane {
         match (admin, class) {
-            (true, _) => Lane::Admin,
+            (true, Class::Small) => Lane::Admin,
+            (true, Class::Large) => Lane::AdminLarge,
             (false, Class::Small) => Lane::Small,
             (false, Class::Large) => Lane::Large,
         }
+    }
+
+    /// Whether the admin queues' reserve of request slots is open to it.
+    pub(super) fn is_admin(self) -> bool {
+        matches!(self, Lane::Admin | Lane::AdminLarge)
     }
 }
 
@@ -45,7 +58,7 @@ pub(super) struct Wait {
 /// The lanes.
 #[derive(Debug)]
 pub(super) struct Waiting {
-    lanes: [VecDeque<Wait>; 3],
+    lanes: [VecDeque<Wait>; 4],
     next_seq: u64,
     len: usize,
 }
@@ -55,6 +68,7 @@ impl Waiting {
     pub(super) fn with_capacity(cap: usize) -> Waiting {
         Waiting {
             lanes: [
+                VecDeque::with_capacity(cap.min(256)),
                 VecDeque::with_capacity(cap.min(256)),
                 VecDeque::with_capacity(cap),
                 VecDeque::with_capacity(cap),
@@ -90,7 +104,7 @@ impl Waiting {
 
     /// The lane whose first command is the oldest of those `admits` (lane, class) lets in.
     pub(super) fn next(&self, admits: impl Fn(Lane, Class) -> bool) -> Option<Lane> {
-        [Lane::Admin, Lane::Small, Lane::Large]
+        LANES
             .into_iter()
             .filter_map(|l| {
                 let w = self.lanes[l as usize].front()?;
@@ -149,6 +163,18 @@ mod tests {
         assert_eq!(w.pop(Lane::Admin).unwrap().wr, 14);
         assert_eq!(w.next(|l, _| l == Lane::Admin), None);
         assert!(w.has(Lane::Large) && !w.has(Lane::Small));
+    }
+
+    #[test]
+    fn an_admin_command_waiting_for_a_large_buffer_holds_up_no_keep_alive() {
+        let mut w = Waiting::with_capacity(8);
+        w.push(Lane::of(true, Class::Large), 1, 10, 64, Class::Large);
+        w.push(Lane::of(true, Class::Small), 2, 11, 64, Class::Small);
+        let no_large = |_: Lane, c: Class| c == Class::Small;
+        assert_eq!(w.next(no_large), Some(Lane::Admin));
+        assert_eq!(w.pop(Lane::Admin).unwrap().wr, 11);
+        assert_eq!(w.next(no_large), None);
+        assert!(Lane::AdminLarge.is_admin() && !Lane::Large.is_admin());
     }
 
     #[test]
