@@ -540,8 +540,9 @@ impl Image {
             }
             Err(rc) => Err(err(&what(), rc)),
         }?;
+        // A header-update callback may have stored a newer size since this was read.
         let size = image.size()?;
-        seen.store(size, Ordering::Release);
+        let _ = seen.compare_exchange(u64::MAX, size, Ordering::AcqRel, Ordering::Acquire);
         Ok(image)
     }
 

@@ -758,6 +758,11 @@ impl Target {
         let mut ended = Vec::new();
         let mut map = self.ctrls();
         map.retain(|_, c| {
+            // Ended already (its admin queue lost, waiting for the queue's drain): not a
+            // keep-alive timeout.
+            if c.is_dead() {
+                return true;
+            }
             let mut st = c.lock();
             if c.traffic.swap(false, std::sync::atomic::Ordering::Relaxed) {
                 st.last_keep_alive = now;

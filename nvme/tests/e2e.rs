@@ -928,6 +928,22 @@ fn a_host_reconnects_only_once_its_old_controllers_io_queues_are_gone() {
     }
 }
 
+/// A controller that ended otherwise (an operator's disconnect), still in the map until its
+/// admin queue goes, is not reported again as a keep-alive timeout.
+#[test]
+fn a_controller_ended_otherwise_is_not_expired_again() {
+    let w = world();
+    let (a, _ios) = w.controller(1);
+    assert!(w.target.disconnect_controller(a.cntlid).is_some());
+    let now = Instant::now();
+    assert!(w.target.expire_keep_alives(now).is_empty());
+    let again = w.target.expire_keep_alives(now + Duration::from_secs(60));
+    assert!(
+        again.is_empty(),
+        "an ended controller was reported as a keep-alive timeout"
+    );
+}
+
 /// With TBKAS every command restarts the keep-alive timer, Fabrics commands included: a
 /// Linux host counts any completion as traffic and skips its Keep Alive, so a host that only
 /// reads CSTS (waiting out a reset, say) must keep its controller.

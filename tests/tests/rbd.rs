@@ -349,6 +349,27 @@ fn a_listener_added_while_serving_an_image_gets_its_handles_opened_ahead() {
     let addr = format!("127.0.0.2:{port}");
     let (ok, out, err) = nvmf(&["verify", "--addr", &addr, "--nqn", SUB]);
     assert!(ok && out.contains("read back intact"), "{out}{err}");
+    // A listener on a device that has a data path already shares it: nothing is opened.
+    let port = nvmfd_tests::test_port();
+    let a = d.request(
+        &serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.1", "port": port, "provider": "soft"}})
+        .to_string(),
+    );
+    assert_eq!(a["ok"], true, "{a}");
+    nvmfd_tests::wait_for("the listener to share the data path", || {
+        d.log()
+            .contains("listener shares its device's data path")
+            .then_some(())
+    });
+    assert_eq!(
+        d.log()
+            .matches("RBD handles opened ahead for the reactors' new data paths")
+            .count(),
+        1,
+        "{}",
+        d.log()
+    );
 }
 
 /// Runs `rbd -c conf ARGS`, which must succeed.

@@ -282,8 +282,9 @@ impl Daemon {
         }
         // 2. New listeners.
         let mut added_slots = Vec::new();
+        let added: Vec<Arc<BlockDevice>> = opened.iter().map(|(_, _, d)| Arc::clone(d)).collect();
         for l in &plan.listeners_added {
-            match self.add_listener(registry, l) {
+            match self.add_listener(registry, l, &added) {
                 Ok(i) => added_slots.push(i),
                 Err(e) => {
                     for &i in added_slots.iter().rev() {
@@ -518,14 +519,30 @@ impl Daemon {
         self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
     }
 
-    /// Opens ahead, off this thread, a handle of every RBD namespace for each reactor about
-    /// to build a data path (a listener added, or its device back), so that no reactor
-    /// waits on a cluster in `rbd_open` meanwhile. Waits at most [`PREPARE_WAIT`], keeping
-    /// the watchdog fed.
-    pub(super) fn prepare_rbd_handles(&mut self) {
+    /// Opens ahead, off this thread, a handle of every RBD namespace (those of `devices`,
+    /// and `added`) for each reactor about to build a data path on listener `listener`'s
+    /// device (a listener added, or its device back), so that no reactor waits on a cluster
+    /// in `rbd_open` meanwhile. Nothing when another listener serving on the same device
+    /// has a data path there already (the new listener shares it). Waits at most
+    /// [`PREPARE_WAIT`], keeping the watchdog fed.
+    pub(super) fn prepare_rbd_handles(&mut self, listener: usize, added: &[Arc<BlockDevice>]) {
+        let fd = self
+            .cm
+            .get(listener)
+            .and_then(|c| c.device.as_ref())
+            .map(|d| d.async_fd());
+        let shared = self.cm.iter().enumerate().any(|(j, c)| {
+            j != listener
+                && self.listener_slots.get(j).is_some_and(Option::is_some)
+                && c.device.as_ref().map(|d| d.async_fd()) == fd
+        });
+        if fd.is_none() || shared {
+            return;
+        }
         let devs: Vec<Arc<BlockDevice>> = self
             .devices
             .values()
+            .chain(added)
             .filter(|d| d.info().kind == nvmfd_blockdev::Kind::Rbd)
             .cloned()
             .collect();
@@ -708,7 +725,14 @@ impl Daemon {
 
     /// Adds a listener in a new slot and listens; the reactors build their data paths on its
     /// device. Returns the slot.
-    fn add_listener(&mut self, registry: &Registry, l: &Listener) -> Result<usize, String> {
+    /// `added`: devices of namespaces added by the same change (attached, not yet in
+    /// `devices`), whose handles its data paths need too.
+    fn add_listener(
+        &mut self,
+        registry: &Registry,
+        l: &Listener,
+        added: &[Arc<BlockDevice>],
+    ) -> Result<usize, String> {
         let i = self.cm.len();
         self.cm.push(listeners::Listening::default());
         self.listener_slots.push(Some(l.clone()));
@@ -763,7 +787,7 @@ impl Daemon {
             reason: None,
         });
         if let Some(dev) = self.cm[i].device.clone() {
-            self.prepare_rbd_handles();
+            self.prepare_rbd_handles(i, added);
             self.tell_reactors(|| ReactorCmd::AddPath {
                 listener: i,
                 device: dev.clone(),

@@ -538,7 +538,7 @@ impl Daemon {
             info!(self.log, "device returned: the listener serves again";
                   "listener" => i, "address" => &st.address, "port" => st.port);
         }
-        self.prepare_rbd_handles();
+        self.prepare_rbd_handles(i, &[]);
         self.tell_reactors(|| ReactorCmd::AddPath {
             listener: i,
             device: dev.clone(),
