@@ -2894,3 +2894,18 @@ fn a_host_reconnecting_while_its_old_write_is_at_the_backend_waits_for_it() {
     assert!(back == new);
     wait_pools_full(&c, false);
 }
+
+/// A host that closes its queues with nothing at the backend connects again at once, every
+/// time: the fence against a new association waits only for commands at a backend.
+#[test]
+fn a_host_that_left_nothing_at_the_backend_reconnects_at_once() {
+    let s = serve(4487);
+    for round in 0..20u64 {
+        let (admin, mut ios) = try_controller(&s, 1)
+            .unwrap_or_else(|| panic!("round {round}: the Connect was refused"));
+        let data = pattern(round, 4096);
+        ios[0].write(1, round * 8, 8, &data, false).unwrap();
+        drop(ios);
+        drop(admin);
+    }
+}

@@ -233,6 +233,8 @@ pub struct Queue {
     in_capsule_limit: u32,
     /// The controller's reset epoch when this queue connected.
     epoch: u32,
+    /// Counted in its controller's `io_queues_unsettled` (an I/O queue, until `settled`).
+    unsettled: bool,
     /// Response data and DSM ranges of earlier commands, handed back by the transport
     /// (`give_back_bytes`, `give_back_op`) and refilled for the next: once a queue has
     /// answered one of each, answering more allocates nothing.
@@ -283,6 +285,7 @@ impl Queue {
             // in-capsule data than an I/O capsule (IOCCSZ).
             in_capsule_limit: target.limits().in_capsule_data_size,
             epoch: 0,
+            unsettled: false,
             spare_bytes: Vec::new(),
             spare_ranges: Vec::new(),
             peer: None,
@@ -335,6 +338,16 @@ impl Queue {
     /// The controller, once connected.
     pub fn controller(&self) -> Option<&Arc<Controller>> {
         self.ctrl.as_ref()
+    }
+
+    /// The transport tore this I/O queue's connection down with none of its commands at a
+    /// backend: nothing of it can reach the disk any more (a write whose data was still being
+    /// fetched is never submitted), so a new association of its host need not wait for it.
+    pub fn settled(&mut self) {
+        if let (Some(ctrl), true) = (self.ctrl.as_ref(), self.unsettled) {
+            self.unsettled = false;
+            ctrl.io_queues_unsettled.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     /// The transport tore this queue's connection down. An admin queue's controller ends
@@ -675,6 +688,9 @@ impl Drop for Queue {
             return;
         }
         ctrl.io_queues_alive.fetch_sub(1, Ordering::AcqRel);
+        if self.unsettled {
+            ctrl.io_queues_unsettled.fetch_sub(1, Ordering::AcqRel);
+        }
         if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
             // (A queue from before a reset holds no slot: the reset cleared them.)
             let mut st = ctrl.lock();

@@ -180,6 +180,11 @@ pub struct Controller {
     /// connection is torn down and every block operation of it has completed, so a reset or
     /// shutdown that waits for this to reach 0 has nothing of the old queues left in flight.
     pub(crate) io_queues_alive: AtomicU32,
+    /// I/O queues of it that may still have commands at a backend: bound and not yet torn
+    /// down with none of their operations there (`Queue::settled`), or dropped. What the
+    /// fence against a new association of the same host waits for
+    /// ([`Target::io_left_behind`]).
+    pub(crate) io_queues_unsettled: AtomicU32,
     /// Its queues, for the operator's view (`Controller::queues`).
     pub(crate) queue_stats: Mutex<Vec<Arc<QueueStats>>>,
     /// The SMART log's figures of its queues that are gone (those alive keep theirs in
@@ -681,13 +686,13 @@ impl Target {
         let mut r = self.inner.retired.lock().unwrap_or_else(|e| e.into_inner());
         r.retain(|w| {
             w.upgrade()
-                .is_some_and(|c| c.io_queues_alive.load(Ordering::Acquire) > 0)
+                .is_some_and(|c| c.io_queues_unsettled.load(Ordering::Acquire) > 0)
         });
         r.push(Arc::downgrade(c));
     }
 
     /// Whether an ended controller of host `hostnqn` on subsystem `subnqn` still has I/O
-    /// queues (`map` is the controllers' map, locked). Their commands may still be at a
+    /// queues that may have commands at a backend (`map` is the controllers' map, locked). Their commands may still be at a
     /// backend (a write a store has not finished): a new association of the same host must
     /// not start before they are done, or an old write could land over a new one the host
     /// was told is done. Its Connect is answered Controller Busy, which a host retries.
@@ -701,7 +706,7 @@ impl Target {
             c.is_dead()
                 && c.hostnqn == hostnqn
                 && c.subnqn == subnqn
-                && c.io_queues_alive.load(Ordering::Acquire) > 0
+                && c.io_queues_unsettled.load(Ordering::Acquire) > 0
         };
         if map.values().any(|c| left(c)) {
             self.note_fenced(hostnqn, subnqn);
@@ -710,7 +715,7 @@ impl Target {
         let mut r = self.inner.retired.lock().unwrap_or_else(|e| e.into_inner());
         r.retain(|w| {
             w.upgrade()
-                .is_some_and(|c| c.io_queues_alive.load(Ordering::Acquire) > 0)
+                .is_some_and(|c| c.io_queues_unsettled.load(Ordering::Acquire) > 0)
         });
         let fenced = r
             .iter()

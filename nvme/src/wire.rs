@@ -324,6 +324,9 @@ pub mod status {
     pub const CONNECT_INCOMPATIBLE_FORMAT: Status = Status::new(1, 0x80);
     /// Fabrics Connect: Controller Busy.
     pub const CONNECT_CONTROLLER_BUSY: Status = Status::new(1, 0x81);
+    /// Fabrics Connect: Controller Busy, to be retried (DNR clear): a host's earlier
+    /// association still has commands at a backend.
+    pub const CONNECT_CONTROLLER_BUSY_RETRY: Status = Status::retryable(1, 0x81);
     /// Fabrics Connect: Invalid Parameters.
     pub const CONNECT_INVALID_PARAMETERS: Status = Status::new(1, 0x82);
     /// Fabrics Connect: Invalid Host.

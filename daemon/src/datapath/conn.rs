@@ -441,6 +441,15 @@ impl DataPath {
         self.incoming.remove_qp(qpn, |w| {
             srq.completed(w.wr, now);
         });
+        // Nothing of it at the backend: a new association of its host need not wait for it.
+        let executing = self
+            .reqs
+            .iter()
+            .flatten()
+            .any(|r| r.qpn == qpn && r.conn != NO_CONN && matches!(r.state, State::Executing));
+        if !executing {
+            c.queue.settled();
+        }
         self.draining.insert(
             qpn,
             Drain {

@@ -100,7 +100,7 @@ impl Queue {
             // The host's last association on this subsystem still has commands out (a reset
             // or reconnect while a backend had not finished them): not before they are done.
             if !discovery && self.target.io_left_behind(&map, hostnqn, subnqn) {
-                return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
+                return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY_RETRY, 0);
             }
             let Some(cntlid) = self.target.alloc_cntlid(&map) else {
                 return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
@@ -135,6 +135,7 @@ impl Queue {
                 epoch: 0.into(),
                 changes: Arc::clone(&self.target.inner.ctrl_changes),
                 io_queues_alive: 0.into(),
+                io_queues_unsettled: 0.into(),
                 io_gone: IoCounts::default(),
                 queue_stats: std::sync::Mutex::new(Vec::new()),
             });
@@ -213,6 +214,8 @@ impl Queue {
         self.epoch = epoch;
         if qid > 0 {
             ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
+            ctrl.io_queues_unsettled.fetch_add(1, Ordering::AcqRel);
+            self.unsettled = true;
         }
         let st = Arc::new(QueueStats::new(
             qid,
