@@ -89,6 +89,8 @@ cat $WORK/bystander.out; tail -5 $WORK/bystander.err
 echo "==> nvmfd: changes it applied"
 grep -c '"change' $WORK/nvmfd.log || true
 grep -iE 'panic|"level":"(CRIT|ERRO)"' $WORK/nvmfd.log | tail -10
+echo "==> nvmfd: Connects that waited for an ended controller's I/O (Controller Busy)"
+grep -c "waits until I/O of its ended controller" $WORK/nvmfd.log || true
 $BIN/nvmfctl --socket $WORK/nvmfd.sock status | head -20
 kill -TERM $pid
 wait $pid
