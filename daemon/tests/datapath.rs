@@ -823,6 +823,23 @@ fn controller_with(
     (admin, ios)
 }
 
+/// An enabled controller of `host()` with one I/O queue of `depth` entries that submits
+/// without waiting (`nvmf_host::PipelinedQueue`), for data of up to `max_io` bytes.
+fn pipelined_controller(
+    s: &Served,
+    depth: u16,
+    max_io: u32,
+) -> (AdminQueue<RdmaQueue>, IoQueue<nvmf_host::PipelinedQueue>) {
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let q = nvmf_host::PipelinedQueue::connect(ch, s.addr, 1, depth, 4096, max_io).unwrap();
+    let io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, depth - 1).unwrap();
+    (admin, io)
+}
+
 /// Writes a 4 KiB pattern at block `lba` of namespace 2 and reads it back.
 fn write_verified(io: &mut IoQueue<RdmaQueue>, seed: u64, lba: u64) -> Vec<u8> {
     let data = pattern(seed, 4096);
@@ -2209,13 +2226,7 @@ fn small_commands_are_admitted_by_the_small_pool_not_the_large_buffers() {
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     // Two large buffers, 32 request slots (and 32 small buffers).
     let s = serve_counted(4442, Some((2, 32)), Arc::clone(&c));
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
-    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
-    let q = PipelinedQueue::connect(ch, s.addr, 1, 32, 4096, 64 * 1024).unwrap();
-    let mut io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let (_admin, mut io) = pipelined_controller(&s, 32, 64 * 1024);
     let data = pattern(77, 24 * 64 * 1024);
     let q = io.transport();
     let mut done = Vec::new();
@@ -2655,7 +2666,7 @@ fn a_late_completion_of_a_destroyed_qp_never_answers_a_new_qp_of_the_same_number
 /// expired.
 #[test]
 fn commands_of_other_hosts_do_not_wait_behind_a_large_write_waiting_for_a_buffer() {
-    use nvmf_host::{Payload, PipelinedQueue};
+    use nvmf_host::Payload;
     use nvmfd_nvme::host::rw_sqe;
     use nvmfd_nvme::wire::io_opcode;
     use std::sync::atomic::Ordering::Relaxed;
@@ -2663,20 +2674,9 @@ fn commands_of_other_hosts_do_not_wait_behind_a_large_write_waiting_for_a_buffer
     // Two large buffers, 32 request slots.
     let s = serve_counted(4484, Some((2, 32)), Arc::clone(&c));
     // Host A: an I/O queue that can have three 64 KiB writes out.
-    let h = host();
-    let mut admin_a = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin_a.enable().unwrap();
-    assert_eq!(admin_a.set_queue_count(1).unwrap(), 1);
-    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
-    let q = PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 64 * 1024).unwrap();
-    let mut io_a = IoQueue::connect(q, &h, SUB, admin_a.cntlid, 1, 7).unwrap();
+    let (_admin_a, mut io_a) = pipelined_controller(&s, 8, 64 * 1024);
     // Host B (another controller): its admin queue, and an I/O queue for a small write.
-    let mut admin_b = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin_b.enable().unwrap();
-    assert_eq!(admin_b.set_queue_count(1).unwrap(), 1);
-    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
-    let q = PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 64 * 1024).unwrap();
-    let mut io_b = IoQueue::connect(q, &h, SUB, admin_b.cntlid, 1, 7).unwrap();
+    let (mut admin_b, mut io_b) = pipelined_controller(&s, 8, 64 * 1024);
 
     s.set_switch(&s.hold_block, true);
     let data = pattern(84, 3 * 64 * 1024);
@@ -2773,25 +2773,15 @@ fn commands_of_other_hosts_do_not_wait_behind_a_large_write_waiting_for_a_buffer
 /// admin queues' reserve: the next one waits, and another host's Keep Alive still runs.
 #[test]
 fn io_filling_every_request_slot_leaves_admin_commands_room() {
-    use nvmf_host::{Payload, PipelinedQueue};
+    use nvmf_host::Payload;
     use nvmfd_nvme::host::rw_sqe;
     use nvmfd_nvme::wire::io_opcode;
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     // 32 request slots: 2 kept for admin queues.
     let s = serve_counted(4485, Some((2, 32)), Arc::clone(&c));
-    let h = host();
-    let connect = || {
-        let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-        admin.enable().unwrap();
-        assert_eq!(admin.set_queue_count(1).unwrap(), 1);
-        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
-        let q = PipelinedQueue::connect(ch, s.addr, 1, 64, 4096, 8192).unwrap();
-        let io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 63).unwrap();
-        (admin, io)
-    };
-    let (_admin_a, mut io_a) = connect();
-    let (admin_b, _io_b) = connect();
+    let (_admin_a, mut io_a) = pipelined_controller(&s, 64, 8192);
+    let (admin_b, _io_b) = pipelined_controller(&s, 64, 8192);
     s.set_switch(&s.hold_block, true);
     let data = pattern(86, 4096);
     let qa = io_a.transport();
@@ -2842,19 +2832,14 @@ fn io_filling_every_request_slot_leaves_admin_commands_room() {
 /// the old queue is gone, so the old write cannot land over one of the new association.
 #[test]
 fn a_host_reconnecting_while_its_old_write_is_at_the_backend_waits_for_it() {
-    use nvmf_host::{Payload, PipelinedQueue};
+    use nvmf_host::Payload;
     use nvmfd_nvme::host::rw_sqe;
     use nvmfd_nvme::wire::{io_opcode, status};
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4486, None, Arc::clone(&c));
     let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
-    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
-    let q = PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 8192).unwrap();
-    let mut io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 7).unwrap();
+    let (admin, mut io) = pipelined_controller(&s, 8, 8192);
     s.set_switch(&s.hold_block, true);
     let old = pattern(87, 4096);
     io.transport()

@@ -9,6 +9,7 @@
 
 mod admin;
 mod block;
+mod fence;
 pub mod host;
 mod io;
 mod queue;

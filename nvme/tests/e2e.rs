@@ -100,6 +100,33 @@ impl World {
     fn admin(&self, h: &HostId, subnqn: &str) -> Result<AdminQueue<Loopback>, HostError> {
         AdminQueue::connect(self.link(0, 31), h, subnqn, 31, 5000)
     }
+    /// An admin Connect of `h` to `subnqn` with `change` made to the target, once, while
+    /// the Connect is served (after its checks, before its controller is made).
+    fn admin_during(
+        &self,
+        h: &HostId,
+        subnqn: &str,
+        change: impl FnOnce(&Target) + Send + 'static,
+    ) -> Result<AdminQueue<Loopback>, HostError> {
+        let target = self.target.clone();
+        let change = std::sync::Mutex::new(Some(change));
+        self.target.set_connect_hook(Some(Box::new(move || {
+            if let Some(f) = change.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                f(&target);
+            }
+        })));
+        let r = self.admin(h, subnqn);
+        self.target.set_connect_hook(None);
+        r
+    }
+    /// Controllers of `subnqn` that have not ended.
+    fn live_controllers(&self, subnqn: &str) -> usize {
+        self.target
+            .controllers()
+            .iter()
+            .filter(|c| c.subnqn == subnqn && c.end_reason().is_none())
+            .count()
+    }
     /// An enabled controller with `n` I/O queues connected.
     fn controller(&self, n: u16) -> (AdminQueue<Loopback>, Vec<IoQueue<Loopback>>) {
         let h = host(1);
@@ -1172,24 +1199,12 @@ fn a_second_connect_whose_data_arrives_after_the_first_bound_the_queue_is_refuse
 #[test]
 fn a_host_removed_while_its_connect_is_served_gets_no_live_controller() {
     let w = world();
-    let target = w.target.clone();
-    let done = std::sync::atomic::AtomicBool::new(false);
-    w.target.set_connect_hook(Some(Box::new(move || {
-        if done.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            return;
-        }
+    let r = w.admin_during(&host(1), RESTRICTED, |target| {
         let mut s = (*target.subsystem(RESTRICTED).unwrap()).clone();
         s.hosts.clear();
         target.replace_subsystem(s).unwrap();
-    })));
-    let r = w.admin(&host(1), RESTRICTED);
-    w.target.set_connect_hook(None);
-    let live = w
-        .target
-        .controllers()
-        .iter()
-        .filter(|c| c.subnqn == RESTRICTED && c.end_reason().is_none())
-        .count();
+    });
+    let live = w.live_controllers(RESTRICTED);
     assert_eq!(
         live, 0,
         "a controller of a host no longer allowed lives ({r:?})"
@@ -1203,27 +1218,15 @@ fn a_host_removed_while_its_connect_is_served_gets_no_live_controller() {
 #[test]
 fn a_connect_served_while_its_subsystem_is_replaced_joins_the_new_one() {
     let w = world();
-    let target = w.target.clone();
-    let done = std::sync::atomic::AtomicBool::new(false);
-    w.target.set_connect_hook(Some(Box::new(move || {
-        if done.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            return;
-        }
+    let r = w.admin_during(&host(1), RESTRICTED, |target| {
         let (gone, _) = target.remove_subsystem(RESTRICTED).unwrap();
         target.add_subsystem((*gone).clone()).unwrap();
-    })));
-    let r = w.admin(&host(1), RESTRICTED);
-    w.target.set_connect_hook(None);
+    });
     assert!(r.is_ok(), "{r:?}");
     let mut s = (*w.target.subsystem(RESTRICTED).unwrap()).clone();
     s.hosts.clear();
     w.target.replace_subsystem(s).unwrap();
-    let live = w
-        .target
-        .controllers()
-        .iter()
-        .filter(|c| c.subnqn == RESTRICTED && c.end_reason().is_none())
-        .count();
+    let live = w.live_controllers(RESTRICTED);
     assert_eq!(
         live, 0,
         "a controller of a host no longer allowed lives on, tied to the removed subsystem"

@@ -355,6 +355,19 @@ impl Daemon {
         v["data"].clone()
     }
 
+    /// Asserts that the `i`th namespace of `status` is served with a warning holding every
+    /// one of `words`, also in the log; returns the status.
+    pub fn assert_served_with_warning(&self, i: usize, words: &[&str]) -> Value {
+        let status = self.data("status");
+        let ns = &status["namespaces"][i];
+        assert_eq!(ns["serving"], true, "{status}");
+        let warning = ns["warning"].as_str().unwrap_or_default();
+        assert!(words.iter().all(|w| warning.contains(w)), "{status}");
+        let log = self.log();
+        assert!(log.contains("namespace served with a warning"), "{log}");
+        status
+    }
+
     /// Sends a signal to the daemon.
     pub fn signal(&self, sig: i32) {
         let pid = i32::try_from(self.child.id()).expect("pid");

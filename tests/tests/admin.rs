@@ -525,18 +525,5 @@ fn a_file_namespace_served_without_o_direct_is_reported() {
         )],
         ..Options::default()
     });
-    let status = d.data("status");
-    let ns = &status["namespaces"][0];
-    assert_eq!(ns["serving"], true, "{status}");
-    assert!(
-        ns["warning"]
-            .as_str()
-            .is_some_and(|w| w.contains("O_DIRECT") && w.contains("buffered")),
-        "{status}"
-    );
-    assert!(
-        d.log().contains("namespace served with a warning"),
-        "{}",
-        d.log()
-    );
+    d.assert_served_with_warning(0, &["O_DIRECT", "buffered"]);
 }

@@ -399,6 +399,24 @@ fn a_host_killed_with_io_in_flight_leaves_nothing_behind() {
     a_new_host_is_served(addr, "127.0.0.5", 9000, 7);
 }
 
+/// A host on 127.0.0.6 with a keep-alive timeout of 1 s and `queues` I/O queues, which
+/// then says nothing: its fabric and queues, kept open by the caller.
+fn silent_host(
+    addr: SocketAddr,
+    queues: u16,
+) -> (Fabric, AdminQueue<RdmaQueue>, Vec<IoQueue<RdmaQueue>>) {
+    let f = Fabric::networked();
+    f.add_device("127.0.0.6".parse().unwrap()).unwrap();
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 1000).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(queues).unwrap();
+    let ios = (1..=queues)
+        .map(|q| IoQueue::connect(queue(&f, addr, q, 31), &h, SUB, admin.cntlid, q, 31).unwrap())
+        .collect();
+    (f, admin, ios)
+}
+
 #[test]
 fn a_silent_host_loses_its_controller_and_all_its_queues_and_can_connect_again_at_once() {
     let d = Daemon::start(Options {
@@ -410,16 +428,8 @@ fn a_silent_host_loses_its_controller_and_all_its_queues_and_can_connect_again_a
     });
     let addr = listener(&d);
     let dp = |d: &Daemon| d.data("stats")["datapath"][0].clone();
-    let f = Fabric::networked();
-    f.add_device("127.0.0.6".parse().unwrap()).unwrap();
-    let h = host();
     // Keep-alive timeout 1 s; the host then says nothing.
-    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 1000).unwrap();
-    admin.enable().unwrap();
-    admin.set_queue_count(2).unwrap();
-    let _ios: Vec<_> = (1..=2)
-        .map(|q| IoQueue::connect(queue(&f, addr, q, 31), &h, SUB, admin.cntlid, q, 31).unwrap())
-        .collect();
+    let _host = silent_host(addr, 2);
     assert_eq!(dp(&d)["qps"], 3);
     let s = nvmfd_tests::wait_for("the controller and its three queues to end", || {
         let s = dp(&d);
@@ -452,13 +462,7 @@ fn the_queues_of_an_expired_controller_close_at_once_on_a_sleeping_reactor() {
     });
     let addr = listener(&d);
     let dp = |d: &Daemon| d.data("stats")["datapath"][0].clone();
-    let f = Fabric::networked();
-    f.add_device("127.0.0.6".parse().unwrap()).unwrap();
-    let h = host();
-    let mut admin = AdminQueue::connect(queue(&f, addr, 0, 31), &h, SUB, 31, 1000).unwrap();
-    admin.enable().unwrap();
-    admin.set_queue_count(1).unwrap();
-    let _io = IoQueue::connect(queue(&f, addr, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let _host = silent_host(addr, 1);
     assert_eq!(dp(&d)["qps"], 2);
     nvmfd_tests::wait_for("the controller to expire", || {
         d.log().contains("keep-alive timeout").then_some(())

@@ -57,6 +57,14 @@ fn rbd_daemon(conf: &str, image: &str, extra: &str) -> Daemon {
     ))
 }
 
+/// The keys that create a 32 MiB image when it does not exist.
+const NEW_IMAGE: &str = "create = true\nsize = \"32MiB\"";
+
+/// A daemon serving a new 32 MiB image of the test cluster as namespace 1.
+fn new_image_daemon(conf: &str) -> Daemon {
+    rbd_daemon(conf, &ceph::image_name(), NEW_IMAGE)
+}
+
 /// A ceph.conf whose monitor address has nobody behind it (a client gives up connecting
 /// after `mount_timeout` seconds), in a directory kept as long as the first value lives.
 fn dead_cluster(mount_timeout: u32) -> (tempfile::TempDir, std::path::PathBuf) {
@@ -149,11 +157,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 fn an_rbd_namespace_passes_nvmf_verify_and_a_verified_bench() {
     let _c = shared();
     let Some(conf) = cluster() else { return };
-    let d = rbd_daemon(
-        &conf,
-        &ceph::image_name(),
-        "create = true\nsize = \"32MiB\"",
-    );
+    let d = new_image_daemon(&conf);
     let addr = d.soft_addr().to_string();
     let (ok, out, err) = nvmf(&["verify", "--addr", &addr, "--nqn", SUB]);
     assert!(ok && out.contains("read back intact"), "{out}{err}");
@@ -189,22 +193,13 @@ fn a_read_past_the_end_of_an_image_shrunk_behind_nvmfds_back_returns_no_stale_da
     let _c = shared();
     let Some(conf) = cluster() else { return };
     let image = ceph::image_name();
-    let d = rbd_daemon(&conf, &image, "create = true\nsize = \"32MiB\"");
+    let d = rbd_daemon(&conf, &image, NEW_IMAGE);
     let mut h = Host::connect(&d);
     // The buffers hold data first, so that a short read would show it.
     let data = pattern(5, 128 * 1024);
     h.write(0, &data).unwrap();
     assert_eq!(h.read(0, data.len()), data);
-    let out = Command::new("rbd")
-        .args(["-c", &conf, "resize", "--allow-shrink", "--size", "16M"])
-        .arg(format!("rbd/{image}"))
-        .output()
-        .expect("run rbd");
-    assert!(
-        out.status.success(),
-        "rbd resize: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    shrink_to_16m(&conf, &image);
     // 64 KiB before the new end and 64 KiB after it.
     let lba = (16 << 20) / 512 - 128;
     let mut buf = vec![0u8; 128 * 1024];
@@ -227,20 +222,11 @@ fn a_write_past_the_end_of_an_image_shrunk_behind_nvmfds_back_fails() {
     let _c = shared();
     let Some(conf) = cluster() else { return };
     let image = ceph::image_name();
-    let d = rbd_daemon(&conf, &image, "create = true\nsize = \"32MiB\"");
+    let d = rbd_daemon(&conf, &image, NEW_IMAGE);
     let mut h = Host::connect(&d);
     let backend_size = |d: &Daemon| d.data("status")["namespaces"][0]["backend_size"].as_u64();
     assert_eq!(backend_size(&d), Some(32 << 20));
-    rbd(
-        &conf,
-        &[
-            "resize",
-            "--allow-shrink",
-            "--size",
-            "16M",
-            &format!("rbd/{image}"),
-        ],
-    );
+    shrink_to_16m(&conf, &image);
     // The handles see the shrink (status says so, beside the namespace's own size).
     nvmfd_tests::wait_for("status to show the image shrunk", || {
         (backend_size(&d) == Some(16 << 20)).then_some(())
@@ -329,18 +315,17 @@ fn a_refused_change_never_loses_what_a_shrink_would_cut_off() {
 fn a_listener_added_while_serving_an_image_gets_its_handles_opened_ahead() {
     let _c = shared();
     let Some(conf) = cluster() else { return };
-    let d = rbd_daemon(
-        &conf,
-        &ceph::image_name(),
-        "create = true\nsize = \"32MiB\"",
-    );
+    let d = new_image_daemon(&conf);
     let port = nvmfd_tests::test_port();
-    let a = d.request(
-        &serde_json::json!({"request": "add_listener",
-            "listener": {"address": "127.0.0.2", "port": port, "provider": "soft"}})
-        .to_string(),
-    );
-    assert_eq!(a["ok"], true, "{a}");
+    let add_listener = |address: &str, port: u16| {
+        let a = d.request(
+            &serde_json::json!({"request": "add_listener",
+                "listener": {"address": address, "port": port, "provider": "soft"}})
+            .to_string(),
+        );
+        assert_eq!(a["ok"], true, "{a}");
+    };
+    add_listener("127.0.0.2", port);
     nvmfd_tests::wait_for("the handles opened ahead", || {
         d.log()
             .contains("RBD handles opened ahead for the reactors' new data paths")
@@ -351,12 +336,7 @@ fn a_listener_added_while_serving_an_image_gets_its_handles_opened_ahead() {
     assert!(ok && out.contains("read back intact"), "{out}{err}");
     // A listener on a device that has a data path already shares it: nothing is opened.
     let port = nvmfd_tests::test_port();
-    let a = d.request(
-        &serde_json::json!({"request": "add_listener",
-            "listener": {"address": "127.0.0.1", "port": port, "provider": "soft"}})
-        .to_string(),
-    );
-    assert_eq!(a["ok"], true, "{a}");
+    add_listener("127.0.0.1", port);
     nvmfd_tests::wait_for("the listener to share the data path", || {
         d.log()
             .contains("listener shares its device's data path")
@@ -370,6 +350,12 @@ fn a_listener_added_while_serving_an_image_gets_its_handles_opened_ahead() {
         "{}",
         d.log()
     );
+}
+
+/// Shrinks image `image` of pool `rbd` to 16 MiB behind nvmfd's back.
+fn shrink_to_16m(conf: &str, image: &str) {
+    let spec = format!("rbd/{image}");
+    rbd(conf, &["resize", "--allow-shrink", "--size", "16M", &spec]);
 }
 
 /// Runs `rbd -c conf ARGS`, which must succeed.
@@ -447,21 +433,7 @@ fn an_image_with_exclusive_lock_is_served_with_a_warning() {
         ],
     );
     let d = image_as_namespace_2(&conf, &image);
-    let status = d.data("status");
-    let ns = &status["namespaces"][1];
-    assert_eq!(ns["serving"], true, "{status}");
-    assert!(
-        ns["warning"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("exclusive-lock"),
-        "{status}"
-    );
-    assert!(
-        d.log().contains("namespace served with a warning"),
-        "{}",
-        d.log()
-    );
+    let status = d.assert_served_with_warning(1, &["exclusive-lock"]);
     // Namespace 1, on RAM, has none.
     assert!(status["namespaces"][0].get("warning").is_none(), "{status}");
     let mut h = Host::connect(&d);
@@ -478,7 +450,7 @@ fn a_second_daemon_on_the_image_reads_what_the_first_wrote() {
     let _c = shared();
     let Some(conf) = cluster() else { return };
     let image = ceph::image_name();
-    let a = rbd_daemon(&conf, &image, "create = true\nsize = \"32MiB\"");
+    let a = rbd_daemon(&conf, &image, NEW_IMAGE);
     let b = rbd_daemon(&conf, &image, "read_only = true");
     let mut ha = Host::connect(&a);
     let mut hb = Host::connect(&b);
@@ -502,11 +474,7 @@ fn a_second_daemon_on_the_image_reads_what_the_first_wrote() {
 fn an_osd_killed_during_writes_loses_no_acknowledged_write() {
     let _c = exclusive();
     let Some(conf) = cluster() else { return };
-    let d = rbd_daemon(
-        &conf,
-        &ceph::image_name(),
-        "create = true\nsize = \"32MiB\"",
-    );
+    let d = new_image_daemon(&conf);
     let mut h = Host::connect(&d);
     const WRITES: u64 = 240;
     let mut killed_at = None;
@@ -543,11 +511,7 @@ fn an_osd_killed_during_writes_loses_no_acknowledged_write() {
 fn io_fails_with_a_status_while_the_cluster_is_gone_and_works_when_it_returns() {
     let _c = exclusive();
     let Some(conf) = cluster() else { return };
-    let d = rbd_daemon(
-        &conf,
-        &ceph::image_name(),
-        "create = true\nsize = \"32MiB\"",
-    );
+    let d = new_image_daemon(&conf);
     let mut h = Host::connect(&d);
     h.write(0, &pattern(1, 4096)).unwrap();
     // The monitor alone: connected clients go on with the OSDs.

@@ -25,10 +25,6 @@ const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 /// 30 s operation timeouts), after which the wait is taken for a hang.
 const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
 
-/// How long the control thread waits for RBD handles opened ahead of new data paths; opens
-/// still under way then finish as spares, and an engine that finds none opens its own.
-const PREPARE_WAIT: Duration = Duration::from_secs(2);
-
 /// Where the configuration in force came from, and its text (what edits apply to).
 #[derive(Debug)]
 pub(super) struct Source {
@@ -519,70 +515,22 @@ impl Daemon {
         self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
     }
 
-    /// Opens ahead, off this thread, a handle of every RBD namespace (those of `devices`,
-    /// and `added`) for each reactor about to build a data path on listener `listener`'s
-    /// device (a listener added, or its device back), so that no reactor waits on a cluster
-    /// in `rbd_open` meanwhile. Nothing when another listener serving on the same device
-    /// has a data path there already (the new listener shares it). Waits at most
-    /// [`PREPARE_WAIT`], keeping the watchdog fed.
-    pub(super) fn prepare_rbd_handles(&mut self, listener: usize, added: &[Arc<BlockDevice>]) {
-        let fd = self
-            .cm
-            .get(listener)
-            .and_then(|c| c.device.as_ref())
-            .map(|d| d.async_fd());
-        let shared = self.cm.iter().enumerate().any(|(j, c)| {
-            j != listener
-                && self.listener_slots.get(j).is_some_and(Option::is_some)
-                && c.device.as_ref().map(|d| d.async_fd()) == fd
-        });
-        if fd.is_none() || shared {
-            return;
-        }
-        let devs: Vec<Arc<BlockDevice>> = self
-            .devices
-            .values()
-            .chain(added)
-            .filter(|d| d.info().kind == nvmfd_blockdev::Kind::Rbd)
-            .cloned()
-            .collect();
-        if devs.is_empty() {
-            return;
-        }
-        let n = self.inboxes.len();
-        let (tx, rx) = mpsc::channel();
-        let started = std::thread::Builder::new()
-            .name("nvmfd-rbd-open".into())
-            .spawn(move || {
-                let ready: usize = std::thread::scope(|s| {
-                    let opens: Vec<_> = devs
-                        .iter()
-                        .map(|d| s.spawn(move || d.prepare_handles(n)))
-                        .collect();
-                    opens.into_iter().filter_map(|h| h.join().ok()).sum()
-                });
-                let _ = tx.send(ready);
-            });
-        if started.is_err() {
-            return;
-        }
-        match self.wait_keeping_watch(&rx, Some(Instant::now() + PREPARE_WAIT)) {
-            Ok(ready) => {
-                info!(self.log, "RBD handles opened ahead for the reactors' new data paths"; "handles" => ready);
-            }
-            Err(_) => {
-                warn!(self.log, "RBD handles for the new data paths still opening: reactors that find none open their own";
-                      "waited_ms" => PREPARE_WAIT.as_millis());
-            }
-        }
-    }
-
     /// Runs `f` on a thread of its own and waits for it, keeping the watch meanwhile
     /// (`wait_keeping_watch`): for what can block for long (opening or resizing an RBD image
     /// on a cluster that does not answer).
     fn off_thread<T: Send + 'static>(
         &mut self,
         f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        self.off_thread_until(f, None)
+    }
+
+    /// `off_thread`, waiting only until `deadline` (if any): `f` then goes on alone, and
+    /// its result is dropped.
+    pub(super) fn off_thread_until<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce() -> T + Send + 'static,
+        deadline: Option<Instant>,
     ) -> Result<T, String> {
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
@@ -591,7 +539,7 @@ impl Daemon {
                 let _ = tx.send(f());
             })
             .map_err(|e| format!("cannot start a thread: {e}"))?;
-        self.wait_keeping_watch(&rx, None)
+        self.wait_keeping_watch(&rx, deadline)
             .map_err(|_| "the operation ended without an answer".to_owned())
     }
 

@@ -2,6 +2,8 @@
 //! requests handed to the reactors, failed connects, and a removed device's listeners
 //! coming back when it returns.
 
+use nvmfd_blockdev::Device as BlockDevice;
+
 use super::*;
 
 /// A listener's CM state.
@@ -41,7 +43,68 @@ pub(super) struct Retiring {
     pub(super) failed: bool,
 }
 
+/// How long the control thread waits for RBD handles opened ahead of new data paths; opens
+/// still under way then finish as spares, and an engine that finds none opens its own.
+const PREPARE_WAIT: Duration = Duration::from_secs(2);
+
 impl Daemon {
+    /// Opens ahead, off this thread, a handle of every RBD namespace (those of `devices`,
+    /// and `added`) for each reactor about to build a data path on listener `listener`'s
+    /// device (a listener added, or its device back), so that no reactor waits on a cluster
+    /// in `rbd_open` meanwhile. Nothing when another listener serving on the same device
+    /// has a data path there already (the new listener shares it). Waits at most
+    /// [`PREPARE_WAIT`], keeping the watchdog fed.
+    pub(super) fn prepare_rbd_handles(&mut self, listener: usize, added: &[Arc<BlockDevice>]) {
+        let fd = self
+            .cm
+            .get(listener)
+            .and_then(|c| c.device.as_ref())
+            .map(|d| d.async_fd());
+        let shared = self.cm.iter().enumerate().any(|(j, c)| {
+            j != listener
+                && self.listener_slots.get(j).is_some_and(Option::is_some)
+                && c.device.as_ref().map(|d| d.async_fd()) == fd
+        });
+        if fd.is_none() || shared {
+            return;
+        }
+        let devs: Vec<Arc<BlockDevice>> = self
+            .devices
+            .values()
+            .chain(added)
+            .filter(|d| d.info().kind == nvmfd_blockdev::Kind::Rbd)
+            .cloned()
+            .collect();
+        if devs.is_empty() {
+            return;
+        }
+        let n = self.inboxes.len();
+        let opened = self.off_thread_until(
+            move || {
+                std::thread::scope(|s| {
+                    let opens: Vec<_> = devs
+                        .iter()
+                        .map(|d| s.spawn(move || d.prepare_handles(n)))
+                        .collect();
+                    opens
+                        .into_iter()
+                        .filter_map(|h| h.join().ok())
+                        .sum::<usize>()
+                })
+            },
+            Some(Instant::now() + PREPARE_WAIT),
+        );
+        match opened {
+            Ok(ready) => {
+                info!(self.log, "RBD handles opened ahead for the reactors' new data paths"; "handles" => ready);
+            }
+            Err(e) => {
+                warn!(self.log, "RBD handles for the new data paths not ready: reactors that find none open their own";
+                      "waited_ms" => PREPARE_WAIT.as_millis(), "why" => e);
+            }
+        }
+    }
+
     /// Opens a CM channel for `provider` (for soft, on the daemon's fabric, with a device at
     /// `addr` unless it has one).
     pub(super) fn open_channel(

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use mio::{Events, Poll, Registry, Token};
 use nvmfd_config::Config;
-use serde::{Deserialize, Serialize};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook_mio::v1_0::Signals;
 use slog::{debug, error, info, o, warn, Logger};
@@ -19,7 +18,7 @@ use crate::datapath::{ConnectFailure, DataPathConfig};
 use crate::notify::Notifier;
 use crate::paths::{PathBuilder, ReactorCmd, ReactorPaths};
 use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, WorkFactory};
-use crate::stats::{AdminStats, ListenerStats, Stats};
+use crate::stats::{AdminStats, ListenerStats};
 use nvmfd_nvme::rdma_cm::{check_request, reject_private_data};
 use nvmfd_nvme::Target;
 use nvmfd_rdma::any;
@@ -27,8 +26,10 @@ use nvmfd_rdma::{AsyncEvent, CmEvent, DeviceRelease};
 
 mod change;
 mod listeners;
+mod status;
 
 use listeners::*;
+pub use status::*;
 
 const SIGNALS: Token = Token(0);
 const ADMIN: Token = Token(1);
@@ -56,117 +57,6 @@ pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
 
 /// Exit status when a second termination signal forces the daemon out during a graceful stop.
 pub const FORCED_EXIT_STATUS: i32 = 130;
-
-/// One queue of a controller, in `controllers`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct QueueStatus {
-    /// Queue ID (0: admin).
-    pub qid: u16,
-    /// Entries.
-    pub depth: u32,
-    /// Commands received on it.
-    pub commands: u64,
-}
-
-/// A live controller, in `controllers`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ControllerStatus {
-    /// Controller ID.
-    pub cntlid: u16,
-    /// Its subsystem's NQN.
-    pub subsystem: String,
-    /// The host's NQN.
-    pub host: String,
-    /// The host's address (of its admin queue's connection).
-    pub host_address: Option<String>,
-    /// Keep-alive timeout in force, milliseconds (0: none).
-    pub keep_alive_ms: u64,
-    /// Commands received on all its queues.
-    pub commands: u64,
-    /// Its queues.
-    pub queues: Vec<QueueStatus>,
-}
-
-/// Why the daemon could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum DaemonError {
-    /// the poller or signal handling could not be set up
-    #[error("cannot set up the control loop: {0}")]
-    Setup(#[source] std::io::Error),
-    /// a reactor could not start
-    #[error(transparent)]
-    Reactor(#[from] ReactorError),
-    /// the admin socket could not be set up
-    #[error("admin socket {0}")]
-    Admin(#[from] AdminError),
-    /// a namespace could not be opened
-    #[error("{0}")]
-    Namespaces(String),
-}
-
-/// One listener in `status`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ListenerStatus {
-    /// Address.
-    pub address: String,
-    /// Port.
-    pub port: u16,
-    /// Verbs provider.
-    pub provider: String,
-    /// Whether it accepts connections.
-    pub serving: bool,
-    /// Why not, when it does not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-}
-
-/// One subsystem in `status`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct SubsystemStatus {
-    /// NQN.
-    pub nqn: String,
-    /// Number of namespaces served (see `Status::namespaces` for any that are not).
-    pub namespaces: usize,
-    /// Whether any host may connect.
-    pub allow_any_host: bool,
-    /// Allowed host NQNs.
-    pub hosts: Vec<String>,
-}
-
-/// One reactor in `status`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ReactorStatus {
-    /// Index.
-    pub id: usize,
-    /// Pinned core.
-    pub core: usize,
-    /// Whether its heartbeat has stopped.
-    pub stalled: bool,
-}
-
-/// The answer to `status`.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Status {
-    /// nvmfd's version.
-    pub version: String,
-    /// Process ID.
-    pub pid: u32,
-    /// `running` or `stopping`.
-    pub state: String,
-    /// Seconds since start.
-    pub uptime_seconds: u64,
-    /// systemd watchdog interval, when enabled.
-    pub watchdog_usec: Option<u64>,
-    /// Reactors.
-    pub reactors: Vec<ReactorStatus>,
-    /// Listeners.
-    pub listeners: Vec<ListenerStatus>,
-    /// Subsystems.
-    pub subsystems: Vec<SubsystemStatus>,
-    /// Every configured namespace: served, or why not.
-    #[serde(default)]
-    pub namespaces: Vec<crate::serve::NamespaceStatus>,
-}
 
 /// Heartbeat tracking for one reactor.
 #[derive(Debug)]
@@ -473,24 +363,7 @@ impl Daemon {
                 self.relisten(poll.registry(), now);
                 self.let_go_of_unserved_devices(poll.registry());
                 self.let_go_of_removed_channels(poll.registry());
-                if let Some(t) = &self.target {
-                    let ended = t.expire_keep_alives(now);
-                    for c in &ended {
-                        warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);
-                    }
-                    // Reactors asleep close the ended controllers' queues now, not at the
-                    // end of their sleep.
-                    if !ended.is_empty() {
-                        self.tell_reactors(|| ReactorCmd::PollEvents);
-                    }
-                    let (fenced, last) = t.fenced_connects();
-                    if fenced != self.fenced_seen {
-                        let (host, sub) = last.unwrap_or_default();
-                        warn!(self.log, "a host's Connect waits until I/O of its ended controller is done (answered Controller Busy)";
-                              "host" => host, "subsystem" => sub, "refused" => fenced - self.fenced_seen);
-                        self.fenced_seen = fenced;
-                    }
-                }
+                self.check_controllers(now);
                 admin.sweep(poll.registry(), now);
                 next_tick = now + tick;
             }
@@ -553,6 +426,30 @@ impl Daemon {
         self.notifier.stopping("stopping: draining reactors");
         admin.shutdown(poll.registry());
         Ok(())
+    }
+
+    /// Ends the controllers whose keep-alive timeout passed, and logs the Connects the fence
+    /// refused since the last look (`Target::fenced_connects`).
+    fn check_controllers(&mut self, now: Instant) {
+        let Some(t) = self.target.clone() else {
+            return;
+        };
+        let ended = t.expire_keep_alives(now);
+        for c in &ended {
+            warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);
+        }
+        // Reactors asleep close the ended controllers' queues now, not at the end of their
+        // sleep.
+        if !ended.is_empty() {
+            self.tell_reactors(|| ReactorCmd::PollEvents);
+        }
+        let (fenced, last) = t.fenced_connects();
+        if fenced != self.fenced_seen {
+            let (host, sub) = last.unwrap_or_default();
+            warn!(self.log, "a host's Connect waits until I/O of its ended controller is done (answered Controller Busy)";
+                  "host" => host, "subsystem" => sub, "refused" => fenced - self.fenced_seen);
+            self.fenced_seen = fenced;
+        }
     }
 
     /// How often heartbeats are checked: often enough to feed the watchdog twice per interval
@@ -668,39 +565,6 @@ impl Daemon {
         }
     }
 
-    /// Live controllers, for `nvmfctl controllers`.
-    fn controllers(&self) -> Vec<ControllerStatus> {
-        let Some(t) = &self.target else {
-            return Vec::new();
-        };
-        let mut out: Vec<ControllerStatus> = t
-            .controllers()
-            .iter()
-            .filter(|c| !c.is_dead())
-            .map(|c| {
-                let q = c.queues();
-                ControllerStatus {
-                    cntlid: c.cntlid,
-                    subsystem: c.subnqn.clone(),
-                    host: c.hostnqn.clone(),
-                    host_address: q.first().and_then(|q| q.peer.clone()),
-                    keep_alive_ms: u64::try_from(c.kato().as_millis()).unwrap_or(u64::MAX),
-                    queues: q
-                        .iter()
-                        .map(|q| QueueStatus {
-                            qid: q.qid,
-                            depth: q.depth,
-                            commands: q.commands,
-                        })
-                        .collect(),
-                    commands: q.iter().map(|q| q.commands).sum(),
-                }
-            })
-            .collect();
-        out.sort_by_key(|c| c.cntlid);
-        out
-    }
-
     /// Ends controller `cntlid`, or every controller of `host`.
     fn disconnect(
         &mut self,
@@ -726,92 +590,6 @@ impl Daemon {
         info!(self.log, "controllers disconnected by request"; "by_uid" => uid, "cntlids" => ?ended);
         self.tell_reactors(|| ReactorCmd::PollEvents);
         Ok(serde_json::json!({ "disconnected": ended }))
-    }
-
-    fn status(&self) -> Status {
-        Status {
-            version: env!("CARGO_PKG_VERSION").to_owned(),
-            pid: std::process::id(),
-            state: if self.stopping { "stopping" } else { "running" }.to_owned(),
-            uptime_seconds: self.started.elapsed().as_secs(),
-            watchdog_usec: self
-                .notifier
-                .watchdog_interval()
-                .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
-            reactors: self
-                .reactors
-                .iter()
-                .map(|r| ReactorStatus {
-                    id: r.shared.id,
-                    core: r.shared.core,
-                    stalled: r.shared.counters.stalled.load(Ordering::Relaxed),
-                })
-                .collect(),
-            listeners: (0..self.listeners.len())
-                .filter(|&i| self.listener_slots.get(i).is_some_and(Option::is_some))
-                .map(|i| self.listener_status(i))
-                .collect(),
-            subsystems: self
-                .cfg
-                .subsystems
-                .iter()
-                .map(|s| SubsystemStatus {
-                    nqn: s.nqn.clone(),
-                    namespaces: self
-                        .namespaces
-                        .iter()
-                        .filter(|n| n.serving && n.subsystem == s.nqn)
-                        .count(),
-                    allow_any_host: s.allow_any_host,
-                    hosts: s.hosts.clone(),
-                })
-                .collect(),
-            namespaces: self
-                .namespaces
-                .iter()
-                .cloned()
-                .map(|mut n| {
-                    n.backend_size = self
-                        .devices
-                        .get(&(n.subsystem.clone(), n.nsid))
-                        .and_then(|d| d.backend_size());
-                    n
-                })
-                .collect(),
-        }
-    }
-
-    fn stats(&self, admin: &AdminStats) -> Stats {
-        Stats {
-            uptime_seconds: self.started.elapsed().as_secs(),
-            reactors: self
-                .reactors
-                .iter()
-                .map(|r| r.shared.counters.snapshot(r.shared.id, r.shared.core))
-                .collect(),
-            datapath: self
-                .dp_counters
-                .iter()
-                .enumerate()
-                .map(|(i, c)| c.snapshot(i))
-                .collect(),
-            listeners: self
-                .listeners
-                .iter()
-                .zip(&self.cm)
-                .enumerate()
-                .filter(|(i, _)| self.listener_slots.get(*i).is_some_and(Option::is_some))
-                .map(|(i, (st, c))| ListenerStats {
-                    id: i,
-                    address: format!("{}:{}", st.address, st.port),
-                    provider: st.provider.clone(),
-                    serving: st.serving && self.listener_status(i).serving,
-                    device_removals_total: c.device_removals,
-                    returns_total: c.returns,
-                })
-                .collect(),
-            admin: admin.clone(),
-        }
     }
 
     fn stop_reactors(&mut self) {

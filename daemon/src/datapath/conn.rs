@@ -423,7 +423,12 @@ impl DataPath {
         counter.fetch_add(1, Ordering::Relaxed);
         slog::debug!(self.log, "QP torn down"; "qpn" => qpn, "cause" => ?cause);
         // Requests that wait for a budget, or that nothing external holds, end now.
+        // Whether any of its commands is at the backend (found on the way).
+        let mut executing = false;
         for i in 0..self.reqs.len() {
+            executing |= self.reqs[i].as_ref().is_some_and(|r| {
+                r.qpn == qpn && r.conn != NO_CONN && matches!(r.state, State::Executing)
+            });
             let ends = self.reqs[i].as_ref().is_some_and(|r| {
                 r.qpn == qpn
                     && match r.state {
@@ -442,11 +447,6 @@ impl DataPath {
             srq.completed(w.wr, now);
         });
         // Nothing of it at the backend: a new association of its host need not wait for it.
-        let executing = self
-            .reqs
-            .iter()
-            .flatten()
-            .any(|r| r.qpn == qpn && r.conn != NO_CONN && matches!(r.state, State::Executing));
         if !executing {
             c.queue.settled();
         }
