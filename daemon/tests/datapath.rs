@@ -2894,3 +2894,38 @@ fn a_host_that_left_nothing_at_the_backend_reconnects_at_once() {
         drop(admin);
     }
 }
+
+/// An I/O queue torn down while a write of it is still at the backend frees its queue ID at
+/// once: the host connects a queue with the same ID without waiting for the old one's drain.
+#[test]
+fn a_queue_id_is_free_again_as_soon_as_its_queue_is_torn_down() {
+    use nvmf_host::Payload;
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4488, None, Arc::clone(&c));
+    let (admin, mut io) = pipelined_controller(&s, 8, 8192);
+    s.set_switch(&s.hold_block, true);
+    let data = pattern(89, 4096);
+    io.transport()
+        .submit(
+            1,
+            rw_sqe(io_opcode::WRITE, 1, 8, 8, false),
+            Payload::Out(&data),
+        )
+        .unwrap();
+    wait_until("the write is at the backend", || {
+        c.block_ops_in_flight.load(Relaxed) == 1
+    });
+    drop(io);
+    wait_until("the I/O queue is torn down", || {
+        c.connections.load(Relaxed) == 1
+    });
+    let again = IoQueue::connect(queue(&s, 1, 31), &host(), SUB, admin.cntlid, 1, 31);
+    s.set_switch(&s.hold_block, false);
+    let mut again = again.expect("queue 1 connected again while the old one drained");
+    let mut back = vec![0u8; 4096];
+    again.read(1, 8, 8, &mut back).unwrap();
+    wait_pools_full(&c, false);
+}

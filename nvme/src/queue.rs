@@ -235,6 +235,8 @@ pub struct Queue {
     epoch: u32,
     /// Counted in its controller's `io_queues_unsettled` (an I/O queue, until `settled`).
     unsettled: bool,
+    /// An I/O queue holding its ID in its controller (until `connection_lost` or the drop).
+    holds_qid: bool,
     /// Response data and DSM ranges of earlier commands, handed back by the transport
     /// (`give_back_bytes`, `give_back_op`) and refilled for the next: once a queue has
     /// answered one of each, answering more allocates nothing.
@@ -286,6 +288,7 @@ impl Queue {
             in_capsule_limit: target.limits().in_capsule_data_size,
             epoch: 0,
             unsettled: false,
+            holds_qid: false,
             spare_bytes: Vec::new(),
             spare_ranges: Vec::new(),
             peer: None,
@@ -353,9 +356,32 @@ impl Queue {
     /// The transport tore this queue's connection down. An admin queue's controller ends
     /// now, not when the queue is dropped once its connection has drained: a Connect of the
     /// same host meanwhile finds it ended (and fenced while I/O queues of it are alive).
-    pub fn connection_lost(&self) {
-        if let (Some(ctrl), Some(0)) = (self.ctrl.as_ref(), self.qid) {
-            ctrl.end(EndReason::AdminQueueLost);
+    ///
+    /// An I/O queue's ID is free again now: its connection takes no more commands, and
+    /// what it has at a backend is counted apart (`io_queues_alive`), so the host may
+    /// connect a queue with that ID at once.
+    pub fn connection_lost(&mut self) {
+        match (self.ctrl.as_ref(), self.qid) {
+            (Some(ctrl), Some(0)) => ctrl.end(EndReason::AdminQueueLost),
+            (Some(_), Some(_)) => self.release_qid(),
+            _ => {}
+        }
+    }
+
+    /// Frees this I/O queue's ID in its controller, once (the slot may be another queue's
+    /// afterwards). A queue from before a reset holds no slot: the reset cleared them.
+    fn release_qid(&mut self) {
+        let (Some(ctrl), Some(qid)) = (self.ctrl.as_ref(), self.qid) else {
+            return;
+        };
+        if !std::mem::take(&mut self.holds_qid) || qid == 0 {
+            return;
+        }
+        if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
+            let mut st = ctrl.lock();
+            if let Some(q) = st.io_queues.get_mut(usize::from(qid) - 1) {
+                *q = false;
+            }
         }
     }
 
@@ -691,13 +717,8 @@ impl Drop for Queue {
         if self.unsettled {
             ctrl.io_queues_unsettled.fetch_sub(1, Ordering::AcqRel);
         }
-        if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
-            // (A queue from before a reset holds no slot: the reset cleared them.)
-            let mut st = ctrl.lock();
-            if let Some(q) = st.io_queues.get_mut(usize::from(qid) - 1) {
-                *q = false;
-            }
-        }
+        self.ctrl = Some(ctrl);
+        self.release_qid();
     }
 }
 

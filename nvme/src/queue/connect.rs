@@ -216,6 +216,7 @@ impl Queue {
             ctrl.io_queues_alive.fetch_add(1, Ordering::AcqRel);
             ctrl.io_queues_unsettled.fetch_add(1, Ordering::AcqRel);
             self.unsettled = true;
+            self.holds_qid = true;
         }
         let st = Arc::new(QueueStats::new(
             qid,
