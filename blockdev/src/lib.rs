@@ -21,8 +21,11 @@ pub use device::{Device, DeviceInfo, DeviceSpec, Kind, RbdSpec};
 
 /// Waits until every RBD image handle let go so far is closed, or `timeout`: whether they all
 /// are. Handles are closed on a thread of their own (closing one can wait on the cluster for
-/// as long as an OSD operation may take); a daemon waits for them before it exits, so that
-/// the cluster does not keep their watches until they time out. Without RBD: true at once.
+/// as long as an OSD operation may take). A process that opened RBD images calls this before
+/// it returns from `main`: the cluster would otherwise keep their watches until they time
+/// out, and librados' and librbd's static destructors, run by `exit`, would run under a close
+/// still inside librbd and can crash the process. If it returns false, leave with
+/// `libc::_exit` instead. Without RBD: true at once.
 pub fn wait_for_rbd_closes(timeout: std::time::Duration) -> bool {
     #[cfg(feature = "rbd")]
     return rbd::wait_for_closes(timeout);

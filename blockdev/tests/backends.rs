@@ -279,6 +279,7 @@ macro_rules! per_backend {
             #[cfg(feature = "rbd")]
             #[test]
             fn rbd_512() {
+                let _closed = super::RbdClosesAwaited;
                 if let Some(f) = super::fixture("rbd", 512) {
                     super::$test(f)
                 }
@@ -286,12 +287,35 @@ macro_rules! per_backend {
             #[cfg(feature = "rbd")]
             #[test]
             fn rbd_4096() {
+                let _closed = super::RbdClosesAwaited;
                 if let Some(f) = super::fixture("rbd", 4096) {
                     super::$test(f)
                 }
             }
         }
     };
+}
+
+/// Held first by every test that opens an RBD image, so that it is dropped last: waits until
+/// every image handle let go so far is closed. Handles are closed on threads of their own;
+/// a test process that returns from `main` while one is inside librbd runs librados' and
+/// librbd's static destructors under it and can crash (it did, at the end of a run whose
+/// tests had all passed), and an image left unclosed keeps its watch at the cluster.
+#[cfg(feature = "rbd")]
+struct RbdClosesAwaited;
+
+#[cfg(feature = "rbd")]
+impl Drop for RbdClosesAwaited {
+    fn drop(&mut self) {
+        let closed = nvmfd_blockdev::wait_for_rbd_closes(std::time::Duration::from_secs(60));
+        if !std::thread::panicking() {
+            assert!(
+                closed,
+                "{} RBD image handles still closing after 60 s",
+                nvmfd_blockdev::rbd_closes_pending()
+            );
+        }
+    }
 }
 
 /// The ceph.conf of the test cluster (`scripts/ceph-dev-cluster.sh start`, once per test
@@ -721,6 +745,7 @@ fn rbd_spec(conf: PathBuf, pool: &str, image: &str, create: bool) -> DeviceSpec 
 #[cfg(feature = "rbd")]
 #[test]
 fn rbd_open_errors_name_the_image_the_pool_and_the_cluster() {
+    let _closed = RbdClosesAwaited;
     let conf = match ceph_cluster() {
         Ok(c) => c,
         Err(why) => return skip("rbd open errors", &why),
@@ -890,6 +915,7 @@ fn write_zeroes_with_fua_flushes_the_device() {
 #[cfg(feature = "rbd")]
 #[test]
 fn rbd_handles_opened_ahead_are_taken_by_the_engines_that_attach() {
+    let _closed = RbdClosesAwaited;
     let Some(f) = fixture("rbd", 512) else {
         return;
     };
