@@ -305,7 +305,12 @@ osd_op_num_threads_per_shard = 1
 # A restarted OSD comes back empty (memstore): its PGs are backfilled all at once, not one by one.
 osd_max_backfills = 32
 osd_recovery_max_active = 16
+# Memstore says it is rotational: without the _hdd (and the others') 0, each recovery
+# operation waits 0.1 s and an OSD's refill takes minutes once the tests have written some.
 osd_recovery_sleep = 0
+osd_recovery_sleep_hdd = 0
+osd_recovery_sleep_ssd = 0
+osd_recovery_sleep_hybrid = 0
 pid_file = $RUN/\$name.pid
 admin_socket = $RUN/\$name.asok
 log_file = $DIR/log/\$name.log

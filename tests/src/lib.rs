@@ -484,8 +484,11 @@ pub mod ceph {
     /// Runs `scripts/ceph-dev-cluster.sh ARGS`: its standard output, or why it failed.
     pub fn run(args: &[&str]) -> Result<String, String> {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ceph-dev-cluster.sh");
+        // A restarted OSD is refilled while the tests' daemons use the cluster, on two cores:
+        // give it three times the script's default before calling it failed.
         let out = Command::new(script)
             .args(args)
+            .env("NVMFD_CEPH_TIMEOUT", "180")
             .output()
             .map_err(|e| format!("cannot run scripts/ceph-dev-cluster.sh: {e}"))?;
         if !out.status.success() {
@@ -496,6 +499,21 @@ pub mod ceph {
             ));
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Held by a test that stops the monitor or kills OSDs: starts them all again when it is
+    /// dropped, whatever the test's outcome, for the tests after it.
+    #[derive(Debug)]
+    pub struct Restart;
+
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            for args in [&["mon-start"][..], &["osd-start", "1"], &["osd-start", "2"]] {
+                if let Err(e) = run(args) {
+                    eprintln!("restarting the test cluster: {e}");
+                }
+            }
+        }
     }
 
     /// The ceph.conf of the test cluster, started once per test process, or why there is

@@ -478,6 +478,7 @@ fn an_osd_killed_during_writes_loses_no_acknowledged_write() {
     let mut h = Host::connect(&d);
     const WRITES: u64 = 240;
     let mut killed_at = None;
+    let restart = ceph::Restart;
     for i in 0..WRITES {
         if i == WRITES / 3 {
             ceph::run(&["osd-kill", "1"]).unwrap();
@@ -504,6 +505,7 @@ fn an_osd_killed_during_writes_loses_no_acknowledged_write() {
     let out = ceph::run(&["osd-start", "1"]).unwrap();
     eprint!("{out}");
     check(&mut h, "after osd.1 was back and backfilled");
+    drop(restart);
     h.close();
 }
 
@@ -515,6 +517,7 @@ fn io_fails_with_a_status_while_the_cluster_is_gone_and_works_when_it_returns() 
     let mut h = Host::connect(&d);
     h.write(0, &pattern(1, 4096)).unwrap();
     // The monitor alone: connected clients go on with the OSDs.
+    let restart = ceph::Restart;
     ceph::run(&["mon-stop"]).unwrap();
     h.write(8, &pattern(4, 4096)).unwrap();
     assert!(h.read(8, 4096) == pattern(4, 4096));
@@ -541,6 +544,7 @@ fn io_fails_with_a_status_while_the_cluster_is_gone_and_works_when_it_returns() 
     ceph::run(&["mon-start"]).unwrap();
     ceph::run(&["osd-start", "1"]).unwrap();
     ceph::run(&["osd-start", "2"]).unwrap();
+    drop(restart);
     // Same connection, same controller: served again.
     h.write(0, &pattern(3, 4096)).unwrap();
     assert!(h.read(0, 4096) == pattern(3, 4096));
@@ -679,16 +683,7 @@ fn removing_a_namespace_whose_cluster_is_gone_keeps_the_reactors_serving() {
     assert_eq!(a["ok"], true, "{a}");
     let mut h = Host::connect(&d);
     h.io.write(2, 0, 8, &pattern(5, 4096), false).unwrap();
-    /// Starts what the test stopped, whatever its outcome: the tests after it need the cluster.
-    struct Restart;
-    impl Drop for Restart {
-        fn drop(&mut self) {
-            let _ = ceph::run(&["mon-start"]);
-            let _ = ceph::run(&["osd-start", "1"]);
-            let _ = ceph::run(&["osd-start", "2"]);
-        }
-    }
-    let restart = Restart;
+    let restart = ceph::Restart;
     ceph::run(&["mon-stop"]).unwrap();
     ceph::run(&["osd-kill", "1"]).unwrap();
     ceph::run(&["osd-kill", "2"]).unwrap();
