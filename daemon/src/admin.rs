@@ -139,6 +139,13 @@ pub enum Request {
         /// The namespace.
         nsid: u32,
     },
+    /// Test hook (only with `NVMFD_TEST_HOOKS=1`): starts an operation off the control
+    /// thread that lasts `ms` milliseconds, and does not wait for it, as the control thread
+    /// does not wait past its deadline for RBD handles opened ahead.
+    DebugOffThread {
+        /// How long the operation lasts.
+        ms: u64,
+    },
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): injects `fault` on listener `listener`'s
     /// device; soft provider only.
     DebugFault {

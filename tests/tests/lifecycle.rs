@@ -385,3 +385,27 @@ fn a_bad_nvmfd_log_is_reported_not_ignored() {
         d.log()
     );
 }
+
+/// Work the control thread stopped waiting for (RBD handles opened ahead for a listener, past
+/// their 2 s) may still be running, inside librbd, when the daemon is told to stop. The daemon
+/// waits for it before it exits: `exit` runs librados' and librbd's static destructors, which
+/// crash a process with a thread still inside the libraries (as a test process once did).
+#[test]
+fn the_daemon_waits_for_work_left_off_the_control_thread_before_it_exits() {
+    let mut d = Daemon::start(Options {
+        test_hooks: true,
+        ..Options::default()
+    });
+    let a = d.request(r#"{"request": "debug_off_thread", "ms": 1500}"#);
+    assert_eq!(a["ok"], true, "{a}");
+    let t = std::time::Instant::now();
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success(), "{}", d.log());
+    assert!(
+        d.log()
+            .contains("waiting for operations off the control thread before exiting"),
+        "{}",
+        d.log()
+    );
+    assert!(t.elapsed() >= Duration::from_secs(1), "{:?}", t.elapsed());
+}

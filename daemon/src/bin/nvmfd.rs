@@ -82,13 +82,25 @@ fn main() -> ExitCode {
             1
         }
     };
-    // RBD image handles are closed on threads of their own: the last of them close now.
-    let closing = nvmfd_blockdev::rbd_closes_pending();
-    if closing > 0 && !nvmfd_blockdev::wait_for_rbd_closes(std::time::Duration::from_secs(10)) {
-        warn!(log, "RBD images still closing at exit: the cluster drops their watches when they time out";
-              "images" => nvmfd_blockdev::rbd_closes_pending());
-        // A close is still inside librbd: leave without running the libraries' destructors
-        // under it (the log is written synchronously, so nothing is lost).
+    // Work the control thread stopped waiting for (RBD handles opened ahead for a listener)
+    // may still be inside librbd; its handles, and the rest, are closed on threads of their
+    // own. The last of both end now.
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let running = control::off_thread_running();
+    if running > 0 {
+        info!(log, "waiting for operations off the control thread before exiting"; "operations" => running);
+    }
+    let settled =
+        control::wait_off_thread(end.saturating_duration_since(std::time::Instant::now()))
+            && nvmfd_blockdev::wait_for_rbd_closes(
+                end.saturating_duration_since(std::time::Instant::now()),
+            );
+    if !settled {
+        warn!(log, "RBD work still under way at exit: the cluster drops the images' watches when they time out";
+              "images_closing" => nvmfd_blockdev::rbd_closes_pending(),
+              "operations" => control::off_thread_running());
+        // Something is still inside librbd: leave without running the libraries'
+        // destructors under it (the log is written synchronously, so nothing is lost).
         // SAFETY: _exit ends the process at once; no Rust state needs to outlive it.
         unsafe { libc::_exit(code) };
     }

@@ -25,6 +25,45 @@ const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 /// 30 s operation timeouts), after which the wait is taken for a hang.
 const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
 
+/// Operations started off the control thread (`off_thread`) that have not returned yet: one
+/// whose caller stopped waiting at its deadline goes on alone, possibly inside librbd.
+static OFF_THREAD_RUNNING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts an operation off the control thread as running until it is dropped.
+struct Running;
+
+impl Running {
+    fn start() -> Running {
+        OFF_THREAD_RUNNING.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        OFF_THREAD_RUNNING.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// Operations started off the control thread and still running.
+pub fn off_thread_running() -> usize {
+    OFF_THREAD_RUNNING.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Waits until no operation started off the control thread is still running, or `timeout`:
+/// whether none is. The daemon waits for them before it exits: one can be inside librbd,
+/// under which the libraries' static destructors, run by `exit`, can crash the process.
+pub fn wait_off_thread(timeout: Duration) -> bool {
+    let end = Instant::now() + timeout;
+    while off_thread_running() > 0 {
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
 /// Where the configuration in force came from, and its text (what edits apply to).
 #[derive(Debug)]
 pub(super) struct Source {
@@ -533,9 +572,11 @@ impl Daemon {
         deadline: Option<Instant>,
     ) -> Result<T, String> {
         let (tx, rx) = mpsc::channel();
+        let running = Running::start();
         std::thread::Builder::new()
             .name("nvmfd-change".into())
             .spawn(move || {
+                let _running = running;
                 let _ = tx.send(f());
             })
             .map_err(|e| format!("cannot start a thread: {e}"))?;

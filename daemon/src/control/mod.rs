@@ -28,6 +28,7 @@ mod change;
 mod listeners;
 mod status;
 
+pub use change::{off_thread_running, wait_off_thread};
 use listeners::*;
 pub use status::*;
 
@@ -540,6 +541,16 @@ impl Daemon {
                 }
                 self.fail_resize = Some((subsystem, nsid));
                 Response::data(serde_json::json!({ "fail_resize": nsid }))
+            }
+            Request::DebugOffThread { ms } => {
+                if !self.test_hooks {
+                    return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));
+                }
+                let _ = self.off_thread_until(
+                    move || std::thread::sleep(Duration::from_millis(ms)),
+                    Some(Instant::now()),
+                );
+                Response::data(serde_json::json!({ "off_thread_ms": ms }))
             }
             Request::DebugFault { fault, listener } => {
                 if !self.test_hooks {
