@@ -87,6 +87,8 @@ srq_check() {
 }
 step srq_check
 step nvme disconnect -n $NQN
+# The next controller is nvme0 again only once the kernel has let go of this one.
+for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
 for i in $(seq 50); do [ -b /dev/nvme0n2 ] && break; sleep 0.1; done
 for dev in /dev/nvme0n1 /dev/nvme0n2; do
@@ -171,6 +173,7 @@ pools_full() {
 }
 load_started() { local c0; c0=$(stat_sum commands_total); for i in $(seq 100); do [ "$(stat_sum commands_total)" -gt $((c0 + 200)) ] && return 0; sleep 0.1; done; return 1; }
 verify_base() { fio --name=base --filename=/dev/nvme0n2 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal; }
+for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN --ctrl-loss-tmo=60 --reconnect-delay=1
 step dev_live
 step fio --name=base --filename=/dev/nvme0n2 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
@@ -181,6 +184,7 @@ step load_started
 step nvme disconnect -n $NQN
 timeout 60 bash -c "while kill -0 $fio_pid 2>/dev/null; do sleep 0.1; done" || { echo "STEP FAILED: fio did not end after the disconnect"; kill $pid; exit 1; }
 step pools_full
+for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN --ctrl-loss-tmo=60 --reconnect-delay=1
 step dev_live
 step verify_base
