@@ -168,6 +168,8 @@ impl CountedPath {
 struct Shared {
     path: CountedPath,
     listeners: Vec<usize>,
+    /// The device it is on: a data path whose CQ failed is replaced by a new one on it.
+    device: Device,
 }
 
 /// A data path on a removed device, draining before it is dropped.
@@ -265,9 +267,46 @@ impl ReactorPaths {
         self.paths.push(Shared {
             path,
             listeners: vec![listener],
+            device: device.clone(),
         });
         self.fds_changed = true;
         true
+    }
+
+    /// Replaces every live data path whose CQ failed by a new one on the same device, for
+    /// the same listeners. A CQ that failed loses its completions: the old path has torn its
+    /// QPs down and refuses connections; it drains (its drains end by their timeout, their
+    /// markers being lost) and goes as a removed device's path does. Without this, the
+    /// listeners would refuse every host until the daemon restarts.
+    fn replace_broken(&mut self, now: Instant) {
+        while let Some(k) = self.paths.iter().position(|s| s.path.dp.cq_broken()) {
+            let Shared {
+                path,
+                listeners,
+                device,
+            } = self.paths.swap_remove(k);
+            slog::warn!(self.log, "data path with a failed CQ replaced by a new one on its device; the old one drains";
+                "listeners" => ?listeners, "draining" => path.dp.draining());
+            self.removed.push(Removed {
+                path,
+                listener: listeners.first().copied().unwrap_or_default(),
+                since: now,
+                told_stuck: false,
+            });
+            self.fds_changed = true;
+            match CountedPath::build(&self.builder, &device) {
+                Ok(path) => self.paths.push(Shared {
+                    path,
+                    listeners,
+                    device,
+                }),
+                Err(why) => {
+                    for l in listeners {
+                        self.set_unserved(l, Some(why.clone()));
+                    }
+                }
+            }
+        }
     }
 
     /// Every data path, live or draining after its device's removal.
@@ -534,6 +573,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
         for p in self.all() {
             worked |= p.dp.poll(now);
         }
+        self.replace_broken(now);
         if !self.removed.is_empty() {
             self.drop_removed(now);
         }

@@ -2929,3 +2929,51 @@ fn a_queue_id_is_free_again_as_soon_as_its_queue_is_torn_down() {
     again.read(1, 8, 8, &mut back).unwrap();
     wait_pools_full(&c, false);
 }
+
+/// A CQ that fails (as an overrun fails it) loses its completions. The reactor replaces its
+/// data path by a new one on the same device: the old controller's queues end, and a new host
+/// connects and is served. Connections were adopted onto the failed CQ before, and every
+/// host's Connect went unanswered until the daemon restarted.
+#[test]
+fn a_failed_cq_is_replaced_by_a_new_data_path_that_serves() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 64,
+        max: 4096,
+        low_watermark: 16,
+        chunk: 64,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_micros(50),
+        max_sleep: Duration::from_millis(20),
+    };
+    let s = serve_on_reactor_with(4446, cfg, Arc::clone(&c), srq, Duration::from_secs(2));
+    let (_old_admin, mut old) = controller(&s, 1);
+    write_verified(&mut old[0], 2, 2);
+    let target_qp = old[0]
+        .transport()
+        .qpn()
+        .and_then(|q| s.fabric.peer_of(q))
+        .expect("the target's QP of the I/O queue");
+    assert!(s.fabric.inject_cq_error(target_qp));
+    // The old queue's QP was torn down: its next command fails instead of being answered.
+    let mut back = vec![0u8; 4096];
+    assert!(old[0].read(2, 2, 1, &mut back).is_err());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (_admin, mut ios) = loop {
+        if let Some(q) = try_controller(&s, 1) {
+            break q;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no host was served in 30 s after the CQ failed"
+        );
+    };
+    let data = write_verified(&mut ios[0], 3, 5);
+    ios[0].read(2, 5, 1, &mut back).unwrap();
+    assert!(back == data, "read back differs");
+    assert!(c.device_events.load(Relaxed) >= 1);
+}

@@ -180,7 +180,7 @@ impl DataPath {
         req: CmRequest,
     ) -> Result<Change, VerbsError> {
         let depth = u32::from(req.crqsize());
-        if self.srq_broken {
+        if self.srq_broken || self.cq_broken {
             self.counters
                 .connects_failed_accept
                 .fetch_add(1, Ordering::Relaxed);
@@ -189,7 +189,11 @@ impl DataPath {
             ));
             return Err(VerbsError::Invalid {
                 op: "accept",
-                why: "the SRQ failed and is being rebuilt",
+                why: if self.cq_broken {
+                    "the CQ failed and the data path is being replaced"
+                } else {
+                    "the SRQ failed and is being rebuilt"
+                },
             });
         }
         let change = match self.srq.reserve(depth, Instant::now()) {
@@ -366,7 +370,9 @@ impl DataPath {
             }
             AsyncEvent::CqErr(id) if self.cq.id() == id => {
                 c.device_events.fetch_add(1, Ordering::Relaxed);
-                slog::error!(self.log, "CQ error: every QP on it is torn down"; "cq" => id);
+                slog::error!(self.log, "CQ error: every QP on it is torn down and the data path is replaced";
+                    "cq" => id, "qps" => self.conns.len());
+                self.cq_broken = true;
                 self.teardown_all(Cause::Device, now);
             }
             AsyncEvent::DeviceFatal => {
@@ -506,6 +512,11 @@ impl DataPath {
     pub fn shutdown(&mut self, now: Instant) {
         self.wait_last_wqe = false;
         self.teardown_all(Cause::Shutdown, now);
+    }
+
+    /// Whether the CQ failed: the data path serves nothing more and is to be replaced.
+    pub fn cq_broken(&self) -> bool {
+        self.cq_broken
     }
 
     /// QPs torn down and not yet destroyed.

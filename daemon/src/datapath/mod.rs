@@ -153,12 +153,16 @@ impl Class {
     }
 }
 
-/// Completions that may be due at once: every receive the SRQ may post, a signaled SEND or
-/// READ of every small command (its data is one keyed piece at most), a READ of every piece
-/// of every large one, and room for 1,024 drain markers of QPs being torn down.
+/// Completions that may be due at once: every receive the SRQ may post; for every command, a
+/// WRITE of its data and its SEND (when its QP fails, every posted work request completes,
+/// flushed, signaled or not; a small command's data is one keyed piece at most); for every
+/// large buffer, a WRITE or READ of each further piece; and room for 1,024 drain markers of
+/// QPs being torn down. A CQ that overruns fails with everything on it.
 fn cq_entries(cfg: &DataPathConfig) -> u32 {
-    let small = cfg.requests;
-    let large = cfg.buffers.saturating_mul(nvmfd_nvme::MAX_SGL_DESCRIPTORS);
+    let small = cfg.requests.saturating_mul(2);
+    let large = cfg
+        .buffers
+        .saturating_mul(nvmfd_nvme::MAX_SGL_DESCRIPTORS - 1);
     cfg.srq
         .max
         .saturating_add(small)
@@ -267,6 +271,9 @@ pub struct DataPath {
     settling: usize,
     /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
     srq_broken: bool,
+    /// The CQ failed (an overrun): its completions are lost, so every QP was torn down and
+    /// connections are refused; the reactor replaces this data path by a new one.
+    cq_broken: bool,
     /// A rebuild of the broken SRQ failed: when to try again, and the wait after this try
     /// (doubling from `SRQ_RETRY_FIRST` to `SRQ_RETRY_MAX`).
     srq_retry: Option<(Instant, std::time::Duration)>,
@@ -403,6 +410,7 @@ impl DataPath {
             cq_empty_polls: 0,
             settling: 0,
             srq_broken: false,
+            cq_broken: false,
             srq_retry: None,
             unconnected: VecDeque::new(),
             connect_timeout: cfg.connect_timeout,

@@ -199,6 +199,26 @@ impl Fabric {
         self.lock().srq_error(srq);
     }
 
+    /// The QP connected to QP `qpn` in this process, if any.
+    pub fn peer_of(&self, qpn: u32) -> Option<u32> {
+        self.lock().qps.get(&qpn).and_then(|q| q.peer)
+    }
+
+    /// Breaks the CQ that QP `qpn` completes its receives to, as an overrun does: `CqErr`,
+    /// and polling it fails from then on (its completions are lost). Whether one was broken.
+    pub fn inject_cq_error(&self, qpn: u32) -> bool {
+        let mut s = self.lock();
+        let Some((dev, cq)) = s.qps.get(&qpn).map(|q| (q.dev, q.recv_cq)) else {
+            return false;
+        };
+        match s.cqs.get_mut(&cq) {
+            Some(c) if !c.overflowed => c.overflowed = true,
+            _ => return false,
+        }
+        s.event(dev, AsyncEvent::CqErr(cq));
+        true
+    }
+
     /// Removes a device as a hot-unplug would: `DeviceFatal`, every QP on it goes to ERR, CM
     /// IDs on it (its connections and, as with rdma_cm, the IDs listening on it) see
     /// `DeviceRemoval`, and nothing new can be created or listened on it until
