@@ -2977,3 +2977,43 @@ fn a_failed_cq_is_replaced_by_a_new_data_path_that_serves() {
     assert!(back == data, "read back differs");
     assert!(c.device_events.load(Relaxed) >= 1);
 }
+
+/// A drain marker that the provider queues and then reports failed (rxe's doorbell error,
+/// with every request already in its queue) completes like any other posted one: the drain
+/// counts it and ends when it comes back. It was taken for refused: its completion was then
+/// counted out of nothing (a debug assertion stopped the reactor) and the drain could end
+/// before it.
+#[test]
+fn a_drain_marker_posted_and_then_failed_is_counted_and_its_completion_ends_the_drain() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 64,
+        max: 4096,
+        low_watermark: 16,
+        chunk: 64,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_micros(50),
+        max_sleep: Duration::from_millis(20),
+    };
+    let s = serve_on_reactor_with(4447, cfg, Arc::clone(&c), srq, Duration::from_secs(2));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 4, 7);
+    let target_qp = ios[0]
+        .transport()
+        .qpn()
+        .and_then(|q| s.fabric.peer_of(q))
+        .expect("the target's QP of the I/O queue");
+    // The idle queue's next post is its drain marker.
+    s.fabric.inject_doorbell_failure(target_qp);
+    drop(ios);
+    wait_until("the I/O queue's QP drained", || {
+        c.teardowns_disconnect.load(Relaxed) >= 1 && c.qps_draining.load(Relaxed) == 0
+    });
+    assert_eq!(c.drain_timeouts.load(Relaxed), 0);
+    let (_admin2, mut ios2) = controller(&s, 1);
+    write_verified(&mut ios2[0], 5, 8);
+}

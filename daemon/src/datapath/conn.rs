@@ -414,7 +414,8 @@ impl DataPath {
             signaled: true,
             inline: false,
         }];
-        let flushed = c.id.post_send(&marker).is_err();
+        // Refused, it never completes; posted and then failed (rxe's doorbell), it does.
+        let flushed = c.id.post_send(&marker).is_err_and(|e| e.posted() == 0);
         if !flushed {
             c.signaled_out += 1;
             self.sends_in_flight += 1;

@@ -175,6 +175,13 @@ impl Fabric {
         self.lock().post_failures.insert(qpn, index);
     }
 
+    /// Makes the next `post_send` on QP `qpn` post every work request of its chain and then
+    /// fail (`EIO`), as rxe does when its doorbell fails with the requests already queued: the
+    /// error's [`VerbsError::posted`] is the chain's length, and every request completes.
+    pub fn inject_doorbell_failure(&self, qpn: u32) {
+        self.lock().doorbell_failures.insert(qpn);
+    }
+
     /// Completions that destroying their QP dropped so far
     /// ([`Faults::destroy_drops_completions`]).
     pub fn destroy_drops(&self) -> DestroyDrops {

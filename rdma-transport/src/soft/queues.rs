@@ -273,12 +273,14 @@ impl Qp {
             execute(&mut s, self.qpn, w, opcode);
         }
         let delay = s.faults.post_send_delay;
+        let doorbell = refused.is_none() && s.doorbell_failures.remove(&self.qpn);
         drop(s);
         if !delay.is_zero() {
             std::thread::sleep(delay);
         }
         match refused {
             Some((posted, errno)) => Err(VerbsError::post("post_send", errno, posted)),
+            None if doorbell => Err(VerbsError::post("post_send", libc::EIO, wrs.len())),
             None => Ok(()),
         }
     }
@@ -317,6 +319,7 @@ impl Drop for Qp {
         let mut s = self.fabric.lock();
         s.qp_error(self.qpn);
         s.post_failures.remove(&self.qpn);
+        s.doorbell_failures.remove(&self.qpn);
         if s.faults.destroy_drops_completions {
             s.drop_completions_of(self.qpn);
         }

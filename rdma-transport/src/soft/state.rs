@@ -131,6 +131,8 @@ pub(crate) struct State {
     /// Injected post failures: the next chain posted on QP (key) that is longer than the
     /// index (value) stops there.
     pub(super) post_failures: HashMap<u32, usize>,
+    /// QPs whose next `post_send` posts every request and then fails, as rxe's doorbell can.
+    pub(super) doorbell_failures: std::collections::HashSet<u32>,
     /// Completions dropped by destroying their QP.
     pub(super) destroy_drops: DestroyDrops,
     /// QP numbers the next QPs made take, in order, where free ([`Fabric::reuse_qp_numbers`]).
