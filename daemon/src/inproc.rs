@@ -60,6 +60,8 @@ pub struct InProcTarget {
     pub reactor: Option<ReactorHandle>,
     /// While set, CM events are left in the channel (taken once it clears).
     pub hold_cm: Arc<AtomicBool>,
+    /// The listener, when the reactor has no data path for it, with why.
+    pub unserved: crate::paths::Unserved,
     stop: Arc<AtomicBool>,
     control: Option<std::thread::JoinHandle<()>>,
 }
@@ -120,15 +122,10 @@ impl InProcTarget {
         };
         let devices = vec![Some(dev.clone())];
         let counters = o.counters;
-        let factory: crate::reactor::WorkFactory = Box::new(move || {
-            Box::new(ReactorPaths::new(
-                &devices,
-                builder,
-                counters,
-                rx,
-                crate::paths::Unserved::default(),
-            ))
-        });
+        let unserved = crate::paths::Unserved::default();
+        let theirs = Arc::clone(&unserved);
+        let factory: crate::reactor::WorkFactory =
+            Box::new(move || Box::new(ReactorPaths::new(&devices, builder, counters, rx, theirs)));
         let (reactor, manual) = if spawn {
             let r = ReactorHandle::spawn(0, o.core, o.loop_cfg, &log, Some(factory))
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -162,6 +159,7 @@ impl InProcTarget {
             addr,
             reactor,
             hold_cm,
+            unserved,
             stop,
             control: Some(control),
         };

@@ -4,7 +4,7 @@
 //! device leaving and coming back.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nvmfd_nvme::rdma_cm::CmRequest;
 use nvmfd_nvme::Target;
@@ -172,6 +172,21 @@ struct Shared {
     device: Device,
 }
 
+/// The replacement of a data path whose CQ failed, which its device refused: tried again at
+/// `at`, after `wait` (doubling from [`REBUILD_RETRY_FIRST`] to [`REBUILD_RETRY_MAX`]).
+#[derive(Debug)]
+struct Rebuild {
+    device: Device,
+    listeners: Vec<usize>,
+    at: Instant,
+    wait: Duration,
+}
+
+/// The wait before a refused replacement data path is tried again the first time.
+const REBUILD_RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between tries.
+const REBUILD_RETRY_MAX: Duration = Duration::from_secs(30);
+
 /// A data path on a removed device, draining before it is dropped.
 #[derive(Debug)]
 struct Removed {
@@ -193,6 +208,8 @@ pub struct ReactorPaths {
     paths: Vec<Shared>,
     /// Data paths of removed devices, draining.
     removed: Vec<Removed>,
+    /// Replacements of failed data paths that their device refused, to try again.
+    rebuilds: Vec<Rebuild>,
     /// Connections from the control thread.
     inbox: std::sync::mpsc::Receiver<ReactorCmd>,
     /// The reactor's counters.
@@ -218,6 +235,7 @@ impl ReactorPaths {
         let mut rp = ReactorPaths {
             paths: Vec::new(),
             removed: Vec::new(),
+            rebuilds: Vec::new(),
             inbox,
             counters,
             builder,
@@ -294,19 +312,74 @@ impl ReactorPaths {
                 told_stuck: false,
             });
             self.fds_changed = true;
-            match CountedPath::build(&self.builder, &device) {
-                Ok(path) => self.paths.push(Shared {
+            self.rebuild(device, listeners, now, None);
+        }
+    }
+
+    /// Builds a data path on `device` for `listeners`, replacing one that failed. If the
+    /// device refuses (its registrations, say, while the old path still holds its memory),
+    /// the listeners are reported not serving and it is tried again after a wait that
+    /// doubles from the last one (`last_wait`).
+    fn rebuild(
+        &mut self,
+        device: Device,
+        listeners: Vec<usize>,
+        now: Instant,
+        last_wait: Option<Duration>,
+    ) {
+        match CountedPath::build(&self.builder, &device) {
+            Ok(path) => {
+                for &l in &listeners {
+                    self.set_unserved(l, None);
+                }
+                if last_wait.is_some() {
+                    slog::info!(self.log, "replacement data path built"; "listeners" => ?listeners);
+                }
+                self.paths.push(Shared {
                     path,
                     listeners,
                     device,
-                }),
-                Err(why) => {
-                    for l in listeners {
-                        self.set_unserved(l, Some(why.clone()));
-                    }
+                });
+                self.fds_changed = true;
+            }
+            Err(why) => {
+                let wait =
+                    last_wait.map_or(REBUILD_RETRY_FIRST, |w| (w * 2).min(REBUILD_RETRY_MAX));
+                slog::warn!(self.log, "cannot build the replacement data path; trying again later";
+                    "listeners" => ?listeners, "error" => &why, "retry_in" => ?wait);
+                for &l in &listeners {
+                    self.set_unserved(l, Some(why.clone()));
                 }
+                self.rebuilds.push(Rebuild {
+                    device,
+                    listeners,
+                    at: now + wait,
+                    wait,
+                });
             }
         }
+    }
+
+    /// Tries again the replacements whose wait is over.
+    fn retry_rebuilds(&mut self, now: Instant) {
+        let mut i = 0;
+        while i < self.rebuilds.len() {
+            if self.rebuilds[i].at > now {
+                i += 1;
+                continue;
+            }
+            let r = self.rebuilds.swap_remove(i);
+            self.rebuild(r.device, r.listeners, now, Some(r.wait));
+        }
+    }
+
+    /// Listener `listener` no longer waits for a replacement data path (it is gone, or it
+    /// gets a data path of its own).
+    fn forget_rebuild(&mut self, listener: usize) {
+        for r in &mut self.rebuilds {
+            r.listeners.retain(|&l| l != listener);
+        }
+        self.rebuilds.retain(|r| !r.listeners.is_empty());
     }
 
     /// Every data path, live or draining after its device's removal.
@@ -339,6 +412,7 @@ impl ReactorPaths {
     /// down, drains, and goes.
     fn remove_device(&mut self, listener: usize) {
         self.set_unserved(listener, None);
+        self.forget_rebuild(listener);
         let Some(k) = self
             .paths
             .iter()
@@ -451,6 +525,7 @@ impl ReactorPaths {
 
     /// Listener `listener` serves again on `device` (its device came back, or it was added).
     fn add_path(&mut self, listener: usize, device: &Device) {
+        self.forget_rebuild(listener);
         if self.path_of(listener).is_some() {
             slog::warn!(self.log, "listener already has a data path; keeping it"; "listener" => listener);
             return;
@@ -574,6 +649,9 @@ impl crate::reactor::ReactorWork for ReactorPaths {
             worked |= p.dp.poll(now);
         }
         self.replace_broken(now);
+        if !self.rebuilds.is_empty() {
+            self.retry_rebuilds(now);
+        }
         if !self.removed.is_empty() {
             self.drop_removed(now);
         }
