@@ -273,7 +273,10 @@ impl Qp {
             execute(&mut s, self.qpn, w, opcode);
         }
         let delay = s.faults.post_send_delay;
-        let doorbell = refused.is_none() && s.doorbell_failures.remove(&self.qpn);
+        // (Checked for emptiness first: hashing on every post would cost the emulation.)
+        let doorbell = refused.is_none()
+            && !s.doorbell_failures.is_empty()
+            && s.doorbell_failures.remove(&self.qpn);
         drop(s);
         if !delay.is_zero() {
             std::thread::sleep(delay);
