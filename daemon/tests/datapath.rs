@@ -2938,26 +2938,10 @@ fn a_queue_id_is_free_again_as_soon_as_its_queue_is_torn_down() {
 fn a_failed_cq_is_replaced_by_a_new_data_path_that_serves() {
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let srq = SrqConfig {
-        initial: 64,
-        max: 4096,
-        low_watermark: 16,
-        chunk: 64,
-        shrink_delay: Duration::from_secs(60),
-        cover_queues: true,
-    };
-    let cfg = nvmfd::reactor::LoopConfig {
-        idle_sleep_after: Duration::from_micros(50),
-        max_sleep: Duration::from_millis(20),
-    };
-    let s = serve_on_reactor_with(4446, cfg, Arc::clone(&c), srq, Duration::from_secs(2));
+    let s = fault_reactor(4446, &c);
     let (_old_admin, mut old) = controller(&s, 1);
     write_verified(&mut old[0], 2, 2);
-    let target_qp = old[0]
-        .transport()
-        .qpn()
-        .and_then(|q| s.fabric.peer_of(q))
-        .expect("the target's QP of the I/O queue");
+    let target_qp = target_qp_of(&s, &mut old[0]);
     assert!(s.fabric.inject_cq_error(target_qp));
     // The old queue's QP was torn down: its next command fails instead of being answered.
     let mut back = vec![0u8; 4096];
@@ -2972,6 +2956,32 @@ fn a_failed_cq_is_replaced_by_a_new_data_path_that_serves() {
         c.qps_draining.load(Relaxed) == 0 && c.drain_timeouts.load(Relaxed) >= 1
     });
     write_verified(&mut ios[0], 4, 6);
+}
+
+/// A reactor thread serving on port `port` into counters `c`, with an SRQ that starts small
+/// and a short sleep, for the tests that fail what a data path is built on.
+fn fault_reactor(port: u16, c: &Arc<nvmfd::stats::DataPathCounters>) -> Served {
+    let srq = SrqConfig {
+        initial: 64,
+        max: 4096,
+        low_watermark: 16,
+        chunk: 64,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let cfg = nvmfd::reactor::LoopConfig {
+        idle_sleep_after: Duration::from_micros(50),
+        max_sleep: Duration::from_millis(20),
+    };
+    serve_on_reactor_with(port, cfg, Arc::clone(c), srq, Duration::from_secs(2))
+}
+
+/// The target's QP of host queue `io`.
+fn target_qp_of(s: &Served, io: &mut IoQueue<RdmaQueue>) -> u32 {
+    io.transport()
+        .qpn()
+        .and_then(|q| s.fabric.peer_of(q))
+        .expect("the target's QP of the I/O queue")
 }
 
 /// A controller of a new host, trying again (every 10 ms) until one is served or `within`
@@ -2997,26 +3007,10 @@ fn served_within(s: &Served, within: Duration) -> (AdminQueue<RdmaQueue>, Vec<Io
 #[test]
 fn a_replacement_data_path_the_device_refuses_is_tried_again_until_it_serves() {
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let srq = SrqConfig {
-        initial: 64,
-        max: 4096,
-        low_watermark: 16,
-        chunk: 64,
-        shrink_delay: Duration::from_secs(60),
-        cover_queues: true,
-    };
-    let cfg = nvmfd::reactor::LoopConfig {
-        idle_sleep_after: Duration::from_micros(50),
-        max_sleep: Duration::from_millis(20),
-    };
-    let s = serve_on_reactor_with(4448, cfg, Arc::clone(&c), srq, Duration::from_secs(2));
+    let s = fault_reactor(4448, &c);
     let (_old_admin, mut old) = controller(&s, 1);
     write_verified(&mut old[0], 2, 2);
-    let target_qp = old[0]
-        .transport()
-        .qpn()
-        .and_then(|q| s.fabric.peer_of(q))
-        .expect("the target's QP of the I/O queue");
+    let target_qp = target_qp_of(&s, &mut old[0]);
     s.fabric.fail_registrations(u32::MAX);
     assert!(s.fabric.inject_cq_error(target_qp));
     let unserved = |s: &Served| {
@@ -3041,26 +3035,10 @@ fn a_replacement_data_path_the_device_refuses_is_tried_again_until_it_serves() {
 fn a_drain_marker_posted_and_then_failed_is_counted_and_its_completion_ends_the_drain() {
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let srq = SrqConfig {
-        initial: 64,
-        max: 4096,
-        low_watermark: 16,
-        chunk: 64,
-        shrink_delay: Duration::from_secs(60),
-        cover_queues: true,
-    };
-    let cfg = nvmfd::reactor::LoopConfig {
-        idle_sleep_after: Duration::from_micros(50),
-        max_sleep: Duration::from_millis(20),
-    };
-    let s = serve_on_reactor_with(4447, cfg, Arc::clone(&c), srq, Duration::from_secs(2));
+    let s = fault_reactor(4447, &c);
     let (_admin, mut ios) = controller(&s, 1);
     write_verified(&mut ios[0], 4, 7);
-    let target_qp = ios[0]
-        .transport()
-        .qpn()
-        .and_then(|q| s.fabric.peer_of(q))
-        .expect("the target's QP of the I/O queue");
+    let target_qp = target_qp_of(&s, &mut ios[0]);
     // The idle queue's next post is its drain marker.
     s.fabric.inject_doorbell_failure(target_qp);
     drop(ios);

@@ -26,10 +26,11 @@ use nvmfd_rdma::{AsyncEvent, CmEvent, DeviceRelease};
 
 mod change;
 mod listeners;
+mod off_thread;
 mod status;
 
-pub use change::{off_thread_running, wait_off_thread};
 use listeners::*;
+pub use off_thread::{off_thread_running, wait_off_thread};
 pub use status::*;
 
 const SIGNALS: Token = Token(0);

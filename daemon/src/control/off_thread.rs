@@ -1,0 +1,113 @@
+//! Work the control thread runs on threads of its own (opening or resizing an RBD image on a
+//! cluster that may not answer) while it keeps feeding the watchdog, and the count of such work
+//! still running, which the daemon waits for before it exits.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+
+use super::*;
+
+/// How long a change may wait for a device (opening, resizing) while the control thread still
+/// feeds the watchdog: longer than the store's own timeouts (an RBD client's 10 s mount and
+/// 30 s operation timeouts), after which the wait is taken for a hang.
+const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
+
+/// Operations started off the control thread (`off_thread`) that have not returned yet: one
+/// whose caller stopped waiting at its deadline goes on alone, possibly inside librbd.
+static OFF_THREAD_RUNNING: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts an operation off the control thread as running until it is dropped.
+struct Running;
+
+impl Running {
+    fn start() -> Running {
+        OFF_THREAD_RUNNING.fetch_add(1, Ordering::AcqRel);
+        Running
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        OFF_THREAD_RUNNING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Operations started off the control thread and still running.
+pub fn off_thread_running() -> usize {
+    OFF_THREAD_RUNNING.load(Ordering::Acquire)
+}
+
+/// Waits until no operation started off the control thread is still running, or `timeout`:
+/// whether none is. The daemon waits for them before it exits: one can be inside librbd,
+/// under which the libraries' static destructors, run by `exit`, can crash the process.
+pub fn wait_off_thread(timeout: Duration) -> bool {
+    let end = Instant::now() + timeout;
+    while off_thread_running() > 0 {
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+impl Daemon {
+    /// Runs `f` on a thread of its own and waits for it, keeping the watch meanwhile
+    /// (`wait_keeping_watch`): for what can block for long (opening or resizing an RBD image
+    /// on a cluster that does not answer).
+    pub(super) fn off_thread<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        self.off_thread_until(f, None)
+    }
+
+    /// `off_thread`, waiting only until `deadline` (if any): `f` then goes on alone, and
+    /// its result is dropped.
+    pub(super) fn off_thread_until<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce() -> T + Send + 'static,
+        deadline: Option<Instant>,
+    ) -> Result<T, String> {
+        let (tx, rx) = mpsc::channel();
+        let running = Running::start();
+        std::thread::Builder::new()
+            .name("nvmfd-change".into())
+            .spawn(move || {
+                let _running = running;
+                let _ = tx.send(f());
+            })
+            .map_err(|e| format!("cannot start a thread: {e}"))?;
+        self.wait_keeping_watch(&rx, deadline)
+            .map_err(|_| "the operation ended without an answer".to_owned())
+    }
+
+    /// Waits for `rx` (until `deadline`, if any) while checking the reactors' heartbeats
+    /// every tick, which feeds systemd's watchdog as long as they move: a change that waits
+    /// for a slow device does not make the service manager end a daemon that serves.
+    pub(super) fn wait_keeping_watch<T>(
+        &mut self,
+        rx: &mpsc::Receiver<T>,
+        deadline: Option<Instant>,
+    ) -> Result<T, mpsc::RecvTimeoutError> {
+        let tick = self.tick_interval();
+        let began = Instant::now();
+        loop {
+            let now = Instant::now();
+            let slice = deadline.map_or(tick, |d| tick.min(d.saturating_duration_since(now)));
+            match rx.recv_timeout(slice) {
+                Err(mpsc::RecvTimeoutError::Timeout)
+                    if deadline.is_none_or(|d| Instant::now() < d) =>
+                {
+                    // A wait past any timeout of the store (a hard NFS mount, an RBD
+                    // configuration without op timeouts) is a hang: the watchdog is no longer
+                    // fed, and the service manager restarts the daemon as it did before.
+                    if began.elapsed() < KEEP_WATCH_MAX {
+                        self.check_heartbeats(Instant::now());
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+}
