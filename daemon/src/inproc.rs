@@ -236,11 +236,15 @@ impl Control {
                 }
                 wake();
             }
-            while let Some(event) = self.dev.next_event() {
+            while let Some((number, event)) = self.dev.next_numbered_event() {
                 let async_fd = self.dev.async_fd();
                 if self
                     .tx
-                    .send(ReactorCmd::DeviceEvent { async_fd, event })
+                    .send(ReactorCmd::DeviceEvent {
+                        async_fd,
+                        number,
+                        event,
+                    })
                     .is_err()
                 {
                     return;

@@ -46,6 +46,8 @@ pub enum ReactorCmd {
     DeviceEvent {
         /// Which device.
         async_fd: std::os::fd::RawFd,
+        /// Its number, in the order events were read ([`any::Device::next_numbered_event`]).
+        number: u64,
         /// What happened.
         event: AsyncEvent,
     },
@@ -600,7 +602,11 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                         p.dp.connect_failed(token, why);
                     }
                 }
-                ReactorCmd::DeviceEvent { async_fd, event } => {
+                ReactorCmd::DeviceEvent {
+                    async_fd,
+                    number,
+                    event,
+                } => {
                     let now = Instant::now();
                     // Live data paths only: a removed device's fd number may since name
                     // another device.
@@ -608,7 +614,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                         if p.dp.async_fd() != async_fd {
                             continue;
                         }
-                        match p.dp.on_event(&event, now) {
+                        match p.dp.on_event(&event, number, now) {
                             Change::Grew(n) => {
                                 slog::info!(self.log, "SRQ grew"; "receives" => n)
                             }

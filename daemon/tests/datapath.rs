@@ -312,10 +312,10 @@ fn serve_opts(
                 _ => {}
             }
             // What the control thread does: async events go to the data path.
-            held.extend(std::iter::from_fn(|| dev.next_event()));
+            held.extend(std::iter::from_fn(|| dev.next_numbered_event()));
             if !he.load(Ordering::Relaxed) {
-                for ev in held.drain(..) {
-                    dp.on_event(&ev, Instant::now());
+                for (n, ev) in held.drain(..) {
+                    dp.on_event(&ev, n, Instant::now());
                 }
             }
             dp.hold_block_completions(hb.load(Ordering::Relaxed));
@@ -2655,6 +2655,133 @@ fn a_late_completion_of_a_destroyed_qp_never_answers_a_new_qp_of_the_same_number
         got.len()
     );
     assert_eq!(c.teardowns_qp_error.load(Relaxed), qp_errors);
+    drop(new);
+    drop(admin);
+}
+
+/// Send completions of a QP destroyed when its drain timed out can still come (rxe leaves a
+/// destroyed QP's completions in its CQ), after the device gave its number to a new QP. The
+/// response SEND of the old queue's last read and its drain marker, held back by the soft
+/// device until the new queue is connected, must be dropped as stale: not counted out of
+/// the new connection's sends, and not taken, flushed, for a failure of the new QP. Before,
+/// the SEND's completion was counted out of the new connection ("released 1 of 0": the
+/// reactor stopped in a debug build) and the flushed marker tore the new queue down.
+#[test]
+fn late_send_completions_of_a_destroyed_qp_leave_a_new_qp_of_the_same_number_alone() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4474, None, Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let cntlid = admin.cntlid;
+    let before = s.fabric.srq_qps(s.srq_id);
+    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
+    let old_target_qpn = *s
+        .fabric
+        .srq_qps(s.srq_id)
+        .iter()
+        .find(|q| !before.contains(q))
+        .expect("the target's QP of the queue");
+    let old_host_qpn = old.transport().qpn().expect("host QP");
+    let data = pattern(74, 4096);
+    old.write(2, 5, 1, &data, false).unwrap();
+    // The device writes the target QP's send completions late: the host has its data and
+    // response, the target has not seen the SEND complete.
+    s.fabric.hold_send_completions(old_target_qpn);
+    let mut back = vec![0u8; 4096];
+    old.read(2, 5, 1, &mut back).unwrap();
+    assert!(back == data);
+    drop(old);
+    wait_until("the drain times out", || {
+        c.drain_timeouts.load(Relaxed) == 1
+    });
+    s.fabric.reuse_qp_numbers(&[old_host_qpn, old_target_qpn]);
+    let mut new = IoQueue::connect(queue(&s, 2, 31), &h, SUB, cntlid, 2, 31).unwrap();
+    assert_eq!(new.transport().qpn(), Some(old_host_qpn));
+    assert!(s.fabric.srq_qps(s.srq_id).contains(&old_target_qpn));
+    let (qp_errors, stale) = (
+        c.teardowns_qp_error.load(Relaxed),
+        c.stale_completions.load(Relaxed),
+    );
+    // The SEND's completion and the drain marker's flush, naming the new QP's number.
+    assert_eq!(s.fabric.release_held_completions(), 2);
+    wait_until("both are dropped as stale", || {
+        c.stale_completions.load(Relaxed) == stale + 2
+    });
+    // The new queue serves on.
+    for lba in [5u64, 6] {
+        let data = pattern(lba, 4096);
+        new.write(2, lba, 1, &data, false).unwrap();
+        let mut back = vec![0u8; 4096];
+        new.read(2, lba, 1, &mut back).unwrap();
+        assert!(back == data, "LBA {lba} read back differs");
+    }
+    assert_eq!(c.teardowns_qp_error.load(Relaxed), qp_errors);
+    assert_eq!(
+        c.connections.load(Relaxed),
+        2,
+        "the admin and the new I/O queue"
+    );
+    drop(new);
+    drop(admin);
+}
+
+/// An async event read before its QP was destroyed can reach the data path after the device
+/// gave the QP's number to a new QP (the control thread reads events and hands them on). A
+/// torn-down QP whose LAST_WQE_REACHED is held up that long is destroyed when its drain times
+/// out; a new queue's QP takes its number; then the old event comes. Events are numbered as
+/// they are read, and one read before the QP of its number was created is not that QP's:
+/// the new queue serves on. Before, the event tore it down.
+#[test]
+fn a_late_event_of_a_destroyed_qp_leaves_a_new_qp_of_the_same_number_alone() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4475, None, Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let cntlid = admin.cntlid;
+    let before = s.fabric.srq_qps(s.srq_id);
+    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
+    let old_target_qpn = *s
+        .fabric
+        .srq_qps(s.srq_id)
+        .iter()
+        .find(|q| !before.contains(q))
+        .expect("the target's QP of the queue");
+    let old_host_qpn = old.transport().qpn().expect("host QP");
+    // The host goes; the QP's LAST_WQE_REACHED is read and held up, so its drain times out.
+    s.set_switch(&s.hold_events, true);
+    drop(old);
+    wait_until("the drain times out", || {
+        c.drain_timeouts.load(Relaxed) == 1
+    });
+    s.fabric.reuse_qp_numbers(&[old_host_qpn, old_target_qpn]);
+    let mut new = IoQueue::connect(queue(&s, 2, 31), &h, SUB, cntlid, 2, 31).unwrap();
+    assert!(s.fabric.srq_qps(s.srq_id).contains(&old_target_qpn));
+    let (qp_errors, last_wqes) = (
+        c.teardowns_qp_error.load(Relaxed),
+        c.last_wqe_events.load(Relaxed),
+    );
+    // The old event, naming the new QP's number, is delivered.
+    s.set_switch(&s.hold_events, false);
+    for lba in [7u64, 8] {
+        let data = pattern(lba, 4096);
+        new.write(2, lba, 1, &data, false).unwrap();
+        let mut back = vec![0u8; 4096];
+        new.read(2, lba, 1, &mut back).unwrap();
+        assert!(back == data, "LBA {lba} read back differs");
+    }
+    assert_eq!(c.teardowns_qp_error.load(Relaxed), qp_errors);
+    assert_eq!(c.last_wqe_events.load(Relaxed), last_wqes);
+    assert_eq!(
+        c.connections.load(Relaxed),
+        2,
+        "the admin and the new I/O queue"
+    );
     drop(new);
     drop(admin);
 }

@@ -122,6 +122,18 @@ impl Device {
     pub fn next_event(&self) -> Option<AsyncEvent> {
         forward!(self, d => d.next_event())
     }
+    /// The next async event and its number, in the order events are read (from every
+    /// device of the process on ibverbs, of the fabric on soft).
+    pub fn next_numbered_event(&self) -> Option<(u64, AsyncEvent)> {
+        forward!(self, d => d.next_numbered_event())
+    }
+    /// How many async events have been read so far: every event read from now on is
+    /// numbered at least this. Taken before creating a QP, it tells the QP's events from
+    /// those of a destroyed QP whose number the device gave to it, read (as a destroyed QP's
+    /// unread events are dropped) and numbered before.
+    pub fn events_read(&self) -> u64 {
+        forward!(self, d => d.events_read())
+    }
     /// Port attributes.
     pub fn port_attr(&self, port: u8) -> Result<PortAttr, VerbsError> {
         forward!(self, d => d.port_attr(port))

@@ -193,6 +193,19 @@ pub enum AsyncEvent {
     DeviceFatal,
 }
 
+impl AsyncEvent {
+    /// The QP the event is about, if it is about one.
+    pub fn qp(&self) -> Option<u32> {
+        match *self {
+            AsyncEvent::QpFatal(q)
+            | AsyncEvent::QpReqErr(q)
+            | AsyncEvent::QpAccessErr(q)
+            | AsyncEvent::QpLastWqeReached(q) => Some(q),
+            _ => None,
+        }
+    }
+}
+
 /// How far letting go of a removed device has got (`CmId::release_removed_device`, on the
 /// listening ID of the device).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1287,6 +1287,80 @@ mod soft_only {
         }
     }
 
+    /// Held send completions (a device writing them late) reach their CQ when released, in
+    /// order, flushed ones of a QP destroyed meanwhile included; receives are never held.
+    #[test]
+    fn held_send_completions_arrive_when_released_even_after_their_qp_is_destroyed() {
+        let mut w = world(5037, 2).unwrap();
+        let first = w.tid[0].qpn().unwrap();
+        w.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 7,
+                sges: &[w.t.mr.sge(0, 64)],
+            }])
+            .unwrap();
+        w.env.fabric.hold_send_completions(first);
+        let tsge = [w.t.mr.sge(0, 8)];
+        w.tid[0].post_send(&writes(&w, &tsge, 1, 2)).unwrap();
+        w.tid[1].post_send(&writes(&w, &tsge, 3, 1)).unwrap();
+        let hsge = [w.h.mr.sge(0, 8)];
+        w.hid[0].post_send(&[send(9, &hsge, true)]).unwrap();
+        let now: Vec<(u32, u64)> = drain(&w.t.cq).iter().map(|c| (c.qp_num, c.wr_id)).collect();
+        assert_eq!(
+            now,
+            [(w.tid[1].qpn().unwrap(), 3), (first, 7)],
+            "only the held QP's sends wait"
+        );
+        // A SEND the host has no receive for waits; the QP goes, and the SEND's flush is
+        // held too.
+        w.tid[0].post_send(&[send(5, &tsge, true)]).unwrap();
+        w.tid[0].to_error().unwrap();
+        drop(w.tid.remove(0));
+        assert_eq!(drain(&w.t.cq), []);
+        assert_eq!(w.env.fabric.release_held_completions(), 3);
+        let late: Vec<(u32, u64, WcStatus)> = drain(&w.t.cq)
+            .iter()
+            .map(|c| (c.qp_num, c.wr_id, c.status))
+            .collect();
+        assert_eq!(
+            late,
+            [
+                (first, 1, WcStatus::Success),
+                (first, 2, WcStatus::Success),
+                (first, 5, WcStatus::WrFlushErr)
+            ]
+        );
+        // Released: nothing is held any more.
+        w.tid[0].post_send(&writes(&w, &tsge, 4, 1)).unwrap();
+        assert_eq!(drain(&w.t.cq).len(), 1);
+    }
+
+    /// As uverbs does, destroying a QP removes its async events not yet read: no event read
+    /// later names a QP number the device may have given to a new QP. Other QPs' stay.
+    #[test]
+    fn destroying_a_qp_removes_its_unread_events() {
+        let mut w = world(5038, 2).unwrap();
+        let (first, second) = (w.tid[0].qpn().unwrap(), w.tid[1].qpn().unwrap());
+        w.env.fabric.inject_qp_fatal(first);
+        w.env.fabric.inject_qp_fatal(second);
+        drop(w.tid.remove(0));
+        let from = w.t.dev.events_read();
+        let mut left = Vec::new();
+        while let Some((n, e)) = w.t.dev.next_numbered_event() {
+            assert_eq!(n, from + left.len() as u64, "numbered in the order read");
+            left.push(e);
+        }
+        assert_eq!(w.t.dev.events_read(), from + 2);
+        assert_eq!(
+            left,
+            [
+                AsyncEvent::QpFatal(second),
+                AsyncEvent::QpLastWqeReached(second)
+            ]
+        );
+        assert!(left.iter().all(|e| e.qp() != Some(first)));
+    }
+
     /// A SEND over TCP that reaches a QP already in ERR (the peer not yet told) is not
     /// received: no receive is consumed, no receive completion is made, the SEND fails.
     #[test]

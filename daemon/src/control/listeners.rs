@@ -434,7 +434,7 @@ impl Daemon {
         };
         let fd = dev.async_fd();
         let mut fatal = false;
-        while let Some(event) = dev.next_event() {
+        while let Some((number, event)) = dev.next_numbered_event() {
             match event {
                 AsyncEvent::SrqLimitReached(srq) => {
                     info!(self.log, "SRQ limit reached"; "srq" => srq)
@@ -456,6 +456,7 @@ impl Daemon {
             }
             self.tell_reactors(|| ReactorCmd::DeviceEvent {
                 async_fd: fd,
+                number,
                 event,
             });
         }

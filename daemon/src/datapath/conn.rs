@@ -7,6 +7,9 @@ use super::*;
 pub(super) struct Conn {
     /// Its QP number.
     pub(super) qpn: u32,
+    /// The number of the first async event that can be its QP's: events read before it was
+    /// created and naming its number are of a destroyed QP the device had given it to.
+    pub(super) events_from: u64,
     pub(super) id: CmId,
     /// The listener it came through (listeners on one device share its data path).
     pub(super) listener: usize,
@@ -158,6 +161,10 @@ pub(super) struct Drain {
     pub(super) last_wqe: bool,
     /// The drain marker completed (or could not be posted): every send of it has completed.
     pub(super) flushed: bool,
+    /// Its drain marker's number ([`DataPath::markers`] when it was posted).
+    pub(super) marker: u32,
+    /// As its connection's ([`Conn::events_from`]).
+    pub(super) events_from: u64,
     /// Its signaled send WRs not completed yet.
     pub(super) signaled_out: u32,
     /// Everything it waited for had come by the CQ poll that was the `n`th to find the CQ
@@ -217,6 +224,7 @@ impl DataPath {
             max_inline_data: 64,
         };
         let granted = u8::try_from(read_budget).unwrap_or(u8::MAX);
+        let events_from = self.dev.events_read();
         let qpn = match id.create_qp(&self.pd, &self.cq, self.srq.srq(), caps) {
             Ok(q) => q,
             Err(e) => {
@@ -244,6 +252,7 @@ impl DataPath {
         let d = depth as usize;
         let _ = self.conns.insert(Conn {
             qpn,
+            events_from,
             id,
             listener,
             queue,
@@ -336,9 +345,23 @@ impl DataPath {
         }
     }
 
-    /// An async event of this data path's device (`async_fd`); events for objects of
-    /// another data path on the same device are ignored.
-    pub fn on_event(&mut self, ev: &AsyncEvent, now: Instant) -> Change {
+    /// An async event of this data path's device (`async_fd`), numbered as it was read
+    /// ([`any::Device::next_numbered_event`]); events for objects of another data path on
+    /// the same device are ignored.
+    pub fn on_event(&mut self, ev: &AsyncEvent, number: u64, now: Instant) -> Change {
+        if let Some(q) = ev.qp() {
+            let from = match self.conns.get(&q) {
+                Some(c) => Some(c.events_from),
+                None => self.draining.get(&q).map(|d| d.events_from),
+            };
+            if from.is_some_and(|from| number < from) {
+                // Read before its QP was created: it is of a destroyed QP whose number the
+                // device gave to this one (one whose drain timed out before it came).
+                slog::info!(self.log, "async event of a destroyed QP dropped";
+                    "qpn" => q, "event" => ?ev);
+                return Change::None;
+            }
+        }
         let c = &self.counters;
         match *ev {
             AsyncEvent::SrqLimitReached(id) if self.srq.is(id) => {
@@ -407,8 +430,11 @@ impl DataPath {
         }
         let _ = c.id.disconnect();
         c.queue.connection_lost();
+        // Numbered, so that a marker of an earlier QP of the same number is told apart.
+        self.markers = self.markers.wrapping_add(1);
+        let number = self.markers;
         let marker = [SendWr {
-            wr_id: wr_id(KIND_DRAIN, 0, u64::from(qpn)),
+            wr_id: wr_id(KIND_DRAIN, number, u64::from(qpn)),
             op: SendOp::Send,
             sges: &[],
             signaled: true,
@@ -467,6 +493,8 @@ impl DataPath {
                 cause,
                 last_wqe: false,
                 flushed,
+                marker: number,
+                events_from: c.events_from,
                 signaled_out: c.signaled_out,
                 quiet_at: None,
             },

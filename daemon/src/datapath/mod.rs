@@ -198,6 +198,8 @@ pub struct DataPath {
     cq: Cq,
     /// The device's async fd: events arriving on it name this data path's objects.
     async_fd: std::os::fd::RawFd,
+    /// The device, for the number of async events read ([`any::Device::events_read`]).
+    dev: any::Device,
     // Field order is drop order: the engine waits for its operations before the SRQ's
     // receive buffers (which in-capsule writes are written from) and the pool go; the MR
     // over the pool goes before the pool's memory.
@@ -259,6 +261,9 @@ pub struct DataPath {
     max_read_depth: u32,
     max_qp_wr: u32,
     /// Signaled send WRs posted and not completed.
+    /// Drain markers posted (wrapping): each marker carries its number, as a request's
+    /// work carries its slot's generation.
+    markers: u32,
     sends_in_flight: usize,
     /// QPs torn down, draining before they are destroyed.
     draining: HashMap<u32, Drain>,
@@ -377,6 +382,7 @@ impl DataPath {
             target,
             cq,
             async_fd: dev.async_fd(),
+            dev: dev.clone(),
             srq,
             data_mr,
             small_mr,
@@ -405,6 +411,7 @@ impl DataPath {
             max_read_depth: attr.max_qp_init_rd_atom.clamp(1, MAX_READ_DEPTH),
             max_qp_wr: attr.max_qp_wr.max(8),
             sends_in_flight: 0,
+            markers: 0,
             draining: HashMap::default(),
             lingering: Vec::new(),
             cq_empty_polls: 0,

@@ -284,59 +284,68 @@ impl DataPath {
         }
         let kind = c.wr_id >> KIND_SHIFT;
         let ok = c.status == WcStatus::Success;
+        // What a completion names is checked before anything is counted: a QP destroyed
+        // after its drain timed out may still have completions coming (rxe leaves them in
+        // the CQ), and the device may have given its number to a new QP meanwhile.
+        if kind == KIND_DRAIN {
+            let qpn = (c.wr_id & SLOT_MASK) as u32;
+            let (_, marker) = wr_slot(c.wr_id);
+            let Some(d) = self
+                .draining
+                .get_mut(&qpn)
+                .filter(|d| u64::from(d.marker) & GEN_MASK == u64::from(marker))
+            else {
+                return self.stale(c.qp_num, "drain marker of a destroyed QP");
+            };
+            release(&mut d.signaled_out, 1);
+            release_usize(&mut self.sends_in_flight, 1);
+            d.flushed = true;
+            // Every work request posted before the marker has completed: the requests
+            // still waiting on this QP's network (a response whose SEND was never posted
+            // behind WRITEs that were) hold nothing the NIC can touch any more.
+            self.end_waiting_on_network(qpn);
+            return;
+        }
+        let (i, generation) = wr_slot(c.wr_id);
+        // The command it was posted for is still in its slot, on this QP. (A request whose
+        // QP was destroyed keeps only its block operations: nothing of it is posted.)
+        let Some(r) = self.reqs.get_mut(i).and_then(Option::as_mut).filter(|r| {
+            u64::from(r.generation) & GEN_MASK == u64::from(generation)
+                && r.qpn == c.qp_num
+                && r.conn != NO_CONN
+        }) else {
+            return self.stale(c.qp_num, "send of no command in flight");
+        };
+        let (qpn, ci) = (r.qpn, r.conn);
         if kind == KIND_WRITE {
             // Unsignaled: only a flush or an error completes it; its SEND's completion frees
             // its send-queue entry.
-            if !ok && self.conns.contains_key(&c.qp_num) {
-                self.teardown(c.qp_num, Cause::QpError, now);
+            if !ok && self.conns.contains_key(&qpn) {
+                self.teardown(qpn, Cause::QpError, now);
             }
             return;
         }
         // Every other send WR is signaled: one completion each, counted out of its QP's.
-        if let Some(conn) = self.conns.get_mut(&c.qp_num) {
+        if let Some(conn) = self.conns.get_mut(&qpn) {
             release(&mut conn.signaled_out, 1);
-        } else if let Some(d) = self.draining.get_mut(&c.qp_num) {
+        } else if let Some(d) = self.draining.get_mut(&qpn) {
             release(&mut d.signaled_out, 1);
         } else {
-            // Its QP was destroyed after its drain timed out, which counted it out then.
-            return self.stale(c.qp_num, "send of a destroyed QP");
+            // A live request's QP is live or draining: this is a bug if it happens.
+            return self.stale(qpn, "send of a QP neither live nor draining");
         }
         release_usize(&mut self.sends_in_flight, 1);
-        if !ok && self.conns.contains_key(&c.qp_num) {
+        if !ok && self.conns.contains_key(&qpn) {
             // A live QP's work failed (remote access error, retries exhausted, or flushed
             // because the QP went to ERR before any event said so): it is torn down.
             slog::warn!(self.log, "completion in error; tearing the QP down";
-                "qpn" => c.qp_num, "status" => ?c.status);
-            self.teardown(c.qp_num, Cause::QpError, now);
+                "qpn" => qpn, "status" => ?c.status);
+            self.teardown(qpn, Cause::QpError, now);
         }
-        if kind == KIND_DRAIN {
-            let qpn = (c.wr_id & SLOT_MASK) as u32;
-            if let Some(d) = self.draining.get_mut(&qpn) {
-                d.flushed = true;
-                // Every work request posted before the marker has completed: the requests
-                // still waiting on this QP's network (a response whose SEND was never posted
-                // behind WRITEs that were) hold nothing the NIC can touch any more.
-                self.end_waiting_on_network(qpn);
-            }
-            return;
-        }
-        let (i, generation) = wr_slot(c.wr_id);
-        // A completion for a slot since given to another command is stale. (Every posted
-        // work request is counted out once, so this is a bug if it happens.)
-        let Some(r) = self
-            .reqs
-            .get_mut(i)
-            .and_then(Option::as_mut)
-            .filter(|r| u64::from(r.generation) & GEN_MASK == u64::from(generation))
-        else {
-            self.stale(c.qp_num, "send");
-            return;
-        };
-        let (qpn, ci) = (r.qpn, r.conn);
         if kind == KIND_READ {
             self.read_done(i, ok, now);
-        } else {
-            let held = r.sq_held;
+        } else if let Some(held) = self.reqs[i].as_ref().map(|r| r.sq_held) {
+            // (A teardown above leaves a request whose response is posted in its slot.)
             if let Some(conn) = self.conns.at(ci, qpn) {
                 release(&mut conn.sq_used, held);
             }

@@ -77,6 +77,9 @@ unsafe impl Sync for Ctx {}
 
 /// librdmacm's contexts that `Device`s use now, by address: what `release_removed_device`
 /// checks before it lets go of one (every verbs object holds its device's `Ctx`).
+/// Async events read so far, from every device ([`Device::next_numbered_event`]).
+static EVENTS_READ: Mutex<u64> = Mutex::new(0);
+
 static CM_CONTEXTS: Mutex<Vec<(usize, Weak<Ctx>)>> = Mutex::new(Vec::new());
 
 fn cm_contexts() -> std::sync::MutexGuard<'static, Vec<(usize, Weak<Ctx>)>> {
@@ -378,11 +381,29 @@ impl Device {
     /// The next async event, without blocking (events of kinds nvmfd does not act on are
     /// acked and passed over).
     pub fn next_event(&self) -> Option<AsyncEvent> {
+        self.next_numbered_event().map(|(_, e)| e)
+    }
+
+    /// The next async event and its number: the events read from every device of the
+    /// process are numbered in the order they are read, the read and its number under one
+    /// lock (see [`Device::events_read`]).
+    pub fn next_numbered_event(&self) -> Option<(u64, AsyncEvent)> {
+        let mut read = EVENTS_READ.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(e) = self.one_event()? {
-                return Some(e);
+                let n = *read;
+                *read += 1;
+                return Some((n, e));
             }
         }
+    }
+
+    /// How many async events have been read so far: any event read from now on is
+    /// numbered at least this. Taken before a QP is created, it tells that QP's events from
+    /// those of a destroyed QP whose number the device gave it (uverbs drops a destroyed
+    /// QP's events not yet read, so those were read, and numbered, before).
+    pub fn events_read(&self) -> u64 {
+        *EVENTS_READ.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// One async event, acked: `None` when there is none, `Some(None)` for one of a kind

@@ -84,13 +84,30 @@ impl Device {
 
     /// The next async event, without blocking.
     pub fn next_event(&self) -> Option<AsyncEvent> {
+        self.next_numbered_event().map(|(_, e)| e)
+    }
+
+    /// The next async event and its number: the events read from every device of the
+    /// fabric are numbered in the order they are read (see [`Device::events_read`]).
+    pub fn next_numbered_event(&self) -> Option<(u64, AsyncEvent)> {
         let mut s = self.fabric().lock();
+        let n = s.events_read;
         let d = s.devs.get_mut(&self.inner.id)?;
         let e = d.events.pop_front();
         if d.events.is_empty() {
             d.async_fd.clear();
         }
-        e
+        let e = e?;
+        s.events_read = n + 1;
+        Some((n, e))
+    }
+
+    /// How many async events have been read from the fabric's devices so far: any event read
+    /// from now on is numbered at least this. Taken before a QP is created, it tells that
+    /// QP's events from those of a destroyed QP whose number the device gave it (destroying a
+    /// QP drops its events not yet read, as uverbs does).
+    pub fn events_read(&self) -> u64 {
+        self.fabric().lock().events_read
     }
 
     /// A protection domain.

@@ -182,6 +182,27 @@ impl Fabric {
         self.lock().doorbell_failures.insert(qpn);
     }
 
+    /// Holds back QP `qpn`'s send completions (successful or flushed, its drain markers
+    /// too), as a device that writes them late does, until [`Fabric::release_held_completions`]:
+    /// they then go to their CQ, even if the QP was destroyed meanwhile (as on rxe, which
+    /// leaves a destroyed QP's completions in its CQ). Receive completions are not held, nor
+    /// those of a later QP given the same number.
+    pub fn hold_send_completions(&self, qpn: u32) {
+        self.lock().holding.insert(qpn);
+    }
+
+    /// Stops holding send completions back and delivers those held, in order; how many.
+    pub fn release_held_completions(&self) -> usize {
+        let mut s = self.lock();
+        s.holding.clear();
+        let held = std::mem::take(&mut s.held);
+        let n = held.len();
+        for (cq, wc) in held {
+            s.push_wc(cq, wc);
+        }
+        n
+    }
+
     /// Completions that destroying their QP dropped so far
     /// ([`Faults::destroy_drops_completions`]).
     pub fn destroy_drops(&self) -> DestroyDrops {

@@ -323,6 +323,7 @@ impl Drop for Qp {
         s.qp_error(self.qpn);
         s.post_failures.remove(&self.qpn);
         s.doorbell_failures.remove(&self.qpn);
+        s.holding.remove(&self.qpn);
         if s.faults.destroy_drops_completions {
             s.drop_completions_of(self.qpn);
         }
@@ -331,6 +332,16 @@ impl Drop for Qp {
                 pq.peer = None;
             }
         }
-        s.qps.remove(&self.qpn);
+        // Its events not yet read go with it, as uverbs removes a destroyed QP's events
+        // from the async event queue: none names a QP number the device may give out again.
+        if let Some(dev) = s.qps.remove(&self.qpn).map(|q| q.dev) {
+            if let Some(d) = s.devs.get_mut(&dev) {
+                let qpn = self.qpn;
+                d.events.retain(|e| e.qp() != Some(qpn));
+                if d.events.is_empty() {
+                    d.async_fd.clear();
+                }
+            }
+        }
     }
 }

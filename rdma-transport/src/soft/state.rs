@@ -143,6 +143,12 @@ pub(crate) struct State {
     pub(super) send_scratch: Vec<u8>,
     /// Seeded faults injected, by kind.
     pub(super) injected: super::Injected,
+    /// Async events read from the fabric's devices ([`super::Device::next_numbered_event`]).
+    pub(super) events_read: u64,
+    /// QPs whose send completions are held back ([`Fabric::hold_send_completions`]).
+    pub(super) holding: std::collections::HashSet<u32>,
+    /// The send completions held back, with their CQ, in the order they came.
+    pub(super) held: Vec<(u32, Wc)>,
 }
 
 impl State {
@@ -270,6 +276,13 @@ impl State {
     }
 
     pub(super) fn push_wc(&mut self, cq: u32, wc: Wc) {
+        if !self.holding.is_empty()
+            && wc.opcode != WcOpcode::Recv
+            && self.holding.contains(&wc.qp_num)
+        {
+            self.held.push((cq, wc));
+            return;
+        }
         let mut overflow_dev = None;
         if let Some(c) = self.cqs.get_mut(&cq) {
             if c.entries.len() >= c.cap {
