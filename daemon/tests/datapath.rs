@@ -134,6 +134,23 @@ fn serve_counted(
     serve_full(port, sizes, None, counters)
 }
 
+/// What else a served data path may be given.
+struct Opts {
+    connect_timeout: Duration,
+    huge_pages: bool,
+    max_qps: u32,
+}
+
+impl Default for Opts {
+    fn default() -> Opts {
+        Opts {
+            connect_timeout: Duration::from_secs(60),
+            huge_pages: false,
+            max_qps: nvmfd::datapath::MAX_QPS,
+        }
+    }
+}
+
 /// The fixed SRQ the other tests use (64 receives, no growth).
 const FIXED_SRQ: SrqConfig = SrqConfig {
     initial: 64,
@@ -162,15 +179,7 @@ fn serve_files(
     counters: Arc<nvmfd::stats::DataPathCounters>,
     file: Option<std::path::PathBuf>,
 ) -> Served {
-    serve_opts(
-        port,
-        sizes,
-        srq,
-        counters,
-        file,
-        Duration::from_secs(60),
-        false,
-    )
+    serve_opts(port, sizes, srq, counters, file, Opts::default())
 }
 
 /// `serve_files`, ending connections whose host sends no Fabrics Connect within
@@ -181,9 +190,13 @@ fn serve_opts(
     srq: Option<SrqConfig>,
     counters: Arc<nvmfd::stats::DataPathCounters>,
     file: Option<std::path::PathBuf>,
-    connect_timeout: Duration,
-    huge_pages: bool,
+    opts: Opts,
 ) -> Served {
+    let Opts {
+        connect_timeout,
+        huge_pages,
+        max_qps,
+    } = opts;
     let fabric = Fabric::new();
     fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
     let addr: SocketAddr = format!("10.0.0.1:{port}").parse().unwrap();
@@ -261,6 +274,7 @@ fn serve_opts(
             requests: 32,
             connect_timeout,
             huge_pages,
+            max_qps,
         };
         if let Some((buffers, requests)) = sizes {
             cfg.buffers = buffers;
@@ -1315,8 +1329,10 @@ fn a_thousand_connects_failing_at_each_step_release_everything_and_are_counted_b
         Some(srq),
         Arc::clone(&c),
         None,
-        Duration::from_millis(50),
-        false,
+        Opts {
+            connect_timeout: Duration::from_millis(50),
+            ..Opts::default()
+        },
     );
     use FailedConnect::*;
     let ways = [
@@ -2335,8 +2351,10 @@ fn data_buffers_on_huge_pages_carry_io_of_every_size() {
         None,
         Arc::clone(&c),
         None,
-        Duration::from_secs(60),
-        true,
+        Opts {
+            huge_pages: true,
+            ..Opts::default()
+        },
     );
     assert!(
         s.huge_pools,
@@ -2784,6 +2802,57 @@ fn a_late_event_of_a_destroyed_qp_leaves_a_new_qp_of_the_same_number_alone() {
     );
     drop(new);
     drop(admin);
+}
+
+/// A data path serves at most `max_qps` QPs at once, live and draining (its CQ has room for
+/// a drain marker of each, all torn down at once): one more connection is refused with No
+/// Resources, and a torn-down QP counts until its drain ends.
+#[test]
+fn connections_beyond_the_qp_limit_are_refused_until_one_has_drained() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4476,
+        None,
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            max_qps: 3,
+            ..Opts::default()
+        },
+    );
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(3).unwrap(), 3);
+    let cntlid = admin.cntlid;
+    let _one = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
+    let two = IoQueue::connect(queue(&s, 2, 31), &h, SUB, cntlid, 2, 31).unwrap();
+    let refused = || {
+        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+        let e = RdmaQueue::connect(ch, s.addr, 3, 31, 4096, 128 * 1024).unwrap_err();
+        assert!(
+            e.to_string().contains("status 0x6"),
+            "not No Resources: {e}"
+        );
+    };
+    refused();
+    assert_eq!(c.connects_failed_accept.load(Relaxed), 1);
+    // A torn-down QP whose LAST_WQE_REACHED is held up stays draining, and counts.
+    s.set_switch(&s.hold_events, true);
+    drop(two);
+    wait_until("the QP drains", || c.qps_draining.load(Relaxed) == 1);
+    refused();
+    assert_eq!(c.connects_failed_accept.load(Relaxed), 2);
+    s.set_switch(&s.hold_events, false);
+    wait_until("its drain ends", || c.qps_draining.load(Relaxed) == 0);
+    let mut three = IoQueue::connect(queue(&s, 3, 31), &h, SUB, cntlid, 3, 31).unwrap();
+    let data = pattern(76, 4096);
+    three.write(2, 1, 1, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    three.read(2, 1, 1, &mut back).unwrap();
+    assert!(back == data);
 }
 
 /// Large writes that fill every large buffer of a backend that does not finish them (held

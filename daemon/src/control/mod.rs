@@ -251,6 +251,7 @@ impl Daemon {
             requests: REQUESTS,
             huge_pages: t.huge_pages,
             connect_timeout: t.connect_timeout.0,
+            max_qps: crate::datapath::MAX_QPS,
         };
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {
             let (tx, rx) = std::sync::mpsc::channel();

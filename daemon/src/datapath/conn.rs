@@ -203,6 +203,20 @@ impl DataPath {
                 },
             });
         }
+        if self.conns.len() + self.draining.len() >= self.max_qps as usize {
+            self.counters
+                .connects_failed_accept
+                .fetch_add(1, Ordering::Relaxed);
+            slog::warn!(self.log, "connection refused: this data path has as many QPs as it serves at once";
+                "max_qps" => self.max_qps, "live" => self.conns.len(), "draining" => self.draining.len());
+            let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
+                nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
+            ));
+            return Err(VerbsError::Invalid {
+                op: "accept",
+                why: "the data path serves as many QPs as it can at once",
+            });
+        }
         let change = match self.srq.reserve(depth, Instant::now()) {
             Ok(c) => c,
             Err(e) => {

@@ -77,7 +77,14 @@ pub struct DataPathConfig {
     /// How long an accepted connection may go without a Fabrics Connect from its host before
     /// it is ended (`transport.connect_timeout`).
     pub connect_timeout: std::time::Duration,
+    /// QPs at once, live and draining ([`MAX_QPS`] in the daemon): the CQ has room for a
+    /// drain marker of each, and a connection beyond it is refused.
+    pub max_qps: u32,
 }
+
+/// The QPs one data path serves at once, live and draining: 16 times the Linux host's
+/// default of one I/O queue per CPU on a 64-CPU host, with their admin queues.
+pub const MAX_QPS: u32 = 4096;
 
 /// Work request IDs below this name receives; send work requests carry a kind above it.
 const REQ_BASE: u64 = crate::srq::WR_ID_END;
@@ -156,8 +163,9 @@ impl Class {
 /// Completions that may be due at once: every receive the SRQ may post; for every command, a
 /// WRITE of its data and its SEND (when its QP fails, every posted work request completes,
 /// flushed, signaled or not; a small command's data is one keyed piece at most); for every
-/// large buffer, a WRITE or READ of each further piece; and room for 1,024 drain markers of
-/// QPs being torn down. A CQ that overruns fails with everything on it.
+/// large buffer, a WRITE or READ of each further piece; and a drain marker for every QP
+/// (`max_qps`), as all may be torn down at once. A CQ that overruns fails with everything on
+/// it.
 fn cq_entries(cfg: &DataPathConfig) -> u32 {
     let small = cfg.requests.saturating_mul(2);
     let large = cfg
@@ -167,7 +175,7 @@ fn cq_entries(cfg: &DataPathConfig) -> u32 {
         .max
         .saturating_add(small)
         .saturating_add(large)
-        .saturating_add(1024)
+        .saturating_add(cfg.max_qps)
         .max(4096)
 }
 
@@ -261,6 +269,8 @@ pub struct DataPath {
     max_read_depth: u32,
     max_qp_wr: u32,
     /// Signaled send WRs posted and not completed.
+    /// QPs served at once, live and draining (`DataPathConfig::max_qps`).
+    max_qps: u32,
     /// Drain markers posted (wrapping): each marker carries its number, as a request's
     /// work carries its slot's generation.
     markers: u32,
@@ -421,6 +431,7 @@ impl DataPath {
             srq_retry: None,
             unconnected: VecDeque::new(),
             connect_timeout: cfg.connect_timeout,
+            max_qps: cfg.max_qps,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
             // No count is this: the first turn looks.
