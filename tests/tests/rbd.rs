@@ -774,3 +774,45 @@ fn namespaces_on_an_unreachable_cluster_share_one_attempt_to_connect() {
     // One attempt of 5 s, not four in a row.
     assert!(took < Duration::from_secs(12), "ready after {took:?}");
 }
+
+/// An RBD namespace whose image does not exist at start is left out, and its device is tried
+/// again after a wait that doubles from 1 s: once the image is made it is served, without a
+/// restart or a change, and a host connected meanwhile does I/O on it.
+#[test]
+fn an_image_made_after_the_start_is_served_then() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let d = image_as_namespace_2(&conf, &image);
+    let ns2 = || d.data("status")["namespaces"][1].clone();
+    assert_eq!(ns2()["serving"], false);
+    let mut h = Host::connect(&d);
+    assert!(h.io.read(2, 0, 8, &mut [0u8; 4096]).is_err(), "inactive");
+    // Tried again while the image is still missing: that fails, and says so.
+    let st = nvmfd_tests::wait_for("a try again to fail", || {
+        Some(ns2()).filter(|n| {
+            n["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("tried again"))
+        })
+    });
+    assert!(
+        st["reason"].as_str().unwrap().contains("No such file"),
+        "{st}"
+    );
+    rbd(&conf, &["create", "--size", "16M", &format!("rbd/{image}")]);
+    let st = nvmfd_tests::wait_for("namespace 2 to be served", || {
+        Some(ns2()).filter(|n| n["serving"] == true)
+    });
+    assert!(st["reason"].is_null(), "{st}");
+    h.io.write(2, 0, 8, &pattern(9, 4096), false).unwrap();
+    let mut back = vec![0u8; 4096];
+    h.io.read(2, 0, 8, &mut back).unwrap();
+    assert!(back == pattern(9, 4096));
+    assert!(
+        d.log().contains("its device opened on a later try"),
+        "{}",
+        d.log()
+    );
+    h.close();
+}

@@ -483,6 +483,7 @@ impl Daemon {
         self.source.text = text;
         self.refresh_ports(&target);
         self.refresh_namespace_status();
+        self.schedule_reopens(Instant::now());
         // Held AERs complete with the events raised; ended controllers close now.
         self.tell_reactors(|| ReactorCmd::PollEvents);
         self.notifier.status(&self.status_line());
@@ -493,7 +494,7 @@ impl Daemon {
     }
 
     /// The namespaces of `s` that have a device, as the core sees them now.
-    fn served_namespaces(&self, s: &CfgSubsystem) -> Vec<nvmfd_nvme::Namespace> {
+    pub(super) fn served_namespaces(&self, s: &CfgSubsystem) -> Vec<nvmfd_nvme::Namespace> {
         s.namespaces
             .iter()
             .filter_map(|ns| {
@@ -511,7 +512,7 @@ impl Daemon {
     }
 
     /// Attaches `dev` on every reactor, waiting for each; on a failure, detaches it again.
-    fn attach_everywhere(
+    pub(super) fn attach_everywhere(
         &mut self,
         sub: u64,
         nsid: u32,
@@ -583,7 +584,7 @@ impl Daemon {
     }
 
     /// `status`'s namespaces: those of the configuration in force, served or why not.
-    fn refresh_namespace_status(&mut self) {
+    pub(super) fn refresh_namespace_status(&mut self) {
         let mut out = Vec::new();
         for s in &self.cfg.subsystems {
             for ns in &s.namespaces {

@@ -27,6 +27,7 @@ use nvmfd_rdma::{AsyncEvent, CmEvent, DeviceRelease};
 mod change;
 mod listeners;
 mod off_thread;
+mod reopen;
 mod status;
 
 use listeners::*;
@@ -102,6 +103,8 @@ struct Daemon {
     /// Listener slots (a listener's index: its CM token, its reactors' data path); a removed
     /// listener leaves its slot empty.
     listener_slots: Vec<Option<nvmfd_config::Listener>>,
+    /// Configured namespaces whose device could not be opened, tried again.
+    reopens: Vec<reopen::Reopen>,
 }
 
 /// Runs the daemon until a termination signal: the control loop on this thread, one reactor
@@ -168,6 +171,7 @@ pub fn run(
         },
         devices: std::collections::BTreeMap::new(),
         listener_slots: cfg.listeners.iter().cloned().map(Some).collect(),
+        reopens: Vec::new(),
         cfg,
     };
     if d.test_hooks {
@@ -284,6 +288,7 @@ impl Daemon {
             });
         }
         self.target = Some(target);
+        self.schedule_reopens(Instant::now());
         let admin = AdminServer::bind(
             &self.cfg.daemon.admin_socket,
             poll.registry(),
@@ -367,6 +372,7 @@ impl Daemon {
                 self.let_go_of_unserved_devices(poll.registry());
                 self.let_go_of_removed_channels(poll.registry());
                 self.check_controllers(now);
+                self.reopen_namespaces(now);
                 admin.sweep(poll.registry(), now);
                 next_tick = now + tick;
             }

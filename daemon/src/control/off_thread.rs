@@ -51,6 +51,23 @@ pub fn wait_off_thread(timeout: Duration) -> bool {
     true
 }
 
+/// Runs `f` on a thread of its own, counted as running (`off_thread_running`) until it
+/// returns; its result comes on the receiver.
+pub(super) fn spawn_counted<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<mpsc::Receiver<T>, String> {
+    let (tx, rx) = mpsc::channel();
+    let running = Running::start();
+    std::thread::Builder::new()
+        .name("nvmfd-change".into())
+        .spawn(move || {
+            let _running = running;
+            let _ = tx.send(f());
+        })
+        .map_err(|e| format!("cannot start a thread: {e}"))?;
+    Ok(rx)
+}
+
 impl Daemon {
     /// Runs `f` on a thread of its own and waits for it, keeping the watch meanwhile
     /// (`wait_keeping_watch`): for what can block for long (opening or resizing an RBD image
@@ -69,15 +86,7 @@ impl Daemon {
         f: impl FnOnce() -> T + Send + 'static,
         deadline: Option<Instant>,
     ) -> Result<T, String> {
-        let (tx, rx) = mpsc::channel();
-        let running = Running::start();
-        std::thread::Builder::new()
-            .name("nvmfd-change".into())
-            .spawn(move || {
-                let _running = running;
-                let _ = tx.send(f());
-            })
-            .map_err(|e| format!("cannot start a thread: {e}"))?;
+        let rx = spawn_counted(f)?;
         self.wait_keeping_watch(&rx, deadline)
             .map_err(|_| "the operation ended without an answer".to_owned())
     }
