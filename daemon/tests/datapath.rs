@@ -2746,6 +2746,68 @@ fn late_send_completions_of_a_destroyed_qp_leave_a_new_qp_of_the_same_number_alo
     drop(admin);
 }
 
+/// A late drain marker of a destroyed QP must not end the drain of a new QP given its number:
+/// the new QP's own marker, held back by the device, has not come, so its drain goes on. (A
+/// drain ended early ends the requests still waiting on its network while the NIC may still
+/// touch their buffers.) Before markers were numbered, the old marker ended it.
+#[test]
+fn a_late_drain_marker_of_a_destroyed_qp_leaves_the_drain_of_a_new_qp_of_its_number_alone() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4477, None, Arc::clone(&c));
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let cntlid = admin.cntlid;
+    let before = s.fabric.srq_qps(s.srq_id);
+    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
+    let target_qpn = *s
+        .fabric
+        .srq_qps(s.srq_id)
+        .iter()
+        .find(|q| !before.contains(q))
+        .expect("the target's QP of the queue");
+    let host_qpn = old.transport().qpn().expect("host QP");
+    // The old QP's marker is held back: its drain times out and it is destroyed.
+    s.fabric.hold_send_completions(target_qpn);
+    drop(old);
+    wait_until("the drain times out", || {
+        c.drain_timeouts.load(Relaxed) == 1
+    });
+    s.fabric.reuse_qp_numbers(&[host_qpn, target_qpn]);
+    let new = IoQueue::connect(queue(&s, 2, 31), &h, SUB, cntlid, 2, 31).unwrap();
+    assert!(s.fabric.srq_qps(s.srq_id).contains(&target_qpn));
+    // The new QP goes too, its marker held back as well.
+    s.fabric.hold_send_completions(target_qpn);
+    drop(new);
+    wait_until("the new QP drains", || c.qps_draining.load(Relaxed) == 1);
+    let stale = c.stale_completions.load(Relaxed);
+    assert_eq!(
+        s.fabric.release_first_held_completions(1),
+        1,
+        "the old marker"
+    );
+    wait_until("the old marker is dropped as stale", || {
+        c.stale_completions.load(Relaxed) == stale + 1
+    });
+    // Turns of the serving loop: a drain with everything it waits for ends within two.
+    for _ in 0..4 {
+        s.on_data_path(|_| ());
+    }
+    assert_eq!(
+        c.qps_draining.load(Relaxed),
+        1,
+        "the new QP's drain waits for its own marker"
+    );
+    assert_eq!(s.fabric.release_held_completions(), 1, "the new marker");
+    wait_until("the new QP's drain ends", || {
+        c.qps_draining.load(Relaxed) == 0
+    });
+    assert_eq!(c.drain_timeouts.load(Relaxed), 1);
+    drop(admin);
+}
+
 /// An async event read before its QP was destroyed can reach the data path after the device
 /// gave the QP's number to a new QP (the control thread reads events and hands them on). A
 /// torn-down QP whose LAST_WQE_REACHED is held up that long is destroyed when its drain times

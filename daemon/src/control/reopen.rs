@@ -61,7 +61,7 @@ impl Daemon {
     /// Starts the tries that are due and takes the results of those that ended: a device
     /// that opened is served; a failure is tried again after twice the wait.
     pub(super) fn reopen_namespaces(&mut self, now: Instant) {
-        if self.reopens.is_empty() || self.stopping {
+        if self.reopens.is_empty() {
             return;
         }
         // An RBD image's engine handles are opened with it, one for each data path a reactor
@@ -146,8 +146,19 @@ impl Daemon {
             warn!(self.log, "namespace served with a warning";
                 "subsystem" => &r.nqn, "nsid" => r.ns.nsid, "warning" => w);
         }
-        self.devices.insert((r.nqn.clone(), r.ns.nsid), dev);
-        let _ = target.replace_subsystem(crate::serve::subsystem(&s, self.served_namespaces(&s)));
+        let key = (r.nqn.clone(), r.ns.nsid);
+        self.devices.insert(key.clone(), dev);
+        if let Err(e) =
+            target.replace_subsystem(crate::serve::subsystem(&s, self.served_namespaces(&s)))
+        {
+            // Not published: not served, and tried again.
+            self.devices.remove(&key);
+            self.tell_reactors(|| ReactorCmd::DetachNamespace {
+                sub,
+                nsid: r.ns.nsid,
+            });
+            return Err(format!("cannot publish it: {e}"));
+        }
         self.refresh_namespace_status();
         // Held AERs complete with the event raised.
         self.tell_reactors(|| ReactorCmd::PollEvents);

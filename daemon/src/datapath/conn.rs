@@ -7,8 +7,8 @@ use super::*;
 pub(super) struct Conn {
     /// Its QP number.
     pub(super) qpn: u32,
-    /// The number of the first async event that can be its QP's: events read before it was
-    /// created and naming its number are of a destroyed QP the device had given it to.
+    /// The count of async events read once its QP was made: an event naming its number with a
+    /// lower number is of a destroyed QP whose number the device gave to this one.
     pub(super) events_from: u64,
     pub(super) id: CmId,
     /// The listener it came through (listeners on one device share its data path).
@@ -238,7 +238,6 @@ impl DataPath {
             max_inline_data: 64,
         };
         let granted = u8::try_from(read_budget).unwrap_or(u8::MAX);
-        let events_from = self.dev.events_read();
         let qpn = match id.create_qp(&self.pd, &self.cq, self.srq.srq(), caps) {
             Ok(q) => q,
             Err(e) => {
@@ -247,6 +246,10 @@ impl DataPath {
                 return Err(e);
             }
         };
+        // After the QP is made: a destroyed QP whose number it took (on this reactor's data
+        // path or another's on the device) was destroyed before, so its events were read
+        // and numbered before this. Before the accept: a QP not yet connected raises none.
+        let events_from = self.dev.events_read();
         if let Err(e) = id.accept_with(&accept_private_data(req.crqsize()), granted) {
             // Usually the host went away first (its REJ came before the accept).
             slog::debug!(self.log, "cannot accept a connection"; "error" => %e);

@@ -82,9 +82,13 @@ pub struct DataPathConfig {
     pub max_qps: u32,
 }
 
-/// The QPs one data path serves at once, live and draining: 16 times the Linux host's
-/// default of one I/O queue per CPU on a 64-CPU host, with their admin queues.
+/// The QPs one data path serves at once, live and draining: 32 hosts of 64 CPUs connected
+/// with the Linux host's default of one I/O queue per CPU, and their admin queues, fit
+/// (32 × 65 = 2,080), with as many again torn down and draining.
 pub const MAX_QPS: u32 = 4096;
+/// The fewest QPs a data path serves, whatever its device's CQ size (below that the
+/// CQ's bound is not kept).
+const MIN_QPS: u32 = 64;
 
 /// Work request IDs below this name receives; send work requests carry a kind above it.
 const REQ_BASE: u64 = crate::srq::WR_ID_END;
@@ -268,12 +272,15 @@ pub struct DataPath {
     /// Device limits: RDMA READ depth and send queue size.
     max_read_depth: u32,
     max_qp_wr: u32,
-    /// Signaled send WRs posted and not completed.
-    /// QPs served at once, live and draining (`DataPathConfig::max_qps`).
+    /// QPs served at once, live and draining (`DataPathConfig::max_qps`, less what a CQ
+    /// smaller than asked for lacks).
     max_qps: u32,
+    /// `DataPathConfig::max_qps`.
+    cfg_max_qps: u32,
     /// Drain markers posted (wrapping): each marker carries its number, as a request's
     /// work carries its slot's generation.
     markers: u32,
+    /// Signaled send WRs posted and not completed.
     sends_in_flight: usize,
     /// QPs torn down, draining before they are destroyed.
     draining: HashMap<u32, Drain>,
@@ -346,9 +353,15 @@ impl DataPath {
     ) -> std::io::Result<DataPath> {
         let pd = dev.alloc_pd().map_err(verr)?;
         let attr = dev.attr().map_err(verr)?;
-        let cq = dev
-            .create_cq(attr.max_cqe.min(cq_entries(&cfg)))
-            .map_err(verr)?;
+        // A device whose CQs are smaller than asked for leaves less room for drain markers:
+        // fewer QPs are served (logged by `set_log`).
+        let wanted = cq_entries(&cfg);
+        let entries = attr.max_cqe.min(wanted);
+        let max_qps = cfg
+            .max_qps
+            .saturating_sub(wanted - entries)
+            .max(MIN_QPS.min(cfg.max_qps));
+        let cq = dev.create_cq(entries).map_err(verr)?;
         let srq = ElasticSrq::new(
             &pd,
             attr.max_srq_wr,
@@ -422,6 +435,7 @@ impl DataPath {
             max_qp_wr: attr.max_qp_wr.max(8),
             sends_in_flight: 0,
             markers: 0,
+            cfg_max_qps: cfg.max_qps,
             draining: HashMap::default(),
             lingering: Vec::new(),
             cq_empty_polls: 0,
@@ -431,7 +445,7 @@ impl DataPath {
             srq_retry: None,
             unconnected: VecDeque::new(),
             connect_timeout: cfg.connect_timeout,
-            max_qps: cfg.max_qps,
+            max_qps,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
             // No count is this: the first turn looks.
@@ -449,6 +463,10 @@ impl DataPath {
     /// Where teardowns and drains are logged.
     pub fn set_log(&mut self, log: slog::Logger) {
         self.log = log;
+        if self.max_qps < self.cfg_max_qps {
+            slog::warn!(self.log, "the device's CQs are smaller than this data path asks for: it serves fewer QPs at once";
+                "max_qps" => self.max_qps, "asked" => self.cfg_max_qps);
+        }
     }
 
     /// The device's async event fd, which the control thread watches.

@@ -75,11 +75,11 @@ unsafe impl Send for Ctx {}
 // SAFETY: as above.
 unsafe impl Sync for Ctx {}
 
-/// librdmacm's contexts that `Device`s use now, by address: what `release_removed_device`
-/// checks before it lets go of one (every verbs object holds its device's `Ctx`).
 /// Async events read so far, from every device ([`Device::next_numbered_event`]).
 static EVENTS_READ: Mutex<u64> = Mutex::new(0);
 
+/// librdmacm's contexts that `Device`s use now, by address: what `release_removed_device`
+/// checks before it lets go of one (every verbs object holds its device's `Ctx`).
 static CM_CONTEXTS: Mutex<Vec<(usize, Weak<Ctx>)>> = Mutex::new(Vec::new());
 
 fn cm_contexts() -> std::sync::MutexGuard<'static, Vec<(usize, Weak<Ctx>)>> {

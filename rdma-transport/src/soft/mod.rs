@@ -203,6 +203,20 @@ impl Fabric {
         n
     }
 
+    /// Delivers the first `n` send completions held (or as many as there are), in order,
+    /// and goes on holding; how many were delivered.
+    pub fn release_first_held_completions(&self, n: usize) -> usize {
+        let mut s = self.lock();
+        let n = n.min(s.held.len());
+        let first: Vec<(u32, Wc)> = s.held.drain(..n).collect();
+        let holding = std::mem::take(&mut s.holding);
+        for (cq, wc) in first {
+            s.push_wc(cq, wc);
+        }
+        s.holding = holding;
+        n
+    }
+
     /// Completions that destroying their QP dropped so far
     /// ([`Faults::destroy_drops_completions`]).
     pub fn destroy_drops(&self) -> DestroyDrops {
