@@ -405,8 +405,8 @@ impl Device {
     }
 
     /// Opens `n` handles of an RBD image ahead (in parallel), for the engines that will
-    /// attach it, so that their reactors do not wait on the cluster (`rbd_open`); an engine
-    /// that finds none opens its own. Returns how many wait. Other backends have nothing to
+    /// attach it, so that their reactors do not wait on the cluster (`rbd_open`): see
+    /// [`Engine::attach_ready`](crate::Engine::attach_ready). Returns how many wait. Other backends have nothing to
     /// open.
     pub fn prepare_handles(&self, n: usize) -> usize {
         match &self.backing {
@@ -426,6 +426,19 @@ impl Device {
             #[cfg(feature = "rbd")]
             Backing::Rbd(image) => Some(image.seen_size()),
             _ => None,
+        }
+    }
+
+    /// Opens one more handle ahead for an engine ([`Engine::attach_ready`] takes it), however
+    /// many wait already: for an engine that found none. It waits on the cluster. Nothing
+    /// for the other backends.
+    ///
+    /// [`Engine::attach_ready`]: crate::Engine::attach_ready
+    pub fn open_spare_handle(&self) -> std::io::Result<()> {
+        match &self.backing {
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(image) => image.add_spare(),
+            _ => Ok(()),
         }
     }
 

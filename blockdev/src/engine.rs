@@ -149,8 +149,23 @@ impl Engine {
         })
     }
 
-    /// Attaches a device: files and block devices join the ring's registered file table.
+    /// Attaches a device: files and block devices join the ring's registered file table. An
+    /// RBD image takes a handle opened ahead ([`Device::prepare_handles`]) or opens its own,
+    /// which waits on the cluster.
     pub fn attach(&mut self, dev: &Arc<Device>) -> io::Result<DevId> {
+        self.attach_with(dev, true)?
+            .ok_or_else(|| io::Error::other("no handle on the image"))
+    }
+
+    /// [`Engine::attach`], without waiting: an RBD image with no handle opened ahead is not
+    /// attached (`None`), as opening one waits on the cluster.
+    pub fn attach_ready(&mut self, dev: &Arc<Device>) -> io::Result<Option<DevId>> {
+        self.attach_with(dev, false)
+    }
+
+    fn attach_with(&mut self, dev: &Arc<Device>, wait: bool) -> io::Result<Option<DevId>> {
+        #[cfg(not(feature = "rbd"))]
+        let _ = wait;
         let index = match self.devices.iter().position(Option::is_none) {
             Some(i) => i,
             None if self.devices.len() < self.max_devices as usize => {
@@ -177,7 +192,11 @@ impl Engine {
         };
         #[cfg(feature = "rbd")]
         let rbd = match &dev.backing {
-            Backing::Rbd(image) => Some(self.rbd_handle(image)?),
+            Backing::Rbd(image) => match self.rbd_handle(image, wait)? {
+                Some(h) => Some(h),
+                // (The slot found stays free.)
+                None => return Ok(None),
+            },
             _ => None,
         };
         self.devices[index] = Some(Attached {
@@ -187,7 +206,7 @@ impl Engine {
             #[cfg(feature = "rbd")]
             rbd,
         });
-        Ok(DevId(slot))
+        Ok(Some(DevId(slot)))
     }
 
     /// Detaches a device with no operation in flight.

@@ -514,7 +514,7 @@ impl Image {
 
     /// Opens handles ahead until `n` wait for engines, in parallel: `rbd_open` waits on the
     /// cluster, which the caller does rather than the reactor that attaches the image. Returns
-    /// how many wait; an open that fails leaves its engine to open its own.
+    /// how many wait; an open that fails leaves its engine without one.
     pub(crate) fn prepare(&self, n: usize) -> usize {
         let have = self.spares();
         let opened: Vec<Image> = std::thread::scope(|s| {
@@ -527,6 +527,16 @@ impl Image {
         let mut spares = self.spares.lock().unwrap_or_else(|e| e.into_inner());
         spares.extend(opened);
         spares.len()
+    }
+
+    /// Opens one more handle ahead, whatever waits already (`prepare` opens up to a count).
+    pub(crate) fn add_spare(&self) -> io::Result<()> {
+        let h = self.reopen()?;
+        self.spares
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(h);
+        Ok(())
     }
 
     /// Handles opened ahead and not taken.

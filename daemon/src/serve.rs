@@ -141,8 +141,11 @@ pub fn device_spec(ns: &nvmfd_config::Namespace) -> DeviceSpec {
     spec
 }
 
-/// Opens every namespace's device, each on its own thread, by subsystem.
+/// Opens every namespace's device, each on its own thread, by subsystem. For an RBD image, a
+/// handle is opened ahead for each data path the reactors may build at start (one per reactor
+/// and listener's device at most): a reactor never opens one itself.
 fn open_all(cfg: &Config) -> Vec<Vec<std::io::Result<Arc<BlockDevice>>>> {
+    let engines = cfg.daemon.reactor_cores.len() * cfg.listeners.len().max(1);
     let specs: Vec<Vec<DeviceSpec>> = cfg
         .subsystems
         .iter()
@@ -153,7 +156,15 @@ fn open_all(cfg: &Config) -> Vec<Vec<std::io::Result<Arc<BlockDevice>>>> {
             .iter()
             .map(|sub| {
                 sub.iter()
-                    .map(|spec| scope.spawn(move || BlockDevice::open(spec)))
+                    .map(|spec| {
+                        scope.spawn(move || {
+                            let dev = BlockDevice::open(spec)?;
+                            // Not all need open: a data path that finds none waits for one
+                            // opened off its reactor.
+                            dev.prepare_handles(engines);
+                            Ok(dev)
+                        })
+                    })
                     .collect()
             })
             .collect();

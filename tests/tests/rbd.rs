@@ -816,3 +816,66 @@ fn an_image_made_after_the_start_is_served_then() {
     );
     h.close();
 }
+
+/// A data path built while the cluster does not answer (a listener added with two OSDs of
+/// three down) is not held up by its image: its reactor never opens a handle itself. The new
+/// listener serves the RAM namespace at once; the image's commands answer Namespace Not Ready
+/// until a handle opened off the reactor is ready, and are served once the cluster is back.
+/// Before, the reactor opened its own handle, waited on the cluster and then failed the whole
+/// data path: the listener served nothing.
+#[test]
+fn a_listener_added_while_the_cluster_does_not_answer_serves_its_other_namespaces() {
+    let _c = exclusive();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    rbd(&conf, &["create", "--size", "16M", &format!("rbd/{image}")]);
+    let d = image_as_namespace_2(&conf, &image);
+    let restart = ceph::Restart;
+    ceph::run(&["mon-stop"]).unwrap();
+    ceph::run(&["osd-kill", "1"]).unwrap();
+    ceph::run(&["osd-kill", "2"]).unwrap();
+    let port = nvmfd_tests::test_port();
+    let a = d.request(
+        &serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.2", "port": port, "provider": "soft"}})
+        .to_string(),
+    );
+    assert_eq!(a["ok"], true, "{a}");
+    let addr = format!("127.0.0.2:{port}");
+    let verify = |nsid: &str| nvmf(&["verify", "--addr", &addr, "--nqn", SUB, "--nsid", nsid]);
+    let (ok, out, err) = verify("1");
+    assert!(
+        ok && out.contains("read back intact"),
+        "{out}{err}\n{}",
+        d.log()
+    );
+    let (ok, out, err) = verify("2");
+    assert!(
+        !ok && err.contains("sc 0x82"),
+        "not Namespace Not Ready: {out}{err}"
+    );
+    ceph::run(&["mon-start"]).unwrap();
+    ceph::run(&["osd-start", "1"]).unwrap();
+    ceph::run(&["osd-start", "2"]).unwrap();
+    drop(restart);
+    // The open under way when the cluster came back may still fail (after the client's 8 s
+    // operation timeout); the next one, at most 30 s later, does not.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let (ok, out, err) = verify("2");
+        if ok {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "namespace 2 through the new listener: {out}{err}\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        d.log().contains("namespace attached: its handle is open"),
+        "{}",
+        d.log()
+    );
+}

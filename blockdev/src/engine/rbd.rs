@@ -38,7 +38,7 @@ impl Engine {
     }
 
     /// A handle of this engine on `image`, notifying the engine's eventfd (made at the first).
-    pub(super) fn rbd_handle(&mut self, image: &Image) -> io::Result<Image> {
+    pub(super) fn rbd_handle(&mut self, image: &Image, wait: bool) -> io::Result<Option<Image>> {
         if self.rbd.eventfd.is_none() {
             // SAFETY: eventfd has no preconditions; a new fd is owned here.
             let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
@@ -51,10 +51,11 @@ impl Engine {
         // One opened ahead by the control side if there is one: opening waits on the cluster.
         let h = match image.take_spare() {
             Some(h) => h,
-            None => image.reopen()?,
+            None if wait => image.reopen()?,
+            None => return Ok(None),
         };
         h.notify(self.rbd.eventfd.as_ref().map_or(-1, AsRawFd::as_raw_fd))?;
-        Ok(h)
+        Ok(Some(h))
     }
 
     /// Starts slot `slot`'s operation at librbd; one it refuses finishes at once.

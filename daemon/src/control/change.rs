@@ -247,7 +247,8 @@ impl Daemon {
             let attached = self
                 .off_thread(move || {
                     let dev = BlockDevice::open(&spec)?;
-                    // Not all need open: an engine that finds none opens its own.
+                    // Not all need open: an engine that finds none waits for one opened off
+                    // its reactor.
                     dev.prepare_handles(engines);
                     Ok::<_, std::io::Error>(dev)
                 })

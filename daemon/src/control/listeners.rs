@@ -44,7 +44,8 @@ pub(super) struct Retiring {
 }
 
 /// How long the control thread waits for RBD handles opened ahead of new data paths; opens
-/// still under way then finish as spares, and an engine that finds none opens its own.
+/// still under way then finish as spares, and an engine that finds none waits for one opened
+/// off its reactor (its commands answering Namespace Not Ready meanwhile).
 const PREPARE_WAIT: Duration = Duration::from_secs(2);
 
 impl Daemon {

@@ -31,6 +31,7 @@ mod reopen;
 mod status;
 
 use listeners::*;
+pub(crate) use off_thread::spawn_counted;
 pub use off_thread::{off_thread_running, wait_off_thread};
 pub use status::*;
 

@@ -53,7 +53,7 @@ pub fn wait_off_thread(timeout: Duration) -> bool {
 
 /// Runs `f` on a thread of its own, counted as running (`off_thread_running`) until it
 /// returns; its result comes on the receiver.
-pub(super) fn spawn_counted<T: Send + 'static>(
+pub(crate) fn spawn_counted<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<mpsc::Receiver<T>, String> {
     let (tx, rx) = mpsc::channel();

@@ -82,7 +82,8 @@ impl Daemon {
                     let spec = crate::serve::device_spec(&r.ns);
                     match spawn_counted(move || {
                         let dev = BlockDevice::open(&spec).map_err(|e| e.to_string())?;
-                        // Not all need open: an engine that finds none opens its own.
+                        // Not all need open: an engine that finds none waits for one
+                        // opened off its reactor.
                         dev.prepare_handles(engines);
                         Ok(dev)
                     }) {

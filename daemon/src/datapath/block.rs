@@ -175,11 +175,20 @@ impl DataPath {
             let Some(dev) = dev else {
                 // A namespace removed since the shutdown's flush began is no longer the
                 // controller's to make durable.
+                // One waiting for a handle on its image has had nothing written through
+                // this data path either.
                 if let IoOp::FlushAll { .. } = io.op {
                     r.next_op += 1;
                     continue;
                 }
-                r.failed = Some(BlockError::UnknownDevice);
+                r.failed = Some(
+                    if self.awaiting.iter().any(|a| (a.sub, a.nsid) == (sub, nsid)) {
+                        // Namespace Not Ready: the host retries.
+                        BlockError::Io(libc::ETIMEDOUT)
+                    } else {
+                        BlockError::UnknownDevice
+                    },
+                );
                 break;
             };
             // A null namespace's read: no buffer, no fill, no operation; the data is sent

@@ -44,6 +44,7 @@ pub const MAX_ATTACHED: u32 = nvmfd_config::MAX_NAMESPACES;
 
 mod block;
 mod conn;
+mod handles;
 mod post;
 mod receive;
 mod request;
@@ -228,6 +229,8 @@ pub struct DataPath {
     /// Devices by (subsystem index in the target, NSID): no key to build per I/O; with the
     /// `ns_changes` count when each was attached.
     devs: HashMap<(u64, u32), (DevId, u64)>,
+    /// Namespaces waiting for a handle on their image, opened off the reactor (`handles.rs`).
+    awaiting: Vec<handles::Awaiting>,
     /// Namespaces attached while serving, counted: a request remembers the count at its
     /// admission, and one whose namespace was attached after it (its NSID removed and
     /// added again, on another device) submits nothing there.
@@ -396,12 +399,8 @@ impl DataPath {
         let zeros = pd
             .alloc_mr(cfg.max_io.max(small_size) as usize, Access::empty())
             .map_err(verr)?;
-        let mut engine = Engine::new(cfg.requests, MAX_ATTACHED, &[pool.clone(), small.clone()])?;
-        let mut devs = HashMap::default();
-        for (sub, nsid, d) in namespaces {
-            devs.insert((*sub, *nsid), (engine.attach(d)?, 0));
-        }
-        let dp = DataPath {
+        let engine = Engine::new(cfg.requests, MAX_ATTACHED, &[pool.clone(), small.clone()])?;
+        let mut dp = DataPath {
             target,
             cq,
             async_fd: dev.async_fd(),
@@ -416,7 +415,8 @@ impl DataPath {
             small_size,
             kept: [0; 2],
             pd,
-            devs,
+            devs: HashMap::default(),
+            awaiting: Vec::new(),
             ns_changes: 0,
             detaching: Vec::new(),
             events_due: false,
@@ -457,12 +457,20 @@ impl DataPath {
             discard_writes: false,
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
+        let now = Instant::now();
+        for (sub, nsid, d) in namespaces {
+            dp.attach_or_await(*sub, *nsid, d, 0, now)?;
+        }
         Ok(dp)
     }
 
     /// Where teardowns and drains are logged.
     pub fn set_log(&mut self, log: slog::Logger) {
         self.log = log;
+        for a in &self.awaiting {
+            slog::info!(self.log, "namespace waits for a handle on its image, opened off the reactor; its commands meanwhile answer Namespace Not Ready";
+                "subsystem" => a.sub, "nsid" => a.nsid);
+        }
         if self.max_qps < self.cfg_max_qps {
             slog::warn!(self.log, "the device's CQs are smaller than this data path asks for: it serves fewer QPs at once";
                 "max_qps" => self.max_qps, "asked" => self.cfg_max_qps);
@@ -562,6 +570,9 @@ impl DataPath {
         if self.events_due {
             self.poll_events();
         }
+        if !self.awaiting.is_empty() {
+            self.attach_awaiting(now);
+        }
         if !self.detaching.is_empty() {
             let engine = &mut self.engine;
             self.detaching
@@ -610,12 +621,8 @@ impl DataPath {
         nsid: u32,
         dev: &Arc<BlockDevice>,
     ) -> std::io::Result<()> {
-        let id = self.engine.attach(dev)?;
         self.ns_changes += 1;
-        if let Some((old, _)) = self.devs.insert((sub, nsid), (id, self.ns_changes)) {
-            self.detaching.push(old);
-        }
-        Ok(())
+        self.attach_or_await(sub, nsid, dev, self.ns_changes, Instant::now())
     }
 
     /// Stops serving namespace `nsid` of subsystem `sub` (removed from the target before):
@@ -623,6 +630,7 @@ impl DataPath {
     /// from the engine once the last has. A command that reaches the disk after this fails
     /// with Invalid Namespace.
     pub fn detach_namespace(&mut self, sub: u64, nsid: u32) {
+        self.awaiting.retain(|a| (a.sub, a.nsid) != (sub, nsid));
         if let Some((old, _)) = self.devs.remove(&(sub, nsid)) {
             self.detaching.push(old);
         }

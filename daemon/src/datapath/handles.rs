@@ -1,0 +1,150 @@
+//! Namespaces attached without waiting on their store: the reactor never opens an RBD image
+//! itself (`rbd_open` waits on the cluster, for its timeouts when the cluster does not
+//! answer). A data path takes a handle opened ahead for it; a namespace that has none ready
+//! when the path is built (or attached) waits here while a thread of its own opens one. Its
+//! commands meanwhile complete with Namespace Not Ready, which hosts retry; the path's other
+//! namespaces are served. A failed open is tried again after a wait that doubles from 1 s to
+//! 30 s.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use super::*;
+
+/// The first wait after a failed open.
+const OPEN_RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between two opens.
+const OPEN_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// A namespace of this data path waiting for a handle.
+pub(super) struct Awaiting {
+    pub(super) sub: u64,
+    pub(super) nsid: u32,
+    /// The namespace changes counted when it was attached.
+    since: u64,
+    dev: Arc<BlockDevice>,
+    /// The open under way: its result.
+    opening: Option<mpsc::Receiver<std::io::Result<()>>>,
+    /// When to open again, after a failure.
+    next: Instant,
+    wait: Duration,
+}
+
+impl Awaiting {
+    /// Waits for a handle on `dev` for namespace `nsid` of subsystem `sub`, one being opened
+    /// at once.
+    fn new(sub: u64, nsid: u32, since: u64, dev: &Arc<BlockDevice>, now: Instant) -> Awaiting {
+        let mut a = Awaiting {
+            sub,
+            nsid,
+            since,
+            dev: Arc::clone(dev),
+            opening: None,
+            next: now,
+            wait: OPEN_RETRY_FIRST,
+        };
+        a.open();
+        a
+    }
+
+    /// Opens a handle on a thread of its own (counted, so that the daemon waits for it
+    /// before it exits).
+    fn open(&mut self) {
+        let dev = Arc::clone(&self.dev);
+        self.opening = crate::control::spawn_counted(move || dev.open_spare_handle()).ok();
+    }
+}
+
+impl DataPath {
+    /// Attaches namespace `nsid` of subsystem `sub` on the engine without waiting on its
+    /// store; one with no handle ready waits in `awaiting`. `since`: the namespace changes
+    /// counted when it was attached (commands checked before then do not use it).
+    pub(super) fn attach_or_await(
+        &mut self,
+        sub: u64,
+        nsid: u32,
+        dev: &Arc<BlockDevice>,
+        since: u64,
+        now: Instant,
+    ) -> std::io::Result<()> {
+        self.awaiting.retain(|a| (a.sub, a.nsid) != (sub, nsid));
+        match self.engine.attach_ready(dev)? {
+            Some(id) => {
+                if let Some((old, _)) = self.devs.insert((sub, nsid), (id, since)) {
+                    self.detaching.push(old);
+                }
+            }
+            None => {
+                if let Some((old, _)) = self.devs.remove(&(sub, nsid)) {
+                    self.detaching.push(old);
+                }
+                slog::info!(self.log, "namespace waits for a handle on its image, opened off the reactor; its commands meanwhile answer Namespace Not Ready";
+                    "subsystem" => sub, "nsid" => nsid);
+                self.awaiting
+                    .push(Awaiting::new(sub, nsid, since, dev, now));
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches the waiting namespaces whose handle is ready; opens again those whose open
+    /// failed, once their wait is over.
+    pub(super) fn attach_awaiting(&mut self, now: Instant) {
+        let mut k = 0;
+        while k < self.awaiting.len() {
+            let a = &mut self.awaiting[k];
+            if a.dev.handles_ready() > 0 {
+                let (sub, nsid, since, dev) = (a.sub, a.nsid, a.since, Arc::clone(&a.dev));
+                match self.engine.attach_ready(&dev) {
+                    Ok(Some(id)) => {
+                        self.awaiting.swap_remove(k);
+                        self.devs.insert((sub, nsid), (id, since));
+                        slog::info!(self.log, "namespace attached: its handle is open";
+                            "subsystem" => sub, "nsid" => nsid);
+                        continue;
+                    }
+                    // Taken by another engine meanwhile: another open.
+                    Ok(None) => self.awaiting[k].open(),
+                    Err(e) => {
+                        slog::warn!(self.log, "cannot attach a namespace's image; trying again later";
+                            "subsystem" => sub, "nsid" => nsid, "error" => %e);
+                        let a = &mut self.awaiting[k];
+                        a.next = now + a.wait;
+                        a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
+                    }
+                }
+                k += 1;
+                continue;
+            }
+            let a = &mut self.awaiting[k];
+            match a.opening.as_ref().map(mpsc::Receiver::try_recv) {
+                Some(Err(mpsc::TryRecvError::Empty)) => {}
+                Some(Ok(Ok(()))) => {
+                    // Its handle is ready (unless another engine took it: the next look
+                    // opens another).
+                    a.opening = None;
+                }
+                Some(done) => {
+                    let why = match done {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "the open ended without an answer".to_owned(),
+                    };
+                    a.opening = None;
+                    a.next = now + a.wait;
+                    slog::warn!(self.log, "cannot open a handle on a namespace's image; trying again later";
+                        "subsystem" => a.sub, "nsid" => a.nsid, "error" => why,
+                        "retry_in" => ?a.wait);
+                    a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
+                }
+                None if now >= a.next && a.dev.handles_ready() == 0 => a.open(),
+                None => {}
+            }
+            k += 1;
+        }
+    }
+
+    /// Namespaces waiting for a handle on their image.
+    pub fn namespaces_awaiting(&self) -> usize {
+        self.awaiting.len()
+    }
+}
