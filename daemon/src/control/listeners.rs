@@ -80,9 +80,10 @@ impl Daemon {
             return;
         }
         let n = self.inboxes.len();
+        let log = self.log.clone();
         let opened = self.off_thread_until(
             move || {
-                std::thread::scope(|s| {
+                let ready = std::thread::scope(|s| {
                     let opens: Vec<_> = devs
                         .iter()
                         .map(|d| s.spawn(move || d.prepare_handles(n)))
@@ -91,14 +92,14 @@ impl Daemon {
                         .into_iter()
                         .filter_map(|h| h.join().ok())
                         .sum::<usize>()
-                })
+                });
+                // Logged here: also when the control thread stopped waiting first.
+                info!(log, "RBD handles opened ahead for the reactors' new data paths"; "handles" => ready);
             },
             Some(Instant::now() + PREPARE_WAIT),
         );
         match opened {
-            Ok(ready) => {
-                info!(self.log, "RBD handles opened ahead for the reactors' new data paths"; "handles" => ready);
-            }
+            Ok(()) => {}
             Err(e) => {
                 warn!(self.log, "RBD handles for the new data paths not ready: reactors that find none open their own";
                       "waited_ms" => PREPARE_WAIT.as_millis(), "why" => e);
