@@ -106,7 +106,7 @@ impl Srq {
             }
             q.recvs.push_back(PostedRecv {
                 wr_id: w.wr_id,
-                sges: w.sges.to_vec(),
+                sges: smallvec::SmallVec::from_slice(w.sges),
             });
         }
         s.drain_inbound(self.id);

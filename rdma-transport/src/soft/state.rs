@@ -34,7 +34,9 @@ pub(super) struct CqState {
 
 pub(super) struct PostedRecv {
     pub(super) wr_id: u64,
-    pub(super) sges: Vec<Sge>,
+    /// Inline up to four (a capsule's SGE and three pages of in-capsule data): posting a
+    /// receive allocates nothing.
+    pub(super) sges: smallvec::SmallVec<[Sge; 4]>,
 }
 
 pub(super) struct SrqState {
