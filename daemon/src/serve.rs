@@ -159,9 +159,14 @@ fn open_all(cfg: &Config) -> Vec<Vec<std::io::Result<Arc<BlockDevice>>>> {
                     .map(|spec| {
                         scope.spawn(move || {
                             let dev = BlockDevice::open(spec)?;
-                            // Not all need open: a data path that finds none waits for one
-                            // opened off its reactor.
-                            dev.prepare_handles(engines);
+                            // One after the other on this image's thread (not a thread
+                            // each). Not all need open: a data path that finds none waits
+                            // for one opened off its reactor.
+                            for _ in 0..engines {
+                                if dev.open_spare_handle().is_err() {
+                                    break;
+                                }
+                            }
                             Ok(dev)
                         })
                     })

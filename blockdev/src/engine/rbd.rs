@@ -1,4 +1,5 @@
-//! The engine's RBD half: each engine opens its own handle on an image, whose completions
+//! The engine's RBD half: each engine has its own handle on an image (opened ahead, off the
+//! reactor, and taken when it attaches), whose completions
 //! raise the engine's eventfd; operations are started at librbd and reaped in `reap`.
 
 use std::io;

@@ -101,7 +101,7 @@ impl Daemon {
         match opened {
             Ok(()) => {}
             Err(e) => {
-                warn!(self.log, "RBD handles for the new data paths not ready: reactors that find none open their own";
+                warn!(self.log, "RBD handles for the new data paths not ready: their RBD namespaces answer Namespace Not Ready there until a handle is opened for them";
                       "waited_ms" => PREPARE_WAIT.as_millis(), "why" => e);
             }
         }

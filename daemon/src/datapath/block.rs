@@ -181,14 +181,18 @@ impl DataPath {
                     r.next_op += 1;
                     continue;
                 }
-                r.failed = Some(
-                    if self.awaiting.iter().any(|a| (a.sub, a.nsid) == (sub, nsid)) {
-                        // Namespace Not Ready: the host retries.
-                        BlockError::Io(libc::ETIMEDOUT)
-                    } else {
-                        BlockError::UnknownDevice
-                    },
-                );
+                // Only the namespace the command was checked against: not one added since
+                // under the same NSID, which a command for the one removed must not reach.
+                let awaiting = self
+                    .awaiting
+                    .iter()
+                    .any(|a| (a.sub, a.nsid) == (sub, nsid) && a.since <= r.ns_changes);
+                r.failed = Some(if awaiting {
+                    // Namespace Not Ready: the host retries.
+                    BlockError::Io(libc::ETIMEDOUT)
+                } else {
+                    BlockError::UnknownDevice
+                });
                 break;
             };
             // A null namespace's read: no buffer, no fill, no operation; the data is sent

@@ -413,6 +413,7 @@ impl DataPath {
                 slog::error!(self.log, "CQ error: every QP on it is torn down and the data path is replaced";
                     "cq" => id, "qps" => self.conns.len());
                 self.cq_broken = true;
+                self.stop_awaiting();
                 self.teardown_all(Cause::Device, now);
             }
             AsyncEvent::DeviceFatal => {
@@ -678,6 +679,7 @@ impl DataPath {
     /// longer routed, so the drains do not wait for LAST_WQE.
     pub fn device_removed(&mut self, now: Instant) {
         self.wait_last_wqe = false;
+        self.stop_awaiting();
         self.teardown_all(Cause::Device, now);
     }
 }

@@ -21,7 +21,7 @@ pub(super) struct Awaiting {
     pub(super) sub: u64,
     pub(super) nsid: u32,
     /// The namespace changes counted when it was attached.
-    since: u64,
+    pub(super) since: u64,
     dev: Arc<BlockDevice>,
     /// The open under way: its result.
     opening: Option<mpsc::Receiver<std::io::Result<()>>>,
@@ -43,15 +43,18 @@ impl Awaiting {
             next: now,
             wait: OPEN_RETRY_FIRST,
         };
-        a.open();
+        a.open(now);
         a
     }
 
     /// Opens a handle on a thread of its own (counted, so that the daemon waits for it
-    /// before it exits).
-    fn open(&mut self) {
+    /// before it exits). A thread that cannot start is tried again after the wait.
+    fn open(&mut self, now: Instant) {
         let dev = Arc::clone(&self.dev);
         self.opening = crate::control::spawn_counted(move || dev.open_spare_handle()).ok();
+        if self.opening.is_none() {
+            self.next = now + self.wait;
+        }
     }
 }
 
@@ -88,42 +91,15 @@ impl DataPath {
     }
 
     /// Attaches the waiting namespaces whose handle is ready; opens again those whose open
-    /// failed, once their wait is over.
+    /// failed (or whose handle another engine took), once their wait is over.
     pub(super) fn attach_awaiting(&mut self, now: Instant) {
         let mut k = 0;
         while k < self.awaiting.len() {
             let a = &mut self.awaiting[k];
-            if a.dev.handles_ready() > 0 {
-                let (sub, nsid, since, dev) = (a.sub, a.nsid, a.since, Arc::clone(&a.dev));
-                match self.engine.attach_ready(&dev) {
-                    Ok(Some(id)) => {
-                        self.awaiting.swap_remove(k);
-                        self.devs.insert((sub, nsid), (id, since));
-                        slog::info!(self.log, "namespace attached: its handle is open";
-                            "subsystem" => sub, "nsid" => nsid);
-                        continue;
-                    }
-                    // Taken by another engine meanwhile: another open.
-                    Ok(None) => self.awaiting[k].open(),
-                    Err(e) => {
-                        slog::warn!(self.log, "cannot attach a namespace's image; trying again later";
-                            "subsystem" => sub, "nsid" => nsid, "error" => %e);
-                        let a = &mut self.awaiting[k];
-                        a.next = now + a.wait;
-                        a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
-                    }
-                }
-                k += 1;
-                continue;
-            }
-            let a = &mut self.awaiting[k];
+            // The open under way, if any, first: its result says what comes next.
             match a.opening.as_ref().map(mpsc::Receiver::try_recv) {
-                Some(Err(mpsc::TryRecvError::Empty)) => {}
-                Some(Ok(Ok(()))) => {
-                    // Its handle is ready (unless another engine took it: the next look
-                    // opens another).
-                    a.opening = None;
-                }
+                Some(Err(mpsc::TryRecvError::Empty)) | None => {}
+                Some(Ok(Ok(()))) => a.opening = None,
                 Some(done) => {
                     let why = match done {
                         Ok(Err(e)) => e.to_string(),
@@ -136,11 +112,49 @@ impl DataPath {
                         "retry_in" => ?a.wait);
                     a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
                 }
-                None if now >= a.next && a.dev.handles_ready() == 0 => a.open(),
-                None => {}
+            }
+            if now < a.next {
+                k += 1;
+                continue;
+            }
+            if a.dev.handles_ready() > 0 {
+                let (sub, nsid, since, dev) = (a.sub, a.nsid, a.since, Arc::clone(&a.dev));
+                match self.engine.attach_ready(&dev) {
+                    Ok(Some(id)) => {
+                        self.awaiting.swap_remove(k);
+                        self.devs.insert((sub, nsid), (id, since));
+                        slog::info!(self.log, "namespace attached: its handle is open";
+                            "subsystem" => sub, "nsid" => nsid);
+                        // The entry moved into `k` is looked at next.
+                        continue;
+                    }
+                    // Another engine took it meanwhile: the next look opens another.
+                    Ok(None) => {}
+                    Err(e) => {
+                        let a = &mut self.awaiting[k];
+                        a.next = now + a.wait;
+                        slog::warn!(self.log, "cannot attach a namespace's image; trying again later";
+                            "subsystem" => sub, "nsid" => nsid, "error" => %e,
+                            "retry_in" => ?a.wait);
+                        a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
+                    }
+                }
+            } else if a.opening.is_none() {
+                a.open(now);
+                if a.opening.is_none() {
+                    slog::warn!(self.log, "cannot start a thread to open a handle on a namespace's image; trying again later";
+                        "subsystem" => a.sub, "nsid" => a.nsid, "retry_in" => ?a.wait);
+                    a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
+                }
             }
             k += 1;
         }
+    }
+
+    /// Namespaces waiting for a handle no longer wait: the data path is going (its device
+    /// removed, its CQ failed), and a handle opened for it would be a spare nobody takes.
+    pub(super) fn stop_awaiting(&mut self) {
+        self.awaiting.clear();
     }
 
     /// Namespaces waiting for a handle on their image.

@@ -520,6 +520,11 @@ impl DataPath {
     /// True when there was work.
     pub fn poll(&mut self, now: Instant) -> bool {
         let mut worked = false;
+        // First, so that the commands of the turn that finds a namespace's handle ready (the
+        // one a command woke the reactor for, say) are served with it.
+        if !self.awaiting.is_empty() {
+            self.attach_awaiting(now);
+        }
         while let Some(lane) = self.incoming.next(|l, k| self.admits(l, k)) {
             let Some(w) = self.incoming.pop(lane) else {
                 break;
@@ -570,9 +575,6 @@ impl DataPath {
         if self.events_due {
             self.poll_events();
         }
-        if !self.awaiting.is_empty() {
-            self.attach_awaiting(now);
-        }
         if !self.detaching.is_empty() {
             let engine = &mut self.engine;
             self.detaching
@@ -614,7 +616,8 @@ impl DataPath {
 
     /// Serves namespace `nsid` of subsystem `sub` from `dev` (a namespace added while the
     /// daemon serves): attached to the engine before the target publishes it, so a command
-    /// for it always finds its device.
+    /// for it finds its device (or, for an RBD image with no handle opened ahead ready, waits
+    /// for one and answers Namespace Not Ready meanwhile: `handles.rs`).
     pub fn attach_namespace(
         &mut self,
         sub: u64,

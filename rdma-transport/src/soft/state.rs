@@ -34,9 +34,9 @@ pub(super) struct CqState {
 
 pub(super) struct PostedRecv {
     pub(super) wr_id: u64,
-    /// Inline up to four (a capsule's SGE and three pages of in-capsule data): posting a
-    /// receive allocates nothing.
-    pub(super) sges: smallvec::SmallVec<[Sge; 4]>,
+    /// Inline up to five (a capsule's SGE and the four pages of in-capsule data nvmfd posts
+    /// at most): posting a receive allocates nothing.
+    pub(super) sges: smallvec::SmallVec<[Sge; 5]>,
 }
 
 pub(super) struct SrqState {
