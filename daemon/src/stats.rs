@@ -178,6 +178,9 @@ pub struct DataPathCounters {
     pub device_events: AtomicU64,
     /// QPs torn down and still draining.
     pub qps_draining: AtomicU64,
+    /// Namespaces waiting for a handle on their RBD image, opened off the reactor (their
+    /// commands answer Namespace Not Ready meanwhile).
+    pub namespaces_awaiting: AtomicU64,
     /// SRQs rebuilt after an SRQ error.
     pub srq_rebuilds: AtomicU64,
 }
@@ -246,6 +249,7 @@ impl DataPathCounters {
             last_wqe_events_total: g(&self.last_wqe_events),
             device_events_total: g(&self.device_events),
             qps_draining: g(&self.qps_draining),
+            namespaces_awaiting: g(&self.namespaces_awaiting),
             srq_rebuilds_total: g(&self.srq_rebuilds),
         }
     }
@@ -267,6 +271,7 @@ pub struct Gauges {
     block_ops_in_flight: u64,
     sends_in_flight: u64,
     qps_draining: u64,
+    namespaces_awaiting: u64,
 }
 
 impl Gauges {
@@ -286,6 +291,7 @@ impl Gauges {
         self.block_ops_in_flight += g(&c.block_ops_in_flight);
         self.sends_in_flight += g(&c.sends_in_flight);
         self.qps_draining += g(&c.qps_draining);
+        self.namespaces_awaiting += g(&c.namespaces_awaiting);
     }
 
     /// Block operations in flight at the engines.
@@ -322,6 +328,7 @@ impl Gauges {
         s(&c.block_ops_in_flight, self.block_ops_in_flight);
         s(&c.sends_in_flight, self.sends_in_flight);
         s(&c.qps_draining, self.qps_draining);
+        s(&c.namespaces_awaiting, self.namespaces_awaiting);
     }
 }
 
@@ -379,6 +386,7 @@ impl DataPathCounters {
             last_wqe_events,
             device_events,
             qps_draining: _,
+            namespaces_awaiting: _,
             srq_rebuilds,
         } = self;
         let mv = |from: &AtomicU64, to: &AtomicU64| {
@@ -548,6 +556,10 @@ pub struct DataPathStats {
     pub device_events_total: u64,
     /// QPs torn down and still draining.
     pub qps_draining: u64,
+    /// Namespaces waiting for a handle on their RBD image (their commands answer Namespace
+    /// Not Ready meanwhile).
+    #[serde(default)]
+    pub namespaces_awaiting: u64,
     /// SRQs rebuilt after an SRQ error.
     pub srq_rebuilds_total: u64,
 }

@@ -854,6 +854,12 @@ fn a_listener_added_while_the_cluster_does_not_answer_serves_its_other_namespace
         !ok && err.contains("sc 0x82"),
         "not Namespace Not Ready: {out}{err}"
     );
+    let stats = d.data("stats");
+    assert_eq!(
+        nvmfd_tests::dp_sum(&stats, "namespaces_awaiting"),
+        1,
+        "the new data path's image waits for a handle: {stats}"
+    );
     ceph::run(&["mon-start"]).unwrap();
     ceph::run(&["osd-start", "1"]).unwrap();
     ceph::run(&["osd-start", "2"]).unwrap();
@@ -877,5 +883,9 @@ fn a_listener_added_while_the_cluster_does_not_answer_serves_its_other_namespace
         d.log().contains("namespace attached: its handle is open"),
         "{}",
         d.log()
+    );
+    assert_eq!(
+        nvmfd_tests::dp_sum(&d.data("stats"), "namespaces_awaiting"),
+        0
     );
 }

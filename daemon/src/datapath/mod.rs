@@ -660,6 +660,7 @@ impl DataPath {
         set(&c.block_ops_in_flight, self.engine.in_flight());
         set(&c.sends_in_flight, self.sends_in_flight);
         set(&c.qps_draining, self.draining.len());
+        set(&c.namespaces_awaiting, self.awaiting.len());
         set(&c.srq_receives_reserved, self.srq.reserved() as usize);
     }
 
