@@ -331,9 +331,18 @@ fn a_listener_added_while_serving_an_image_gets_its_handles_opened_ahead() {
             .contains("RBD handles opened ahead for the reactors' new data paths")
             .then_some(())
     });
+    // (Handles that come after the data path was built, on a slow cluster, are taken at its
+    // next turn.)
+    nvmfd_tests::wait_for("the new data path to have its handle", || {
+        (nvmfd_tests::dp_sum(&d.data("stats"), "namespaces_awaiting") == 0).then_some(())
+    });
     let addr = format!("127.0.0.2:{port}");
     let (ok, out, err) = nvmf(&["verify", "--addr", &addr, "--nqn", SUB]);
-    assert!(ok && out.contains("read back intact"), "{out}{err}");
+    assert!(
+        ok && out.contains("read back intact"),
+        "{out}{err}\n{}",
+        d.log()
+    );
     // A listener on a device that has a data path already shares it: nothing is opened.
     let port = nvmfd_tests::test_port();
     add_listener("127.0.0.1", port);

@@ -25,8 +25,11 @@ pub(super) struct Awaiting {
     dev: Arc<BlockDevice>,
     /// The open under way: its result.
     opening: Option<mpsc::Receiver<std::io::Result<()>>>,
-    /// When to open again, after a failure.
+    /// When to open again, after a failed open.
     next: Instant,
+    /// When to attach again, after a failed attach (a handle that is ready is otherwise
+    /// attached whatever `next` says).
+    attach_at: Instant,
     wait: Duration,
 }
 
@@ -41,6 +44,7 @@ impl Awaiting {
             dev: Arc::clone(dev),
             opening: None,
             next: now,
+            attach_at: now,
             wait: OPEN_RETRY_FIRST,
         };
         a.open(now);
@@ -113,11 +117,7 @@ impl DataPath {
                     a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
                 }
             }
-            if now < a.next {
-                k += 1;
-                continue;
-            }
-            if a.dev.handles_ready() > 0 {
+            if a.dev.handles_ready() > 0 && now >= a.attach_at {
                 let (sub, nsid, since, dev) = (a.sub, a.nsid, a.since, Arc::clone(&a.dev));
                 match self.engine.attach_ready(&dev) {
                     Ok(Some(id)) => {
@@ -132,14 +132,14 @@ impl DataPath {
                     Ok(None) => {}
                     Err(e) => {
                         let a = &mut self.awaiting[k];
-                        a.next = now + a.wait;
+                        a.attach_at = now + a.wait;
                         slog::warn!(self.log, "cannot attach a namespace's image; trying again later";
                             "subsystem" => sub, "nsid" => nsid, "error" => %e,
                             "retry_in" => ?a.wait);
                         a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
                     }
                 }
-            } else if a.opening.is_none() {
+            } else if a.opening.is_none() && a.dev.handles_ready() == 0 && now >= a.next {
                 a.open(now);
                 if a.opening.is_none() {
                     slog::warn!(self.log, "cannot start a thread to open a handle on a namespace's image; trying again later";
