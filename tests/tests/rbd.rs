@@ -334,7 +334,9 @@ fn a_listener_added_while_serving_an_image_gets_its_handles_opened_ahead() {
     // (Handles that come after the data path was built, on a slow cluster, are taken at its
     // next turn.)
     nvmfd_tests::wait_for("the new data path to have its handle", || {
-        (nvmfd_tests::dp_sum(&d.data("stats"), "namespaces_awaiting") == 0).then_some(())
+        (d.log().contains("data path built on the listener's device")
+            && nvmfd_tests::dp_sum(&d.data("stats"), "namespaces_awaiting") == 0)
+            .then_some(())
     });
     let addr = format!("127.0.0.2:{port}");
     let (ok, out, err) = nvmf(&["verify", "--addr", &addr, "--nqn", SUB]);

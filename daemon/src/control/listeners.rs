@@ -83,10 +83,13 @@ impl Daemon {
         let log = self.log.clone();
         let opened = self.off_thread_until(
             move || {
+                // `n` more for each image, whatever spares wait already: those may be for
+                // data paths not built yet (a reactor that has not started).
                 let ready = std::thread::scope(|s| {
                     let opens: Vec<_> = devs
                         .iter()
-                        .map(|d| s.spawn(move || d.prepare_handles(n)))
+                        .flat_map(|d| std::iter::repeat_n(d, n))
+                        .map(|d| s.spawn(move || usize::from(d.open_spare_handle().is_ok())))
                         .collect();
                     opens
                         .into_iter()

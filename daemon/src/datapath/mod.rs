@@ -461,6 +461,8 @@ impl DataPath {
         for (sub, nsid, d) in namespaces {
             dp.attach_or_await(*sub, *nsid, d, 0, now)?;
         }
+        // Its levels are right from the start (a namespace waiting for a handle, say).
+        dp.gauges();
         Ok(dp)
     }
 
