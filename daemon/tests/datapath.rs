@@ -2601,6 +2601,25 @@ fn null_namespace_reads_send_zeroes_of_every_size_and_piece() {
     }
 }
 
+/// A controller of two I/O queues with queue 1 connected: its admin queue, queue 1, and
+/// queue 1's QP numbers on the target and on the host.
+fn controller_with_queue_1(s: &Served) -> (AdminQueue<RdmaQueue>, IoQueue<RdmaQueue>, u32, u32) {
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let before = s.fabric.srq_qps(s.srq_id);
+    let mut io = IoQueue::connect(queue(s, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let target_qpn = *s
+        .fabric
+        .srq_qps(s.srq_id)
+        .iter()
+        .find(|q| !before.contains(q))
+        .expect("the target's QP of the queue");
+    let host_qpn = io.transport().qpn().expect("host QP");
+    (admin, io, target_qpn, host_qpn)
+}
+
 /// A QP destroyed when its drain timed out (a read stuck behind a stalled disk) leaves its
 /// request behind. The device gives its QP number to the next QP, whose connection takes the
 /// same index in the data path. When the stuck read completes at last, its response must not
@@ -2611,19 +2630,8 @@ fn a_late_completion_of_a_destroyed_qp_never_answers_a_new_qp_of_the_same_number
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4473, None, Arc::clone(&c));
     let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let (admin, mut old, old_target_qpn, old_host_qpn) = controller_with_queue_1(&s);
     let cntlid = admin.cntlid;
-    let before = s.fabric.srq_qps(s.srq_id);
-    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
-    let old_target_qpn = *s
-        .fabric
-        .srq_qps(s.srq_id)
-        .iter()
-        .find(|q| !before.contains(q))
-        .expect("the target's QP of the queue");
-    let old_host_qpn = old.transport().qpn().expect("host QP");
     // A write to read back later, then a read whose completion the stalled disk holds.
     let data = pattern(73, 4096);
     old.write(2, 5, 1, &data, false).unwrap();
@@ -2690,19 +2698,8 @@ fn late_send_completions_of_a_destroyed_qp_leave_a_new_qp_of_the_same_number_alo
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4474, None, Arc::clone(&c));
     let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let (admin, mut old, old_target_qpn, old_host_qpn) = controller_with_queue_1(&s);
     let cntlid = admin.cntlid;
-    let before = s.fabric.srq_qps(s.srq_id);
-    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
-    let old_target_qpn = *s
-        .fabric
-        .srq_qps(s.srq_id)
-        .iter()
-        .find(|q| !before.contains(q))
-        .expect("the target's QP of the queue");
-    let old_host_qpn = old.transport().qpn().expect("host QP");
     let data = pattern(74, 4096);
     old.write(2, 5, 1, &data, false).unwrap();
     // The device writes the target QP's send completions late: the host has its data and
@@ -2756,19 +2753,8 @@ fn a_late_drain_marker_of_a_destroyed_qp_leaves_the_drain_of_a_new_qp_of_its_num
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4477, None, Arc::clone(&c));
     let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let (admin, old, target_qpn, host_qpn) = controller_with_queue_1(&s);
     let cntlid = admin.cntlid;
-    let before = s.fabric.srq_qps(s.srq_id);
-    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
-    let target_qpn = *s
-        .fabric
-        .srq_qps(s.srq_id)
-        .iter()
-        .find(|q| !before.contains(q))
-        .expect("the target's QP of the queue");
-    let host_qpn = old.transport().qpn().expect("host QP");
     // The old QP's marker is held back: its drain times out and it is destroyed.
     s.fabric.hold_send_completions(target_qpn);
     drop(old);
@@ -2820,19 +2806,8 @@ fn a_late_event_of_a_destroyed_qp_leaves_a_new_qp_of_the_same_number_alone() {
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4475, None, Arc::clone(&c));
     let h = host();
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    assert_eq!(admin.set_queue_count(2).unwrap(), 2);
+    let (admin, old, old_target_qpn, old_host_qpn) = controller_with_queue_1(&s);
     let cntlid = admin.cntlid;
-    let before = s.fabric.srq_qps(s.srq_id);
-    let mut old = IoQueue::connect(queue(&s, 1, 31), &h, SUB, cntlid, 1, 31).unwrap();
-    let old_target_qpn = *s
-        .fabric
-        .srq_qps(s.srq_id)
-        .iter()
-        .find(|q| !before.contains(q))
-        .expect("the target's QP of the queue");
-    let old_host_qpn = old.transport().qpn().expect("host QP");
     // The host goes; the QP's LAST_WQE_REACHED is read and held up, so its drain times out.
     s.set_switch(&s.hold_events, true);
     drop(old);
