@@ -509,6 +509,20 @@ impl Device {
         Ok(new)
     }
 
+    /// Makes every write completed on the device durable (`fdatasync` of a file or block
+    /// device): for a device nvmfd lets go of, whose hosts can no longer flush it. Returns
+    /// whether there was anything to sync: `false` for RAM, null and read-only devices, and
+    /// for RBD images, whose engine handles flush their cache when they close.
+    pub fn sync(&self) -> io::Result<bool> {
+        match &self.backing {
+            Backing::File(f) if !self.info.read_only => {
+                f.sync_data()?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// What the daemon should warn of when it serves this device: why buffered I/O is used
     /// although O_DIRECT was asked for; an RBD image's exclusive-lock feature.
     pub fn warning(&self) -> Option<&str> {
@@ -743,5 +757,33 @@ mod tests {
         assert_eq!(deallocate_blocks(1 << 20, 4096), 256);
         assert_eq!(deallocate_blocks(100, 4096), 1, "a limit is never 0 blocks");
         assert_eq!(deallocate_blocks(u64::MAX, 512), u32::MAX, "saturates");
+    }
+}
+
+#[cfg(test)]
+mod sync_tests {
+    use super::*;
+
+    /// A writable file is synced; RAM, null and a read-only file have nothing to sync.
+    #[test]
+    fn only_a_writable_file_or_block_device_has_something_to_sync() {
+        let dir = std::env::temp_dir().join(format!("nvmfd-sync-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let open = |read_only| {
+            let mut spec = DeviceSpec::new(Kind::File);
+            spec.path = Some(path.clone());
+            spec.read_only = read_only;
+            Device::open(&spec).unwrap()
+        };
+        assert!(open(false).sync().unwrap());
+        assert!(!open(true).sync().unwrap());
+        for kind in [Kind::Malloc, Kind::Null] {
+            let mut spec = DeviceSpec::new(kind);
+            spec.size = 1 << 20;
+            assert!(!Device::open(&spec).unwrap().sync().unwrap(), "{kind:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -684,3 +684,59 @@ fn a_reload_whose_second_resize_fails_leaves_the_first_namespace_as_it_was() {
     a.write_read(1, 6 << 11, 0x61);
     a.write_read(2, 6 << 11, 0x62);
 }
+
+/// The log's JSON lines whose message starts with `msg`.
+fn log_lines(d: &Daemon, msg: &str) -> Vec<serde_json::Value> {
+    d.log()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["msg"].as_str().is_some_and(|m| m.starts_with(msg)))
+        .collect()
+}
+
+/// A file namespace's hosts can no longer flush it once it is removed, nor once the daemon
+/// stops: its device is synced then (the removed one once its last operation has completed),
+/// and a RAM namespace, with nothing to sync, is not.
+#[test]
+fn a_removed_file_namespace_and_every_file_namespace_at_stop_are_synced() {
+    let (mut d, addr) = start();
+    const SYNCED: &str = "namespace's device synced";
+    for nsid in [2, 3] {
+        let img = d.dir.path().join(format!("ns{nsid}.img"));
+        std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+        change(
+            &d,
+            serde_json::json!({"request": "add_namespace", "subsystem": A,
+                "namespace": {"nsid": nsid, "backend": "file", "path": img}}),
+        );
+    }
+    let mut a = Host::connect("127.0.0.43", addr, A, 0x43);
+    a.write_read(2, 8, 0x72);
+    a.write_read(3, 8, 0x73);
+    assert!(log_lines(&d, SYNCED).is_empty(), "{}", d.log());
+
+    change(
+        &d,
+        serde_json::json!({"request": "remove_namespace", "subsystem": A, "nsid": 2}),
+    );
+    let synced = wait_for("the removed namespace's device to be synced", || {
+        let v = log_lines(&d, SYNCED);
+        (!v.is_empty()).then_some(v)
+    });
+    assert_eq!(synced.len(), 1, "{synced:?}");
+    assert_eq!(synced[0]["nsid"], 2, "{synced:?}");
+    assert_eq!(synced[0]["when"], "let go", "{synced:?}");
+    a.write_read(3, 16, 0x74);
+
+    drop(a);
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success(), "{}", d.log());
+    let at_stop: Vec<_> = log_lines(&d, SYNCED)
+        .into_iter()
+        .filter(|v| v["when"] == "stop")
+        .collect();
+    assert_eq!(at_stop.len(), 1, "only the file namespace is synced: {at_stop:?}");
+    assert_eq!(at_stop[0]["nsid"], 3);
+    assert_eq!(at_stop[0]["subsystem"], A);
+    assert!(log_lines(&d, "namespace's device could not be synced").is_empty());
+}

@@ -507,8 +507,15 @@ impl Daemon {
 
     /// Namespace `nsid` of subsystem `nqn` (ID `sub`) is no longer served: every reactor
     /// lets its device go once its operations in flight have completed.
+    /// Its device is synced once they have (`sync_released_devices`).
     fn let_go(&mut self, sub: u64, nqn: &str, nsid: u32) {
-        self.devices.remove(&(nqn.to_owned(), nsid));
+        if let Some(dev) = self.devices.remove(&(nqn.to_owned(), nsid)) {
+            self.leaving.push(super::leaving::Leaving {
+                nqn: nqn.to_owned(),
+                nsid,
+                dev,
+            });
+        }
         self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
     }
 

@@ -25,6 +25,7 @@ use nvmfd_rdma::any;
 use nvmfd_rdma::{AsyncEvent, CmEvent, DeviceRelease};
 
 mod change;
+mod leaving;
 mod listeners;
 mod off_thread;
 mod reopen;
@@ -106,6 +107,8 @@ struct Daemon {
     listener_slots: Vec<Option<nvmfd_config::Listener>>,
     /// Configured namespaces whose device could not be opened, tried again.
     reopens: Vec<reopen::Reopen>,
+    /// Devices let go of, synced once the reactors release them.
+    leaving: Vec<leaving::Leaving>,
 }
 
 /// Runs the daemon until a termination signal: the control loop on this thread, one reactor
@@ -173,6 +176,7 @@ pub fn run(
         devices: std::collections::BTreeMap::new(),
         listener_slots: cfg.listeners.iter().cloned().map(Some).collect(),
         reopens: Vec::new(),
+        leaving: Vec::new(),
         cfg,
     };
     if d.test_hooks {
@@ -185,6 +189,7 @@ pub fn run(
         .start(&mut poll, loop_cfg)
         .and_then(|admin| d.serve(&mut poll, &mut signals, admin, &term));
     d.stop_reactors();
+    d.sync_devices_at_stop();
     result
 }
 
@@ -374,6 +379,7 @@ impl Daemon {
                 self.let_go_of_removed_channels(poll.registry());
                 self.check_controllers(now);
                 self.reopen_namespaces(now);
+                self.sync_released_devices();
                 admin.sweep(poll.registry(), now);
                 next_tick = now + tick;
             }
