@@ -334,7 +334,14 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
                 oncs |= 1 << 3; // Write Zeroes
             }
             id.oncs = U16::new(oncs);
-            id.vwc = u8::from(s.namespaces.iter().any(|n| n.info.volatile_cache));
+            // Present where a namespace caches writes; and then Flush Behavior 10b: a Flush
+            // to every namespace (NSID FFFFFFFFh) is not supported (it answers Invalid
+            // Namespace), so a host flushes each namespace.
+            id.vwc = if s.namespaces.iter().any(|n| n.info.volatile_cache) {
+                1 | (0b10 << 1)
+            } else {
+                0
+            };
             // Every NSID up to the limit is valid (the inactive ones have a zeroed Identify
             // Namespace), so that a namespace added later has a valid NSID.
             id.nn = U32::new(max_nsid(q));
@@ -362,8 +369,9 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.sqes = 0x66;
     id.cqes = 0x44;
     id.maxcmd = U16::new(limits.max_queue_depth);
-    // SGLs without alignment, keyed SGL data blocks, and the offset subtype (in-capsule data).
-    id.sgls = U32::new(1 | (1 << 2) | (1 << 20));
+    // SGLs without alignment, keyed SGL data blocks, an SGL longer than the data it carries
+    // (only the data is moved), and the offset subtype (in-capsule data).
+    id.sgls = U32::new(1 | (1 << 2) | (1 << 18) | (1 << 20));
     id.ioccsz = U32::new((64 + limits.in_capsule_data_size) / 16);
     id.iorcsz = U32::new(1);
     id.icdoff = U16::new(0);
@@ -392,6 +400,9 @@ pub(crate) fn identify_namespace(
 ) -> wire::IdentifyNamespace {
     let info = &ns.info;
     let mut id: wire::IdentifyNamespace = wire::zeroed();
+    // Shared: every controller of the subsystem serves it (a host's second path to it, for
+    // multipath, is the same namespace).
+    id.nmic = 1;
     let blocks = info.blocks();
     id.nsze = U64::new(blocks);
     id.ncap = U64::new(blocks);
@@ -453,6 +464,10 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
         }
         (log_page::CHANGED_NAMESPACES, true) => {
             let mut list = [U32::ZERO; 1024];
+            // An offset past the list fails before the read, which would clear it.
+            if offset > list.as_bytes().len() as u64 {
+                return q.respond(&cmd, status::INVALID_FIELD, 0);
+            }
             let mut st = ctrl.lock();
             if st.changed_nsids.len() > crate::target::CHANGED_LIST_LEN {
                 list[0] = U32::new(u32::MAX);
@@ -464,10 +479,12 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
             page.clear();
             page.extend_from_slice(list.as_bytes());
             if !rae {
-                // Read and not retained: the list starts over and the next change raises
-                // an event again.
+                // Read and not retained: the list starts over, the next change raises an
+                // event again, and an event for this list not yet reported is not reported.
                 st.changed_nsids.clear();
                 st.ns_event_masked = false;
+                st.pending_events
+                    .retain(|&e| e != crate::target::NS_ATTR_CHANGED_EVENT);
             }
         }
         _ => return q.respond(&cmd, status::INVALID_LOG_PAGE, 0),
@@ -581,10 +598,15 @@ fn set_features(q: &mut Queue, ctrl: &Controller, cmd: Command, now: Instant) ->
         }
         feature::KEEP_ALIVE_TIMER => {
             let ms = Duration::from_millis(u64::from(cdw11));
+            // Longer than allowed: refused, not cut down (the host would keep to its own).
+            if ms > limits.kato_max {
+                drop(st);
+                return q.respond(&cmd, status::KEEP_ALIVE_TIMEOUT_INVALID, 0);
+            }
             st.kato = if ms.is_zero() {
                 ms
             } else {
-                ms.clamp(limits.kato_min, limits.kato_max)
+                ms.max(limits.kato_min)
             };
             st.last_keep_alive = now;
             q.respond(&cmd, Status::SUCCESS, 0)

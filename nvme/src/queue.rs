@@ -636,7 +636,7 @@ impl Queue {
                 Err(e) if !property_get => io::block_error_status(e, &req.op),
                 _ => Status::SUCCESS,
             };
-            return cqe(&req.cmd, qid, st, dw0);
+            return self.cqe_now(&req.cmd, qid, st, dw0);
         }
         let st = match result {
             Ok(_) => {
@@ -651,7 +651,15 @@ impl Queue {
             }
             Err(e) => io::block_error_status(&e, &req.op),
         };
-        cqe(&req.cmd, qid, st, 0)
+        self.cqe_now(&req.cmd, qid, st, 0)
+    }
+
+    /// A completion for `cmd` made now: its SQ Head is the head now, not when `cmd` arrived
+    /// (commands complete out of order; a later completion never reports an older head).
+    fn cqe_now(&self, cmd: &Command, qid: u16, st: Status, dw0: u32) -> Cqe {
+        let mut c = cqe(cmd, qid, st, dw0);
+        c.sqhd = U16::new(self.sqhd);
+        c
     }
 
     /// Completions that became due without a new command: Asynchronous Event Requests whose

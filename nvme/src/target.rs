@@ -737,8 +737,11 @@ impl Target {
                 continue;
             }
             let mut st = c.lock();
-            if !st.changed_nsids.contains(&nsid) && st.changed_nsids.len() <= CHANGED_LIST_LEN {
-                st.changed_nsids.push(nsid);
+            // In increasing order, as a Namespace List is.
+            if st.changed_nsids.len() <= CHANGED_LIST_LEN {
+                if let Err(at) = st.changed_nsids.binary_search(&nsid) {
+                    st.changed_nsids.insert(at, nsid);
+                }
             }
             // Notice, Namespace Attribute Changed, log page 04h: sent only when enabled.
             if st.aec & (1 << 8) != 0 && !st.ns_event_masked {

@@ -290,6 +290,8 @@ pub mod status {
     pub const ABORT_REQUESTED: Status = Status::new(0, 0x07);
     /// Generic: Command Aborted due to SQ Deletion.
     pub const ABORTED_SQ_DELETION: Status = Status::new(0, 0x08);
+    /// Generic: Keep Alive Timeout Invalid.
+    pub const KEEP_ALIVE_TIMEOUT_INVALID: Status = Status::new(0, 0x1A);
     /// Generic: Invalid Namespace or Format.
     pub const INVALID_NAMESPACE: Status = Status::new(0, 0x0B);
     /// Generic: Command Sequence Error.

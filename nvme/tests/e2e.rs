@@ -284,6 +284,11 @@ fn connect_checks_host_subsystem_and_parameters() {
     assert_eq!(dw0_of(zero_sqsize), 44);
     let too_deep = AdminQueue::connect(w.link(0, 4096), &host(1), SUB, 4096, 0);
     assert_eq!(dw0_of(too_deep), 44);
+    // A keep-alive timeout longer than the maximum: refused, not cut down, pointing at KATO.
+    let max = u32::try_from(Limits::default().kato_max.as_millis()).unwrap();
+    let long_kato = AdminQueue::connect(w.link(0, 31), &host(1), SUB, 31, max + 1);
+    assert_eq!(dw0_of(long_kato), 48);
+    assert!(AdminQueue::connect(w.link(0, 31), &host(1), SUB, 31, max).is_ok());
     let cm_mismatch = AdminQueue::connect(w.link(0, 15), &host(1), SUB, 31, 0);
     assert_eq!(
         dw0_of(cm_mismatch),
@@ -330,6 +335,24 @@ fn connect_refuses_an_incompatible_format_and_a_static_cntlid() {
     assert_eq!(c.dw0.get(), 1 << 16 | 16);
 }
 
+/// A subsystem with a namespace that caches writes reports a volatile write cache, and that
+/// a Flush to every namespace (NSID FFFFFFFFh) is not supported (Flush Behavior 10b), which
+/// it answers with Invalid Namespace.
+#[test]
+fn a_volatile_cache_is_reported_with_its_flush_behavior() {
+    let w = world();
+    let mut s = w.target.subsystem(SUB).unwrap().as_ref().clone();
+    s.namespaces[0].info.volatile_cache = true;
+    w.target.replace_subsystem(s).unwrap();
+    let (mut a, mut ios) = w.controller(1);
+    let id = a.identify_controller().unwrap();
+    assert_eq!(id.vwc, 0b101, "present; no flush of NSID FFFFFFFFh");
+    let io = &mut ios[0];
+    io.flush(1).unwrap();
+    let e = io.flush(u32::MAX).unwrap_err();
+    assert!(status_of::<()>(Err(e)).same_code(status::INVALID_NAMESPACE));
+}
+
 #[test]
 fn identify_reports_what_the_linux_host_checks() {
     let w = world();
@@ -347,6 +370,8 @@ fn identify_reports_what_the_linux_host_checks() {
         sgls & 0x3 == 1 && sgls & (1 << 2) != 0 && sgls & (1 << 20) != 0,
         "SGLs, keyed, offset: {sgls:#x}"
     );
+    assert_ne!(sgls & (1 << 18), 0, "an SGL longer than its data: {sgls:#x}");
+    assert_eq!(id.vwc, 0, "no namespace of RAM caches writes");
     assert_eq!(id.icdoff.get(), 0);
     assert_eq!(id.ioccsz.get(), (64 + 4096) / 16);
     assert_eq!(id.iorcsz.get(), 1);
@@ -363,6 +388,7 @@ fn identify_reports_what_the_linux_host_checks() {
         "keyed descriptor lists"
     );
     let ns = a.identify_namespace(2).unwrap();
+    assert_eq!(ns.nmic & 1, 1, "shared: a host's second path to it is the same namespace");
     assert_eq!(ns.nsze.get(), SIZE / 4096);
     assert_eq!(ns.lbaf[0].lbads, 12);
     assert_eq!(ns.dlfeat & 0x7, 1, "deallocated blocks read as zeroes");
@@ -786,6 +812,16 @@ fn features_negotiate_queues_keep_alive_and_events() {
         1000,
         "raised to the minimum"
     );
+    // Longer than the maximum: refused, the timer as it was (a shorter one than asked for
+    // would end a host that keeps to its own).
+    let max = u32::try_from(Limits::default().kato_max.as_millis()).unwrap();
+    assert!(
+        status_of(a.set_feature(wire::feature::KEEP_ALIVE_TIMER, max + 1))
+            .same_code(status::KEEP_ALIVE_TIMEOUT_INVALID)
+    );
+    assert_eq!(a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(), 1000);
+    a.set_feature(wire::feature::KEEP_ALIVE_TIMER, max).unwrap();
+    assert_eq!(a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(), max);
     a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
         .unwrap();
     assert_eq!(
@@ -845,6 +881,69 @@ fn async_events_are_held_until_a_namespace_changes() {
         .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4096)
         .unwrap();
     assert_eq!(&log[..4], &[0, 0, 0, 0], "reading the log clears it");
+}
+
+/// The Changed Namespace List is in increasing NSID order; a read that fails (an offset past
+/// the list) leaves it and its event as they were; a read that clears it also takes back its
+/// event not yet reported, so no AER completes later for a list already read.
+#[test]
+fn the_changed_namespace_list_is_ordered_and_cleared_only_by_a_read() {
+    let w = world();
+    let (mut a, _ios) = w.controller(1);
+    a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
+        .unwrap();
+    // No AER held: the event waits.
+    w.target.namespace_changed(SUB, 3);
+    w.target.namespace_changed(SUB, 1);
+    let past = a.get_log_page(wire::log_page::CHANGED_NAMESPACES, 8192, 4);
+    assert!(status_of(past).same_code(status::INVALID_FIELD));
+    let log = a
+        .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4096)
+        .unwrap();
+    assert_eq!(&log[..12], &[1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
+    s.cid = U16::new(300);
+    let l = a.transport();
+    assert!(
+        l.send_capsule(s.as_bytes()).unwrap().is_none(),
+        "held: the event went with the read"
+    );
+    assert!(l.poll_events().is_empty());
+    // The next change raises it again.
+    w.target.namespace_changed(SUB, 2);
+    let ev = a.transport().poll_events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (300, 0x0004_0002));
+}
+
+/// Commands complete out of order; each completion reports the SQ head when it is made, so
+/// a later completion never reports an older head than an earlier one (a host doing SQ flow
+/// control would take a step back for a wrap).
+#[test]
+fn a_completion_reports_the_sq_head_when_it_is_made() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let now = ios[0].transport().now;
+    let q = ios[0].transport().queue_mut();
+    let mut flush = |cid: u16| {
+        let mut s = nvmfd_nvme::host::rw_sqe(wire::io_opcode::FLUSH, 1, 0, 0, false);
+        s.cid = U16::new(cid);
+        match q.handle(s.as_bytes(), now) {
+            Action::Io(req) => req,
+            other => panic!("expected a block operation, got {other:?}"),
+        }
+    };
+    let (first, second) = (flush(1), flush(2));
+    let q = ios[0].transport().queue_mut();
+    let done_second = q.io_done(&second, Ok(0));
+    let done_first = q.io_done(&first, Ok(0));
+    assert_eq!(done_first.cid.get(), 1);
+    assert_eq!(
+        done_first.sqhd.get(),
+        done_second.sqhd.get(),
+        "the head when the first completed"
+    );
 }
 
 #[test]

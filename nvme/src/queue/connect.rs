@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Byte offset of KATO in the Connect command (Connect Invalid Parameters points at it).
+const KATO_OFFSET: u32 = 48;
+
 impl Queue {
     pub(super) fn connect(&mut self, cmd: Command, data: &[u8], now: Instant) -> Action {
         // Another Connect sent before this one's data arrived bound the queue meanwhile: a
@@ -73,8 +76,12 @@ impl Queue {
                 } else {
                     Duration::ZERO
                 }
+            } else if requested > limits.kato_max {
+                // A shorter timer than asked for would end a host that keeps to its own
+                // (sending Keep Alive every KATO / 2): refused, not cut down.
+                return invalid(self, false, KATO_OFFSET);
             } else {
-                requested.clamp(limits.kato_min, limits.kato_max)
+                requested.max(limits.kato_min)
             };
             self.run_connect_hook();
             // The controller goes in the map only if the subsystems have not changed since

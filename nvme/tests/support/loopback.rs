@@ -183,6 +183,11 @@ impl Loopback {
         &self.queue
     }
 
+    /// The target's queue, to drive by hand (commands completed out of order).
+    pub fn queue_mut(&mut self) -> &mut Queue {
+        &mut self.queue
+    }
+
     /// Why the connection closed, if it did.
     pub fn closed(&self) -> Option<&str> {
         self.closed.as_deref()
