@@ -28,8 +28,8 @@ pub(crate) fn handle(
         }
         op::IDENTIFY => identify(q, ctrl, cmd, icd),
         op::GET_LOG_PAGE => get_log_page(q, ctrl, cmd, icd),
-        op::SET_FEATURES => set_features(q, ctrl, cmd, now),
-        op::GET_FEATURES => get_features(q, ctrl, cmd),
+        op::SET_FEATURES => set_features(q, ctrl, cmd, icd, now),
+        op::GET_FEATURES => get_features(q, ctrl, cmd, icd),
         op::ASYNC_EVENT_REQUEST => {
             let mut st = ctrl.lock();
             if st.held_aers.len() >= AER_LIMIT {
@@ -347,6 +347,9 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
             id.nn = U32::new(max_nsid(q));
             id.mnan = id.nn;
             id.oaes = U32::new(1 << 8); // Namespace Attribute Notices
+            // A host that enables Advanced Command Retry waits this long before retrying a
+            // retryable status (CRD 1).
+            id.crdt[0] = U16::new(RETRY_DELAY_100MS);
         }
         None => {
             wire::put_str(&mut id.sn, "nvmfd-discovery", b' ');
@@ -565,7 +568,36 @@ pub(crate) fn discovery_log(q: &Queue, ctrl: &Controller) -> Vec<u8> {
     out
 }
 
-fn set_features(q: &mut Queue, ctrl: &Controller, cmd: Command, now: Instant) -> Action {
+/// The Command Retry Delay Time 1 reported (CRDT1, in 100 ms): how long a host that enabled
+/// Advanced Command Retry waits before retrying a command answered with a retryable status
+/// (Namespace Not Ready while an RBD namespace waits for its cluster, say). The Linux host
+/// retries a command up to `nvme_core.max_retries` (5) times: some 5 s in all, instead of at
+/// once.
+pub const RETRY_DELAY_100MS: u16 = 10;
+
+/// Size of the Host Behavior Support structure.
+const HOST_BEHAVIOR_LEN: u32 = 512;
+
+/// The data of a Set Features command arrived: Host Behavior Support, the one feature with
+/// data nvmfd takes.
+pub(crate) fn data_arrived(q: &mut Queue, ctrl: &Controller, cmd: Command, data: &[u8]) -> Action {
+    let fid = (cmd.sqe.cdw10.get() & 0xFF) as u8;
+    match (cmd.sqe.opcode, fid, data.first()) {
+        (op::SET_FEATURES, feature::HOST_BEHAVIOR_SUPPORT, Some(&b0)) => {
+            ctrl.lock().acre = b0 & 1 != 0;
+            q.respond(&cmd, Status::SUCCESS, 0)
+        }
+        _ => q.respond(&cmd, status::INTERNAL_ERROR, 0),
+    }
+}
+
+fn set_features(
+    q: &mut Queue,
+    ctrl: &Controller,
+    cmd: Command,
+    icd: &[u8],
+    now: Instant,
+) -> Action {
     let cdw10 = cmd.sqe.cdw10.get();
     let fid = (cdw10 & 0xFF) as u8;
     if cdw10 & (1 << 31) != 0 {
@@ -573,6 +605,12 @@ fn set_features(q: &mut Queue, ctrl: &Controller, cmd: Command, now: Instant) ->
     }
     let cdw11 = cmd.sqe.cdw11.get();
     let limits = *q.target().limits();
+    if fid == feature::HOST_BEHAVIOR_SUPPORT && ctrl.subsystem.is_some() {
+        return match q.data_ref(&cmd.sqe, HOST_BEHAVIOR_LEN, true, icd) {
+            Ok(from) => Action::Fetch { cmd, from },
+            Err(st) => q.respond(&cmd, st, 0),
+        };
+    }
     let mut st = ctrl.lock();
     match fid {
         feature::NUMBER_OF_QUEUES if ctrl.subsystem.is_some() => {
@@ -628,13 +666,18 @@ fn set_features(q: &mut Queue, ctrl: &Controller, cmd: Command, now: Instant) ->
     }
 }
 
-fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command) -> Action {
+fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> Action {
     let cdw10 = cmd.sqe.cdw10.get();
     let fid = (cdw10 & 0xFF) as u8;
     let sel = (cdw10 >> 8) & 0x7;
     if sel == 3 {
         // Supported capabilities: nothing is saveable or namespace specific; all changeable.
         return q.respond(&cmd, Status::SUCCESS, 1 << 2);
+    }
+    if fid == feature::HOST_BEHAVIOR_SUPPORT && ctrl.subsystem.is_some() {
+        let mut data = vec![0u8; HOST_BEHAVIOR_LEN as usize];
+        data[0] = u8::from(ctrl.lock().acre);
+        return respond_data(q, &cmd, data, icd);
     }
     let st = ctrl.lock();
     let dw0 = match fid {

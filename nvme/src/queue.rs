@@ -606,6 +606,10 @@ impl Queue {
                 self.refresh_subsystem();
                 io::data_arrived(self, cmd, data)
             }
+            (Some(ctrl), Some(0)) => {
+                let ctrl = Arc::clone(ctrl);
+                admin::data_arrived(self, &ctrl, cmd, data)
+            }
             _ => self.respond(&cmd, status::INTERNAL_ERROR, 0),
         }
     }
@@ -656,7 +660,14 @@ impl Queue {
 
     /// A completion for `cmd` made now: its SQ Head is the head now, not when `cmd` arrived
     /// (commands complete out of order; a later completion never reports an older head).
+    /// A retryable status carries Command Retry Delay 1 where the host enabled Advanced
+    /// Command Retry.
     fn cqe_now(&self, cmd: &Command, qid: u16, st: Status, dw0: u32) -> Cqe {
+        let retry_later = !st.is_success() && !st.dnr();
+        let st = match &self.ctrl {
+            Some(c) if retry_later && c.lock().acre => st.with_crd(1),
+            _ => st,
+        };
         let mut c = cqe(cmd, qid, st, dw0);
         c.sqhd = U16::new(self.sqhd);
         c

@@ -141,6 +141,9 @@ pub(crate) struct CtrlState {
     /// read the Changed Namespace List since: further changes of the kind are masked, as the
     /// specification has it, and only join the list.
     pub ns_event_masked: bool,
+    /// The host enabled Advanced Command Retry (Host Behavior Support, ACRE): retryable
+    /// statuses carry a Command Retry Delay.
+    pub acre: bool,
     /// CC.EN went from 1 to 0 and I/O queues of the controller may still exist: CSTS.RDY
     /// reads 1 until the last of them is gone (`io_queues_alive`).
     pub resetting: bool,

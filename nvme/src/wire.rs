@@ -269,6 +269,16 @@ impl Status {
     pub fn is_success(self) -> bool {
         self.sct() == 0 && self.sc() == 0
     }
+    /// Command Retry Delay: which of the controller's CRDT1-3 the host waits before it
+    /// retries (1 to 3; 0: none).
+    pub fn crd(self) -> u8 {
+        ((self.0 >> 11) & 0x3) as u8
+    }
+    /// This status with Command Retry Delay `crd` (1 to 3: CRDT1-3).
+    #[must_use]
+    pub const fn with_crd(self, crd: u8) -> Status {
+        Status((self.0 & !(0x3 << 11)) | ((crd as u16 & 0x3) << 11))
+    }
     /// Same code, ignoring DNR/More/CRD.
     pub fn same_code(self, other: Status) -> bool {
         self.sct() == other.sct() && self.sc() == other.sc()
@@ -403,6 +413,8 @@ pub mod feature {
     pub const ASYNC_EVENT_CONFIG: u8 = 0x0B;
     /// Keep Alive Timer.
     pub const KEEP_ALIVE_TIMER: u8 = 0x0F;
+    /// Host Behavior Support (a 512-byte structure; byte 0 bit 0: ACRE).
+    pub const HOST_BEHAVIOR_SUPPORT: u8 = 0x16;
 }
 
 /// Log page identifiers.

@@ -946,6 +946,64 @@ fn a_completion_reports_the_sq_head_when_it_is_made() {
     );
 }
 
+/// A host that enables Advanced Command Retry (Host Behavior Support, data in the command)
+/// gets Command Retry Delay 1 on a retryable status, and waits CRDT1 (reported) before it
+/// retries; one that does not, gets none (the Linux host retries at once then).
+#[test]
+fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(1);
+    let id = a.identify_controller().unwrap();
+    assert_eq!(id.crdt[0].get(), RETRY_DELAY_100MS);
+    assert!(id.crdt[0].get() > 0);
+    let features = |a: &mut AdminQueue<Loopback>, set: Option<u8>| {
+        let opcode = if set.is_some() {
+            wire::admin_opcode::SET_FEATURES
+        } else {
+            wire::admin_opcode::GET_FEATURES
+        };
+        let mut s: Sqe = wire::zeroed();
+        s.opcode = opcode;
+        s.flags = 1 << 6; // PSDT: SGL
+        s.cdw10 = U32::new(u32::from(wire::feature::HOST_BEHAVIOR_SUPPORT));
+        let mut buf = vec![0u8; 512];
+        let c = match set {
+            Some(b) => {
+                buf[0] = b;
+                a.transport().execute(s, DataDir::ToTarget(&buf)).unwrap()
+            }
+            None => a.transport().execute(s, DataDir::FromTarget(&mut buf)).unwrap(),
+        };
+        assert!(c.status().is_success(), "{:?}", c.status());
+        buf[0]
+    };
+    let now = ios[0].transport().now;
+    let mut not_ready = |ios: &mut Vec<IoQueue<Loopback>>| {
+        let q = ios[0].transport().queue_mut();
+        let s = nvmfd_nvme::host::rw_sqe(wire::io_opcode::FLUSH, 1, 0, 0, false);
+        let Action::Io(req) = q.handle(s.as_bytes(), now) else {
+            panic!("expected a block operation");
+        };
+        let st = q.io_done(&req, Err(BlockFailure::Unavailable)).status();
+        assert!(!st.dnr(), "{st:?}");
+        st.crd()
+    };
+    assert_eq!(features(&mut a, None), 0, "off until the host enables it");
+    assert_eq!(not_ready(&mut ios), 0);
+    assert_eq!(features(&mut a, Some(1)), 1);
+    assert_eq!(features(&mut a, None), 1);
+    assert_eq!(not_ready(&mut ios), 1, "CRDT1");
+    // A status that must not be retried carries no delay.
+    let q = ios[0].transport().queue_mut();
+    let s = nvmfd_nvme::host::rw_sqe(wire::io_opcode::FLUSH, 1, 0, 0, false);
+    let Action::Io(req) = q.handle(s.as_bytes(), now) else {
+        panic!("expected a block operation");
+    };
+    assert_eq!(q.io_done(&req, Err(BlockFailure::OutOfRange)).status().crd(), 0);
+    features(&mut a, Some(0));
+    assert_eq!(not_ready(&mut ios), 0);
+}
+
 #[test]
 fn keep_alive_expiry_ends_the_controller_and_its_queues() {
     let w = world();

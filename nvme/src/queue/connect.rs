@@ -132,6 +132,7 @@ impl Queue {
                     pending_events: Vec::new(),
                     changed_nsids: Vec::new(),
                     ns_event_masked: false,
+                    acre: false,
                     resetting: false,
                     shutdown_pending: false,
                 }),
