@@ -346,7 +346,8 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
             // Namespace), so that a namespace added later has a valid NSID.
             id.nn = U32::new(max_nsid(q));
             id.mnan = id.nn;
-            id.oaes = U32::new(1 << 8); // Namespace Attribute Notices
+            // Namespace Attribute Notices.
+            id.oaes = U32::new(1 << 8);
             // A host that enables Advanced Command Retry waits this long before retrying a
             // retryable status (CRD 1).
             id.crdt[0] = U16::new(RETRY_DELAY_100MS);

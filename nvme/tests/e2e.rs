@@ -370,7 +370,11 @@ fn identify_reports_what_the_linux_host_checks() {
         sgls & 0x3 == 1 && sgls & (1 << 2) != 0 && sgls & (1 << 20) != 0,
         "SGLs, keyed, offset: {sgls:#x}"
     );
-    assert_ne!(sgls & (1 << 18), 0, "an SGL longer than its data: {sgls:#x}");
+    assert_ne!(
+        sgls & (1 << 18),
+        0,
+        "an SGL longer than its data: {sgls:#x}"
+    );
     assert_eq!(id.vwc, 0, "no namespace of RAM caches writes");
     assert_eq!(id.icdoff.get(), 0);
     assert_eq!(id.ioccsz.get(), (64 + 4096) / 16);
@@ -388,7 +392,11 @@ fn identify_reports_what_the_linux_host_checks() {
         "keyed descriptor lists"
     );
     let ns = a.identify_namespace(2).unwrap();
-    assert_eq!(ns.nmic & 1, 1, "shared: a host's second path to it is the same namespace");
+    assert_eq!(
+        ns.nmic & 1,
+        1,
+        "shared: a host's second path to it is the same namespace"
+    );
     assert_eq!(ns.nsze.get(), SIZE / 4096);
     assert_eq!(ns.lbaf[0].lbads, 12);
     assert_eq!(ns.dlfeat & 0x7, 1, "deallocated blocks read as zeroes");
@@ -819,7 +827,10 @@ fn features_negotiate_queues_keep_alive_and_events() {
         status_of(a.set_feature(wire::feature::KEEP_ALIVE_TIMER, max + 1))
             .same_code(status::KEEP_ALIVE_TIMEOUT_INVALID)
     );
-    assert_eq!(a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(), 1000);
+    assert_eq!(
+        a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(),
+        1000
+    );
     a.set_feature(wire::feature::KEEP_ALIVE_TIMER, max).unwrap();
     assert_eq!(a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(), max);
     a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
@@ -972,7 +983,10 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
                 buf[0] = b;
                 a.transport().execute(s, DataDir::ToTarget(&buf)).unwrap()
             }
-            None => a.transport().execute(s, DataDir::FromTarget(&mut buf)).unwrap(),
+            None => a
+                .transport()
+                .execute(s, DataDir::FromTarget(&mut buf))
+                .unwrap(),
         };
         assert!(c.status().is_success(), "{:?}", c.status());
         buf[0]
@@ -999,7 +1013,12 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
     let Action::Io(req) = q.handle(s.as_bytes(), now) else {
         panic!("expected a block operation");
     };
-    assert_eq!(q.io_done(&req, Err(BlockFailure::OutOfRange)).status().crd(), 0);
+    assert_eq!(
+        q.io_done(&req, Err(BlockFailure::OutOfRange))
+            .status()
+            .crd(),
+        0
+    );
     features(&mut a, Some(0));
     assert_eq!(not_ready(&mut ios), 0);
 }

@@ -735,7 +735,11 @@ fn a_removed_file_namespace_and_every_file_namespace_at_stop_are_synced() {
         .into_iter()
         .filter(|v| v["when"] == "stop")
         .collect();
-    assert_eq!(at_stop.len(), 1, "only the file namespace is synced: {at_stop:?}");
+    assert_eq!(
+        at_stop.len(),
+        1,
+        "only the file namespace is synced: {at_stop:?}"
+    );
     assert_eq!(at_stop[0]["nsid"], 3);
     assert_eq!(at_stop[0]["subsystem"], A);
     assert!(log_lines(&d, "namespace's device could not be synced").is_empty());

@@ -43,7 +43,8 @@ impl Daemon {
             let l = self.leaving.swap_remove(i);
             let log = self.log.clone();
             let name = (l.nqn.clone(), l.nsid);
-            let started = spawn_counted(move || sync_logged(&log, &l.nqn, l.nsid, &l.dev, "let go"));
+            let started =
+                spawn_counted(move || sync_logged(&log, &l.nqn, l.nsid, &l.dev, "let go"));
             if let Err(e) = started {
                 error!(self.log, "namespace's device could not be synced: writes completed on it may not be durable";
                        "subsystem" => name.0, "nsid" => name.1, "when" => "let go", "error" => e);
