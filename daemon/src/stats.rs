@@ -112,6 +112,9 @@ pub struct DataPathCounters {
     pub srq_errors: AtomicU64,
     /// Receive completions for QPs no longer known (re-posted).
     pub late_receives: AtomicU64,
+    /// Commands past the queue size of their QP (more without a response than the host's
+    /// queue holds): the queue ended.
+    pub commands_over_queue_size: AtomicU64,
     /// Send or block completions that named no command in flight (dropped, never applied).
     pub stale_completions: AtomicU64,
     /// Asynchronous Event Requests completed (an event reported to a host).
@@ -219,6 +222,7 @@ impl DataPathCounters {
             srq_empty_total: g(&self.srq_empty),
             srq_errors_total: g(&self.srq_errors),
             late_receives_total: g(&self.late_receives),
+            commands_over_queue_size_total: g(&self.commands_over_queue_size),
             stale_completions_total: g(&self.stale_completions),
             async_events_total: g(&self.async_events),
             writes_from_receive_total: g(&self.writes_from_receive),
@@ -356,6 +360,7 @@ impl DataPathCounters {
             srq_empty,
             srq_errors,
             late_receives,
+            commands_over_queue_size,
             stale_completions,
             async_events,
             writes_from_receive,
@@ -409,6 +414,7 @@ impl DataPathCounters {
         mv(srq_empty, &to.srq_empty);
         mv(srq_errors, &to.srq_errors);
         mv(late_receives, &to.late_receives);
+        mv(commands_over_queue_size, &to.commands_over_queue_size);
         mv(stale_completions, &to.stale_completions);
         mv(async_events, &to.async_events);
         mv(writes_from_receive, &to.writes_from_receive);
@@ -487,6 +493,9 @@ pub struct DataPathStats {
     pub srq_errors_total: u64,
     /// Receive completions for QPs no longer known.
     pub late_receives_total: u64,
+    /// Commands past their queue's size; the queue ended.
+    #[serde(default)]
+    pub commands_over_queue_size_total: u64,
     /// Send or block completions that named no command in flight, dropped.
     #[serde(default)]
     pub stale_completions_total: u64,

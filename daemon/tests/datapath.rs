@@ -3287,3 +3287,88 @@ fn a_drain_marker_posted_and_then_failed_is_counted_and_its_completion_ends_the_
     // Its marker's completion ended the drain, not the timeout.
     assert_eq!(c.drain_timeouts.load(Relaxed), 0);
 }
+
+/// A host that sends more commands than its queue holds, and posts no receive for their
+/// responses, would take every request slot (responses waiting for send-queue room, each
+/// holding one) and then, its commands waiting in their receives, empty the SRQ that every
+/// host of the reactor shares. Its queue ends once it has a command more without a response
+/// than its queue size (32 here), counted and logged; the target serves other hosts on, and
+/// everything it held comes back.
+#[test]
+fn a_host_past_its_queue_size_is_torn_down_and_others_are_served() {
+    use nvmfd_rdma::{SendOp, SendWr, Sge, Wc, WcStatus};
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4489, None, Arc::clone(&c));
+    let h = bare_connect(&s);
+    let ev = (0..1000)
+        .find_map(|_| {
+            let e = h.ch.next_event();
+            if e.is_none() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            e
+        })
+        .expect("the target answers the connect");
+    assert!(
+        matches!(ev, nvmfd_rdma::soft::cm::CmEvent::Established { .. }),
+        "{ev:?}"
+    );
+    // Keep Alives without a Connect: each is answered (Command Sequence Error), and no
+    // answer can land.
+    let cq = &h._qp_on.1;
+    let mut wc = [Wc::default(); 16];
+    let mut sent = 0u32;
+    for cid in 0..2000u16 {
+        if c.commands_over_queue_size.load(Relaxed) > 0 {
+            break;
+        }
+        let mut sqe = [0u8; 64];
+        sqe[0] = 0x18;
+        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+        let sge = [Sge {
+            addr: sqe.as_ptr() as u64,
+            length: 64,
+            lkey: 0,
+        }];
+        if h.id
+            .post_send(&[SendWr {
+                wr_id: u64::from(cid),
+                op: SendOp::Send,
+                sges: &sge,
+                signaled: true,
+                inline: true,
+            }])
+            .is_err()
+        {
+            break;
+        }
+        let done = (0..2000).find_map(|_| {
+            let n = cq.poll(&mut wc).unwrap();
+            if n == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            (n > 0).then(|| wc[0].status)
+        });
+        if done != Some(WcStatus::Success) {
+            break;
+        }
+        sent += 1;
+    }
+    wait_until("the queue past its size to be torn down", || {
+        c.commands_over_queue_size.load(Relaxed) == 1 && c.teardowns_controller.load(Relaxed) == 1
+    });
+    assert!(
+        sent < 1000,
+        "{sent} commands taken from one queue of 32 entries"
+    );
+    // Other hosts are served, and everything the queue held comes back.
+    let (_admin, mut ios) = controller(&s, 1);
+    let data = pattern(89, 4096);
+    ios[0].write(1, 0, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    ios[0].read(1, 0, 8, &mut back).unwrap();
+    assert!(back == data);
+    drop(h);
+    wait_pools_full(&c, false);
+}

@@ -992,7 +992,7 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
         buf[0]
     };
     let now = ios[0].transport().now;
-    let mut not_ready = |ios: &mut Vec<IoQueue<Loopback>>| {
+    let not_ready = |ios: &mut Vec<IoQueue<Loopback>>| {
         let q = ios[0].transport().queue_mut();
         let s = nvmfd_nvme::host::rw_sqe(wire::io_opcode::FLUSH, 1, 0, 0, false);
         let Action::Io(req) = q.handle(s.as_bytes(), now) else {

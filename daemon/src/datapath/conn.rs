@@ -31,6 +31,11 @@ pub(super) struct Conn {
     pub(super) staged: Vec<Staged>,
     /// Signaled work requests posted (or staged) and not completed.
     pub(super) signaled_out: u32,
+    /// Commands received, and responses staged: a host has at most its queue size
+    /// (`depth`) of commands without a response. One that sends more is torn down, or it
+    /// could take every request slot and empty the SRQ that every host shares.
+    pub(super) received: u64,
+    pub(super) answered: u64,
 }
 
 /// The live connections: a slab, so that a request finds its connection by index
@@ -283,6 +288,8 @@ impl DataPath {
             pending_sends: VecDeque::with_capacity(d),
             staged: Vec::with_capacity(sq_budget as usize),
             signaled_out: 0,
+            received: 0,
+            answered: 0,
         });
         self.counters
             .connections

@@ -228,6 +228,7 @@ impl DataPath {
             r.state = State::Completing;
             c.sq_used += writes + 1;
             c.signaled_out += 1;
+            c.answered += 1;
             self.sends_in_flight += 1;
             c.pending_sends.pop_front();
         }

@@ -18,11 +18,24 @@ impl DataPath {
             }
             return;
         }
-        let Some(conn) = self.conns.get(&c.qp_num) else {
+        let Some(conn) = self.conns.get_mut(&c.qp_num) else {
             self.srq.completed(c.wr_id, now);
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
         };
+        if conn.received - conn.answered >= u64::from(conn.depth) {
+            // More commands without a response than the queue holds: the host broke SQ
+            // flow control (or posts no receive for the responses, which then never go).
+            let (depth, outstanding) = (conn.depth, conn.received - conn.answered);
+            self.srq.completed(c.wr_id, now);
+            self.counters
+                .commands_over_queue_size
+                .fetch_add(1, Ordering::Relaxed);
+            slog::warn!(self.log, "a host sent more commands than its queue holds; the queue ends";
+                "qpn" => c.qp_num, "queue_size" => depth, "without_response" => outstanding);
+            return self.teardown(c.qp_num, Cause::Controller, now);
+        }
+        conn.received += 1;
         // An admin queue's commands (or a new queue's Connect) have slots kept for them.
         let admin = conn.queue.qid().is_none_or(|q| q == 0);
         bump(&self.counters.commands, 1);
