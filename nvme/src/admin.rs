@@ -124,6 +124,7 @@ pub(crate) fn property(
         st.csts = 0;
         st.queues_granted = None;
         st.io_queues.clear();
+        st.io_queues_lost.clear();
         st.held_aers.clear();
         st.resetting = true;
         refresh_ready(ctrl, &st);
@@ -141,6 +142,7 @@ pub(crate) fn property(
             // The host should have deleted them first; they end now, as on a reset.
             st.shutdown_pending = true;
             st.io_queues.clear();
+            st.io_queues_lost.clear();
             ctrl.new_epoch();
             return q.respond(&cmd, Status::SUCCESS, 0);
         }

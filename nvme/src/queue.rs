@@ -346,23 +346,39 @@ impl Queue {
     /// The transport tore this I/O queue's connection down with none of its commands at a
     /// backend: nothing of it can reach the disk any more (a write whose data was still being
     /// fetched is never submitted), so a new association of its host need not wait for it.
+    ///
+    /// Its queue ID, kept since its connection was lost, is free now.
     pub fn settled(&mut self) {
         if let (Some(ctrl), true) = (self.ctrl.as_ref(), self.unsettled) {
             self.unsettled = false;
             ctrl.io_queues_unsettled.fetch_sub(1, Ordering::AcqRel);
         }
+        self.release_qid();
     }
 
     /// The transport tore this queue's connection down. An admin queue's controller ends
     /// now, not when the queue is dropped once its connection has drained: a Connect of the
     /// same host meanwhile finds it ended (and fenced while I/O queues of it are alive).
     ///
-    /// An I/O queue's ID is free again now: its connection takes no more commands, and
-    /// what it has at a backend is counted apart (`io_queues_alive`), so the host may
-    /// connect a queue with that ID at once.
+    /// An I/O queue's ID stays taken while commands of it may be at a backend, until
+    /// [`Queue::settled`] (the transport saw none left) or the queue is dropped: a queue the
+    /// host connects with that ID meanwhile could have a write of it overtaken by an older
+    /// one of this queue. Its Connect is answered Controller Busy, which the host retries.
     pub fn connection_lost(&mut self) {
         match (self.ctrl.as_ref(), self.qid) {
             (Some(ctrl), Some(0)) => ctrl.end(EndReason::AdminQueueLost),
+            (Some(ctrl), Some(qid))
+                if self.unsettled
+                    && self.holds_qid
+                    && ctrl.epoch.load(Ordering::Acquire) == self.epoch =>
+            {
+                let mut st = ctrl.lock();
+                let slot = usize::from(qid) - 1;
+                if st.io_queues_lost.len() <= slot {
+                    st.io_queues_lost.resize(slot + 1, false);
+                }
+                st.io_queues_lost[slot] = true;
+            }
             (Some(_), Some(_)) => self.release_qid(),
             _ => {}
         }
@@ -380,6 +396,9 @@ impl Queue {
         if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
             let mut st = ctrl.lock();
             if let Some(q) = st.io_queues.get_mut(usize::from(qid) - 1) {
+                *q = false;
+            }
+            if let Some(q) = st.io_queues_lost.get_mut(usize::from(qid) - 1) {
                 *q = false;
             }
         }

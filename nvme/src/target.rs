@@ -133,6 +133,11 @@ pub(crate) struct CtrlState {
     /// Granted I/O queue count (0's based pair), once Number of Queues was set.
     pub queues_granted: Option<u16>,
     pub io_queues: Vec<bool>,
+    /// Per I/O queue ID: taken by a queue whose connection was lost while commands of it
+    /// may still be at a backend. Its ID is free once they are done; a Connect for it
+    /// meanwhile is answered Controller Busy (the host retries), so that a write of the old
+    /// queue cannot land after one the host sends through the new queue.
+    pub io_queues_lost: Vec<bool>,
     pub aec: u32,
     pub held_aers: Vec<u16>,
     pub pending_events: Vec<u32>,

@@ -1023,6 +1023,30 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
     assert_eq!(not_ready(&mut ios), 0);
 }
 
+/// An I/O queue whose connection was lost while commands of it may be at a backend keeps
+/// its queue ID until they are done: a queue the host connects with that ID meanwhile is
+/// answered Controller Busy (retryable), or a write through it could be overtaken by an older
+/// one of the lost queue. Once the lost queue has settled, the ID is free.
+#[test]
+fn a_lost_io_queues_id_is_busy_until_its_commands_are_done() {
+    let w = world();
+    let (a, mut ios) = w.controller(1);
+    ios[0].transport().queue_mut().connection_lost();
+    let again = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127);
+    let st = status_of(again);
+    assert!(st.same_code(status::CONNECT_CONTROLLER_BUSY), "{st:?}");
+    assert!(!st.dnr(), "the host retries: {st:?}");
+    ios[0].transport().queue_mut().settled();
+    let again = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127);
+    assert!(again.is_ok(), "{again:?}");
+    // A queue lost with nothing at a backend frees its ID at once (the transport says so
+    // right away), as before.
+    let mut q2 = again.unwrap();
+    q2.transport().queue_mut().connection_lost();
+    q2.transport().queue_mut().settled();
+    assert!(IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127).is_ok());
+}
+
 #[test]
 fn keep_alive_expiry_ends_the_controller_and_its_queues() {
     let w = world();

@@ -127,6 +127,7 @@ impl Queue {
                     last_keep_alive: now,
                     queues_granted: None,
                     io_queues: Vec::new(),
+                    io_queues_lost: Vec::new(),
                     aec: 0,
                     held_aers: Vec::new(),
                     pending_events: Vec::new(),
@@ -171,6 +172,9 @@ impl Queue {
             let mut st = ctrl.lock();
             let granted = st.queues_granted.map_or(0, |g| usize::from(g) + 1);
             let slot = usize::from(qid) - 1;
+            if slot < granted && st.io_queues_lost.get(slot).copied().unwrap_or(false) {
+                return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY_RETRY, 0);
+            }
             if slot >= granted || st.io_queues.get(slot).copied().unwrap_or(false) {
                 return invalid(self, false, 42);
             }
