@@ -604,10 +604,12 @@ impl AdminServer {
             let line: Vec<u8> = c.input.drain(..=nl).collect();
             let text = String::from_utf8_lossy(&line[..nl]);
             let text = text.trim();
+            // A blank line counts against the turn's budget too: a client sending nothing
+            // but newlines must not hold the control thread either.
+            *budget -= 1;
             if text.is_empty() {
                 continue;
             }
-            *budget -= 1;
             let answer = match serde_json::from_str::<Request>(text) {
                 Ok(req) => handle(req, c.uid, &self.stats()),
                 Err(e) => Response::error(format!(

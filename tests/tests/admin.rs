@@ -477,6 +477,48 @@ fn a_client_flooding_requests_does_not_hold_the_control_thread() {
     );
 }
 
+/// A client that sends nothing but blank lines, as fast as it can, gets no answers, and must
+/// not hold the control thread either: another client is answered meanwhile, within a bound.
+#[test]
+fn a_client_flooding_blank_lines_does_not_hold_the_control_thread() {
+    let d = Daemon::start(Options::default());
+    let flood = UnixStream::connect(&d.socket).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let written = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut w = flood.try_clone().unwrap();
+    let (st, sent) = (
+        std::sync::Arc::clone(&stop),
+        std::sync::Arc::clone(&written),
+    );
+    let writer = std::thread::spawn(move || {
+        let lines = vec![b'\n'; 1 << 16];
+        while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            if w.write_all(&lines).is_err() {
+                break;
+            }
+            sent.fetch_add(lines.len(), std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    // The flood is on: the daemon has taken some of it (more than a socket buffer holds).
+    wait_for("the blank lines to flow", || {
+        (written.load(std::sync::atomic::Ordering::Relaxed) > 1 << 20).then_some(())
+    });
+    let mut other = UnixStream::connect(&d.socket).unwrap();
+    other
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    other.write_all(b"{\"request\":\"status\"}\n").unwrap();
+    let mut line = String::new();
+    let got = BufReader::new(&other).read_line(&mut line);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = flood.shutdown(std::net::Shutdown::Both);
+    let _ = writer.join();
+    assert!(
+        matches!(got, Ok(n) if n > 0),
+        "no answer within 5 s while another client sends blank lines: {got:?}"
+    );
+}
+
 /// A ramfs mounted on a directory of its own, unmounted on drop.
 struct Ramfs(tempfile::TempDir);
 
