@@ -424,6 +424,47 @@ fn an_image_whose_configuration_turns_write_back_caching_on_is_not_served() {
     assert_eq!(status["namespaces"][1]["serving"], true, "{status}");
 }
 
+/// nvmfd has librbd discard partial extents, so that a deallocated block reads back as
+/// zeroes, as hosts are told; an image's configuration that skips them would leave old data
+/// there. It is not served, and its status says why; without the setting it is.
+#[test]
+fn an_image_whose_configuration_skips_partial_discards_is_not_served() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let spec = format!("rbd/{image}");
+    rbd(&conf, &["create", "--size", "16M", &spec]);
+    rbd(
+        &conf,
+        &[
+            "config",
+            "image",
+            "set",
+            &spec,
+            "rbd_skip_partial_discard",
+            "true",
+        ],
+    );
+    {
+        let d = image_as_namespace_2(&conf, &image);
+        let status = d.data("status");
+        let ns = &status["namespaces"][1];
+        assert_eq!(ns["serving"], false, "{status}");
+        let reason = ns["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("partial discards") && reason.contains("the image's configuration"),
+            "{status}"
+        );
+    }
+    rbd(
+        &conf,
+        &["config", "image", "rm", &spec, "rbd_skip_partial_discard"],
+    );
+    let d = image_as_namespace_2(&conf, &image);
+    let status = d.data("status");
+    assert_eq!(status["namespaces"][1]["serving"], true, "{status}");
+}
+
 /// An image with the exclusive-lock feature (what a plain `rbd create` makes) is served, with
 /// a warning in the log and in status: each reactor's handle takes the lock in turn.
 #[test]
