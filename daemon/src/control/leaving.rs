@@ -14,18 +14,27 @@ pub(super) struct Leaving {
     pub(super) dev: Arc<nvmfd_blockdev::Device>,
 }
 
-/// Syncs `dev` and logs the outcome; `when` says why ("let go", "stop").
-fn sync_logged(log: &Logger, nqn: &str, nsid: u32, dev: &nvmfd_blockdev::Device, when: &str) {
+/// Syncs `dev` and logs the outcome; `when` says why ("let go", "stop"). Returns whether it
+/// synced (or had nothing to sync).
+fn sync_logged(
+    log: &Logger,
+    nqn: &str,
+    nsid: u32,
+    dev: &nvmfd_blockdev::Device,
+    when: &str,
+) -> bool {
     let began = Instant::now();
     match dev.sync() {
         Ok(true) => {
             info!(log, "namespace's device synced: its completed writes are durable";
-                  "subsystem" => nqn, "nsid" => nsid, "when" => when, "took" => ?began.elapsed())
+                  "subsystem" => nqn, "nsid" => nsid, "when" => when, "took" => ?began.elapsed());
+            true
         }
-        Ok(false) => {}
+        Ok(false) => true,
         Err(e) => {
             error!(log, "namespace's device could not be synced: writes completed on it may not be durable";
-                   "subsystem" => nqn, "nsid" => nsid, "when" => when, "error" => %e)
+                   "subsystem" => nqn, "nsid" => nsid, "when" => when, "error" => %e);
+            false
         }
     }
 }
@@ -43,8 +52,9 @@ impl Daemon {
             let l = self.leaving.swap_remove(i);
             let log = self.log.clone();
             let name = (l.nqn.clone(), l.nsid);
-            let started =
-                spawn_counted(move || sync_logged(&log, &l.nqn, l.nsid, &l.dev, "let go"));
+            let started = spawn_counted(move || {
+                sync_logged(&log, &l.nqn, l.nsid, &l.dev, "let go");
+            });
             if let Err(e) = started {
                 error!(self.log, "namespace's device could not be synced: writes completed on it may not be durable";
                        "subsystem" => name.0, "nsid" => name.1, "when" => "let go", "error" => e);
@@ -53,15 +63,15 @@ impl Daemon {
     }
 
     /// At stop, with the reactors joined: syncs every device still open, served or let go of.
-    pub(super) fn sync_devices_at_stop(&mut self) {
+    /// Returns how many could not be synced (the daemon then exits with an error).
+    pub(super) fn sync_devices_at_stop(&mut self) -> usize {
         let leaving = std::mem::take(&mut self.leaving);
         let devices = std::mem::take(&mut self.devices);
         let all = devices
             .into_iter()
             .map(|((nqn, nsid), dev)| Leaving { nqn, nsid, dev })
             .chain(leaving);
-        for l in all {
-            sync_logged(&self.log, &l.nqn, l.nsid, &l.dev, "stop");
-        }
+        all.filter(|l| !sync_logged(&self.log, &l.nqn, l.nsid, &l.dev, "stop"))
+            .count()
     }
 }

@@ -189,8 +189,11 @@ pub fn run(
         .start(&mut poll, loop_cfg)
         .and_then(|admin| d.serve(&mut poll, &mut signals, admin, &term));
     d.stop_reactors();
-    d.sync_devices_at_stop();
-    result
+    let not_synced = d.sync_devices_at_stop();
+    match result {
+        Ok(()) if not_synced > 0 => Err(DaemonError::NotSynced(not_synced)),
+        r => r,
+    }
 }
 
 impl Daemon {

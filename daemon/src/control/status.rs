@@ -50,6 +50,9 @@ pub enum DaemonError {
     /// a namespace could not be opened
     #[error("{0}")]
     Namespaces(String),
+    /// at stop, devices could not be synced: writes completed on them may not be durable
+    #[error("{0} namespace devices could not be synced at stop: writes completed on them may not be durable")]
+    NotSynced(usize),
 }
 
 /// One listener in `status`.
