@@ -456,7 +456,64 @@ impl Device {
     /// `None`, to what the backend reports now (a file, block device or RBD image resized
     /// outside nvmfd). Returns the new capacity, a whole number of logical blocks.
     pub fn resize(&self, size: Option<u64>) -> io::Result<u64> {
+        self.resize_fenced(size, || Ok(()))
+    }
+
+    /// [`Device::resize`]; a shrink to `size` first stores the new capacity (every engine
+    /// refuses an operation past it from then on), then runs `fence`, which must return once
+    /// no write past it queued before is left at any engine (a reactor's turn, then its
+    /// operations past the end completed: `Engine::writes_past`), and only then cuts the
+    /// backend. Cut first, a write already let through could extend a file (or recreate an
+    /// image's objects) past the new end, where a later grow would read its old data and a
+    /// restart would find the larger size. The tail of a RAM device is zeroed then, as a file's
+    /// truncated tail reads back zeroes. A failed fence or cut puts the capacity back.
+    pub fn resize_fenced(
+        &self,
+        size: Option<u64>,
+        fence: impl FnOnce() -> io::Result<()>,
+    ) -> io::Result<u64> {
         self.check_resize(size)?;
+        let before = self.size();
+        if let Some(n) = size.filter(|&n| n < before) {
+            self.size.store(n, std::sync::atomic::Ordering::Release);
+            let cut = fence().and_then(|()| self.cut(n, before));
+            if let Err(e) = cut {
+                self.size
+                    .store(before, std::sync::atomic::Ordering::Release);
+                return Err(e);
+            }
+            return Ok(n);
+        }
+        self.resize_now(size)
+    }
+
+    /// Cuts the backend of a shrink from `before` to `n` bytes (the capacity stored already).
+    fn cut(&self, n: u64, before: u64) -> io::Result<()> {
+        match &self.backing {
+            Backing::File(f) => f.set_len(n),
+            Backing::Malloc(ram) => {
+                let (start, end) = (
+                    usize::try_from(n).unwrap_or(usize::MAX),
+                    usize::try_from(before).unwrap_or(usize::MAX).min(ram.len()),
+                );
+                if start < end {
+                    // SAFETY: `start..end` lies within the mapping (`end` is at most its
+                    // length); each piece is written under its chunk's lock, with raw pointers.
+                    unsafe {
+                        ram.each_chunk(start, end - start, |at, _, len| {
+                            std::ptr::write_bytes(at, 0, len);
+                        });
+                    }
+                }
+                Ok(())
+            }
+            Backing::Null => Ok(()),
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(image) => image.resize(n),
+        }
+    }
+
+    fn resize_now(&self, size: Option<u64>) -> io::Result<u64> {
         let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
         let bs = u64::from(self.info.logical_block_size);
         let new = match (&self.backing, size) {

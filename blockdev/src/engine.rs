@@ -236,6 +236,22 @@ impl Engine {
         self.slots.len() - self.free_slots.len()
     }
 
+    /// Whether an operation that writes past `end` bytes of `dev` is queued or in flight
+    /// here (reaped or not): a shrink of `dev` to `end` waits until none is left anywhere
+    /// before it cuts the backend (`Device::resize_fenced`), or such a write could extend it
+    /// again.
+    pub fn writes_past(&self, dev: &Arc<Device>, end: u64) -> bool {
+        self.slots.iter().flatten().any(|s| {
+            !matches!(s.op, OpKind::Read | OpKind::Flush)
+                && s.offset.saturating_add(u64::from(s.len)) > end
+                && self
+                    .devices
+                    .get(s.dev as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|a| Arc::ptr_eq(&a.dev, dev))
+        })
+    }
+
     /// Room for this many more operations.
     pub fn capacity_left(&self) -> usize {
         self.free_slots.len()

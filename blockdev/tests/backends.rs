@@ -637,6 +637,69 @@ impl ProbeDirect for std::fs::OpenOptions {
     }
 }
 
+/// A shrink stores the new capacity first (a write past it is refused from then on), waits in
+/// its fence for the writes past it let through before, and only then cuts the backend: a
+/// write queued before the shrink, which runs in the fence, cannot extend a file past its new
+/// end, and a grow afterwards reads zeroes past the old end (a RAM device's tail is zeroed as
+/// a file's is cut).
+fn a_shrink_cuts_after_the_writes_let_through_before_it(mut f: Fixture) {
+    let kind = f.device.info().kind;
+    if !f.stores || kind == Kind::Bdev {
+        return; // a block device has its own size; null stores nothing
+    }
+    let half = SIZE / 2;
+    let len = 8192;
+    let at = half + 8192;
+    let data = pattern(7, len);
+    let mut b = f.buf(len);
+    b.as_mut_slice().copy_from_slice(&data);
+    f.engine.write(f.dev, at, b, false, 1).unwrap();
+    // RAM writes as it queues (what is done is no longer in flight); the others later.
+    assert_eq!(f.engine.writes_past(&f.device, half), kind != Kind::Malloc);
+    assert!(
+        !f.engine.writes_past(&f.device, at + len as u64),
+        "ends there"
+    );
+    let (engine, pool) = (&mut f.engine, &f.pool);
+    let mut done = Vec::new();
+    f.device
+        .resize_fenced(Some(half), || {
+            // Past the new end: refused now, while the write let through before runs.
+            let mut late = pool.take().unwrap();
+            assert!(late.set_len(len));
+            let refused = engine.write(f.dev, at, late, false, 2).unwrap_err();
+            assert!(
+                matches!(refused.error, BlockError::OutOfRange { .. }),
+                "{refused:?}"
+            );
+            engine.drain(|c| done.push(c))?;
+            assert!(!engine.writes_past(&f.device, half));
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].result, Ok(len as u32));
+    assert_eq!(f.device.size(), half);
+    if kind == Kind::File {
+        let path = f.spec.path.clone().unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            half,
+            "cut after the write"
+        );
+    }
+    f.device.resize(Some(SIZE)).unwrap();
+    let got = f.read(at, len);
+    assert!(got.iter().all(|&x| x == 0), "the regrown tail reads zeroes");
+    drop(done);
+    assert_eq!(
+        f.pool.free_count(),
+        f.pool.count(),
+        "every buffer came back"
+    );
+}
+per_backend!(a_shrink_cuts_after_the_writes_let_through_before_it);
+
 #[test]
 fn a_file_that_shrinks_under_the_engine_gives_a_short_transfer() {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();

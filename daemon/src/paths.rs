@@ -89,6 +89,17 @@ pub enum ReactorCmd {
     /// The target raised asynchronous events (or ended controllers): complete the held
     /// AERs whose events came, and close what ended, now rather than at the next command.
     PollEvents,
+    /// `dev` was shrunk to `end` bytes (its capacity stored, so no write past it is let
+    /// through any more): answer on `done` once no write past it is left at an engine here,
+    /// after which the control thread cuts the backend.
+    FenceWrites {
+        /// The device.
+        dev: Arc<nvmfd_blockdev::Device>,
+        /// Its new capacity.
+        end: u64,
+        /// Answered when none is left.
+        done: std::sync::mpsc::Sender<()>,
+    },
 }
 
 /// What a reactor needs to build a data path on a device: at start, and when a listener's
@@ -221,6 +232,12 @@ pub struct ReactorPaths {
     fds_changed: bool,
     /// Listeners without a data path here because setting one up failed.
     unserved: Unserved,
+    /// Shrinks waiting for writes past their device's new end (`ReactorCmd::FenceWrites`).
+    fences: Vec<(
+        Arc<nvmfd_blockdev::Device>,
+        u64,
+        std::sync::mpsc::Sender<()>,
+    )>,
     log: slog::Logger,
 }
 
@@ -243,6 +260,7 @@ impl ReactorPaths {
             builder,
             fds_changed: false,
             unserved,
+            fences: Vec::new(),
             log,
         };
         for (listener, d) in devices.iter().enumerate() {
@@ -648,11 +666,25 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                         p.dp.poll_events();
                     }
                 }
+                ReactorCmd::FenceWrites { dev, end, done } => self.fences.push((dev, end, done)),
             }
         }
         let now = Instant::now();
         for p in self.all() {
             worked |= p.dp.poll(now);
+        }
+        if !self.fences.is_empty() {
+            // After this turn's polls: a write let through before the shrink was stored is in
+            // an engine by now.
+            let mut fences = std::mem::take(&mut self.fences);
+            fences.retain(|(dev, end, done)| {
+                let left = self.all().any(|p| p.dp.writes_past(dev, *end));
+                if !left {
+                    let _ = done.send(());
+                }
+                left
+            });
+            self.fences = fences;
         }
         self.replace_broken(now);
         if !self.rebuilds.is_empty() {

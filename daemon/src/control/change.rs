@@ -372,8 +372,13 @@ impl Daemon {
                     self.fail_resize = None;
                     Err("failed by the debug_fail_resize test hook".to_owned())
                 } else {
-                    self.off_thread(move || dev.resize(size).map_err(|e| e.to_string()))
-                        .and_then(|r| r)
+                    let fence = self.write_fence();
+                    self.off_thread(move || {
+                        let end = size.unwrap_or(0);
+                        dev.resize_fenced(size, || fence.wait(&dev, end))
+                            .map_err(|e| e.to_string())
+                    })
+                    .and_then(|r| r)
                 };
                 let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) else {
                     continue;
@@ -389,7 +394,12 @@ impl Daemon {
         }
         if let Some(mut e) = failed {
             for (d, before, name) in made.into_iter().rev() {
-                if let Err(back) = d.resize(Some(before)) {
+                // Off this thread, as the resize was: shrinking an RBD image back waits on
+                // the cluster (an operation per object).
+                let put_back = self
+                    .off_thread(move || d.resize(Some(before)).map_err(|e| e.to_string()))
+                    .and_then(|r| r);
+                if let Err(back) = put_back {
                     e.push_str(&format!(
                         "; {name} was resized and could not be put back to {before} bytes: {back}"
                     ));
@@ -552,6 +562,19 @@ impl Daemon {
                 self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
                 Err(format!("namespace {nsid}: {e}"))
             }
+        }
+    }
+
+    /// What a shrink waits on before it cuts a device: every reactor, for its writes past
+    /// the new end (`WriteFence::wait`).
+    fn write_fence(&self) -> WriteFence {
+        WriteFence {
+            reactors: self
+                .inboxes
+                .iter()
+                .zip(&self.reactors)
+                .map(|(tx, h)| (tx.clone(), Arc::clone(&h.shared)))
+                .collect(),
         }
     }
 
@@ -718,3 +741,45 @@ impl Daemon {
 
 /// A removed listener's `reason` (such slots are left out of `status` and `stats`).
 pub(super) const REMOVED: &str = "removed";
+
+/// The reactors a shrink waits on before it cuts its device (`Device::resize_fenced`).
+struct WriteFence {
+    reactors: Vec<(mpsc::Sender<ReactorCmd>, Arc<crate::reactor::ReactorShared>)>,
+}
+
+impl WriteFence {
+    /// Asks every reactor whether a write past `end` bytes of `dev` is left at its engines
+    /// and waits, up to `ATTACH_TIMEOUT`, until none is.
+    fn wait(&self, dev: &Arc<BlockDevice>, end: u64) -> std::io::Result<()> {
+        let (tx, rx) = mpsc::channel();
+        let mut asked = 0;
+        for (inbox, shared) in &self.reactors {
+            let cmd = ReactorCmd::FenceWrites {
+                dev: Arc::clone(dev),
+                end,
+                done: tx.clone(),
+            };
+            if inbox.send(cmd).is_ok() {
+                shared.wake();
+                asked += 1;
+            }
+        }
+        drop(tx);
+        let deadline = Instant::now() + ATTACH_TIMEOUT;
+        for _ in 0..asked {
+            if rx
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .is_err()
+            {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "writes past the new end were still in flight after {ATTACH_TIMEOUT:?}; \
+                         nothing was cut"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

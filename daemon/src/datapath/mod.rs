@@ -641,6 +641,12 @@ impl DataPath {
         }
     }
 
+    /// Whether a write past `end` bytes of `dev` is queued or in flight at this data path's
+    /// engine (a shrink of `dev` waits for none: [`nvmfd_blockdev::Engine::writes_past`]).
+    pub fn writes_past(&self, dev: &Arc<BlockDevice>, end: u64) -> bool {
+        self.engine.writes_past(dev, end)
+    }
+
     /// Devices of removed namespaces still waiting for their operations to complete.
     pub fn namespaces_detaching(&self) -> usize {
         self.detaching.len()
