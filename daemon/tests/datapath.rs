@@ -1923,7 +1923,8 @@ fn verified_bench(
     let connect = move |qid: u16| {
         let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&fabric).unwrap());
         let q = nvmf_host::PipelinedQueue::connect(ch, addr, qid, 4, 4096, 8192)?;
-        IoQueue::connect(q, &host(), SUB, cntlid, qid, 3)
+        // The last run's queue of this ID may still have a command at the backend.
+        IoQueue::connect_waiting(q, &host(), SUB, (cntlid, qid, 3), Duration::from_secs(10))
     };
     let run = move |pattern, read_pct, time| {
         let job = nvmf_host::bench::Job {
@@ -3128,10 +3129,13 @@ fn a_host_that_left_nothing_at_the_backend_reconnects_at_once() {
     }
 }
 
-/// An I/O queue torn down while a write of it is still at the backend frees its queue ID at
-/// once: the host connects a queue with the same ID without waiting for the old one's drain.
+/// An I/O queue torn down while a write of it is still at the backend keeps its queue ID
+/// until the write is done: a queue the host connects with that ID meanwhile is answered
+/// Controller Busy (retryable), or a write through the new queue could be overtaken by the
+/// old one's. Once the write is done, the ID is free at once, without waiting for the old
+/// queue's drain; and a queue torn down with nothing at the backend frees its ID at once.
 #[test]
-fn a_queue_id_is_free_again_as_soon_as_its_queue_is_torn_down() {
+fn a_queue_id_is_free_again_once_its_queue_is_torn_down_with_nothing_at_the_backend() {
     use nvmf_host::Payload;
     use nvmfd_nvme::host::rw_sqe;
     use nvmfd_nvme::wire::io_opcode;
@@ -3155,11 +3159,35 @@ fn a_queue_id_is_free_again_as_soon_as_its_queue_is_torn_down() {
     wait_until("the I/O queue is torn down", || {
         c.connections.load(Relaxed) == 1
     });
-    let again = IoQueue::connect(queue(&s, 1, 31), &host(), SUB, admin.cntlid, 1, 31);
+    let busy = IoQueue::connect(queue(&s, 1, 31), &host(), SUB, admin.cntlid, 1, 31);
+    match busy {
+        Err(nvmfd_nvme::host::HostError::Status { status, .. }) => assert!(
+            status.same_code(nvmfd_nvme::wire::status::CONNECT_CONTROLLER_BUSY) && !status.dnr(),
+            "{status:?}"
+        ),
+        other => {
+            panic!("queue 1 connected while a write of the old one was at the backend: {other:?}")
+        }
+    }
     s.set_switch(&s.hold_block, false);
-    let mut again = again.expect("queue 1 connected again while the old one drained");
+    let mut again = IoQueue::connect_waiting(
+        queue(&s, 1, 31),
+        &host(),
+        SUB,
+        (admin.cntlid, 1, 31),
+        Duration::from_secs(10),
+    )
+    .expect("queue 1 connected again once the write was done");
     let mut back = vec![0u8; 4096];
     again.read(1, 8, 8, &mut back).unwrap();
+    assert!(back == data, "the held write landed");
+    // Torn down with nothing at the backend: the ID is free at once.
+    drop(again);
+    wait_until("the I/O queue is torn down", || {
+        c.connections.load(Relaxed) == 1
+    });
+    IoQueue::connect(queue(&s, 1, 31), &host(), SUB, admin.cntlid, 1, 31)
+        .expect("queue 1 connected again at once");
     wait_pools_full(&c, false);
 }
 

@@ -418,6 +418,40 @@ impl<T: HostTransport> IoQueue<T> {
         Ok(IoQueue { t, cid: 1, qid })
     }
 
+    /// [`IoQueue::connect`], sending the Connect again (on the same connection, a little later
+    /// each time, for up to `wait`) while the target answers Controller Busy without Do Not
+    /// Retry: a queue with this ID, lost, still has commands at the target's backend.
+    pub fn connect_waiting(
+        mut t: T,
+        host: &HostId,
+        subnqn: &str,
+        (cntlid, qid, sqsize): (u16, u16, u16),
+        wait: std::time::Duration,
+    ) -> Result<Self, HostError> {
+        let deadline = std::time::Instant::now() + wait;
+        let mut pause = std::time::Duration::from_millis(1);
+        loop {
+            let args = ConnectArgs {
+                qid,
+                sqsize,
+                kato_ms: 0,
+                cntlid,
+            };
+            match connect(&mut t, host, subnqn, args) {
+                Err(HostError::Status { status, .. })
+                    if status.same_code(wire::status::CONNECT_CONTROLLER_BUSY)
+                        && !status.dnr()
+                        && std::time::Instant::now() + pause < deadline =>
+                {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(100));
+                }
+                Err(e) => return Err(e),
+                Ok(_) => return Ok(IoQueue { t, cid: 1, qid }),
+            }
+        }
+    }
+
     /// The transport.
     pub fn transport(&mut self) -> &mut T {
         &mut self.t
