@@ -328,6 +328,7 @@ struct Client {
     uid: Option<u32>,
     input: Vec<u8>,
     output: Vec<u8>,
+    /// When it connected or sent its last request (the idle timeout counts from there).
     last_active: Instant,
     /// Close once `output` is flushed.
     closing: bool,
@@ -564,7 +565,6 @@ impl AdminServer {
                     break;
                 }
                 Ok(n) => {
-                    c.last_active = Instant::now();
                     c.input.extend_from_slice(&buf[..n]);
                     self.answer_lines(c, handle, &mut budget);
                     c.more = budget == 0;
@@ -610,6 +610,9 @@ impl AdminServer {
             if text.is_empty() {
                 continue;
             }
+            // Only a request counts as activity: bytes trickling in (a line that never ends,
+            // blank lines) do not keep a client from the idle timeout.
+            c.last_active = Instant::now();
             let answer = match serde_json::from_str::<Request>(text) {
                 Ok(req) => handle(req, c.uid, &self.stats()),
                 Err(e) => Response::error(format!(

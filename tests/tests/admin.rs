@@ -202,6 +202,43 @@ fn a_slow_client_is_dropped_after_the_idle_timeout_while_others_are_served() {
     assert!(d.data("stats")["admin"]["dropped_total"].as_u64().unwrap() >= 1);
 }
 
+/// Bytes trickling in keep no client from the idle timeout: one that sends a line that never
+/// ends, a byte at a time, and one that sends only blank lines are dropped as a silent one is
+/// (64 such clients would otherwise hold every admin connection for as long as they liked).
+#[test]
+fn clients_trickling_bytes_without_a_request_are_dropped_after_the_idle_timeout() {
+    let d = Daemon::start(Options {
+        extra_daemon: "admin_client_timeout = \"300ms\"".into(),
+        ..Options::default()
+    });
+    let mut trickling = Vec::new();
+    for (first, each) in [(&b"{"[..], &b" "[..]), (&b"\n"[..], &b"\n"[..])] {
+        let s = UnixStream::connect(&d.socket).unwrap();
+        let mut w = s.try_clone().unwrap();
+        w.write_all(first).unwrap();
+        let writer = std::thread::spawn(move || {
+            // A byte every 100 ms, a third of the timeout, until the daemon lets go.
+            for _ in 0..600 {
+                std::thread::sleep(Duration::from_millis(100));
+                if w.write_all(each).is_err() {
+                    return true;
+                }
+            }
+            false
+        });
+        trickling.push((s, writer));
+    }
+    for (mut s, writer) in trickling {
+        wait_for("the trickling client to be dropped", || {
+            closed_by_peer(&mut s)
+        });
+        drop(s);
+        let _ = writer.join();
+    }
+    assert!(d.data("stats")["admin"]["dropped_total"].as_u64().unwrap() >= 2);
+    assert_eq!(d.data("status")["state"], "running");
+}
+
 #[test]
 fn a_client_that_never_reads_is_dropped() {
     let d = Daemon::start(Options::default());
