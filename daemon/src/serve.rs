@@ -55,15 +55,20 @@ pub fn block_failure(e: &BlockError) -> BlockFailure {
 }
 
 /// Errors of a store that cannot be reached for now (an RBD image whose OSDs or monitors do
-/// not answer in `rados_osd_op_timeout`), which a later retry may get past. Not ESHUTDOWN:
-/// librados's "blocklisted", which lasts as long as the client's connection does, so a host
-/// told to retry would retry for ever; it is an I/O error.
+/// not answer in `rados_osd_op_timeout`), or of an operation a device turned away for now (a
+/// block device under io_uring answering EAGAIN, an interrupted call), which a later retry
+/// may get past: the host is told to retry (Namespace Not Ready, with the retry delay of a
+/// host that enabled it), not that its data is lost. Not ESHUTDOWN: librados's
+/// "blocklisted", which lasts as long as the client's connection does, so a host told to
+/// retry would retry for ever; it is an I/O error.
 fn unavailable(errno: i32) -> bool {
     [
         libc::ETIMEDOUT,
         libc::ENOTCONN,
         libc::ECONNREFUSED,
         libc::EHOSTUNREACH,
+        libc::EAGAIN,
+        libc::EINTR,
     ]
     .contains(&errno)
 }
@@ -327,6 +332,9 @@ mod tests {
             (BlockError::Io(5), BlockFailure::Io),
             (BlockError::Io(libc::ETIMEDOUT), BlockFailure::Unavailable),
             (BlockError::Io(libc::ENOTCONN), BlockFailure::Unavailable),
+            // Turned away for now by the device: retried, not a lost write.
+            (BlockError::Io(libc::EAGAIN), BlockFailure::Unavailable),
+            (BlockError::Io(libc::EINTR), BlockFailure::Unavailable),
             // Blocklisted by the cluster: retrying cannot help.
             (BlockError::Io(libc::ESHUTDOWN), BlockFailure::Io),
         ];
