@@ -1,7 +1,8 @@
 #!/bin/bash
 # Runs in the lab guest (see scripts/lab-kernel-host.sh): nvmfd on rxe0 with a RAM and a file
-# namespace, and the Linux kernel's NVMe/RDMA host against it: I/O with verify, discard
-# (blkdiscard, mkfs.ext4, fstrim), disconnect and reconnect, failures.
+# namespace, and the Linux kernel's NVMe/RDMA host against it: I/O with verify, two paths
+# (native multipath), discard (blkdiscard, mkfs.ext4, fstrim), disconnect and reconnect,
+# failures.
 set -uo pipefail
 BIN=$1
 NQN=nqn.2024-01.io.nvmfd:lab
@@ -86,6 +87,27 @@ srq_check() {
     && [ "$(stat_sum writes_from_receive_total)" -gt 0 ]
 }
 step srq_check
+# Native multipath: the same host connects a second controller through the second listener.
+# The namespaces are shared (NMIC), so the kernel puts both paths under one device each (an
+# unshared one would be refused on the second path: "Duplicate unshared namespace"); data
+# written through the device reads back with one path gone.
+paths_of() { ls /sys/block/$1/multipath 2>/dev/null | wc -l; }
+multipath() {
+  local i
+  [ "$(cat /sys/module/nvme_core/parameters/multipath 2>/dev/null)" = Y ] \
+    || { echo "the guest kernel's native multipath is off"; return 1; }
+  timeout 120 nvme connect -t rdma -a "$RDMA_IP" -s 4421 -n $NQN > /dev/null || return 1
+  for i in $(seq 100); do [ "$(paths_of nvme0n1)" -eq 2 ] && [ "$(paths_of nvme0n2)" -eq 2 ] && break; sleep 0.1; done
+  echo "paths: nvme0n1 $(paths_of nvme0n1) ($(ls /sys/block/nvme0n1/multipath | tr '\n' ' ')), nvme0n2 $(paths_of nvme0n2)"
+  ! dmesg | grep -i "duplicate unshared namespace" || return 1
+  [ "$(paths_of nvme0n1)" -eq 2 ] && [ "$(paths_of nvme0n2)" -eq 2 ] || return 1
+  timeout 300 fio --name=mpath --filename=/dev/nvme0n2 --rw=randwrite --bs=4k --size=16M --offset=192M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal > /dev/null || return 1
+  timeout 120 nvme disconnect -d nvme1 > /dev/null || return 1
+  for i in $(seq 100); do [ "$(paths_of nvme0n2)" -eq 1 ] && break; sleep 0.1; done
+  [ "$(paths_of nvme0n2)" -eq 1 ] || return 1
+  timeout 300 fio --name=mpath --filename=/dev/nvme0n2 --rw=randwrite --bs=4k --size=16M --offset=192M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
+}
+step multipath
 step nvme disconnect -n $NQN
 # The next controller is nvme0 again only once the kernel has let go of this one.
 for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done

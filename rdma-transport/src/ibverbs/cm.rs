@@ -554,9 +554,13 @@ impl CmId {
 
     /// The address of the other side (a connecting host's, for an ID of a connect request).
     pub fn peer_addr(&self) -> Option<SocketAddr> {
-        // SAFETY: a live ID; rdma_get_peer_addr points into it (the route's destination
-        // address, a sockaddr_storage-sized union, so AF_INET and AF_INET6 both fit).
-        unsafe { socket_addr(rdma_sys::rdma_get_peer_addr(&*self.raw())) }
+        // SAFETY: a live ID; the pointer is to the route's whole destination address union
+        // (sockaddr_storage-sized, so an AF_INET6 address read through it stays within it),
+        // taken without a reference to its 16-byte `sockaddr` member.
+        unsafe {
+            let dst = ptr::addr_of!((*self.raw()).route.addr.dst_addr_union);
+            socket_addr(dst.cast::<libc::sockaddr>())
+        }
     }
 
     /// Connection parameters carrying `private_data` (at most 255 bytes: longer is refused,

@@ -39,10 +39,9 @@ pub struct Mr {
     pub(super) _pd: Arc<PdInner>,
 }
 
-// SAFETY: an MR handle may move between threads.
+// SAFETY: an MR handle may move between threads. (Not Sync: `write` copies into the region
+// through `&self`, which two threads must not do at once.)
 unsafe impl Send for Mr {}
-// SAFETY: only its keys and address are read through &self.
-unsafe impl Sync for Mr {}
 
 impl std::fmt::Debug for Mr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -392,19 +391,16 @@ impl Srq {
             // Sge is repr(C) like ibv_sge; the NIC only reads the list during the call.
             raw[i].sg_list = wrs[i].sges.as_ptr().cast_mut().cast();
             raw[i].num_sge = i32::try_from(wrs[i].sges.len()).unwrap_or(i32::MAX);
-            raw[i].next = if i + 1 < n {
-                &mut raw[i + 1]
-            } else {
-                ptr::null_mut()
-            };
         }
         if n == 0 {
             return Ok(());
         }
+        let base = link(&mut raw[..n], |w, next| w.next = next);
         let mut bad = ptr::null_mut();
-        // SAFETY: a well-formed chain on the stack, live SRQ; post_srq_recv checked at open.
-        let rc = unsafe { ibv_post_srq_recv(self.srq.as_ptr(), raw.as_mut_ptr(), &mut bad) };
-        post_result("post_srq_recv", rc, first_not_posted(&raw[..n], bad))
+        // SAFETY: a well-formed chain on the stack, linked through `base` with nothing written
+        // to `raw` since; live SRQ; post_srq_recv checked at open.
+        let rc = unsafe { ibv_post_srq_recv(self.srq.as_ptr(), base, &mut bad) };
+        post_result("post_srq_recv", rc, first_not_posted(&raw[..n], bad), n)
     }
 
     /// Arms the SRQ limit.
@@ -454,13 +450,43 @@ pub(super) fn first_not_posted<T>(raw: &[T], bad: *mut T) -> usize {
         .unwrap_or(raw.len())
 }
 
-/// A post's result: `rc` 0, or the errno (positive, or -1 with errno) with how many work
-/// requests were posted.
-pub(super) fn post_result(op: &'static str, rc: i32, posted: usize) -> Result<(), VerbsError> {
+/// Links the work requests of `chain` in order (`set_next(w, next)`; the last one's next is
+/// null) and returns a pointer to the first. Every pointer is derived from one raw pointer to
+/// the whole slice, taken after the requests were filled in: none is invalidated by a later
+/// write through the slice (the provider reads the chain through them), as pointers taken
+/// from `&mut chain[i + 1]` while filling in the requests would be.
+fn link<W>(chain: &mut [W], set_next: impl Fn(&mut W, *mut W)) -> *mut W {
+    let n = chain.len();
+    let base = chain.as_mut_ptr();
+    for i in 0..n {
+        let next = if i + 1 < n {
+            // SAFETY: i + 1 < n: within the slice.
+            unsafe { base.add(i + 1) }
+        } else {
+            ptr::null_mut()
+        };
+        // SAFETY: i < n: within the slice, and no reference to the slice is live.
+        set_next(unsafe { &mut *base.add(i) }, next);
+    }
+    base
+}
+
+/// A post's result: `rc` 0 with every work request before `posted` posted (a provider that
+/// returns 0 with `bad_wr` at a refused request, as siw can after ringing its doorbell, has
+/// posted only those before it), or the errno with how many were posted: positive, or
+/// negative (siw returns `-errno`), or -1 with errno set (rxe's doorbell).
+pub(super) fn post_result(
+    op: &'static str,
+    rc: i32,
+    posted: usize,
+    chain: usize,
+) -> Result<(), VerbsError> {
     match rc {
+        0 if posted < chain => Err(VerbsError::post(op, libc::EINVAL, posted)),
         0 => Ok(()),
         rc if rc > 0 => Err(VerbsError::post(op, rc, posted)),
-        _ => Err(VerbsError::post(op, errno(), posted)),
+        -1 => Err(VerbsError::post(op, errno(), posted)),
+        rc => Err(VerbsError::post(op, rc.saturating_neg(), posted)),
     }
 }
 
@@ -507,13 +533,11 @@ pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), Verbs
             }
         }
     }
-    for i in 0..n - 1 {
-        let next: *mut ibv_send_wr = &mut raw[i + 1];
-        raw[i].next = next;
-    }
+    let base = link(&mut raw[..n], |w, next| w.next = next);
     let mut bad = ptr::null_mut();
-    // SAFETY: a well-formed chain on the stack whose SGE lists outlive the call (inline data
-    // is copied during it); live QP; post_send checked at open.
-    let rc = unsafe { ibv_post_send(qp, raw.as_mut_ptr(), &mut bad) };
-    post_result("post_send", rc, first_not_posted(&raw[..n], bad))
+    // SAFETY: a well-formed chain on the stack, linked through `base` with nothing written to
+    // `raw` since, whose SGE lists outlive the call (inline data is copied during it); live
+    // QP; post_send checked at open.
+    let rc = unsafe { ibv_post_send(qp, base, &mut bad) };
+    post_result("post_send", rc, first_not_posted(&raw[..n], bad), n)
 }
