@@ -91,14 +91,16 @@ step srq_check
 # The namespaces are shared (NMIC), so the kernel puts both paths under one device each (an
 # unshared one would be refused on the second path: "Duplicate unshared namespace"); data
 # written through the device reads back with one path gone.
-paths_of() { ls /sys/block/$1/multipath 2>/dev/null | wc -l; }
+# The paths of namespace device nvme0nN: its hidden per-controller disks nvme0cCnN.
+paths_of() { ls -d /sys/block/nvme0c*${1#nvme0} 2>/dev/null | wc -l; }
 multipath() {
   local i
   [ "$(cat /sys/module/nvme_core/parameters/multipath 2>/dev/null)" = Y ] \
     || { echo "the guest kernel's native multipath is off"; return 1; }
   timeout 120 nvme connect -t rdma -a "$RDMA_IP" -s 4421 -n $NQN > /dev/null || return 1
   for i in $(seq 100); do [ "$(paths_of nvme0n1)" -eq 2 ] && [ "$(paths_of nvme0n2)" -eq 2 ] && break; sleep 0.1; done
-  echo "paths: nvme0n1 $(paths_of nvme0n1) ($(ls /sys/block/nvme0n1/multipath | tr '\n' ' ')), nvme0n2 $(paths_of nvme0n2)"
+  echo "paths: nvme0n1 $(paths_of nvme0n1), nvme0n2 $(paths_of nvme0n2); block devices: $(ls /sys/block | tr '\n' ' ')"
+  echo "controllers of the subsystem: $(ls -d /sys/class/nvme-subsystem/nvme-subsys0/nvme[0-9]* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
   ! dmesg | grep -i "duplicate unshared namespace" || return 1
   [ "$(paths_of nvme0n1)" -eq 2 ] && [ "$(paths_of nvme0n2)" -eq 2 ] || return 1
   timeout 300 fio --name=mpath --filename=/dev/nvme0n2 --rw=randwrite --bs=4k --size=16M --offset=192M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal > /dev/null || return 1

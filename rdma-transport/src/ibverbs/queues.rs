@@ -541,3 +541,42 @@ pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), Verbs
     let rc = unsafe { ibv_post_send(qp, base, &mut bad) };
     post_result("post_send", rc, first_not_posted(&raw[..n], bad), n)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A post's outcome from the provider's return code and where its `bad_wr` stopped.
+    #[test]
+    fn a_post_result_counts_what_was_posted_and_names_the_errno() {
+        assert!(post_result("post_send", 0, 3, 3).is_ok());
+        // siw: 0 after its doorbell, with bad_wr at the request it refused.
+        let e = post_result("post_send", 0, 1, 3).unwrap_err();
+        assert_eq!((e.posted(), e.errno()), (1, Some(libc::EINVAL)));
+        // A positive errno (mlx5, rxe's checks), a negative one (siw).
+        let e = post_result("post_send", libc::ENOMEM, 2, 3).unwrap_err();
+        assert_eq!((e.posted(), e.errno()), (2, Some(libc::ENOMEM)));
+        let e = post_result("post_srq_recv", -libc::EINVAL, 0, 4).unwrap_err();
+        assert_eq!((e.posted(), e.errno()), (0, Some(libc::EINVAL)));
+    }
+
+    /// A chain is linked in order through pointers into the slice, the last one's next null.
+    #[test]
+    fn a_chain_is_linked_in_order() {
+        // SAFETY: plain data.
+        let mut raw: [ibv_send_wr; 3] = unsafe { std::mem::zeroed() };
+        for (i, w) in raw.iter_mut().enumerate() {
+            w.wr_id = i as u64;
+        }
+        let mut at = link(&mut raw, |w, next| w.next = next);
+        let mut seen = Vec::new();
+        while !at.is_null() {
+            // SAFETY: every pointer in the chain points into `raw`, which is alive.
+            unsafe {
+                seen.push((*at).wr_id);
+                at = (*at).next;
+            }
+        }
+        assert_eq!(seen, [0, 1, 2]);
+    }
+}
