@@ -100,7 +100,7 @@ multipath() {
   timeout 120 nvme connect -t rdma -a "$RDMA_IP" -s 4421 -n $NQN > /dev/null || return 1
   for i in $(seq 100); do [ "$(paths_of nvme0n1)" -eq 2 ] && [ "$(paths_of nvme0n2)" -eq 2 ] && break; sleep 0.1; done
   echo "paths: nvme0n1 $(paths_of nvme0n1), nvme0n2 $(paths_of nvme0n2); block devices: $(ls /sys/block | tr '\n' ' ')"
-  echo "controllers of the subsystem: $(ls -d /sys/class/nvme-subsystem/nvme-subsys0/nvme[0-9]* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+  echo "controllers of the subsystem: $(ls /sys/class/nvme-subsystem/nvme-subsys0 2>/dev/null | grep -E '^nvme[0-9]+$' | tr '\n' ' ')"
   ! dmesg | grep -i "duplicate unshared namespace" || return 1
   [ "$(paths_of nvme0n1)" -eq 2 ] && [ "$(paths_of nvme0n2)" -eq 2 ] || return 1
   timeout 300 fio --name=mpath --filename=/dev/nvme0n2 --rw=randwrite --bs=4k --size=16M --offset=192M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal > /dev/null || return 1
