@@ -10,6 +10,8 @@ use std::sync::Arc;
 use crate::mem::DmaRegion;
 use crate::BlockError;
 
+mod resize;
+
 /// `_IOR(0x12, 114, size_t)`: a block device's size in bytes (not exported by `libc`).
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
@@ -371,39 +373,6 @@ impl Device {
         check_range(self.size(), self.info.logical_block_size, offset, len)
     }
 
-    /// Whether [`Device::resize`] with `size` can be made, as far as can be told without
-    /// making it (the size's form, the device's kind and, for RAM, what it was created with):
-    /// what is refused here changes nothing, so several resizes can all be checked first.
-    pub fn check_resize(&self, size: Option<u64>) -> io::Result<()> {
-        let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
-        let bs = u64::from(self.info.logical_block_size);
-        if let Some(n) = size {
-            if n == 0 || !n.is_multiple_of(bs) {
-                return Err(bad(format!(
-                    "size {n} is not a non-zero number of {bs}-byte blocks"
-                )));
-            }
-            if self.info.read_only {
-                return Err(bad("the namespace is read-only".into()));
-            }
-        }
-        match (&self.backing, size) {
-            (Backing::File(_), Some(_)) if self.info.kind != Kind::File => Err(bad(
-                "a block device's size is its own: resize the device, then resize the \
-                 namespace without a size"
-                    .into(),
-            )),
-            (Backing::Malloc(ram), Some(n)) if n > ram.len() as u64 => Err(bad(format!(
-                "a RAM namespace cannot grow past the {} bytes it was created with",
-                ram.len()
-            ))),
-            (Backing::Malloc(_) | Backing::Null, None) => {
-                Err(bad("a RAM or null namespace needs the new size".into()))
-            }
-            _ => Ok(()),
-        }
-    }
-
     /// Opens `n` handles of an RBD image ahead (in parallel), for the engines that will
     /// attach it, so that their reactors do not wait on the cluster (`rbd_open`): see
     /// [`Engine::attach_ready`](crate::Engine::attach_ready). Returns how many wait. Other backends have nothing to
@@ -449,121 +418,6 @@ impl Device {
             Backing::Rbd(image) => image.spares(),
             _ => 0,
         }
-    }
-
-    /// Changes the capacity: to `size` bytes (a file is truncated or extended, an RBD image
-    /// resized, a null device takes it, RAM within what was allocated at open), or, with
-    /// `None`, to what the backend reports now (a file, block device or RBD image resized
-    /// outside nvmfd). Returns the new capacity, a whole number of logical blocks.
-    pub fn resize(&self, size: Option<u64>) -> io::Result<u64> {
-        self.resize_fenced(size, || Ok(()))
-    }
-
-    /// [`Device::resize`]; a shrink to `size` first stores the new capacity (every engine
-    /// refuses an operation past it from then on), then runs `fence`, which must return once
-    /// no write past it queued before is left at any engine (a reactor's turn, then its
-    /// operations past the end completed: `Engine::writes_past`), and only then cuts the
-    /// backend. Cut first, a write already let through could extend a file (or recreate an
-    /// image's objects) past the new end, where a later grow would read its old data and a
-    /// restart would find the larger size. The tail of a RAM device is zeroed then, as a file's
-    /// truncated tail reads back zeroes. A failed fence or cut puts the capacity back.
-    pub fn resize_fenced(
-        &self,
-        size: Option<u64>,
-        fence: impl FnOnce() -> io::Result<()>,
-    ) -> io::Result<u64> {
-        self.check_resize(size)?;
-        let before = self.size();
-        if let Some(n) = size.filter(|&n| n < before) {
-            self.size.store(n, std::sync::atomic::Ordering::Release);
-            let cut = fence().and_then(|()| self.cut(n, before));
-            if let Err(e) = cut {
-                self.size
-                    .store(before, std::sync::atomic::Ordering::Release);
-                return Err(e);
-            }
-            return Ok(n);
-        }
-        self.resize_now(size)
-    }
-
-    /// Cuts the backend of a shrink from `before` to `n` bytes (the capacity stored already).
-    fn cut(&self, n: u64, before: u64) -> io::Result<()> {
-        match &self.backing {
-            Backing::File(f) => f.set_len(n),
-            Backing::Malloc(ram) => {
-                let (start, end) = (
-                    usize::try_from(n).unwrap_or(usize::MAX),
-                    usize::try_from(before).unwrap_or(usize::MAX).min(ram.len()),
-                );
-                if start < end {
-                    // SAFETY: `start..end` lies within the mapping (`end` is at most its
-                    // length); each piece is written under its chunk's lock, with raw pointers.
-                    unsafe {
-                        ram.each_chunk(start, end - start, |at, _, len| {
-                            std::ptr::write_bytes(at, 0, len);
-                        });
-                    }
-                }
-                Ok(())
-            }
-            Backing::Null => Ok(()),
-            #[cfg(feature = "rbd")]
-            Backing::Rbd(image) => image.resize(n),
-        }
-    }
-
-    fn resize_now(&self, size: Option<u64>) -> io::Result<u64> {
-        let bad = |msg: String| io::Error::new(io::ErrorKind::InvalidInput, msg);
-        let bs = u64::from(self.info.logical_block_size);
-        let new = match (&self.backing, size) {
-            (Backing::File(f), Some(n)) if self.info.kind == Kind::File => {
-                f.set_len(n)?;
-                n
-            }
-            (Backing::File(_), Some(_)) => {
-                return Err(bad(
-                    "a block device's size is its own: resize the device, then resize the \
-                     namespace without a size"
-                        .into(),
-                ))
-            }
-            (Backing::File(f), None) if self.info.kind == Kind::File => f.metadata()?.len(),
-            (Backing::File(f), None) => {
-                let mut n: u64 = 0;
-                // SAFETY: the ioctl writes one u64 into the pointed-to local.
-                if unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64 as _, &mut n) } < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                n
-            }
-            (Backing::Malloc(ram), Some(n)) => {
-                if n > ram.len() as u64 {
-                    return Err(bad(format!(
-                        "a RAM namespace cannot grow past the {} bytes it was created with",
-                        ram.len()
-                    )));
-                }
-                n
-            }
-            (Backing::Null, Some(n)) => n,
-            (Backing::Malloc(_) | Backing::Null, None) => {
-                return Err(bad("a RAM or null namespace needs the new size".into()))
-            }
-            #[cfg(feature = "rbd")]
-            (Backing::Rbd(image), n) => {
-                if let Some(n) = n {
-                    image.resize(n)?;
-                }
-                image.size()?
-            }
-        } / bs
-            * bs;
-        if new == 0 {
-            return Err(bad("the backend is smaller than one block".into()));
-        }
-        self.size.store(new, std::sync::atomic::Ordering::Release);
-        Ok(new)
     }
 
     /// Makes every write completed on the device durable (`fdatasync` of a file or block

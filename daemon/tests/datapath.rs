@@ -1112,6 +1112,25 @@ fn bare_connect(s: &Served) -> BareHost {
     }
 }
 
+/// [`bare_connect`], waiting for the target to accept: the connection is established.
+fn bare_established(s: &Served) -> BareHost {
+    let h = bare_connect(s);
+    let ev = (0..1000)
+        .find_map(|_| {
+            let e = h.ch.next_event();
+            if e.is_none() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            e
+        })
+        .expect("the target answers the connect");
+    assert!(
+        matches!(ev, nvmfd_rdma::soft::cm::CmEvent::Established { .. }),
+        "{ev:?}"
+    );
+    h
+}
+
 /// Where a connect fails, and how.
 #[derive(Clone, Copy, Debug)]
 enum FailedConnect {
@@ -2482,20 +2501,7 @@ fn a_host_guessing_keys_cannot_read_or_write_the_targets_memory() {
     let mut refused = 0;
     for &(rkey, addr, len) in &regions {
         for write in [true, false] {
-            let h = bare_connect(&s);
-            let ev = (0..1000)
-                .find_map(|_| {
-                    let e = h.ch.next_event();
-                    if e.is_none() {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    e
-                })
-                .expect("the target answers the connect");
-            assert!(
-                matches!(ev, nvmfd_rdma::soft::cm::CmEvent::Established { .. }),
-                "{ev:?}"
-            );
+            let h = bare_established(&s);
             let pd = &h._qp_on.2;
             let mr = pd
                 .alloc_mr(64, nvmfd_rdma::Access::LOCAL_WRITE)
@@ -3328,20 +3334,7 @@ fn a_host_past_its_queue_size_is_torn_down_and_others_are_served() {
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4489, None, Arc::clone(&c));
-    let h = bare_connect(&s);
-    let ev = (0..1000)
-        .find_map(|_| {
-            let e = h.ch.next_event();
-            if e.is_none() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            e
-        })
-        .expect("the target answers the connect");
-    assert!(
-        matches!(ev, nvmfd_rdma::soft::cm::CmEvent::Established { .. }),
-        "{ev:?}"
-    );
+    let h = bare_established(&s);
     // Keep Alives without a Connect: each is answered (Command Sequence Error), and no
     // answer can land.
     let cq = &h._qp_on.1;

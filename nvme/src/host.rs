@@ -1,6 +1,8 @@
 //! The host side of NVMe over Fabrics: what a host sends and expects, over any transport that
 //! implements [`HostTransport`]. nvmfd's `nvmf` tool and the tests use it.
 
+use std::time::{Duration, Instant};
+
 use zerocopy::little_endian::{U16, U32};
 use zerocopy::IntoBytes;
 
@@ -397,25 +399,14 @@ pub struct IoQueue<T: HostTransport> {
 impl<T: HostTransport> IoQueue<T> {
     /// Connects I/O queue `qid` of controller `cntlid`.
     pub fn connect(
-        mut t: T,
+        t: T,
         host: &HostId,
         subnqn: &str,
         cntlid: u16,
         qid: u16,
         sqsize: u16,
     ) -> Result<Self, HostError> {
-        connect(
-            &mut t,
-            host,
-            subnqn,
-            ConnectArgs {
-                qid,
-                sqsize,
-                kato_ms: 0,
-                cntlid,
-            },
-        )?;
-        Ok(IoQueue { t, cid: 1, qid })
+        Self::connect_waiting(t, host, subnqn, (cntlid, qid, sqsize), Duration::ZERO)
     }
 
     /// [`IoQueue::connect`], sending the Connect again (on the same connection, a little later
@@ -426,10 +417,10 @@ impl<T: HostTransport> IoQueue<T> {
         host: &HostId,
         subnqn: &str,
         (cntlid, qid, sqsize): (u16, u16, u16),
-        wait: std::time::Duration,
+        wait: Duration,
     ) -> Result<Self, HostError> {
-        let deadline = std::time::Instant::now() + wait;
-        let mut pause = std::time::Duration::from_millis(1);
+        let deadline = Instant::now() + wait;
+        let mut pause = Duration::from_millis(1);
         loop {
             let args = ConnectArgs {
                 qid,
@@ -441,10 +432,10 @@ impl<T: HostTransport> IoQueue<T> {
                 Err(HostError::Status { status, .. })
                     if status.same_code(wire::status::CONNECT_CONTROLLER_BUSY)
                         && !status.dnr()
-                        && std::time::Instant::now() + pause < deadline =>
+                        && Instant::now() + pause < deadline =>
                 {
                     std::thread::sleep(pause);
-                    pause = (pause * 2).min(std::time::Duration::from_millis(100));
+                    pause = (pause * 2).min(Duration::from_millis(100));
                 }
                 Err(e) => return Err(e),
                 Ok(_) => return Ok(IoQueue { t, cid: 1, qid }),

@@ -457,6 +457,17 @@ fn nvmfctl_says_when_the_daemon_is_not_there() {
     );
 }
 
+/// Asks for `status` on a new connection: the answer's length, or why none came within 5 s.
+fn status_line_within_5s(d: &Daemon) -> std::io::Result<usize> {
+    let mut other = UnixStream::connect(&d.socket).unwrap();
+    other
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    other.write_all(b"{\"request\":\"status\"}\n").unwrap();
+    let mut line = String::new();
+    BufReader::new(&other).read_line(&mut line)
+}
+
 /// A client that sends requests as fast as it reads the answers never has its answers pile up
 /// past the output bound, yet it must not hold the control thread: another client is answered
 /// meanwhile, within a bound.
@@ -497,13 +508,7 @@ fn a_client_flooding_requests_does_not_hold_the_control_thread() {
     wait_for("the flood's answers", || {
         (received.load(std::sync::atomic::Ordering::Relaxed) > 1 << 20).then_some(())
     });
-    let mut other = UnixStream::connect(&d.socket).unwrap();
-    other
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    other.write_all(b"{\"request\":\"status\"}\n").unwrap();
-    let mut line = String::new();
-    let got = BufReader::new(&other).read_line(&mut line);
+    let got = status_line_within_5s(&d);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = flood.shutdown(std::net::Shutdown::Both);
     let _ = writer.join();
@@ -540,13 +545,7 @@ fn a_client_flooding_blank_lines_does_not_hold_the_control_thread() {
     wait_for("the blank lines to flow", || {
         (written.load(std::sync::atomic::Ordering::Relaxed) > 1 << 20).then_some(())
     });
-    let mut other = UnixStream::connect(&d.socket).unwrap();
-    other
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    other.write_all(b"{\"request\":\"status\"}\n").unwrap();
-    let mut line = String::new();
-    let got = BufReader::new(&other).read_line(&mut line);
+    let got = status_line_within_5s(&d);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = flood.shutdown(std::net::Shutdown::Both);
     let _ = writer.join();

@@ -395,6 +395,16 @@ fn image_as_namespace_2(conf: &str, image: &str) -> Daemon {
 /// served, and its status says why; with the cache made write-through it is.
 #[test]
 fn an_image_whose_configuration_turns_write_back_caching_on_is_not_served() {
+    refused_for_its_configuration(
+        &["rbd_cache", "true"],
+        "write-back cache",
+        &["set", "rbd_cache_max_dirty", "0"],
+    );
+}
+
+/// An image whose configuration sets `setting` (name, value) is not served, and its status
+/// says why (`words`, in the image's configuration); after `rbd config image <fix...>` it is.
+fn refused_for_its_configuration(setting: &[&str; 2], words: &str, fix: &[&str]) {
     let _c = shared();
     let Some(conf) = cluster() else { return };
     let image = ceph::image_name();
@@ -402,7 +412,7 @@ fn an_image_whose_configuration_turns_write_back_caching_on_is_not_served() {
     rbd(&conf, &["create", "--size", "16M", &spec]);
     rbd(
         &conf,
-        &["config", "image", "set", &spec, "rbd_cache", "true"],
+        &["config", "image", "set", &spec, setting[0], setting[1]],
     );
     {
         let d = image_as_namespace_2(&conf, &image);
@@ -411,14 +421,13 @@ fn an_image_whose_configuration_turns_write_back_caching_on_is_not_served() {
         assert_eq!(ns["serving"], false, "{status}");
         let reason = ns["reason"].as_str().unwrap_or_default();
         assert!(
-            reason.contains("write-back cache") && reason.contains("the image's configuration"),
+            reason.contains(words) && reason.contains("the image's configuration"),
             "{status}"
         );
     }
-    rbd(
-        &conf,
-        &["config", "image", "set", &spec, "rbd_cache_max_dirty", "0"],
-    );
+    let mut args = vec!["config", "image", fix[0], &spec];
+    args.extend_from_slice(&fix[1..]);
+    rbd(&conf, &args);
     let d = image_as_namespace_2(&conf, &image);
     let status = d.data("status");
     assert_eq!(status["namespaces"][1]["serving"], true, "{status}");
@@ -429,40 +438,11 @@ fn an_image_whose_configuration_turns_write_back_caching_on_is_not_served() {
 /// there. It is not served, and its status says why; without the setting it is.
 #[test]
 fn an_image_whose_configuration_skips_partial_discards_is_not_served() {
-    let _c = shared();
-    let Some(conf) = cluster() else { return };
-    let image = ceph::image_name();
-    let spec = format!("rbd/{image}");
-    rbd(&conf, &["create", "--size", "16M", &spec]);
-    rbd(
-        &conf,
-        &[
-            "config",
-            "image",
-            "set",
-            &spec,
-            "rbd_skip_partial_discard",
-            "true",
-        ],
+    refused_for_its_configuration(
+        &["rbd_skip_partial_discard", "true"],
+        "partial discards",
+        &["rm", "rbd_skip_partial_discard"],
     );
-    {
-        let d = image_as_namespace_2(&conf, &image);
-        let status = d.data("status");
-        let ns = &status["namespaces"][1];
-        assert_eq!(ns["serving"], false, "{status}");
-        let reason = ns["reason"].as_str().unwrap_or_default();
-        assert!(
-            reason.contains("partial discards") && reason.contains("the image's configuration"),
-            "{status}"
-        );
-    }
-    rbd(
-        &conf,
-        &["config", "image", "rm", &spec, "rbd_skip_partial_discard"],
-    );
-    let d = image_as_namespace_2(&conf, &image);
-    let status = d.data("status");
-    assert_eq!(status["namespaces"][1]["serving"], true, "{status}");
 }
 
 /// An image with the exclusive-lock feature (what a plain `rbd create` makes) is served, with

@@ -23,10 +23,11 @@ impl DataPath {
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        if conn.received - conn.answered >= u64::from(conn.depth) {
+        let outstanding = conn.received.saturating_sub(conn.answered);
+        if outstanding >= u64::from(conn.depth) {
             // More commands without a response than the queue holds: the host broke SQ
             // flow control (or posts no receive for the responses, which then never go).
-            let (depth, outstanding) = (conn.depth, conn.received - conn.answered);
+            let depth = conn.depth;
             self.srq.completed(c.wr_id, now);
             self.counters
                 .commands_over_queue_size
