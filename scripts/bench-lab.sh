@@ -8,7 +8,8 @@
 # then the means over the rounds with the ratios nvmfd/kernel. A benchmark, not a test: rxe runs
 # under QEMU's software emulation, so only the ratios mean something, never absolute figures.
 #   scripts/bench-lab.sh          Knobs: RUNTIME (s per job, default 10), ROUNDS (default 2),
-#     ONLY (regex of job names to run, e.g. 'qd1$'), IDLE (nvmfd idle_sleep_after values, each its own target)
+#     ONLY (regex of job names to run, e.g. 'qd1$'), IDLE (nvmfd idle_sleep_after values, each its own target),
+#     FIO_EXTRA (more fio options for every fio job against both targets)
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 . "$top/scripts/lib/lab-env.sh"
@@ -27,7 +28,7 @@ echo "bench-lab: nvmfd built from $tree"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-"$LAB/run-in-vm.sh" "RUNTIME=$RUNTIME ROUNDS=$ROUNDS ONLY='${ONLY:-.}' IDLE='${IDLE:-}' bash $top/scripts/lab/bench-guest.sh $top/target/release" \
+"$LAB/run-in-vm.sh" "RUNTIME=$RUNTIME ROUNDS=$ROUNDS ONLY='${ONLY:-.}' IDLE='${IDLE:-}' FIO_EXTRA='${FIO_EXTRA:-}' bash $top/scripts/lab/bench-guest.sh $top/target/release" \
   2>&1 | tee "$log" | grep -vE "^\[ *[0-9.]+\]"
 rc=${PIPESTATUS[0]}
 set -e

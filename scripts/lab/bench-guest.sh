@@ -9,10 +9,11 @@
 #   bench-guest.sh BIN-DIR        Env: RUNTIME (s per job, default 10), ROUNDS (default 2),
 #     ONLY (an extended regex: only the jobs whose names match, e.g. 'qd1$'), IDLE (space-separated values of
 #     nvmfd's daemon.idle_sleep_after, each measured as its own target "nvmfd@VALUE"; default:
-#     the configuration's default, target "nvmfd")
+#     the configuration's default, target "nvmfd"), FIO_EXTRA (more fio options for every fio
+#     job against both targets, e.g. '--iodepth_batch_complete_min=0': fio polls for completions)
 set -Eeuo pipefail
 BIN=$1
-RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}; ONLY=${ONLY:-.}; IDLE=${IDLE:-}
+RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}; ONLY=${ONLY:-.}; IDLE=${IDLE:-}; FIO_EXTRA=${FIO_EXTRA:-}
 IP=${RDMA_IP:-10.0.2.15}
 SIZE_GIB=4; BS=512
 NVMFD_NQN=nqn.2024-01.io.nvmfd:bench; NVMFD_PORT=4421
@@ -141,9 +142,10 @@ run_job() { # TARGET ROUND DEV NAME RW BS QD
   case $rw in *read) dir=read ;; *) dir=write ;; esac
   out=$WORK/$target-$round-$name.json
   before=$(cpu_snap)
+  # shellcheck disable=SC2086 # FIO_EXTRA is split into options
   timeout $((RUNTIME + 120)) taskset -c 1 fio --name="$name" --filename="$dev" --rw="$rw" \
     --bs="$bs" --iodepth="$qd" --ioengine=io_uring --direct=1 --runtime="$RUNTIME" --time_based \
-    --norandommap --randrepeat=0 --output-format=json --output="$out"
+    --norandommap --randrepeat=0 --output-format=json --output="$out" $FIO_EXTRA
   cpus=$(cpu_split "$before" "$(cpu_snap)")
   [ "$(jq '.jobs[0].error' "$out")" = 0 ] || fail "fio $name on $target: error $(jq '.jobs[0].error' "$out")"
   line=$(jq -r --arg d $dir '.jobs[0][$d] | [.iops, .clat_ns.mean / 1e3,
@@ -204,7 +206,7 @@ round() { # TARGET ROUND: TARGET is kernel, nvmfd or nvmfd@IDLE_SLEEP_AFTER
 }
 
 echo "bench: $RUNTIME s per job, $ROUNDS rounds; nvmfd (reactor on vCPU 0) and nvmet-rdma, both" \
-  "over a ${SIZE_GIB} GiB null device of $BS-byte blocks; fio io_uring --direct=1 on vCPU 1"
+  "over a ${SIZE_GIB} GiB null device of $BS-byte blocks; fio io_uring --direct=1 $FIO_EXTRA on vCPU 1"
 targets=(nvmfd)
 if [ -n "$IDLE" ]; then
   targets=()
