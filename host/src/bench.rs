@@ -178,6 +178,9 @@ impl Tracker {
         let Some(sent) = a.writes.iter().find(|w| w.0 == stamp).map(|w| w.1) else {
             return;
         };
+        // Every write in flight was sent after the settled ones were all acknowledged: an
+        // acknowledged one is over them on the device, so a read may no longer find them.
+        self.settled.remove(&place);
         // Writes acknowledged before this one was sent are behind it on the device.
         a.writes.retain(|w| w.2.is_none_or(|done| done > sent));
         if let Some(w) = a.writes.iter_mut().find(|w| w.0 == stamp) {
@@ -737,6 +740,22 @@ mod tracker_tests {
         t.read_sent((0, 99), place);
         let r = t.read_done((0, 99)).unwrap();
         r.known.then_some(r.allowed)
+    }
+
+    #[test]
+    fn a_write_acknowledged_while_another_is_in_flight_supersedes_the_settled_data() {
+        let mut t = Tracker::default();
+        let a = t.write_sent(7);
+        t.write_done(7, a);
+        let (b, c) = (t.write_sent(7), t.write_sent(7));
+        t.write_done(7, b);
+        let mut found = allowed(&mut t, 7).unwrap();
+        found.sort_unstable();
+        assert_eq!(found, vec![b, c], "A was overwritten by B, acknowledged");
+        t.write_done(7, c);
+        let mut found = allowed(&mut t, 7).unwrap();
+        found.sort_unstable();
+        assert_eq!(found, vec![b, c], "B and C were in flight together");
     }
 
     #[test]
