@@ -85,6 +85,9 @@ struct Slot {
     from: Option<std::ptr::NonNull<u8>>,
 }
 
+/// The largest region io_uring registers as one fixed buffer.
+const MAX_FIXED_BUFFER: usize = 1 << 30;
+
 /// One reactor's I/O engine. Not `Send`: it belongs to its reactor thread.
 pub struct Engine {
     ring: IoUring,
@@ -128,6 +131,13 @@ impl Engine {
             .build(depth)
             .or_else(|_| IoUring::builder().setup_cqsize(depth * 2).build(depth))?;
         ring.submitter().register_files_sparse(max_devices.max(1))?;
+        // The kernel refuses a fixed buffer over 1 GiB (EFAULT): a larger pool (256 buffers
+        // of 8 MiB) is not registered and its I/O goes through plain reads and writes.
+        let pools: Vec<BufPool> = pools
+            .iter()
+            .filter(|p| p.iovec().iov_len <= MAX_FIXED_BUFFER)
+            .cloned()
+            .collect();
         if !pools.is_empty() {
             let iovecs: Vec<libc::iovec> = pools.iter().map(BufPool::iovec).collect();
             // SAFETY: every iovec is a pool's whole region; this engine keeps a clone of each
@@ -137,7 +147,7 @@ impl Engine {
         let slots = (0..depth).map(|_| None).collect();
         Ok(Engine {
             ring,
-            pools: pools.to_vec(),
+            pools,
             devices: Vec::with_capacity(max_devices as usize),
             slots,
             free_slots: (0..depth).rev().collect(),
