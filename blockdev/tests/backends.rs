@@ -1019,8 +1019,8 @@ fn a_pool_too_large_to_register_still_serves_io(f: Fixture) {
         ..
     } = f;
     let big = BufPool::new(129, 8 << 20, false).unwrap();
-    let mut engine = Engine::new(8, 1, &[pool.clone(), big.clone()])
-        .expect("an engine with a pool over 1 GiB");
+    let mut engine =
+        Engine::new(8, 1, &[pool.clone(), big.clone()]).expect("an engine with a pool over 1 GiB");
     let dev = engine.attach(&device).unwrap();
     let mut b = big.take().unwrap();
     assert!(b.set_len(8192));

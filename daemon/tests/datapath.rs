@@ -3393,3 +3393,49 @@ fn a_host_past_its_queue_size_is_torn_down_and_others_are_served() {
     drop(h);
     wait_pools_full(&c, false);
 }
+
+/// A command the target never answers breaks a pipelined queue after its timeout even while
+/// the queue's other commands keep completing: every poll here finds a completion (the queue
+/// checked its deadlines only on a poll that found none, so a bench ran on one slot short and
+/// reported the lost command only after its run).
+#[test]
+fn a_command_left_unanswered_among_answered_ones_breaks_a_pipelined_queue() {
+    use nvmf_host::Payload;
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    let s = serve(4490);
+    let (_admin, mut io) = pipelined_controller(&s, 4, 4096);
+    let q = io.transport();
+    q.set_timeout(Duration::from_millis(300));
+    let qpn = q.qpn().unwrap();
+    s.fabric.hold_send_completions(qpn);
+    let read = |lba| rw_sqe(io_opcode::READ, 1, lba, 1, false);
+    q.submit(0, read(0), Payload::In(512)).unwrap();
+    let start = Instant::now();
+    let mut done = Vec::new();
+    let mut answered = 0u64;
+    while q.broken().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "not broken after {answered} other commands completed"
+        );
+        q.submit(1, read(8), Payload::In(512)).unwrap();
+        // Its send completion is held behind the first command's, which stays held.
+        assert_eq!(s.fabric.release_held_completions_but_first(1), 1);
+        wait_until("its response and send completion are in", || {
+            s.fabric.completions_waiting(qpn) >= 2
+        });
+        q.poll(&mut done);
+        answered += done
+            .drain(..)
+            .filter(|d| d.tag == 1 && d.ok().is_ok())
+            .count() as u64;
+    }
+    assert!(start.elapsed() >= Duration::from_millis(300));
+    assert!(answered > 0);
+    assert!(
+        q.broken().unwrap().contains("took longer than"),
+        "{:?}",
+        q.broken()
+    );
+}

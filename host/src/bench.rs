@@ -505,6 +505,13 @@ pub fn run(
             job.io_size, job.block_size
         ));
     }
+    if job.io_size / job.block_size > 65536 {
+        return Err(format!(
+            "the I/O size ({} bytes) is more than 65,536 {}-byte blocks, the most one command \
+             moves",
+            job.io_size, job.block_size
+        ));
+    }
     let threads = job.threads.clamp(1, job.queues.max(1));
     let stop = AtomicBool::new(false);
     let progress = Progress::default();
@@ -801,5 +808,40 @@ mod tracker_tests {
         }
         let n = t.active[&3].writes.len();
         assert!(n <= 4, "{n} writes kept for one place");
+    }
+}
+
+#[cfg(test)]
+mod job_tests {
+    use super::*;
+
+    #[test]
+    fn an_io_larger_than_one_command_moves_is_refused_before_connecting() {
+        let job = Job {
+            nsid: 1,
+            block_size: 512,
+            blocks: 1 << 30,
+            io_size: 64 << 20,
+            depth: 1,
+            pattern: Pattern::Read,
+            read_pct: 100,
+            queues: 1,
+            threads: 1,
+            time: Duration::from_millis(10),
+            warmup: Duration::ZERO,
+            verify: false,
+        };
+        let connect =
+            |_qid: u16| -> Result<IoQueue<PipelinedQueue>, HostError> { panic!("connected") };
+        let err = run(
+            &job,
+            &connect,
+            &mut |_, _| {},
+            &AtomicBool::new(false),
+            &mut || {},
+        )
+        .err()
+        .expect("refused");
+        assert!(err.contains("more than 65,536 512-byte blocks"), "{err}");
     }
 }

@@ -22,6 +22,9 @@ use zerocopy::IntoBytes;
 
 use crate::{establish, transport, COMMAND_TIMEOUT};
 
+/// How often deadlines are checked while completions come in.
+const DEADLINE_CHECK_EVERY: Duration = Duration::from_millis(10);
+
 /// Data a submitted command moves.
 #[derive(Clone, Copy, Debug)]
 pub enum Payload<'a> {
@@ -85,6 +88,8 @@ pub struct PipelinedQueue {
     ready: VecDeque<Done>,
     broken: Option<String>,
     timeout: Duration,
+    /// When the deadlines are next checked while completions come in.
+    next_deadline_check: Instant,
     /// Reads find their buffer poisoned (`poison_reads`).
     poison: bool,
     wc: Vec<Wc>,
@@ -172,6 +177,7 @@ impl PipelinedQueue {
             ready: VecDeque::new(),
             broken: None,
             timeout: COMMAND_TIMEOUT,
+            next_deadline_check: Instant::now(),
             poison: false,
             wc: vec![Wc::default(); 32],
             _pd: pd,
@@ -198,6 +204,11 @@ impl PipelinedQueue {
     /// Commands outstanding (submitted and not yet handed back by [`PipelinedQueue::poll`]).
     pub fn outstanding(&self) -> usize {
         self.slots.len() - self.free.len()
+    }
+
+    /// The queue's QP number.
+    pub fn qpn(&self) -> Option<u32> {
+        self.id.qpn()
     }
 
     /// Why the queue broke, once it has.
@@ -357,7 +368,12 @@ impl PipelinedQueue {
             {
                 return Err("the target disconnected".into());
             }
-            let now = Instant::now();
+        }
+        // Every poll that found nothing, and every 10 ms while others complete: a command
+        // left unanswered among answered ones breaks the queue too.
+        let now = Instant::now();
+        if n == 0 || now >= self.next_deadline_check {
+            self.next_deadline_check = now + DEADLINE_CHECK_EVERY;
             if self
                 .slots
                 .iter()

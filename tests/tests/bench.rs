@@ -184,16 +184,55 @@ fn bench_fails_when_commands_are_left_unanswered_at_the_end() {
 }
 
 #[test]
+fn bench_writes_through_a_target_that_takes_no_data_in_its_capsules() {
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "[[listener]]".into(),
+            "[transport]\nin_capsule_data_size = \"0\"\n\n[[listener]]".into(),
+        )],
+        ..Options::default()
+    });
+    let a = addr(&d);
+    for args in [
+        &[
+            "bench",
+            "-w",
+            "randwrite",
+            "-q",
+            "4",
+            "-o",
+            "4k",
+            "--verify",
+        ][..],
+        &["verify"][..],
+    ] {
+        let mut args = args.to_vec();
+        args.extend_from_slice(&["--addr", &a, "--nqn", SUB]);
+        if args[0] == "bench" {
+            args.extend_from_slice(&["-t", "0.3", "--warmup", "0"]);
+        }
+        let (ok, out, err) = nvmf(&args);
+        assert!(ok, "{args:?}: {err}{out}");
+    }
+}
+
+#[test]
 fn bench_errors_are_clear_and_exit_non_zero() {
     let d = Daemon::start(Options::default());
     let a = addr(&d);
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 7] = [
         // Within NN (transport.max_nsid) but not configured: inactive.
         (&["--nsid", "9"], "namespace 9 is not active in"),
         // Past NN: Identify fails with Invalid Namespace.
         (&["--nsid", "4096"], "namespace 4096 of"),
         (&["-o", "1000"], "whole number of 512-byte blocks"),
         (&["-o", "4q"], "the unit is k, KiB, m or MiB"),
+        // nvmfd's default max_io_size is 128 KiB (MDTS 5).
+        (
+            &["-o", "256k"],
+            "above the target's maximum transfer (131072 bytes)",
+        ),
+        (&["-o", "64m"], "above the target's maximum transfer"),
         (
             &["--nqn", "nqn.2024-01.io.nvmfd.test:none"],
             "(no such subsystem there)",

@@ -149,11 +149,7 @@ fn channel(p: Provider) -> Result<CmChannel, String> {
     }
 }
 
-fn queue(cli: &Cli, qid: u16, sqsize: u16) -> Result<RdmaQueue, String> {
-    // An admin queue's capsules carry no data over RDMA (the kernel target's receives for it
-    // hold the command alone): its Connect data and the rest go keyed. I/O queues put writes
-    // of up to 4 KiB in the capsule.
-    let in_capsule = if qid == 0 { 0 } else { 4096 };
+fn queue(cli: &Cli, qid: u16, sqsize: u16, in_capsule: u32) -> Result<RdmaQueue, String> {
     RdmaQueue::connect(
         channel(cli.provider)?,
         cli.addr,
@@ -165,8 +161,25 @@ fn queue(cli: &Cli, qid: u16, sqsize: u16) -> Result<RdmaQueue, String> {
     .map_err(|e| e.to_string())
 }
 
+/// The bytes of data an I/O queue's capsule may carry: what the controller reports (IOCCSZ,
+/// in 16-byte units with the 64-byte command), up to 4 KiB. An admin queue's capsules carry
+/// none (the kernel target's receives for it hold the command alone).
+fn in_capsule(id: &wire::IdentifyController) -> u32 {
+    id.ioccsz
+        .get()
+        .saturating_mul(16)
+        .saturating_sub(64)
+        .min(4096)
+}
+
+/// A namespace's block size, from the LBA format FLBAS selects.
+fn block_size(ns: &wire::IdentifyNamespace) -> u32 {
+    let lbads = ns.lbaf[usize::from(ns.flbas & 0xf)].lbads;
+    1u32.checked_shl(u32::from(lbads)).unwrap_or(0)
+}
+
 fn admin(cli: &Cli, nqn: &str, host: &HostId) -> Result<AdminQueue<RdmaQueue>, String> {
-    let mut a = AdminQueue::connect(queue(cli, 0, 31)?, host, nqn, 31, 30_000).map_err(
+    let mut a = AdminQueue::connect(queue(cli, 0, 31, 0)?, host, nqn, 31, 30_000).map_err(
         |e: HostError| {
             // Connect's Invalid Parameters says which field (dw0: IATTR, IPO); 0x84 is
             // Connect Invalid Host.
@@ -219,6 +232,20 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     if ns.nsze.get() == 0 {
         return Err(format!("namespace {} is not active in {}", b.nsid, b.nqn));
     }
+    let id = a.identify_controller().map_err(|e| e.to_string())?;
+    let icd = in_capsule(&id);
+    // MDTS: a power of two of 4 KiB pages (the minimum memory page size); 0 is no limit.
+    if let Some(mdts) = 4096u64
+        .checked_shl(u32::from(id.mdts))
+        .filter(|_| id.mdts != 0)
+    {
+        if u64::from(b.size) > mdts {
+            return Err(format!(
+                "the I/O size ({} bytes) is above the target's maximum transfer ({mdts} bytes)",
+                b.size
+            ));
+        }
+    }
     let granted = a.set_queue_count(b.queues).map_err(|e| e.to_string())?;
     if granted < b.queues {
         return Err(format!(
@@ -229,7 +256,7 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     let io_size = b.size;
     let job = bench::Job {
         nsid: b.nsid,
-        block_size: 1u32 << ns.lbaf[usize::from(ns.flbas & 0xf)].lbads,
+        block_size: block_size(&ns),
         blocks: ns.nsze.get(),
         io_size,
         depth: b.depth,
@@ -252,7 +279,7 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
         let ch = channel(cli.provider).map_err(HostError::Transport)?;
         // A queue has at least two entries (SQSIZE 1): depth 1 keeps one of them out.
         let slots = b.depth.max(2);
-        let q = PipelinedQueue::connect(ch, cli.addr, qid, slots, 4096, io_size.max(4096))?;
+        let q = PipelinedQueue::connect(ch, cli.addr, qid, slots, icd, io_size.max(4096))?;
         IoQueue::connect(q, host, &b.nqn, cntlid, qid, slots - 1)
     };
     let bar = if b.json {
@@ -370,7 +397,7 @@ fn run(cli: &Cli) -> Result<(), String> {
             );
             for nsid in a.active_namespaces(0).map_err(|e| e.to_string())? {
                 let ns = a.identify_namespace(nsid).map_err(|e| e.to_string())?;
-                let bs = 1u64 << ns.lbaf[0].lbads;
+                let bs = u64::from(block_size(&ns));
                 println!(
                     "namespace {nsid}: {} blocks of {bs} bytes ({} MiB){}",
                     ns.nsze.get(),
@@ -397,9 +424,10 @@ fn run(cli: &Cli) -> Result<(), String> {
         Command::Verify { nqn, nsid } => {
             let mut a = admin(cli, nqn, &host)?;
             let ns = a.identify_namespace(*nsid).map_err(|e| e.to_string())?;
-            let bs = 1usize << ns.lbaf[0].lbads;
+            let bs = block_size(&ns) as usize;
             a.set_queue_count(1).map_err(|e| e.to_string())?;
-            let mut io = IoQueue::connect(queue(cli, 1, 63)?, &host, nqn, a.cntlid, 1, 63)
+            let icd = in_capsule(&a.identify_controller().map_err(|e| e.to_string())?);
+            let mut io = IoQueue::connect(queue(cli, 1, 63, icd)?, &host, nqn, a.cntlid, 1, 63)
                 .map_err(|e| e.to_string())?;
             let (mut len, mut lba, mut n) = (bs, 0u64, 0);
             while len <= 128 * 1024 {

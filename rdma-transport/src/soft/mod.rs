@@ -217,6 +217,35 @@ impl Fabric {
         n
     }
 
+    /// Delivers every send completion held but the first `keep`, in order, and goes on
+    /// holding (those kept stay held: a device that never writes them); how many were
+    /// delivered.
+    pub fn release_held_completions_but_first(&self, keep: usize) -> usize {
+        let mut s = self.lock();
+        let keep = keep.min(s.held.len());
+        let rest: Vec<(u32, Wc)> = s.held.drain(keep..).collect();
+        let holding = std::mem::take(&mut s.holding);
+        let n = rest.len();
+        for (cq, wc) in rest {
+            s.push_wc(cq, wc);
+        }
+        s.holding = holding;
+        n
+    }
+
+    /// Completions waiting to be polled in QP `qpn`'s send and receive CQs (counted once
+    /// when they are one CQ); 0 for an unknown QP.
+    pub fn completions_waiting(&self, qpn: u32) -> usize {
+        let s = self.lock();
+        let Some(q) = s.qps.get(&qpn) else { return 0 };
+        let count = |cq: u32| s.cqs.get(&cq).map_or(0, |c| c.entries.len());
+        if q.send_cq == q.recv_cq {
+            count(q.send_cq)
+        } else {
+            count(q.send_cq) + count(q.recv_cq)
+        }
+    }
+
     /// Completions that destroying their QP dropped so far
     /// ([`Faults::destroy_drops_completions`]).
     pub fn destroy_drops(&self) -> DestroyDrops {
