@@ -1934,4 +1934,74 @@ mod soft_only {
             "no QP yet"
         );
     }
+
+    /// A peer over TCP that answers an RDMA READ with an acknowledgement alone, or with data
+    /// one byte short, fails the read (and its QP): the buffer is not reported filled with
+    /// data that never came.
+    #[test]
+    fn a_read_answered_without_all_of_its_data_fails() {
+        use nvmfd_rdma::soft::ReadAnswer;
+        for (port, answer) in [(5039, ReadAnswer::AckOnly), (5040, ReadAnswer::Short)] {
+            let w = on_soft_tcp::world(port, 1).unwrap();
+            // The target (fabric A) reads from the host (fabric B), which answers badly.
+            w.env.b.set_faults(Faults {
+                read_answer: answer,
+                ..Faults::default()
+            });
+            w.h.mr.write(0, &[0x11; 512]);
+            w.t.mr.write(4096, &[0xdb; 512]);
+            let rd = SendWr {
+                wr_id: 9,
+                op: SendOp::RdmaRead {
+                    remote_addr: w.h.mr.addr(),
+                    rkey: w.h.mr.rkey(),
+                },
+                sges: &[w.t.mr.sge(4096, 512)],
+                signaled: true,
+                inline: false,
+            };
+            w.tid[0].post_send(&[rd]).unwrap();
+            let wc = on_soft_tcp::poll_one(&w.t.cq);
+            assert_eq!((wc.wr_id, wc.status), (9, WcStatus::RemOpErr), "{answer:?}");
+            let mut got = [0u8; 512];
+            w.t.mr.read(4096, &mut got);
+            assert!(
+                got.iter().all(|&b| b == 0xdb),
+                "{answer:?}: the buffer changed"
+            );
+            assert_eq!(w.tid[0].qp_state(), Some(QpState::Err), "{answer:?}");
+        }
+    }
+
+    /// SEND with Invalidate naming a key the receiver gave out for local use only (a
+    /// target's data buffers) fails, and the region stays usable, as on a NIC.
+    #[test]
+    fn send_with_invalidate_of_a_local_only_key_fails_and_leaves_the_region_valid() {
+        let w = world(5041, 1).unwrap();
+        let local = w.t.pd.alloc_mr(8192, Access::LOCAL_WRITE).unwrap();
+        w.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 7,
+                sges: &[w.t.mr.sge(0, 64)],
+            }])
+            .unwrap();
+        w.hid[0]
+            .post_send(&[SendWr {
+                wr_id: 1,
+                op: SendOp::SendWithInvalidate { rkey: local.rkey() },
+                sges: &[w.h.mr.sge(0, 16)],
+                signaled: true,
+                inline: false,
+            }])
+            .unwrap();
+        assert_eq!(poll_one(&w.h.cq).status, WcStatus::RemInvReqErr);
+        assert!(
+            w.env
+                .fabric
+                .memory_regions()
+                .iter()
+                .any(|&(k, _, _)| k == local.rkey()),
+            "the region is still registered"
+        );
+    }
 }

@@ -49,6 +49,18 @@ impl State {
         let srq_id = q.srq?;
         let srq = self.srqs.get_mut(&srq_id)?;
         let r = srq.recvs.pop_front()?;
+        // SEND with Invalidate may invalidate only a key of the receiver's PD that was given
+        // out for remote access; any other key fails the message (and both QPs), leaving the
+        // region as it was.
+        let bad_invalidate = m.invalidate.is_some_and(|k| {
+            !self.mrs.get(&k).is_some_and(|mr| {
+                mr.dev == dev
+                    && mr.pd == pd
+                    && mr
+                        .access
+                        .intersects(Access::REMOTE_READ | Access::REMOTE_WRITE)
+            })
+        });
         let remaining = u32::try_from(srq.recvs.len()).unwrap_or(u32::MAX);
         if srq.limit > 0 && remaining < srq.limit {
             srq.limit = 0; // one-shot: re-armed by modify
@@ -57,8 +69,10 @@ impl State {
         }
         let room = self.check_local(dev, pd, &r.sges, Access::LOCAL_WRITE);
         let fits = room.is_some_and(|room| room >= m.data.len() as u64);
-        if !fits {
-            let status = if room.is_none() {
+        if !fits || bad_invalidate {
+            let status = if bad_invalidate {
+                WcStatus::RemInvReqErr
+            } else if room.is_none() {
                 WcStatus::LocProtErr
             } else {
                 WcStatus::LocLenErr

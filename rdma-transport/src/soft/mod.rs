@@ -92,6 +92,21 @@ pub struct Faults {
     /// Every `post_send` returns this long after its work requests went on the wire, as a
     /// provider that runs the transport in the caller's context (rxe) does. Zero: at once.
     pub post_send_delay: std::time::Duration,
+    /// How this fabric answers an RDMA READ from a peer over TCP: with its data, or (a broken
+    /// or hostile peer) with an acknowledgement alone or data one byte short.
+    pub read_answer: ReadAnswer,
+}
+
+/// How a fabric answers an RDMA READ from a peer over TCP ([`Faults::read_answer`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReadAnswer {
+    /// The data read.
+    #[default]
+    Data,
+    /// An acknowledgement with no data.
+    AckOnly,
+    /// The data read but its last byte.
+    Short,
 }
 
 /// Completions that destroying their QP dropped from a CQ

@@ -455,14 +455,24 @@ impl State {
                 self.check_remote(dev, pd, addr, u64::from(len), rkey, Access::REMOTE_READ)
             });
         let resp = if ok {
+            let mut data = super::gather(&[Sge {
+                addr,
+                length: len,
+                lkey: 0,
+            }]);
+            match self.faults.read_answer {
+                super::ReadAnswer::Data => {}
+                super::ReadAnswer::AckOnly => {
+                    return self.send_frame(link, Frame::Ack { seq, status: 0 });
+                }
+                super::ReadAnswer::Short => {
+                    data.pop();
+                }
+            }
             Frame::ReadResp {
                 seq,
                 status: 0,
-                data: super::gather(&[Sge {
-                    addr,
-                    length: len,
-                    lkey: 0,
-                }]),
+                data,
             }
         } else {
             Frame::ReadResp {
@@ -486,6 +496,24 @@ impl State {
             return;
         };
         q.deferred = q.deferred.saturating_sub(1);
+        // An RDMA READ is answered with exactly its data, anything else with an
+        // acknowledgement: a peer that does otherwise fails the work request (its data is not
+        // there) and the QP, as a malformed response does on a NIC.
+        let status = match (status, wr.opcode, &read) {
+            (WcStatus::Success, WcOpcode::RdmaRead, Some(data))
+                if data.len() as u64
+                    == wr
+                        .read_sges
+                        .iter()
+                        .map(|s| u64::from(s.length))
+                        .sum::<u64>() =>
+            {
+                WcStatus::Success
+            }
+            (WcStatus::Success, WcOpcode::RdmaRead, _) => WcStatus::RemOpErr,
+            (WcStatus::Success, _, Some(_)) => WcStatus::RemOpErr,
+            (status, _, _) => status,
+        };
         if let (WcStatus::Success, Some(data)) = (status, read) {
             super::scatter(&wr.read_sges, &data);
         }
