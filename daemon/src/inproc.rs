@@ -116,6 +116,7 @@ impl InProcTarget {
                 requests: o.requests,
                 huge_pages: false,
                 connect_timeout: o.connect_timeout,
+                response_timeout: crate::datapath::RESPONSE_TIMEOUT,
                 max_qps: crate::datapath::MAX_QPS,
             },
             registrar: Registrar::spawn()?,

@@ -115,6 +115,9 @@ pub struct DataPathCounters {
     /// Commands past the queue size of their QP (more without a response than the host's
     /// queue holds): the queue ended.
     pub commands_over_queue_size: AtomicU64,
+    /// Connections whose posted work had no completion within `RESPONSE_TIMEOUT` (a host
+    /// that takes none of its responses): the queue ended.
+    pub responses_not_taken: AtomicU64,
     /// Send or block completions that named no command in flight (dropped, never applied).
     pub stale_completions: AtomicU64,
     /// Asynchronous Event Requests completed (an event reported to a host).
@@ -223,6 +226,7 @@ impl DataPathCounters {
             srq_errors_total: g(&self.srq_errors),
             late_receives_total: g(&self.late_receives),
             commands_over_queue_size_total: g(&self.commands_over_queue_size),
+            responses_not_taken_total: g(&self.responses_not_taken),
             stale_completions_total: g(&self.stale_completions),
             async_events_total: g(&self.async_events),
             writes_from_receive_total: g(&self.writes_from_receive),
@@ -361,6 +365,7 @@ impl DataPathCounters {
             srq_errors,
             late_receives,
             commands_over_queue_size,
+            responses_not_taken,
             stale_completions,
             async_events,
             writes_from_receive,
@@ -415,6 +420,7 @@ impl DataPathCounters {
         mv(srq_errors, &to.srq_errors);
         mv(late_receives, &to.late_receives);
         mv(commands_over_queue_size, &to.commands_over_queue_size);
+        mv(responses_not_taken, &to.responses_not_taken);
         mv(stale_completions, &to.stale_completions);
         mv(async_events, &to.async_events);
         mv(writes_from_receive, &to.writes_from_receive);
@@ -496,6 +502,9 @@ pub struct DataPathStats {
     /// Commands past their queue's size; the queue ended.
     #[serde(default)]
     pub commands_over_queue_size_total: u64,
+    /// Connections whose posted work had no completion in time; the queue ended.
+    #[serde(default)]
+    pub responses_not_taken_total: u64,
     /// Send or block completions that named no command in flight, dropped.
     #[serde(default)]
     pub stale_completions_total: u64,

@@ -137,6 +137,7 @@ fn serve_counted(
 /// What else a served data path may be given.
 struct Opts {
     connect_timeout: Duration,
+    response_timeout: Duration,
     huge_pages: bool,
     max_qps: u32,
 }
@@ -145,6 +146,7 @@ impl Default for Opts {
     fn default() -> Opts {
         Opts {
             connect_timeout: Duration::from_secs(60),
+            response_timeout: nvmfd::datapath::RESPONSE_TIMEOUT,
             huge_pages: false,
             max_qps: nvmfd::datapath::MAX_QPS,
         }
@@ -194,6 +196,7 @@ fn serve_opts(
 ) -> Served {
     let Opts {
         connect_timeout,
+        response_timeout,
         huge_pages,
         max_qps,
     } = opts;
@@ -273,6 +276,7 @@ fn serve_opts(
             max_io: limits.max_io_size,
             requests: 32,
             connect_timeout,
+            response_timeout,
             huge_pages,
             max_qps,
         };
@@ -3438,4 +3442,73 @@ fn a_command_left_unanswered_among_answered_ones_breaks_a_pipelined_queue() {
         "{:?}",
         q.broken()
     );
+}
+
+/// A host that posts no receive for its responses keeps their SENDs waiting at its QP
+/// forever (RNR retry 7), and their requests with them: with a few queues it would hold
+/// every request slot of the reactor while its admin queue keeps its controller alive. A
+/// connection whose posted work has no completion within the response timeout is ended,
+/// counted and logged; other hosts are served on, and everything it held comes back.
+#[test]
+fn a_host_that_takes_none_of_its_responses_is_torn_down_after_the_response_timeout() {
+    use nvmfd_rdma::{SendOp, SendWr, Sge, Wc, WcStatus};
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4491,
+        None,
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            response_timeout: Duration::from_millis(300),
+            ..Opts::default()
+        },
+    );
+    let h = bare_established(&s);
+    // Four Keep Alives (well within the queue's size), each answered, and no receive for
+    // any answer.
+    let cq = &h._qp_on.1;
+    let mut wc = [Wc::default(); 4];
+    for cid in 0..4u16 {
+        let mut sqe = [0u8; 64];
+        sqe[0] = 0x18;
+        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+        let sge = [Sge {
+            addr: sqe.as_ptr() as u64,
+            length: 64,
+            lkey: 0,
+        }];
+        h.id.post_send(&[SendWr {
+            wr_id: u64::from(cid),
+            op: SendOp::Send,
+            sges: &sge,
+            signaled: true,
+            inline: true,
+        }])
+        .unwrap();
+        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
+        assert_eq!(wc[0].status, WcStatus::Success);
+    }
+    wait_until("the four responses are posted", || {
+        c.sends_in_flight.load(Relaxed) == 4
+    });
+    let start = Instant::now();
+    wait_until("the queue that takes no response to be torn down", || {
+        c.responses_not_taken.load(Relaxed) == 1 && c.teardowns_controller.load(Relaxed) == 1
+    });
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let (_admin, mut ios) = controller(&s, 1);
+    let data = pattern(91, 4096);
+    ios[0].write(1, 0, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    ios[0].read(1, 0, 8, &mut back).unwrap();
+    assert!(back == data);
+    assert_eq!(
+        c.responses_not_taken.load(Relaxed),
+        1,
+        "a host that takes its responses"
+    );
+    drop(h);
+    wait_pools_full(&c, false);
 }

@@ -833,15 +833,16 @@ mod job_tests {
         };
         let connect =
             |_qid: u16| -> Result<IoQueue<PipelinedQueue>, HostError> { panic!("connected") };
-        let err = run(
+        let refused = run(
             &job,
             &connect,
             &mut |_, _| {},
             &AtomicBool::new(false),
             &mut || {},
-        )
-        .err()
-        .expect("refused");
+        );
+        let Err(err) = refused else {
+            panic!("not refused")
+        };
         assert!(err.contains("more than 65,536 512-byte blocks"), "{err}");
     }
 }

@@ -264,6 +264,7 @@ impl Daemon {
             requests: REQUESTS,
             huge_pages: t.huge_pages,
             connect_timeout: t.connect_timeout.0,
+            response_timeout: crate::datapath::RESPONSE_TIMEOUT,
             max_qps: crate::datapath::MAX_QPS,
         };
         for (id, &core) in self.cfg.daemon.reactor_cores.iter().enumerate() {

@@ -36,6 +36,11 @@ pub(super) struct Conn {
     /// could take every request slot and empty the SRQ that every host shares.
     pub(super) received: u64,
     pub(super) answered: u64,
+    /// Completions of its signaled work requests (wrapping), and since when (at which
+    /// count) its posted work has made no progress, as last looked at
+    /// ([`DataPath::expire_stalled`]).
+    pub(super) sq_progress: u32,
+    pub(super) stall: Option<(u32, Instant)>,
 }
 
 /// The live connections: a slab, so that a request finds its connection by index
@@ -134,6 +139,10 @@ impl Conns {
 
     pub(super) fn values(&self) -> impl Iterator<Item = &Conn> {
         self.slots.iter().flatten()
+    }
+
+    pub(super) fn values_mut(&mut self) -> impl Iterator<Item = &mut Conn> {
+        self.slots.iter_mut().flatten()
     }
 
     /// Takes the connection at index `i` out of its slot (its index and QP number stay
@@ -290,6 +299,8 @@ impl DataPath {
             signaled_out: 0,
             received: 0,
             answered: 0,
+            sq_progress: 0,
+            stall: None,
         });
         self.counters
             .connections
@@ -367,6 +378,43 @@ impl DataPath {
                 "qpn" => qpn, "timeout" => ?self.connect_timeout);
             self.teardown(qpn, Cause::Controller, now);
         }
+    }
+
+    /// Ends the connections whose posted work has had no completion for `response_timeout`
+    /// ([`RESPONSE_TIMEOUT`](super::RESPONSE_TIMEOUT)): counted and torn down as a host
+    /// breaking the protocol. Looked at every quarter of the timeout, so one is ended
+    /// between one and one and a half timeouts after its work stopped moving.
+    pub(super) fn expire_stalled(&mut self, now: Instant) {
+        if now < self.next_stall_check {
+            return;
+        }
+        self.next_stall_check = now + self.response_timeout / 4;
+        let mut stalled = std::mem::take(&mut self.scratch_qpns);
+        for c in self.conns.values_mut() {
+            if c.signaled_out == 0 {
+                c.stall = None;
+                continue;
+            }
+            match c.stall {
+                Some((seen, since)) if seen == c.sq_progress => {
+                    if now.saturating_duration_since(since) >= self.response_timeout {
+                        stalled.push(c.qpn);
+                    }
+                }
+                _ => c.stall = Some((c.sq_progress, now)),
+            }
+        }
+        for qpn in stalled.drain(..) {
+            let out = self.conns.get(&qpn).map_or(0, |c| c.signaled_out);
+            self.counters
+                .responses_not_taken
+                .fetch_add(1, Ordering::Relaxed);
+            slog::warn!(self.log, "no completion of the connection's posted work in time \
+                (a host that posts no receive for its responses?); the queue ends";
+                "qpn" => qpn, "work_requests_out" => out, "timeout" => ?self.response_timeout);
+            self.teardown(qpn, Cause::Controller, now);
+        }
+        self.scratch_qpns = stalled;
     }
 
     /// An async event of this data path's device (`async_fd`), numbered as it was read

@@ -78,6 +78,9 @@ pub struct DataPathConfig {
     /// How long an accepted connection may go without a Fabrics Connect from its host before
     /// it is ended (`transport.connect_timeout`).
     pub connect_timeout: std::time::Duration,
+    /// How long a connection's posted work may go without a completion before it is ended
+    /// ([`RESPONSE_TIMEOUT`] in the daemon).
+    pub response_timeout: std::time::Duration,
     /// QPs at once, live and draining ([`MAX_QPS`] in the daemon): the CQ has room for a
     /// drain marker of each, and a connection beyond it is refused.
     pub max_qps: u32,
@@ -95,6 +98,14 @@ const MIN_QPS: u32 = 64;
 const REQ_BASE: u64 = crate::srq::WR_ID_END;
 /// The RNR NAK timer QPs advertise: 0.16 ms (InfiniBand encoding 8).
 const MIN_RNR_TIMER: u8 = 8;
+/// The longest a connection's posted work (a response's SEND, an RDMA READ of a write's
+/// data) goes without a completion before the connection is ended as a host breaking the
+/// protocol. A SEND waits, retried without end (RNR retry 7), for a receive at the host: a
+/// host that posts none would keep the requests of its responses, and with a few queues
+/// every request slot of the reactor, while its admin queue keeps its controller alive. The
+/// Linux host's I/O timeout is 30 s: other hosts' commands that wait for a slot meanwhile
+/// are served well within it.
+pub const RESPONSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The longest a torn-down QP waits for its work to drain before it is destroyed anyway.
 pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -307,6 +318,10 @@ pub struct DataPath {
     unconnected: VecDeque<(Instant, u32, usize)>,
     /// How long a connection may go without a Fabrics Connect (`DataPathConfig`).
     connect_timeout: std::time::Duration,
+    /// How long a connection's posted work may go without a completion (`DataPathConfig`),
+    /// and when the connections are next looked at for that.
+    response_timeout: std::time::Duration,
+    next_stall_check: Instant,
     /// Block completions of one turn (kept, so that no turn allocates).
     reaped: Vec<Completion>,
     /// QP numbers of one turn's ended connections (kept likewise).
@@ -445,6 +460,8 @@ impl DataPath {
             srq_retry: None,
             unconnected: VecDeque::new(),
             connect_timeout: cfg.connect_timeout,
+            response_timeout: cfg.response_timeout,
+            next_stall_check: Instant::now(),
             max_qps,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
@@ -574,6 +591,7 @@ impl DataPath {
             self.unblock(now);
         }
         self.expire_unconnected(now);
+        self.expire_stalled(now);
         if self.events_due {
             self.poll_events();
         }

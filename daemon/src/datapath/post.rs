@@ -329,6 +329,7 @@ impl DataPath {
         // Every other send WR is signaled: one completion each, counted out of its QP's.
         if let Some(conn) = self.conns.get_mut(&qpn) {
             release(&mut conn.signaled_out, 1);
+            conn.sq_progress = conn.sq_progress.wrapping_add(1);
         } else if let Some(d) = self.draining.get_mut(&qpn) {
             release(&mut d.signaled_out, 1);
         } else {
