@@ -3512,3 +3512,103 @@ fn a_host_that_takes_none_of_its_responses_is_torn_down_after_the_response_timeo
     drop(h);
     wait_pools_full(&c, false);
 }
+
+/// The response timeout counts only time the data path looked: after it was held up for
+/// longer than the timeout (its reactor blocked, the machine paused), with completions of
+/// one connection behind another's more than a CQ batch, that connection is not ended for
+/// work that moved meanwhile.
+#[test]
+fn a_data_path_held_up_past_the_response_timeout_ends_no_connection() {
+    use nvmf_host::Payload;
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    use std::sync::atomic::Ordering::Relaxed;
+    let timeout = Duration::from_millis(400);
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4492,
+        Some((64, 64)),
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            response_timeout: timeout,
+            ..Opts::default()
+        },
+    );
+    let (_ax, mut x) = pipelined_controller(&s, 48, 4096);
+    let (_ay, mut y) = pipelined_controller(&s, 4, 4096);
+    let target_qp = |io: &mut IoQueue<nvmf_host::PipelinedQueue>| {
+        s.fabric.peer_of(io.transport().qpn().unwrap()).unwrap()
+    };
+    let (tx, ty) = (target_qp(&mut x), target_qp(&mut y));
+    s.fabric.hold_send_completions(tx);
+    s.fabric.hold_send_completions(ty);
+    let read = |lba| rw_sqe(io_opcode::READ, 1, lba, 1, false);
+    for i in 0..40 {
+        x.transport().submit(i, read(i), Payload::In(512)).unwrap();
+    }
+    wait_until("X's 40 responses are posted", || {
+        c.sends_in_flight.load(Relaxed) == 40
+    });
+    y.transport().submit(0, read(0), Payload::In(512)).unwrap();
+    wait_until("Y's response is posted", || {
+        c.sends_in_flight.load(Relaxed) == 41
+    });
+    // A look at the connections sees their work out (every quarter of the timeout).
+    let posted = Instant::now();
+    wait_until("a look at the stalled work", || {
+        posted.elapsed() > timeout / 2
+    });
+    s.set_switch(&s.paused, true);
+    let paused = Instant::now();
+    wait_until("longer than the timeout", || paused.elapsed() > timeout * 2);
+    // X's 40 completions, then Y's: more than a CQ batch before Y's.
+    assert_eq!(s.fabric.release_held_completions(), 41);
+    s.paused.store(false, Relaxed);
+    let mut done = Vec::new();
+    wait_until("both hosts have their answers", || {
+        x.transport().poll(&mut done);
+        y.transport().poll(&mut done);
+        done.len() == 41
+    });
+    assert!(done.iter().all(|d| d.ok().is_ok()));
+    wait_until("the target saw every send complete", || {
+        c.sends_in_flight.load(Relaxed) == 0
+    });
+    assert_eq!(c.responses_not_taken.load(Relaxed), 0);
+    assert_eq!(c.teardowns_controller.load(Relaxed), 0);
+}
+
+/// A pipelined queue whose host was held up past its command timeout, with every answer
+/// already in its CQ (more than one poll's batch), breaks on none of them: deadlines are
+/// looked at only once the CQ was read to its end.
+#[test]
+fn a_pipelined_queue_held_up_past_its_timeout_takes_the_answers_waiting_for_it() {
+    use nvmf_host::Payload;
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    let timeout = Duration::from_millis(200);
+    let s = serve_counted(4493, Some((64, 64)), Arc::default());
+    let (_admin, mut io) = pipelined_controller(&s, 48, 4096);
+    let q = io.transport();
+    q.set_timeout(timeout);
+    let qpn = q.qpn().unwrap();
+    for i in 0..40 {
+        q.submit(i, rw_sqe(io_opcode::READ, 1, i, 1, false), Payload::In(512))
+            .unwrap();
+    }
+    wait_until(
+        "every answer and send completion is in the host's CQ",
+        || s.fabric.completions_waiting(qpn) == 80,
+    );
+    let submitted = Instant::now();
+    wait_until("past the timeout", || submitted.elapsed() > timeout * 2);
+    let mut done = Vec::new();
+    for _ in 0..3 {
+        q.poll(&mut done);
+        assert!(q.broken().is_none(), "{:?}", q.broken());
+    }
+    assert_eq!(done.len(), 40);
+    assert!(done.iter().all(|d| d.ok().is_ok()));
+}

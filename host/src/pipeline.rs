@@ -370,9 +370,10 @@ impl PipelinedQueue {
             }
         }
         // Every poll that found nothing, and every 10 ms while others complete: a command
-        // left unanswered among answered ones breaks the queue too.
+        // left unanswered among answered ones breaks the queue too. Only once the CQ was
+        // read to its end: after a pause (a stopped process) an answer may still be there.
         let now = Instant::now();
-        if n == 0 || now >= self.next_deadline_check {
+        if n < self.wc.len() && (n == 0 || now >= self.next_deadline_check) {
             self.next_deadline_check = now + DEADLINE_CHECK_EVERY;
             if self
                 .slots

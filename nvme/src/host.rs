@@ -97,9 +97,10 @@ pub fn rw_sqe(opcode: u8, nsid: u32, slba: u64, nlb: u32, fua: bool) -> Sqe {
     s.nsid = U32::new(nsid);
     s.cdw10 = U32::new(wire::lo32(slba));
     s.cdw11 = U32::new(wire::hi32(slba));
+    // (0 for a command on no blocks, such as a Flush.)
     debug_assert!(
-        (1..=65_536).contains(&nlb),
-        "NLB {nlb}: one command moves 1 to 65,536 blocks"
+        nlb <= 65_536,
+        "NLB {nlb}: one command moves at most 65,536 blocks"
     );
     s.cdw12 = U32::new(nlb.saturating_sub(1) | (u32::from(fua) << 30));
     s

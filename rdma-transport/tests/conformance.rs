@@ -2004,4 +2004,38 @@ mod soft_only {
             "the region is still registered"
         );
     }
+
+    /// A work request that fails as it is posted comes after the QP's earlier work, which
+    /// its failure flushes: completions come in posting order, as on a NIC (the SEND
+    /// waiting for a receive at the peer was flushed after the failed request).
+    #[test]
+    fn a_failed_post_completes_after_the_earlier_work_it_flushes() {
+        let w = world(5043, 1).unwrap();
+        // No receive at the target: the host's SEND waits (RNR retry 7).
+        w.hid[0]
+            .post_send(&[send(1, &[w.h.mr.sge(0, 64)], true)])
+            .unwrap();
+        w.env.fabric.set_faults(Faults {
+            drop_per_million: 1_000_000,
+            ..Faults::default()
+        });
+        w.hid[0]
+            .post_send(&[SendWr {
+                wr_id: 2,
+                op: SendOp::RdmaWrite {
+                    remote_addr: w.t.mr.addr(),
+                    rkey: w.t.mr.rkey(),
+                },
+                sges: &[w.h.mr.sge(0, 64)],
+                signaled: true,
+                inline: false,
+            }])
+            .unwrap();
+        let first = poll_one(&w.h.cq);
+        let second = poll_one(&w.h.cq);
+        assert_eq!(
+            [(first.wr_id, first.status), (second.wr_id, second.status)],
+            [(1, WcStatus::WrFlushErr), (2, WcStatus::RetryExcErr)]
+        );
+    }
 }

@@ -382,17 +382,26 @@ impl DataPath {
 
     /// Ends the connections whose posted work has had no completion for `response_timeout`
     /// ([`RESPONSE_TIMEOUT`](super::RESPONSE_TIMEOUT)): counted and torn down as a host
-    /// breaking the protocol. Looked at every quarter of the timeout, so one is ended
+    /// breaking the protocol. Looked at every quarter of the timeout, on a turn that read
+    /// the CQ to its end (a completion further back would be missed), so one is ended
     /// between one and one and a half timeouts after its work stopped moving.
-    pub(super) fn expire_stalled(&mut self, now: Instant) {
-        if now < self.next_stall_check {
+    pub(super) fn expire_stalled(&mut self, now: Instant, cq_read_to_end: bool) {
+        if now < self.next_stall_check || !cq_read_to_end {
             return;
         }
-        self.next_stall_check = now + self.response_timeout / 4;
+        let step = self.response_timeout / 4;
+        // Looked at late (the reactor was held up, the machine paused): work may have moved
+        // unseen meanwhile, so every connection starts over.
+        let late = now.saturating_duration_since(self.next_stall_check) > step;
+        self.next_stall_check = now + step;
         let mut stalled = std::mem::take(&mut self.scratch_qpns);
         for c in self.conns.values_mut() {
             if c.signaled_out == 0 {
                 c.stall = None;
+                continue;
+            }
+            if late {
+                c.stall = Some((c.sq_progress, now));
                 continue;
             }
             match c.stall {

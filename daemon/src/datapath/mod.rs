@@ -552,6 +552,7 @@ impl DataPath {
             worked = true;
         }
         let mut n = 0;
+        let mut cq_read_to_end = false;
         // One batch a turn; while a drain waits for the CQ to be empty, until it is. The batch
         // lives in the data path: nothing is zeroed per turn.
         for _ in 0..64 {
@@ -566,6 +567,7 @@ impl DataPath {
             n += got;
             if got < self.wc.len() {
                 self.cq_empty_polls += 1;
+                cq_read_to_end = true;
                 break;
             }
             if self.settling == 0 {
@@ -591,7 +593,7 @@ impl DataPath {
             self.unblock(now);
         }
         self.expire_unconnected(now);
-        self.expire_stalled(now);
+        self.expire_stalled(now, cq_read_to_end);
         if self.events_due {
             self.poll_events();
         }

@@ -332,7 +332,7 @@ impl Pd {
                 inbound: VecDeque::new(),
                 last_wqe_sent: false,
                 remote: None,
-                remote_pending: HashMap::default(),
+                remote_pending: std::collections::BTreeMap::new(),
                 next_seq: 0,
                 delayed: VecDeque::new(),
                 read_depth: 0,

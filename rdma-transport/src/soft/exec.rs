@@ -225,9 +225,11 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         let q = &s.qps[&qpn];
         (q.dev, q.pd, q.peer, q.rnr_retry)
     };
+    // The QP's earlier work still out (SENDs waiting at the peer, requests waiting for the
+    // peer's answer) is flushed first: completions come in posting order, as on a NIC.
     let fail = |s: &mut State, st: WcStatus| {
-        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
         s.qp_error(qpn);
+        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
     };
     // The local side: gather (SEND/WRITE) needs readable regions, READ needs writable ones.
     let local_ok = w.inline || {

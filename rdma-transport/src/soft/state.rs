@@ -87,7 +87,8 @@ pub(crate) struct QpState_ {
     pub(super) last_wqe_sent: bool,
     /// The TCP link to the peer, when the peer is in another process.
     pub(super) remote: Option<u32>,
-    pub(super) remote_pending: HashMap<u64, RemoteWr>,
+    /// By sequence number, which grows with each post: flushed in posting order.
+    pub(super) remote_pending: std::collections::BTreeMap<u64, RemoteWr>,
     pub(super) next_seq: u64,
     /// Send work requests held up by an injected delay, in order.
     pub(super) delayed: VecDeque<DelayedWr>,
@@ -390,7 +391,11 @@ impl State {
         let remote: Vec<RemoteWr> = self
             .qps
             .get_mut(&qpn)
-            .map(|q| q.remote_pending.drain().map(|(_, w)| w).collect())
+            .map(|q| {
+                std::mem::take(&mut q.remote_pending)
+                    .into_values()
+                    .collect()
+            })
             .unwrap_or_default();
         for w in remote {
             self.push_wc(
