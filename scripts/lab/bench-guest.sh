@@ -10,10 +10,13 @@
 #     ONLY (an extended regex: only the jobs whose names match, e.g. 'qd1$'), IDLE (space-separated values of
 #     nvmfd's daemon.idle_sleep_after, each measured as its own target "nvmfd@VALUE"; default:
 #     the configuration's default, target "nvmfd"), FIO_EXTRA (more fio options for every fio
-#     job against both targets, e.g. '--iodepth_batch_complete_min=0': fio polls for completions)
+#     job against both targets, e.g. '--iodepth_batch_complete_min=0': fio polls for completions),
+#     INLINE (bytes of data a command capsule may carry, for both targets: nvmet's port
+#     param_inline_data_size and nvmfd's transport.in_capsule_data_size; default: each one's
+#     default, 4096 for both)
 set -Eeuo pipefail
 BIN=$1
-RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}; ONLY=${ONLY:-.}; IDLE=${IDLE:-}; FIO_EXTRA=${FIO_EXTRA:-}
+RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}; ONLY=${ONLY:-.}; IDLE=${IDLE:-}; FIO_EXTRA=${FIO_EXTRA:-}; INLINE=${INLINE:-}
 IP=${RDMA_IP:-10.0.2.15}
 SIZE_GIB=4; BS=512
 NVMFD_NQN=nqn.2024-01.io.nvmfd:bench; NVMFD_PORT=4421
@@ -53,17 +56,20 @@ echo 1 > $C/subsystems/$KERNEL_NQN/namespaces/1/enable
 mkdir $C/ports/1
 echo rdma > $C/ports/1/addr_trtype; echo ipv4 > $C/ports/1/addr_adrfam
 echo "$IP" > $C/ports/1/addr_traddr; echo $KERNEL_PORT > $C/ports/1/addr_trsvcid
+[ -z "$INLINE" ] || echo "$INLINE" > $C/ports/1/param_inline_data_size
 
 # nvmfd: one reactor on vCPU 0, a null namespace like null_blk's.
 nvmfd_config() { # [IDLE_SLEEP_AFTER]
-local idle_line=
+local idle_line= inline_lines=
 [ -z "${1:-}" ] || idle_line="idle_sleep_after = \"$1\""
+[ -z "$INLINE" ] || inline_lines=$(printf '[transport]\nin_capsule_data_size = %s' "$INLINE")
 cat > $WORK/nvmfd.toml <<CFG
 [daemon]
 reactor_cores = [0]
 $idle_line
 admin_socket = "$WORK/nvmfd.sock"
 log_format = "json"
+$inline_lines
 [[listener]]
 address = "$IP"
 port = $NVMFD_PORT
@@ -206,7 +212,7 @@ round() { # TARGET ROUND: TARGET is kernel, nvmfd or nvmfd@IDLE_SLEEP_AFTER
 }
 
 echo "bench: $RUNTIME s per job, $ROUNDS rounds; nvmfd (reactor on vCPU 0) and nvmet-rdma, both" \
-  "over a ${SIZE_GIB} GiB null device of $BS-byte blocks; fio io_uring --direct=1 $FIO_EXTRA on vCPU 1"
+  "over a ${SIZE_GIB} GiB null device of $BS-byte blocks; fio io_uring --direct=1 $FIO_EXTRA on vCPU 1${INLINE:+; in-capsule data $INLINE bytes on both}"
 targets=(nvmfd)
 if [ -n "$IDLE" ]; then
   targets=()
