@@ -9,8 +9,9 @@
 # under QEMU's software emulation, so only the ratios mean something, never absolute figures.
 #   scripts/bench-lab.sh          Knobs: RUNTIME (s per job, default 10), ROUNDS (default 2),
 #     ONLY (regex of job names to run, e.g. 'qd1$'), IDLE (nvmfd idle_sleep_after values, each its own target),
-#     FIO_EXTRA (more fio options for every fio job against both targets), INLINE (in-capsule data
-#     bytes for both targets)
+#     FIO_WAIT (poll, the default: fio reaps completions without blocking, vCPU 1 never halts;
+#     sleep: fio blocks until one is in), FIO_EXTRA (more fio options for every fio job against
+#     both targets), INLINE (in-capsule data bytes for both targets)
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 . "$top/scripts/lib/lab-env.sh"
@@ -29,7 +30,7 @@ echo "bench-lab: nvmfd built from $tree"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-"$LAB/run-in-vm.sh" "RUNTIME=$RUNTIME ROUNDS=$ROUNDS ONLY='${ONLY:-.}' IDLE='${IDLE:-}' FIO_EXTRA='${FIO_EXTRA:-}' INLINE='${INLINE:-}' bash $top/scripts/lab/bench-guest.sh $top/target/release" \
+"$LAB/run-in-vm.sh" "RUNTIME=$RUNTIME ROUNDS=$ROUNDS ONLY='${ONLY:-.}' IDLE='${IDLE:-}' FIO_WAIT='${FIO_WAIT:-poll}' FIO_EXTRA='${FIO_EXTRA:-}' INLINE='${INLINE:-}' bash $top/scripts/lab/bench-guest.sh $top/target/release" \
   2>&1 | tee "$log" | grep -vE "^\[ *[0-9.]+\]"
 rc=${PIPESTATUS[0]}
 set -e

@@ -9,14 +9,22 @@
 #   bench-guest.sh BIN-DIR        Env: RUNTIME (s per job, default 10), ROUNDS (default 2),
 #     ONLY (an extended regex: only the jobs whose names match, e.g. 'qd1$'), IDLE (space-separated values of
 #     nvmfd's daemon.idle_sleep_after, each measured as its own target "nvmfd@VALUE"; default:
-#     the configuration's default, target "nvmfd"), FIO_EXTRA (more fio options for every fio
-#     job against both targets, e.g. '--iodepth_batch_complete_min=0': fio polls for completions),
+#     the configuration's default, target "nvmfd"), FIO_WAIT (how fio waits for completions,
+#     against both targets: `poll`, the default, reaps without blocking
+#     (--iodepth_batch_complete_min=0), so vCPU 1 never halts; `sleep` blocks in io_uring_enter
+#     until one is in, and a halted vCPU's wake-up under QEMU's emulation is then part of every
+#     I/O that completes from the other vCPU), FIO_EXTRA (more fio options for every fio job),
 #     INLINE (bytes of data a command capsule may carry, for both targets: nvmet's port
 #     param_inline_data_size and nvmfd's transport.in_capsule_data_size; default: each one's
 #     default, 4096 for both)
 set -Eeuo pipefail
 BIN=$1
-RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}; ONLY=${ONLY:-.}; IDLE=${IDLE:-}; FIO_EXTRA=${FIO_EXTRA:-}; INLINE=${INLINE:-}
+RUNTIME=${RUNTIME:-10}; ROUNDS=${ROUNDS:-2}; ONLY=${ONLY:-.}; IDLE=${IDLE:-}; FIO_EXTRA=${FIO_EXTRA:-}; INLINE=${INLINE:-}; FIO_WAIT=${FIO_WAIT:-poll}
+case $FIO_WAIT in
+  poll) FIO_WAIT_OPTS=--iodepth_batch_complete_min=0 ;;
+  sleep) FIO_WAIT_OPTS= ;;
+  *) echo "bench-guest: FIO_WAIT is poll or sleep, not '$FIO_WAIT'" >&2; exit 2 ;;
+esac
 IP=${RDMA_IP:-10.0.2.15}
 SIZE_GIB=4; BS=512
 NVMFD_NQN=nqn.2024-01.io.nvmfd:bench; NVMFD_PORT=4421
@@ -151,7 +159,7 @@ run_job() { # TARGET ROUND DEV NAME RW BS QD
   # shellcheck disable=SC2086 # FIO_EXTRA is split into options
   timeout $((RUNTIME + 120)) taskset -c 1 fio --name="$name" --filename="$dev" --rw="$rw" \
     --bs="$bs" --iodepth="$qd" --ioengine=io_uring --direct=1 --runtime="$RUNTIME" --time_based \
-    --norandommap --randrepeat=0 --output-format=json --output="$out" $FIO_EXTRA
+    --norandommap --randrepeat=0 --output-format=json --output="$out" $FIO_WAIT_OPTS $FIO_EXTRA
   cpus=$(cpu_split "$before" "$(cpu_snap)")
   [ "$(jq '.jobs[0].error' "$out")" = 0 ] || fail "fio $name on $target: error $(jq '.jobs[0].error' "$out")"
   line=$(jq -r --arg d $dir '.jobs[0][$d] | [.iops, .clat_ns.mean / 1e3,
@@ -212,7 +220,7 @@ round() { # TARGET ROUND: TARGET is kernel, nvmfd or nvmfd@IDLE_SLEEP_AFTER
 }
 
 echo "bench: $RUNTIME s per job, $ROUNDS rounds; nvmfd (reactor on vCPU 0) and nvmet-rdma, both" \
-  "over a ${SIZE_GIB} GiB null device of $BS-byte blocks; fio io_uring --direct=1 $FIO_EXTRA on vCPU 1${INLINE:+; in-capsule data $INLINE bytes on both}"
+  "over a ${SIZE_GIB} GiB null device of $BS-byte blocks; fio io_uring --direct=1 $FIO_WAIT_OPTS $FIO_EXTRA (FIO_WAIT=$FIO_WAIT) on vCPU 1${INLINE:+; in-capsule data $INLINE bytes on both}"
 targets=(nvmfd)
 if [ -n "$IDLE" ]; then
   targets=()
