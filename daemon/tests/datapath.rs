@@ -3612,3 +3612,55 @@ fn a_pipelined_queue_held_up_past_its_timeout_takes_the_answers_waiting_for_it()
     assert_eq!(done.len(), 40);
     assert!(done.iter().all(|d| d.ok().is_ok()));
 }
+
+/// A host that resets its controller (CC.EN = 0) while a write of it is at the backend and,
+/// tired of waiting for the reset to finish, comes back with a new association before its old
+/// controller is seen to end, is answered Controller Busy until the write is done: the old
+/// write could otherwise land over a new one the host was told is done.
+#[test]
+fn a_new_association_while_a_reset_waits_for_a_write_at_the_backend_is_busy() {
+    use nvmf_host::Payload;
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::{io_opcode, property, status};
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4494, None, Arc::clone(&c));
+    let h = host();
+    let (mut admin, mut io) = pipelined_controller(&s, 8, 8192);
+    s.set_switch(&s.hold_block, true);
+    let old = pattern(93, 4096);
+    io.transport()
+        .submit(
+            1,
+            rw_sqe(io_opcode::WRITE, 1, 96, 8, false),
+            Payload::Out(&old),
+        )
+        .unwrap();
+    wait_until("the write is at the backend", || {
+        c.block_ops_in_flight.load(Relaxed) == 1
+    });
+    // The reset: the I/O queue is cut off, the write stays at the backend, and the old
+    // controller lives on (its admin queue is still connected).
+    admin.property_set(property::CC, 0).unwrap();
+    let busy = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0);
+    let refused = matches!(&busy, Err(nvmfd_nvme::host::HostError::Status { status: st, .. })
+        if st.same_code(status::CONNECT_CONTROLLER_BUSY) && !st.dnr());
+    s.set_switch(&s.hold_block, false);
+    let got = busy.as_ref().map(|a| a.cntlid).map_err(ToString::to_string);
+    assert!(
+        refused,
+        "a new association while the reset waited for the write: {got:?}"
+    );
+    drop(busy);
+    wait_until("the old write completed", || {
+        c.block_ops_in_flight.load(Relaxed) == 0
+    });
+    drop(io);
+    drop(admin);
+    let (_admin, mut ios) = controller(&s, 1);
+    let new = pattern(94, 4096);
+    ios[0].write(1, 96, 8, &new, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    ios[0].read(1, 96, 8, &mut back).unwrap();
+    assert!(back == new);
+}

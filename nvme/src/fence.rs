@@ -35,11 +35,18 @@ impl Target {
         hostnqn: &str,
         subnqn: &str,
     ) -> bool {
+        // Ended, or being reset or shut down (its I/O queues cut off, their commands maybe
+        // still at a backend): a host that gave up waiting for the reset to finish may come
+        // back with a new association before the old one is seen to end. (The controllers'
+        // map, then a controller's state: the lock order everywhere.)
         let left = |c: &Controller| {
-            c.is_dead()
-                && c.hostnqn == hostnqn
+            c.hostnqn == hostnqn
                 && c.subnqn == subnqn
                 && c.io_queues_unsettled.load(Ordering::Acquire) > 0
+                && (c.is_dead() || {
+                    let st = c.lock();
+                    st.resetting || st.shutdown_pending
+                })
         };
         if map.values().any(|c| left(c)) {
             self.note_fenced(hostnqn, subnqn);

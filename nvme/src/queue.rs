@@ -367,12 +367,23 @@ impl Queue {
     pub fn connection_lost(&mut self) {
         match (self.ctrl.as_ref(), self.qid) {
             (Some(ctrl), Some(0)) => ctrl.end(EndReason::AdminQueueLost),
-            (Some(ctrl), Some(qid))
-                if self.unsettled
-                    && self.holds_qid
-                    && ctrl.epoch.load(Ordering::Acquire) == self.epoch =>
-            {
+            (Some(ctrl), Some(qid)) if self.unsettled && self.holds_qid => {
+                if let Some(hook) = self
+                    .target
+                    .inner
+                    .lost_hook
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_ref()
+                {
+                    hook();
+                }
+                // The epoch is compared under the lock a reset moves it under: a reset
+                // between the two would leave the ID marked lost in the new epoch.
                 let mut st = ctrl.lock();
+                if ctrl.epoch.load(Ordering::Acquire) != self.epoch {
+                    return;
+                }
                 let slot = usize::from(qid) - 1;
                 if st.io_queues_lost.len() <= slot {
                     st.io_queues_lost.resize(slot + 1, false);
@@ -393,8 +404,10 @@ impl Queue {
         if !std::mem::take(&mut self.holds_qid) || qid == 0 {
             return;
         }
+        // Under the lock a reset moves the epoch under: a reset between the check and the
+        // clearing could let this free an ID another queue took since.
+        let mut st = ctrl.lock();
         if ctrl.epoch.load(Ordering::Acquire) == self.epoch {
-            let mut st = ctrl.lock();
             if let Some(q) = st.io_queues.get_mut(usize::from(qid) - 1) {
                 *q = false;
             }

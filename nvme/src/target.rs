@@ -395,6 +395,9 @@ pub(crate) struct TargetInner {
     pub connect_hook: Mutex<Option<ConnectHook>>,
     /// Tests: run while a discovery log is built, once it has taken the subsystems.
     pub discovery_hook: Mutex<Option<ConnectHook>>,
+    /// Tests: run when an I/O queue whose commands may be at a backend is lost, before it
+    /// marks its queue ID lost.
+    pub lost_hook: Mutex<Option<ConnectHook>>,
 }
 
 /// What [`Target::set_connect_hook`] runs.
@@ -451,6 +454,7 @@ impl Target {
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::new(AtomicU64::new(0)),
                 connect_hook: Mutex::new(None),
+                lost_hook: Mutex::new(None),
                 discovery_hook: Mutex::new(None),
             }),
         };
@@ -469,6 +473,18 @@ impl Target {
         self.inner
             .next_cntlid
             .store(u32::from(cntlid.max(1)) - 1, Ordering::Relaxed);
+    }
+
+    /// Tests of a race with a lost I/O queue: `hook` runs when an I/O queue whose commands may
+    /// be at a backend is lost, before it marks its queue ID lost (a reset of its controller
+    /// meanwhile), on the thread that lost it, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_lost_hook(&self, hook: Option<ConnectHook>) {
+        *self
+            .inner
+            .lost_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = hook;
     }
 
     /// Tests of what happens while a Connect is served: `hook` runs once an admin queue's

@@ -1047,6 +1047,40 @@ fn a_lost_io_queues_id_is_busy_until_its_commands_are_done() {
     assert!(IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127).is_ok());
 }
 
+/// A reset that lands while an I/O queue with commands at a backend is being lost (between
+/// its look at the controller's epoch and its marking the queue ID lost) leaves that ID free
+/// once the host enabled the controller again: the mark was set in the new epoch, which no
+/// queue's release clears, and every Connect of that ID was Controller Busy until the next
+/// reset.
+#[test]
+fn a_reset_while_an_io_queue_is_lost_leaves_its_id_free_after_the_reset() {
+    thread_local! {
+        /// The host's admin queue, which resets the controller from inside the loss.
+        static ADMIN: std::cell::RefCell<Option<AdminQueue<Loopback>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let w = world();
+    let (a, mut ios) = w.controller(1);
+    let cntlid = a.cntlid;
+    ADMIN.with(|s| *s.borrow_mut() = Some(a));
+    w.target.set_lost_hook(Some(Box::new(|| {
+        ADMIN.with(|s| {
+            let mut s = s.borrow_mut();
+            let a = s.as_mut().expect("the admin queue");
+            a.property_set(wire::property::CC, 0).unwrap();
+        });
+    })));
+    ios[0].transport().queue_mut().connection_lost();
+    w.target.set_lost_hook(None);
+    ios[0].transport().queue_mut().settled();
+    drop(ios);
+    let mut a = ADMIN.with(|s| s.borrow_mut().take()).unwrap();
+    a.enable().unwrap();
+    assert_eq!(a.set_queue_count(1).unwrap(), 1);
+    let again = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127);
+    assert!(again.is_ok(), "{:?}", again.err());
+}
+
 #[test]
 fn keep_alive_expiry_ends_the_controller_and_its_queues() {
     let w = world();
