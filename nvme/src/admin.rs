@@ -138,12 +138,15 @@ pub(crate) fn property(
         // namespace durable, then report SHST complete (in io_done). With queues left, SHST
         // reads "processing" and the first CSTS read after the last is gone runs the flush.
         st.csts = (st.csts & !0xC) | (1 << 2);
+        // Its I/O queues end now, as on a reset (the host should have deleted them first),
+        // and so does one whose Connect took its queue ID and has not bound yet (it is in
+        // no count): it finds the new epoch and disconnects. Until a reset, no I/O queue
+        // connects (`connect.rs`).
+        st.io_queues.clear();
+        st.io_queues_lost.clear();
+        ctrl.new_epoch();
         if ctrl.io_queues_alive.load(Ordering::Acquire) > 0 {
-            // The host should have deleted them first; they end now, as on a reset.
             st.shutdown_pending = true;
-            st.io_queues.clear();
-            st.io_queues_lost.clear();
-            ctrl.new_epoch();
             return q.respond(&cmd, Status::SUCCESS, 0);
         }
         drop(st);

@@ -1370,6 +1370,53 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
     ADMIN.with(|s| s.borrow_mut().take());
 }
 
+/// An I/O queue whose Connect took its queue ID just before a shutdown (CC.SHN) with no I/O
+/// queue bound yet, and binds after the shutdown completed, disconnects: its writes would
+/// come after the shutdown's flush and never be made durable. And once shut down, no I/O
+/// queue connects until a reset.
+#[test]
+fn an_io_queue_connecting_across_a_shutdown_disconnects_and_none_connects_after_it() {
+    thread_local! {
+        /// The host's admin queue, which shuts the controller down from inside the Connect.
+        static ADMIN: std::cell::RefCell<Option<AdminQueue<Loopback>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let w = world();
+    let (a, _) = w.controller(1);
+    let cntlid = a.cntlid;
+    ADMIN.with(|s| *s.borrow_mut() = Some(a));
+    w.target.set_connect_hook(Some(Box::new(|| {
+        ADMIN.with(|s| {
+            let mut s = s.borrow_mut();
+            let a = s.as_mut().expect("the admin queue");
+            let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
+            a.property_set(wire::property::CC, cc | (1 << 14)).unwrap();
+            let shst = (0..1000)
+                .map(|_| (a.property_get(wire::property::CSTS, false).unwrap() >> 2) & 0x3)
+                .find(|&s| s == 2);
+            assert_eq!(shst, Some(2), "the shutdown completes");
+        });
+    })));
+    let io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127);
+    w.target.set_connect_hook(None);
+    let mut io = io.unwrap();
+    assert!(
+        io.transport().queue().must_disconnect(),
+        "an I/O queue connected across a shutdown outlived it"
+    );
+    drop(io);
+    let st = status_of(IoQueue::connect(
+        w.link(1, 127),
+        &host(1),
+        SUB,
+        cntlid,
+        1,
+        127,
+    ));
+    assert!(st.same_code(status::COMMAND_SEQUENCE_ERROR), "{st:?}");
+    ADMIN.with(|s| s.borrow_mut().take());
+}
+
 /// Two Connects on one admin queue, the second sent before the first one's data (fetched by
 /// RDMA READ) arrived: the second is a sequence error, and no controller is left behind once
 /// the queue goes.

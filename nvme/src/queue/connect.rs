@@ -170,6 +170,10 @@ impl Queue {
         // queue IDs and move the epoch: a reset after this makes the queue disconnect.
         let epoch = {
             let mut st = ctrl.lock();
+            // Shut down (SHST processing or complete): nothing connects until a reset.
+            if (st.csts >> 2) & 0x3 != 0 {
+                return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+            }
             let granted = st.queues_granted.map_or(0, |g| usize::from(g) + 1);
             let slot = usize::from(qid) - 1;
             if slot < granted && st.io_queues_lost.get(slot).copied().unwrap_or(false) {
