@@ -25,6 +25,7 @@ pub use queue::{
     MAX_SGL_DESCRIPTORS, SQE_SIZE,
 };
 pub use target::{
-    ChangeError, Controller, EndReason, Limits, Namespace, Port, QueueInfo, QueueStats, Subsystem,
-    Subsystems, Target, DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION,
+    ChangeCount, ChangeError, ChangeWaker, Controller, EndReason, Limits, Namespace, Port,
+    QueueInfo, QueueStats, Subsystem, Subsystems, Target, DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT,
+    NVME_VERSION,
 };

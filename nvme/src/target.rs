@@ -183,7 +183,7 @@ pub struct Controller {
     pub(crate) epoch: AtomicU32,
     /// The target's count of controller changes ([`Target::controller_changes`]), moved on
     /// when this one ends or resets.
-    pub(crate) changes: Arc<AtomicU64>,
+    pub(crate) changes: Arc<ChangeCount>,
     /// I/O queues bound to it and not yet dropped. A transport drops a queue only once its
     /// connection is torn down and every block operation of it has completed, so a reset or
     /// shutdown that waits for this to reach 0 has nothing of the old queues left in flight.
@@ -352,14 +352,14 @@ impl Controller {
         }
         self.ready.store(false, Ordering::Release);
         self.dead.store(true, Ordering::Release);
-        self.changes.fetch_add(1, Ordering::AcqRel);
+        self.changes.bump();
     }
 
     /// A reset or a shutdown with I/O queues left: the I/O queues connected before it must
     /// disconnect.
     pub(crate) fn new_epoch(&self) {
         self.epoch.fetch_add(1, Ordering::AcqRel);
-        self.changes.fetch_add(1, Ordering::AcqRel);
+        self.changes.bump();
     }
 
     /// The keep-alive timeout in force (zero: none).
@@ -389,7 +389,7 @@ pub(crate) struct TargetInner {
     pub next_cntlid: AtomicU32,
     pub genctr: AtomicU64,
     /// Moves on whenever a controller ends or resets (`Controller::end`, `new_epoch`).
-    pub ctrl_changes: Arc<AtomicU64>,
+    pub ctrl_changes: Arc<ChangeCount>,
     /// Tests: run when a Connect has passed its checks: an admin queue's before it makes its
     /// controller, an I/O queue's once it has taken its queue ID, before it is bound.
     pub connect_hook: Mutex<Option<ConnectHook>>,
@@ -402,6 +402,35 @@ pub(crate) struct TargetInner {
 
 /// What [`Target::set_connect_hook`] runs.
 pub type ConnectHook = Box<dyn Fn() + Send + Sync>;
+
+/// What [`Target::set_change_waker`] runs.
+pub type ChangeWaker = Box<dyn Fn() + Send + Sync>;
+
+/// The target's count of controller changes (ends, resets, shutdowns with I/O queues), and
+/// who is told of each.
+#[derive(Default)]
+pub struct ChangeCount {
+    count: AtomicU64,
+    waker: std::sync::OnceLock<ChangeWaker>,
+}
+
+impl ChangeCount {
+    fn bump(&self) {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        if let Some(w) = self.waker.get() {
+            w();
+        }
+    }
+}
+
+impl std::fmt::Debug for ChangeCount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChangeCount")
+            .field("count", &self.count.load(Ordering::Relaxed))
+            .field("waker", &self.waker.get().is_some())
+            .finish()
+    }
+}
 
 /// Why a change of the target's subsystems was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -452,7 +481,7 @@ impl Target {
                 fenced: Mutex::new((0, None)),
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
-                ctrl_changes: Arc::new(AtomicU64::new(0)),
+                ctrl_changes: Arc::default(),
                 connect_hook: Mutex::new(None),
                 lost_hook: Mutex::new(None),
                 discovery_hook: Mutex::new(None),
@@ -554,7 +583,16 @@ impl Target {
     /// looks for queues that must disconnect ([`crate::Queue::must_disconnect`]) only when
     /// this moved since its last look (every command checks its own queue anyway).
     pub fn controller_changes(&self) -> u64 {
-        self.inner.ctrl_changes.load(Ordering::Acquire)
+        self.inner.ctrl_changes.count.load(Ordering::Acquire)
+    }
+
+    /// Has `waker` run on every controller change from now on (once; false if one was set
+    /// already): the daemon wakes its reactors, so that a reset on one reactor's admin queue
+    /// ends the I/O queues sleeping on another at once, not when it next wakes. It runs on
+    /// the thread that made the change, with that controller's lock held: it must only
+    /// signal.
+    pub fn set_change_waker(&self, waker: ChangeWaker) -> bool {
+        self.inner.ctrl_changes.waker.set(waker).is_ok()
     }
 
     /// The ports (listeners) reported in the discovery log.

@@ -924,3 +924,83 @@ fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_se
     admin_a.shutdown().unwrap();
     admin_b.shutdown().unwrap();
 }
+
+/// A reset on the admin queue's reactor ends the controller's idle I/O queue on another
+/// reactor at once: that reactor, asleep (for up to `max_sleep`, 15 s here), is woken by the
+/// change, and CSTS.RDY reads 0 long before it would have woken by itself.
+#[test]
+fn a_reset_ends_the_io_queue_on_a_sleeping_reactor_at_once() {
+    use std::time::{Duration, Instant};
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!(
+            "SKIPPED a_reset_ends_the_io_queue_on_a_sleeping_reactor_at_once: needs two cores"
+        );
+        return;
+    }
+    let d = Daemon::start(Options {
+        replace: vec![
+            (
+                "reactor_cores = [0]".into(),
+                "reactor_cores = [0, 1]".into(),
+            ),
+            // max_sleep is a quarter of it.
+            (
+                "stall_timeout = \"300ms\"".into(),
+                "stall_timeout = \"60s\"".into(),
+            ),
+        ],
+        ..Options::default()
+    });
+    let addr = listener(&d);
+    let (_f, mut admin, mut io) = connect_host("127.0.0.41", addr, &host());
+    write_verified(&mut io, 0, 41, 4096);
+    // One queue on each reactor.
+    let stats = d.data("stats");
+    let mut on: Vec<u64> = stats["datapath"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["qps"] == 1)
+        .map(|p| p["reactor"].as_u64().unwrap())
+        .collect();
+    on.sort_unstable();
+    assert_eq!(
+        on,
+        [0, 1],
+        "the admin and I/O queues on the two reactors: {stats}"
+    );
+    // Both reactors have just gone to sleep: the I/O queue's sleeps for 15 s unless woken
+    // (the admin queue's wakes for the reset).
+    let sleeps = |d: &Daemon| {
+        let s = d.data("stats");
+        [0, 1].map(|r| s["reactors"][r]["sleeps_total"].as_u64().unwrap())
+    };
+    let before = sleeps(&d);
+    // Each woken by a command of its queue, then asleep again.
+    let mut back = vec![0u8; 4096];
+    io.read(1, 0, 8, &mut back).unwrap();
+    admin.keep_alive().unwrap();
+    nvmfd_tests::wait_for("both reactors to go to sleep", || {
+        let now = sleeps(&d);
+        (now[0] > before[0] && now[1] > before[1]).then_some(())
+    });
+    let t = Instant::now();
+    admin
+        .property_set(nvmfd_nvme::wire::property::CC, 0)
+        .unwrap();
+    let end = t + Duration::from_secs(30);
+    while admin
+        .property_get(nvmfd_nvme::wire::property::CSTS, false)
+        .unwrap()
+        & 1
+        == 1
+    {
+        assert!(Instant::now() < end, "RDY still 1 after 30 s");
+    }
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "RDY read 0 after {took:?}: the sleeping reactor let its queue go only when it woke"
+    );
+    drop(io);
+}

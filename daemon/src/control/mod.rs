@@ -297,6 +297,19 @@ impl Daemon {
                 last_move: Instant::now(),
             });
         }
+        // A controller that ends or resets on one reactor wakes the others: their idle queues
+        // of it go at once (a reset reports RDY = 0 only once they are gone), not when each
+        // next wakes (up to `max_sleep`).
+        let shared: Vec<Arc<crate::reactor::ReactorShared>> = self
+            .reactors
+            .iter()
+            .map(|r| Arc::clone(&r.shared))
+            .collect();
+        target.set_change_waker(Box::new(move || {
+            for s in &shared {
+                s.wake();
+            }
+        }));
         self.target = Some(target);
         self.schedule_reopens(Instant::now());
         let admin = AdminServer::bind(
