@@ -3071,50 +3071,72 @@ fn io_filling_every_request_slot_leaves_admin_commands_room() {
     wait_pools_full(&c, false);
 }
 
+/// Holds block completions and sends a 4 KiB write of pattern `seed` at LBA `lba` of
+/// namespace 1 through `io`; returns once it is at the backend.
+fn write_held_at_the_backend(
+    s: &Served,
+    c: &nvmfd::stats::DataPathCounters,
+    io: &mut IoQueue<nvmf_host::PipelinedQueue>,
+    lba: u64,
+    seed: u64,
+) {
+    use nvmf_host::Payload;
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    s.set_switch(&s.hold_block, true);
+    let old = pattern(seed, 4096);
+    io.transport()
+        .submit(
+            1,
+            rw_sqe(io_opcode::WRITE, 1, lba, 8, false),
+            Payload::Out(&old),
+        )
+        .unwrap();
+    wait_until("the write is at the backend", || {
+        c.block_ops_in_flight.load(Ordering::Relaxed) == 1
+    });
+}
+
+/// A new association of `h` while the write of `write_held_at_the_backend` is there is
+/// answered Controller Busy, retryable (`when` says what was going on); then the write is
+/// let go, and this returns once it completed.
+fn busy_until_the_held_write_completes(
+    s: &Served,
+    c: &nvmfd::stats::DataPathCounters,
+    h: &HostId,
+    when: &str,
+) {
+    use nvmfd_nvme::wire::status;
+    let busy = AdminQueue::connect(queue(s, 0, 31), h, SUB, 31, 0);
+    let refused = matches!(&busy, Err(nvmfd_nvme::host::HostError::Status { status: st, .. })
+        if st.same_code(status::CONNECT_CONTROLLER_BUSY) && !st.dnr());
+    s.set_switch(&s.hold_block, false);
+    let got = busy.as_ref().map(|a| a.cntlid).map_err(ToString::to_string);
+    assert!(refused, "a new association while {when}: {got:?}");
+    drop(busy);
+    wait_until("the old write completed", || {
+        c.block_ops_in_flight.load(Ordering::Relaxed) == 0
+    });
+}
+
 /// A host that loses its association while a write of it is still at the backend (held) and
 /// connects again: its Connect is answered Controller Busy until the write has completed and
 /// the old queue is gone, so the old write cannot land over one of the new association.
 #[test]
 fn a_host_reconnecting_while_its_old_write_is_at_the_backend_waits_for_it() {
-    use nvmf_host::Payload;
-    use nvmfd_nvme::host::rw_sqe;
-    use nvmfd_nvme::wire::{io_opcode, status};
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4486, None, Arc::clone(&c));
     let h = host();
     let (admin, mut io) = pipelined_controller(&s, 8, 8192);
-    s.set_switch(&s.hold_block, true);
-    let old = pattern(87, 4096);
-    io.transport()
-        .submit(
-            1,
-            rw_sqe(io_opcode::WRITE, 1, 64, 8, false),
-            Payload::Out(&old),
-        )
-        .unwrap();
-    wait_until("the write is at the backend", || {
-        c.block_ops_in_flight.load(Relaxed) == 1
-    });
+    write_held_at_the_backend(&s, &c, &mut io, 64, 87);
     // The host goes: both queues disconnect.
     drop(io);
     drop(admin);
     wait_until("both queues are torn down", || {
         c.connections.load(Relaxed) == 0
     });
-    let busy = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0);
-    let refused = matches!(&busy, Err(nvmfd_nvme::host::HostError::Status { status: st, .. })
-        if st.same_code(status::CONNECT_CONTROLLER_BUSY) && !st.dnr());
-    s.set_switch(&s.hold_block, false);
-    let got = busy.as_ref().map(|a| a.cntlid).map_err(ToString::to_string);
-    assert!(
-        refused,
-        "a new association while the old write was at the backend: {got:?}"
-    );
-    drop(busy);
-    wait_until("the old write completed", || {
-        c.block_ops_in_flight.load(Relaxed) == 0
-    });
+    busy_until_the_held_write_completes(&s, &c, &h, "the old write was at the backend");
     let (_admin, mut ios) = controller(&s, 1);
     let new = pattern(88, 4096);
     ios[0].write(1, 64, 8, &new, false).unwrap();
@@ -3619,42 +3641,16 @@ fn a_pipelined_queue_held_up_past_its_timeout_takes_the_answers_waiting_for_it()
 /// write could otherwise land over a new one the host was told is done.
 #[test]
 fn a_new_association_while_a_reset_waits_for_a_write_at_the_backend_is_busy() {
-    use nvmf_host::Payload;
-    use nvmfd_nvme::host::rw_sqe;
-    use nvmfd_nvme::wire::{io_opcode, property, status};
-    use std::sync::atomic::Ordering::Relaxed;
+    use nvmfd_nvme::wire::property;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4494, None, Arc::clone(&c));
     let h = host();
     let (mut admin, mut io) = pipelined_controller(&s, 8, 8192);
-    s.set_switch(&s.hold_block, true);
-    let old = pattern(93, 4096);
-    io.transport()
-        .submit(
-            1,
-            rw_sqe(io_opcode::WRITE, 1, 96, 8, false),
-            Payload::Out(&old),
-        )
-        .unwrap();
-    wait_until("the write is at the backend", || {
-        c.block_ops_in_flight.load(Relaxed) == 1
-    });
+    write_held_at_the_backend(&s, &c, &mut io, 96, 93);
     // The reset: the I/O queue is cut off, the write stays at the backend, and the old
     // controller lives on (its admin queue is still connected).
     admin.property_set(property::CC, 0).unwrap();
-    let busy = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0);
-    let refused = matches!(&busy, Err(nvmfd_nvme::host::HostError::Status { status: st, .. })
-        if st.same_code(status::CONNECT_CONTROLLER_BUSY) && !st.dnr());
-    s.set_switch(&s.hold_block, false);
-    let got = busy.as_ref().map(|a| a.cntlid).map_err(ToString::to_string);
-    assert!(
-        refused,
-        "a new association while the reset waited for the write: {got:?}"
-    );
-    drop(busy);
-    wait_until("the old write completed", || {
-        c.block_ops_in_flight.load(Relaxed) == 0
-    });
+    busy_until_the_held_write_completes(&s, &c, &h, "the reset waited for the write");
     drop(io);
     drop(admin);
     let (_admin, mut ios) = controller(&s, 1);

@@ -368,16 +368,7 @@ impl Queue {
         match (self.ctrl.as_ref(), self.qid) {
             (Some(ctrl), Some(0)) => ctrl.end(EndReason::AdminQueueLost),
             (Some(ctrl), Some(qid)) if self.unsettled && self.holds_qid => {
-                if let Some(hook) = self
-                    .target
-                    .inner
-                    .lost_hook
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .as_ref()
-                {
-                    hook();
-                }
+                self.target.inner.lost_hook.run();
                 // The epoch is compared under the lock a reset moves it under: a reset
                 // between the two would leave the ID marked lost in the new epoch.
                 let mut st = ctrl.lock();

@@ -9,6 +9,10 @@ use std::time::{Duration, Instant};
 
 use crate::block::NamespaceInfo;
 
+mod hooks;
+pub(crate) use hooks::Hook;
+pub use hooks::{ChangeCount, ChangeWaker, ConnectHook};
+
 /// The discovery subsystem's NQN.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
 
@@ -392,44 +396,12 @@ pub(crate) struct TargetInner {
     pub ctrl_changes: Arc<ChangeCount>,
     /// Tests: run when a Connect has passed its checks: an admin queue's before it makes its
     /// controller, an I/O queue's once it has taken its queue ID, before it is bound.
-    pub connect_hook: Mutex<Option<ConnectHook>>,
+    pub connect_hook: Hook,
     /// Tests: run while a discovery log is built, once it has taken the subsystems.
-    pub discovery_hook: Mutex<Option<ConnectHook>>,
+    pub discovery_hook: Hook,
     /// Tests: run when an I/O queue whose commands may be at a backend is lost, before it
     /// marks its queue ID lost.
-    pub lost_hook: Mutex<Option<ConnectHook>>,
-}
-
-/// What [`Target::set_connect_hook`] runs.
-pub type ConnectHook = Box<dyn Fn() + Send + Sync>;
-
-/// What [`Target::set_change_waker`] runs.
-pub type ChangeWaker = Box<dyn Fn() + Send + Sync>;
-
-/// The target's count of controller changes (ends, resets, shutdowns with I/O queues), and
-/// who is told of each.
-#[derive(Default)]
-pub struct ChangeCount {
-    count: AtomicU64,
-    waker: std::sync::OnceLock<ChangeWaker>,
-}
-
-impl ChangeCount {
-    fn bump(&self) {
-        self.count.fetch_add(1, Ordering::AcqRel);
-        if let Some(w) = self.waker.get() {
-            w();
-        }
-    }
-}
-
-impl std::fmt::Debug for ChangeCount {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChangeCount")
-            .field("count", &self.count.load(Ordering::Relaxed))
-            .field("waker", &self.waker.get().is_some())
-            .finish()
-    }
+    pub lost_hook: Hook,
 }
 
 /// Why a change of the target's subsystems was refused.
@@ -482,9 +454,9 @@ impl Target {
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::default(),
-                connect_hook: Mutex::new(None),
-                lost_hook: Mutex::new(None),
-                discovery_hook: Mutex::new(None),
+                connect_hook: Hook::default(),
+                lost_hook: Hook::default(),
+                discovery_hook: Hook::default(),
             }),
         };
         for s in subsystems {
@@ -509,11 +481,7 @@ impl Target {
     /// meanwhile), on the thread that lost it, until it is replaced or cleared.
     #[doc(hidden)]
     pub fn set_lost_hook(&self, hook: Option<ConnectHook>) {
-        *self
-            .inner
-            .lost_hook
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = hook;
+        self.inner.lost_hook.set(hook);
     }
 
     /// Tests of what happens while a Connect is served: `hook` runs once an admin queue's
@@ -523,11 +491,7 @@ impl Target {
     /// the Connect, until it is replaced or cleared.
     #[doc(hidden)]
     pub fn set_connect_hook(&self, hook: Option<ConnectHook>) {
-        *self
-            .inner
-            .connect_hook
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = hook;
+        self.inner.connect_hook.set(hook);
     }
 
     /// Tests of a change that lands while a discovery log is built: `hook` runs once the log
@@ -535,23 +499,11 @@ impl Target {
     /// Page, until it is replaced or cleared.
     #[doc(hidden)]
     pub fn set_discovery_hook(&self, hook: Option<ConnectHook>) {
-        *self
-            .inner
-            .discovery_hook
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = hook;
+        self.inner.discovery_hook.set(hook);
     }
 
     pub(crate) fn run_discovery_hook(&self) {
-        if let Some(hook) = self
-            .inner
-            .discovery_hook
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            hook();
-        }
+        self.inner.discovery_hook.run();
     }
 
     /// The limits in force.

@@ -195,16 +195,7 @@ impl Queue {
 
     /// Tests: runs the target's connect hook ([`Target::set_connect_hook`]), if one is set.
     fn run_connect_hook(&self) {
-        if let Some(hook) = self
-            .target
-            .inner
-            .connect_hook
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            hook();
-        }
+        self.target.inner.connect_hook.run();
     }
 
     /// Makes this the queue `qid` of `ctrl` in its `epoch` (read when the queue ID was taken),
