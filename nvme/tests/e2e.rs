@@ -1047,6 +1047,30 @@ fn a_lost_io_queues_id_is_busy_until_its_commands_are_done() {
     assert!(IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127).is_ok());
 }
 
+thread_local! {
+    /// A host's admin queue that a target hook uses (`admin_hook`): the loopback serves it on
+    /// the thread the hook runs on, the test's.
+    static HOOK_ADMIN: std::cell::RefCell<Option<AdminQueue<Loopback>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A target hook that runs `f` on admin queue `a`, kept on this thread for it until
+/// `take_hook_admin`.
+fn admin_hook(
+    a: AdminQueue<Loopback>,
+    f: fn(&mut AdminQueue<Loopback>),
+) -> Box<dyn Fn() + Send + Sync> {
+    HOOK_ADMIN.with(|s| *s.borrow_mut() = Some(a));
+    Box::new(move || {
+        HOOK_ADMIN.with(|s| f(s.borrow_mut().as_mut().expect("the admin queue")));
+    })
+}
+
+/// The admin queue `admin_hook` kept.
+fn take_hook_admin() -> Option<AdminQueue<Loopback>> {
+    HOOK_ADMIN.with(|s| s.borrow_mut().take())
+}
+
 /// A reset that lands while an I/O queue with commands at a backend is being lost (between
 /// its look at the controller's epoch and its marking the queue ID lost) leaves that ID free
 /// once the host enabled the controller again: the mark was set in the new epoch, which no
@@ -1054,27 +1078,17 @@ fn a_lost_io_queues_id_is_busy_until_its_commands_are_done() {
 /// reset.
 #[test]
 fn a_reset_while_an_io_queue_is_lost_leaves_its_id_free_after_the_reset() {
-    thread_local! {
-        /// The host's admin queue, which resets the controller from inside the loss.
-        static ADMIN: std::cell::RefCell<Option<AdminQueue<Loopback>>> =
-            const { std::cell::RefCell::new(None) };
-    }
     let w = world();
     let (a, mut ios) = w.controller(1);
     let cntlid = a.cntlid;
-    ADMIN.with(|s| *s.borrow_mut() = Some(a));
-    w.target.set_lost_hook(Some(Box::new(|| {
-        ADMIN.with(|s| {
-            let mut s = s.borrow_mut();
-            let a = s.as_mut().expect("the admin queue");
-            a.property_set(wire::property::CC, 0).unwrap();
-        });
+    w.target.set_lost_hook(Some(admin_hook(a, |a| {
+        a.property_set(wire::property::CC, 0).unwrap();
     })));
     ios[0].transport().queue_mut().connection_lost();
     w.target.set_lost_hook(None);
     ios[0].transport().queue_mut().settled();
     drop(ios);
-    let mut a = ADMIN.with(|s| s.borrow_mut().take()).unwrap();
+    let mut a = take_hook_admin().unwrap();
     a.enable().unwrap();
     assert_eq!(a.set_queue_count(1).unwrap(), 1);
     let again = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127);
@@ -1339,22 +1353,11 @@ fn a_reset_ends_the_io_queues_and_is_not_over_before_they_are_gone() {
 /// bound ends that queue too: the queue belongs to the epoch in which it took its ID.
 #[test]
 fn an_io_queue_connecting_across_a_reset_disconnects() {
-    thread_local! {
-        /// The host's admin queue, which resets the controller from inside the Connect
-        /// (the loopback serves it on this thread).
-        static ADMIN: std::cell::RefCell<Option<AdminQueue<Loopback>>> =
-            const { std::cell::RefCell::new(None) };
-    }
     let w = world();
     let (a, _) = w.controller(1);
     let cntlid = a.cntlid;
-    ADMIN.with(|s| *s.borrow_mut() = Some(a));
-    w.target.set_connect_hook(Some(Box::new(|| {
-        ADMIN.with(|s| {
-            let mut s = s.borrow_mut();
-            let a = s.as_mut().expect("the admin queue");
-            a.property_set(wire::property::CC, 0).unwrap();
-        });
+    w.target.set_connect_hook(Some(admin_hook(a, |a| {
+        a.property_set(wire::property::CC, 0).unwrap();
     })));
     let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127).unwrap();
     w.target.set_connect_hook(None);
@@ -1367,7 +1370,7 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
         io.read(1, 0, 1, &mut buf),
         Err(HostError::Transport(_))
     ));
-    ADMIN.with(|s| s.borrow_mut().take());
+    take_hook_admin();
 }
 
 /// An I/O queue whose Connect took its queue ID just before a shutdown (CC.SHN) with no I/O
@@ -1376,26 +1379,16 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
 /// queue connects until a reset.
 #[test]
 fn an_io_queue_connecting_across_a_shutdown_disconnects_and_none_connects_after_it() {
-    thread_local! {
-        /// The host's admin queue, which shuts the controller down from inside the Connect.
-        static ADMIN: std::cell::RefCell<Option<AdminQueue<Loopback>>> =
-            const { std::cell::RefCell::new(None) };
-    }
     let w = world();
     let (a, _) = w.controller(1);
     let cntlid = a.cntlid;
-    ADMIN.with(|s| *s.borrow_mut() = Some(a));
-    w.target.set_connect_hook(Some(Box::new(|| {
-        ADMIN.with(|s| {
-            let mut s = s.borrow_mut();
-            let a = s.as_mut().expect("the admin queue");
-            let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
-            a.property_set(wire::property::CC, cc | (1 << 14)).unwrap();
-            let shst = (0..1000)
-                .map(|_| (a.property_get(wire::property::CSTS, false).unwrap() >> 2) & 0x3)
-                .find(|&s| s == 2);
-            assert_eq!(shst, Some(2), "the shutdown completes");
-        });
+    w.target.set_connect_hook(Some(admin_hook(a, |a| {
+        let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
+        a.property_set(wire::property::CC, cc | (1 << 14)).unwrap();
+        let shst = (0..1000)
+            .map(|_| (a.property_get(wire::property::CSTS, false).unwrap() >> 2) & 0x3)
+            .find(|&s| s == 2);
+        assert_eq!(shst, Some(2), "the shutdown completes");
     })));
     let io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127);
     w.target.set_connect_hook(None);
@@ -1414,7 +1407,7 @@ fn an_io_queue_connecting_across_a_shutdown_disconnects_and_none_connects_after_
         127,
     ));
     assert!(st.same_code(status::COMMAND_SEQUENCE_ERROR), "{st:?}");
-    ADMIN.with(|s| s.borrow_mut().take());
+    take_hook_admin();
 }
 
 /// Two Connects on one admin queue, the second sent before the first one's data (fetched by
