@@ -119,6 +119,8 @@ struct Figures {
     secs: f64,
     reactor_ns: u64,
     host_ns: u64,
+    /// `--manual`: the time spent in the target's turns.
+    target_ns: u64,
 }
 
 fn channel(t: &InProcTarget) -> CmChannel {
@@ -172,6 +174,9 @@ fn run(t: &InProcTarget, runner: &mut Runner<'_>, case: Case, limit: Limit) -> F
     let data = vec![0x5au8; case.size as usize];
     let mut rng = fastrand::Rng::with_seed(7);
     let mut done = Vec::new();
+    // On one thread (`--manual`), the time spent in the target's turns: its CPU per I/O with
+    // nothing spinning and no other thread contending for the wire.
+    let in_target = std::cell::Cell::new(Duration::ZERO);
     let mut go = |runner: &mut Runner<'_>, until: &dyn Fn(u64, Instant) -> bool| {
         let (start, mut n) = (Instant::now(), 0u64);
         while !until(n, start) {
@@ -191,7 +196,9 @@ fn run(t: &InProcTarget, runner: &mut Runner<'_>, case: Case, limit: Limit) -> F
                 q.submit(0, s, p).expect("submit");
             }
             if let Runner::Manual(work) = runner {
+                let t = Instant::now();
                 work.poll();
+                in_target.set(in_target.get() + t.elapsed());
             }
             q.poll(&mut done);
             for d in done.drain(..) {
@@ -208,12 +215,14 @@ fn run(t: &InProcTarget, runner: &mut Runner<'_>, case: Case, limit: Limit) -> F
         Runner::Manual(_) => 0,
     };
     let (r0, h0, t0) = (reactor_ns(runner), cpu_ns(&host_tid), Instant::now());
+    in_target.set(Duration::ZERO);
     let ios = match limit {
         Limit::Time(d) => go(runner, &|_, s| s.elapsed() >= d),
         Limit::Ios(k) => go(runner, &|n, _| n >= k),
     };
     let secs = t0.elapsed().as_secs_f64();
     let (r1, h1) = (reactor_ns(runner), cpu_ns(&host_tid));
+    let target_ns = u64::try_from(in_target.get().as_nanos()).unwrap_or(u64::MAX);
     while q.outstanding() > 0 {
         if let Runner::Manual(work) = runner {
             work.poll();
@@ -236,6 +245,7 @@ fn run(t: &InProcTarget, runner: &mut Runner<'_>, case: Case, limit: Limit) -> F
         secs,
         reactor_ns: r1 - r0,
         host_ns: h1 - h0,
+        target_ns,
     }
 }
 
@@ -325,13 +335,16 @@ fn main() {
             "reactor_ns_per_io": per(f.reactor_ns),
             "host_ns_per_io": per(f.host_ns),
             "reactor_busy": f.reactor_ns as f64 / (f.secs * 1e9),
+            "target_turns_ns_per_io": per(f.target_ns),
         });
         if !json_out && manual {
             println!(
-                "{:<18} {:>9.0} IOPS  host and target on one thread: {:>7.0} ns/IO",
+                "{:<18} {:>9.0} IOPS  host and target on one thread: {:>7.0} ns/IO, \
+                 of which in the target's turns {:>6.0} ns/IO",
                 c.name,
                 row["iops"].as_f64().unwrap_or(0.0),
-                per(f.host_ns)
+                per(f.host_ns),
+                per(f.target_ns)
             );
         } else if !json_out {
             println!(

@@ -146,6 +146,8 @@ impl Device {
             return Err(VerbsError::os("create_cq", libc::ENODEV));
         }
         let id = s.alloc_id();
+        let ready = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let delayed_any = Arc::clone(&s.delayed_any);
         s.cqs.insert(
             id,
             CqState {
@@ -155,12 +157,15 @@ impl Device {
                 entries: VecDeque::new(),
                 overflowed: false,
                 channel: Arc::clone(&channel),
+                ready: Arc::clone(&ready),
             },
         );
         Ok(Cq {
             fabric: self.fabric().clone(),
             id,
             channel,
+            ready,
+            delayed_any,
         })
     }
 }

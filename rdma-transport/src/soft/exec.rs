@@ -251,6 +251,8 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
     s.injected.delays += u64::from(delay);
     if !s.releasing && (held || delay) {
         let inline = w.inline.then(|| gather(w.sges));
+        s.delayed_any
+            .store(true, std::sync::atomic::Ordering::Release);
         if let Some(q) = s.qps.get_mut(&qpn) {
             q.deferred += 1;
             q.delayed.push_back(DelayedWr {

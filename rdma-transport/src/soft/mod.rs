@@ -298,7 +298,10 @@ impl Fabric {
             return false;
         };
         match s.cqs.get_mut(&cq) {
-            Some(c) if !c.overflowed => c.overflowed = true,
+            Some(c) if !c.overflowed => {
+                c.overflowed = true;
+                c.publish();
+            }
             _ => return false,
         }
         s.event(dev, AsyncEvent::CqErr(cq));

@@ -30,6 +30,21 @@ pub(super) struct CqState {
     pub(super) entries: VecDeque<Wc>,
     pub(super) overflowed: bool,
     pub(super) channel: Arc<EventFd>,
+    /// What a poll would find, published for polls that take no lock: the number of
+    /// entries, with [`OVERFLOWED`] set once overflowed. Stored after every change to
+    /// `entries` or `overflowed`, under the fabric's lock.
+    pub(super) ready: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// In [`CqState::ready`]: the CQ overflowed (polling it fails).
+pub(super) const OVERFLOWED: u64 = 1 << 63;
+
+impl CqState {
+    /// Publishes the CQ's state for lock-free polls: after any change to its entries.
+    pub(super) fn publish(&self) {
+        let v = self.entries.len() as u64 | if self.overflowed { OVERFLOWED } else { 0 };
+        self.ready.store(v, std::sync::atomic::Ordering::Release);
+    }
 }
 
 pub(super) struct PostedRecv {
@@ -125,6 +140,10 @@ pub(crate) struct State {
     pub(super) rng: fastrand::Rng,
     /// Set while delayed work runs, so that it is not delayed again.
     pub(super) releasing: bool,
+    /// Set when a work request is held up by an injected delay, cleared when none is: a
+    /// poll that finds its CQ empty takes the lock anyway while it is set, to run the held
+    /// work (shared with each CQ handle).
+    pub(super) delayed_any: Arc<std::sync::atomic::AtomicBool>,
     pub(super) tcp: bool,
     pub(super) links: HashMap<u32, tcp::LinkState>,
     pub(super) removed: std::collections::HashSet<u32>,
@@ -262,6 +281,10 @@ impl State {
             }
         }
         self.releasing = false;
+        if self.qps.values().all(|q| q.delayed.is_empty()) {
+            self.delayed_any
+                .store(false, std::sync::atomic::Ordering::Release);
+        }
     }
 
     pub(super) fn alloc_id(&mut self) -> u32 {
@@ -291,10 +314,12 @@ impl State {
             if c.entries.len() >= c.cap {
                 if !c.overflowed {
                     c.overflowed = true;
+                    c.publish();
                     overflow_dev = Some(c.dev);
                 }
             } else {
                 c.entries.push_back(wc);
+                c.publish();
                 if c.armed {
                     // One notification per arming, as a completion channel gives.
                     c.armed = false;
@@ -475,6 +500,7 @@ impl State {
                     }
                     !ours
                 });
+                c.publish();
             }
             if send_cq == recv_cq {
                 break;
