@@ -253,6 +253,9 @@ pub struct DataPath {
     events_due: bool,
     conns: Conns,
     reqs: Vec<Option<Req>>,
+    /// Each slot's pieces of host memory (its first `nsegs` are the live ones): kept apart
+    /// from `reqs`, so that taking and ending a slot neither zeroes nor moves them.
+    segs: Vec<[Seg; MAX_SEGS]>,
     /// Each slot's generation, moved on every time the slot is taken.
     generations: Vec<u32>,
     free: Vec<usize>,
@@ -437,6 +440,7 @@ impl DataPath {
             events_due: false,
             conns: Conns::default(),
             reqs: (0..cfg.requests).map(|_| None).collect(),
+            segs: vec![[Seg::default(); MAX_SEGS]; cfg.requests as usize],
             generations: vec![0; cfg.requests as usize],
             free: (0..cfg.requests as usize).rev().collect(),
             blocked: VecDeque::with_capacity(cfg.requests as usize),

@@ -117,7 +117,7 @@ impl DataPath {
             let base = r.buf.as_mut().map_or(0, |b| b.as_mut_ptr() as u64);
             let n = room.min(r.nsegs - r.next_seg);
             for k in r.next_seg..r.next_seg + n {
-                let s = r.segs[k as usize];
+                let s = self.segs[i][k as usize];
                 c.staged.push(Staged {
                     wr_id: wr_id(KIND_READ, r.generation, i as u64),
                     op: SendOp::RdmaRead {
@@ -178,7 +178,7 @@ impl DataPath {
             let writes = if self.omit_read_data {
                 0
             } else {
-                r.segs[..r.nsegs as usize]
+                self.segs[i][..r.nsegs as usize]
                     .iter()
                     .take_while(|s| s.off < data_len)
                     .fold(0u32, |n, _| n + 1)
@@ -186,7 +186,7 @@ impl DataPath {
             if c.sq_budget - c.sq_used.min(c.sq_budget) < writes + 1 {
                 break;
             }
-            for s in &r.segs[..writes as usize] {
+            for s in &self.segs[i][..writes as usize] {
                 c.staged.push(Staged {
                     wr_id: wr_id(KIND_WRITE, r.generation, i as u64),
                     op: SendOp::RdmaWrite {

@@ -154,7 +154,6 @@ impl DataPath {
             class,
             state: State::Ready,
             work: Work::Respond,
-            segs: [Seg::default(); MAX_SEGS],
             nsegs: 0,
             next_seg: 0,
             reads_left: 0,

@@ -59,7 +59,7 @@ pub(super) struct Req {
     pub(super) class: Option<Class>,
     pub(super) state: State,
     pub(super) work: Work,
-    pub(super) segs: [Seg; MAX_SEGS],
+    /// Its pieces of host memory: the first `nsegs` of its row of `DataPath::segs`.
     pub(super) nsegs: u32,
     /// The next piece to READ.
     pub(super) next_seg: u32,
@@ -109,14 +109,21 @@ pub(super) struct Arrived<'a> {
 
 impl DataPath {
     pub(super) fn end_req(&mut self, i: usize) {
-        if let Some(r) = self.reqs.get_mut(i).and_then(Option::take) {
-            self.free.push(i);
-            if let Some(c) = r.class {
-                release_usize(&mut self.kept[c as usize], 1);
-            }
-            if let Some((wr, _)) = r.recv {
-                self.give_back(wr);
-            }
+        let Some(slot) = self.reqs.get_mut(i) else {
+            return;
+        };
+        let Some(r) = slot.as_mut() else {
+            return;
+        };
+        let (class, recv) = (r.class, r.recv.take());
+        // Dropped in place (its buffer goes back to its pool), not moved out first.
+        *slot = None;
+        self.free.push(i);
+        if let Some(c) = class {
+            release_usize(&mut self.kept[c as usize], 1);
+        }
+        if let Some((wr, _)) = recv {
+            self.give_back(wr);
         }
     }
 
@@ -134,6 +141,7 @@ impl DataPath {
         let Some(r) = self.reqs[i].as_mut() else {
             return false;
         };
+        let segs = &mut self.segs[i];
         let len = dref.len();
         r.data_len = len;
         r.nsegs = 0;
@@ -141,7 +149,7 @@ impl DataPath {
         let mut put = |addr: u64, l: u32, key: u32, off: &mut u32| {
             let n = l.min(len - *off);
             if n > 0 && (r.nsegs as usize) < MAX_SEGS {
-                r.segs[r.nsegs as usize] = Seg {
+                segs[r.nsegs as usize] = Seg {
                     addr,
                     len: n,
                     key,
