@@ -221,9 +221,18 @@ fn copy_sges(from: &[Sge], to: &[Sge]) {
 
 /// Runs one send WR on the in-process wire.
 pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
-    let (dev, pd, peer, rnr_retry) = {
-        let q = &s.qps[&qpn];
-        (q.dev, q.pd, q.peer, q.rnr_retry)
+    // The QP is looked up once (the emulation's cost is per lookup).
+    let Some((dev, pd, peer, rnr_retry, held, remote)) = s.qps.get(&qpn).map(|q| {
+        (
+            q.dev,
+            q.pd,
+            q.peer,
+            q.rnr_retry,
+            !q.delayed.is_empty(),
+            q.remote,
+        )
+    }) else {
+        return;
     };
     // The QP's earlier work still out (SENDs waiting at the peer, requests waiting for the
     // peer's answer) is flushed first: completions come in posting order, as on a NIC.
@@ -243,7 +252,6 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
     if !local_ok {
         return fail(s, WcStatus::LocProtErr);
     }
-    let held = s.qps.get(&qpn).is_some_and(|q| !q.delayed.is_empty());
     let delay = !s.releasing
         && !held
         && s.faults.delay_per_million > 0
@@ -284,7 +292,7 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         s.injected.drops += 1;
         return fail(s, WcStatus::RetryExcErr);
     }
-    if let Some(link) = s.qps.get(&qpn).and_then(|q| q.remote) {
+    if let Some(link) = remote {
         return send_remote(s, qpn, w, opcode, link);
     }
     run_local(s, qpn, w, opcode, (peer, rnr_retry));
@@ -353,14 +361,14 @@ fn run_local(
         s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
         s.qp_error(qpn);
     };
-    let Some(peer) = peer.filter(|p| {
+    let Some((peer, pdev, ppd, waiting)) = peer.and_then(|p| {
         s.qps
-            .get(p)
-            .is_some_and(|q| matches!(q.state, QpState::Rtr | QpState::Rts))
+            .get(&p)
+            .filter(|q| matches!(q.state, QpState::Rtr | QpState::Rts))
+            .map(|q| (p, q.dev, q.pd, !q.inbound.is_empty()))
     }) else {
         return fail(s, WcStatus::RetryExcErr);
     };
-    let (pdev, ppd) = (s.qps[&peer].dev, s.qps[&peer].pd);
     match w.op {
         SendOp::RdmaWrite { remote_addr, rkey } => {
             let len: u64 = w.sges.iter().map(|g| u64::from(g.length)).sum();
@@ -389,19 +397,20 @@ fn run_local(
             s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode);
         }
         SendOp::Send | SendOp::SendWithInvalidate { .. } => {
-            send_local(s, qpn, w, opcode, (peer, rnr_retry));
+            send_local(s, qpn, w, opcode, (peer, rnr_retry, waiting));
         }
     }
 }
 
 /// A SEND of QP `qpn` to its in-process `peer`: delivered into a receive, or (RNR, retried
-/// forever) waiting for one.
+/// forever) waiting for one; `waiting` when messages wait at the peer already (this one goes
+/// after them).
 fn send_local(
     s: &mut State,
     qpn: u32,
     w: &SendWr<'_>,
     opcode: WcOpcode,
-    (peer, rnr_retry): (u32, u8),
+    (peer, rnr_retry, waiting): (u32, u8, bool),
 ) {
     let fail = |s: &mut State, st: WcStatus| {
         s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
@@ -423,7 +432,6 @@ fn send_local(
         invalidate,
         remote: None,
     };
-    let waiting = s.qps.get(&peer).is_some_and(|q| !q.inbound.is_empty());
     let r = if waiting { None } else { s.deliver(peer, &m) };
     match r {
         Some(r) => {
