@@ -110,6 +110,13 @@ impl State {
 
     /// Delivers what waits for receives on the QPs of SRQ `srq` (after a post).
     pub(super) fn drain_inbound(&mut self, srq: u32) {
+        if !self.inbound_any {
+            return;
+        }
+        if self.qps.values().all(|q| q.inbound.is_empty()) {
+            self.inbound_any = false;
+            return;
+        }
         let qpns: Vec<u32> = self
             .qps
             .iter()
@@ -448,6 +455,7 @@ fn send_local(
             }
             if let Some(p) = s.qps.get_mut(&peer) {
                 p.inbound.push_back(m);
+                s.inbound_any = true;
             }
         }
         None => fail(s, WcStatus::RnrRetryExcErr),

@@ -415,6 +415,7 @@ impl State {
                 // Receiver not ready: the message waits (rnr_retry 7 at the sender).
                 if let Some(q) = self.qps.get_mut(&dst) {
                     q.inbound.push_back(m);
+                    self.inbound_any = true;
                 }
             }
         }
