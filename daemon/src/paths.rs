@@ -584,7 +584,7 @@ impl Drop for ReactorPaths {
 }
 
 impl crate::reactor::ReactorWork for ReactorPaths {
-    fn poll(&mut self) -> bool {
+    fn poll(&mut self, now: Instant) -> bool {
         let mut worked = false;
         while let Ok(cmd) = self.inbox.try_recv() {
             worked = true;
@@ -669,7 +669,8 @@ impl crate::reactor::ReactorWork for ReactorPaths {
                 ReactorCmd::FenceWrites { dev, end, done } => self.fences.push((dev, end, done)),
             }
         }
-        let now = Instant::now();
+        // The turn's clock reading, read again when commands took part of the turn.
+        let now = if worked { Instant::now() } else { now };
         for p in self.all() {
             worked |= p.dp.poll(now);
         }

@@ -61,8 +61,9 @@ impl ReactorShared {
 /// What a reactor polls: its data path. Built on the reactor's own thread (it owns
 /// thread-bound resources such as its io_uring).
 pub trait ReactorWork {
-    /// One pass over the work sources; true when there was work.
-    fn poll(&mut self) -> bool;
+    /// One pass over the work sources at `now` (the turn's one reading of the clock); true
+    /// when there was work.
+    fn poll(&mut self, now: Instant) -> bool;
     /// Fds that turn readable when work arrives (completion channels); the reactor sleeps on
     /// them when idle.
     fn wake_fds(&self) -> Vec<std::os::fd::RawFd>;
@@ -229,9 +230,11 @@ fn run(
             info!(log, "test hook: reactor stall over");
             continue;
         }
-        if work.as_mut().is_some_and(|w| w.poll()) {
+        // One clock reading a turn: the work's, and the idle time's.
+        let now = Instant::now();
+        if work.as_mut().is_some_and(|w| w.poll(now)) {
             ReactorCounters::bump(&c.busy_turns);
-            last_work = Instant::now();
+            last_work = now;
             continue;
         }
         if let Some(w) = work.as_mut() {
@@ -242,7 +245,9 @@ fn run(
         // Busy-poll for `idle_sleep_after` after the last work: a host that sends its next
         // command within microseconds finds the reactor awake, and an idle turn makes no
         // system call.
-        if cfg.idle_sleep_after.is_zero() || last_work.elapsed() < cfg.idle_sleep_after {
+        if cfg.idle_sleep_after.is_zero()
+            || now.saturating_duration_since(last_work) < cfg.idle_sleep_after
+        {
             continue;
         }
         // About to sleep: arm the wake-up sources (false: operations in flight that only
@@ -252,10 +257,11 @@ fn run(
         }
         // A completion that landed between the last poll and the arming raised no event:
         // look once more, now that any later one will.
-        if work.as_mut().is_some_and(|w| w.poll()) {
+        let now = Instant::now();
+        if work.as_mut().is_some_and(|w| w.poll(now)) {
             ReactorCounters::bump(&c.busy_turns);
             ReactorCounters::bump(&c.caught_before_sleep);
-            last_work = Instant::now();
+            last_work = now;
             continue;
         }
         ReactorCounters::bump(&c.sleeps);
@@ -284,7 +290,7 @@ mod tests {
     }
 
     impl ReactorWork for LandsWhileArming {
-        fn poll(&mut self) -> bool {
+        fn poll(&mut self, _now: Instant) -> bool {
             if std::mem::take(&mut self.pending) {
                 self.served.store(true, Ordering::Release);
                 return true;

@@ -244,11 +244,7 @@ impl State {
     pub(super) fn release_delayed(&mut self) {
         // (Checked first: looking through every QP on each post and poll cost the emulation
         // in proportion to the QPs of the fabric.)
-        if self.releasing
-            || !self
-                .delayed_any
-                .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.releasing || !self.delayed_any.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
         let qpns: Vec<u32> = self
