@@ -95,6 +95,8 @@ pub struct ReactorHandle {
     /// State shared with the thread.
     pub shared: Arc<ReactorShared>,
     thread: Option<JoinHandle<()>>,
+    /// Says when the thread has built its work and entered its loop.
+    running: Option<std::sync::Mutex<std::sync::mpsc::Receiver<()>>>,
 }
 
 /// Why a reactor could not start.
@@ -115,6 +117,14 @@ pub enum ReactorError {
         id: usize,
         /// Why.
         source: std::io::Error,
+    },
+    /// the thread did not finish building its data paths in time (or ended while it did)
+    #[error("reactor {id}: did not finish setting up its data paths within {waited:?}")]
+    Setup {
+        /// Reactor index.
+        id: usize,
+        /// How long it was given.
+        waited: Duration,
     },
     /// the thread could not be pinned to its core
     #[error("reactor {id}: cannot pin its thread to core {core}")]
@@ -149,6 +159,7 @@ impl ReactorHandle {
         });
         let log = log.new(o!("reactor" => id, "core" => core));
         let (started_tx, started_rx) = std::sync::mpsc::sync_channel::<bool>(1);
+        let (running_tx, running_rx) = std::sync::mpsc::sync_channel::<()>(1);
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name(format!("nvmfd-r{id}"))
@@ -156,7 +167,11 @@ impl ReactorHandle {
                 let pinned = core_affinity::set_for_current(core_affinity::CoreId { id: core });
                 let _ = started_tx.send(pinned);
                 if pinned {
+                    // Building the work (registering its pools with the device) can take
+                    // seconds on a large pool: the loop, and with it the heartbeat, starts
+                    // after it.
                     let work = work.map(|f| f());
+                    let _ = running_tx.send(());
                     run(&thread_shared, poll, cfg, &log, work);
                 }
             })
@@ -164,12 +179,30 @@ impl ReactorHandle {
         let mut handle = ReactorHandle {
             shared,
             thread: Some(thread),
+            running: Some(std::sync::Mutex::new(running_rx)),
         };
         if started_rx.recv() != Ok(true) {
             handle.join();
             return Err(ReactorError::Pin { id, core });
         }
         Ok(handle)
+    }
+
+    /// Waits up to `timeout` for the thread to build its work and enter its loop; true once
+    /// it has (then at once), false when it has not (or its thread ended first).
+    pub fn wait_running(&mut self, timeout: Duration) -> bool {
+        let Some(rx) = self.running.as_ref() else {
+            return true;
+        };
+        let got = rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .recv_timeout(timeout);
+        if got.is_ok() {
+            self.running = None;
+            return true;
+        }
+        false
     }
 
     /// Waits for the thread to end (after `request_stop`).

@@ -259,6 +259,36 @@ fn the_watchdog_stops_while_a_reactor_is_stalled_and_resumes_after() {
 }
 
 #[test]
+fn ready_waits_for_a_reactor_slow_to_set_up_and_does_not_report_it_stalled() {
+    // Registering a large pool with a slow device (rxe) takes seconds: here 1.5 s, five times
+    // the stall timeout (300ms).
+    let mut d = Daemon::spawn(Options {
+        notify: true,
+        watchdog_usec: Some(200_000),
+        test_hooks: true,
+        env: vec![("NVMFD_TEST_REACTOR_SETUP_MS".into(), "1500".into())],
+        ..Options::default()
+    });
+    d.notifications_until("READY=1");
+    // Ready means serving: the reactor runs its loop by then.
+    let log = d.log();
+    let started = log.find("reactor started");
+    let ready = log.find("nvmfd ready");
+    assert!(
+        matches!((started, ready), (Some(s), Some(r)) if s < r),
+        "READY before the reactor ran: {log}"
+    );
+    // Its heartbeat is watched from then on: fed, and never a stall.
+    for _ in 0..3 {
+        d.notifications_until("WATCHDOG=1");
+    }
+    assert_eq!(d.data("status")["reactors"][0]["stalled"], false);
+    assert!(!d.log().contains("reactor stalled"), "{}", d.log());
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
+#[test]
 fn reactors_are_pinned_to_their_cores() {
     let cores: Vec<usize> = {
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());

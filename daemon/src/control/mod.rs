@@ -60,6 +60,14 @@ pub const DEVICE_REMOVED: &str = "device removed, waiting for it to return";
 /// `debug_fault`).
 pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
 
+/// Test hook (with [`TEST_HOOKS_ENV`]): milliseconds each reactor takes to build its data
+/// paths on top of the real work, as registering a large pool with a slow device does.
+pub const TEST_SETUP_DELAY_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_MS";
+
+/// How long a reactor may take to build its data paths at start (registering its pools)
+/// before the daemon gives up starting: within systemd's default start timeout (90 s).
+pub const REACTOR_SETUP_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Exit status when a second termination signal forces the daemon out during a graceful stop.
 pub const FORCED_EXIT_STATUS: i32 = 130;
 
@@ -197,6 +205,15 @@ pub fn run(
 }
 
 impl Daemon {
+    /// [`TEST_SETUP_DELAY_ENV`], with test hooks on.
+    fn test_setup_delay(&self) -> Option<Duration> {
+        if !self.test_hooks {
+            return None;
+        }
+        let ms: u64 = std::env::var(TEST_SETUP_DELAY_ENV).ok()?.parse().ok()?;
+        Some(Duration::from_millis(ms))
+    }
+
     fn start(&mut self, poll: &mut Poll, loop_cfg: LoopConfig) -> Result<AdminServer, DaemonError> {
         let built = crate::serve::build_target(&self.cfg).map_err(DaemonError::Namespaces)?;
         for n in built.status.iter().filter(|n| !n.serving) {
@@ -281,7 +298,11 @@ impl Daemon {
             };
             let unserved = crate::paths::Unserved::default();
             self.unserved.push(Arc::clone(&unserved));
+            let setup_delay = self.test_setup_delay();
             let factory: WorkFactory = Box::new(move || {
+                if let Some(d) = setup_delay {
+                    std::thread::sleep(d);
+                }
                 Box::new(ReactorPaths::new(&devs, builder, counters, rx, unserved))
             });
             self.reactors.push(ReactorHandle::spawn(
@@ -292,8 +313,20 @@ impl Daemon {
                 Some(factory),
             )?);
             self.inboxes.push(tx);
+        }
+        // Ready means serving: each reactor has built its data paths (registering a large
+        // pool with an RDMA device takes seconds) and runs its loop before READY=1, and its
+        // heartbeat is watched from then on (it was from before, and a reactor still
+        // registering was reported stalled).
+        for r in &mut self.reactors {
+            if !r.wait_running(REACTOR_SETUP_TIMEOUT) {
+                return Err(DaemonError::Reactor(ReactorError::Setup {
+                    id: r.shared.id,
+                    waited: REACTOR_SETUP_TIMEOUT,
+                }));
+            }
             self.heartbeats.push(Heartbeat {
-                last_turns: 0,
+                last_turns: r.shared.counters.turns.load(Ordering::Relaxed),
                 last_move: Instant::now(),
             });
         }
