@@ -118,13 +118,19 @@ pub enum ReactorError {
         /// Why.
         source: std::io::Error,
     },
-    /// the thread did not finish building its data paths in time (or ended while it did)
+    /// the thread did not finish building its data paths in time
     #[error("reactor {id}: did not finish setting up its data paths within {waited:?}")]
     Setup {
         /// Reactor index.
         id: usize,
         /// How long it was given.
         waited: Duration,
+    },
+    /// the thread ended while it built its data paths
+    #[error("reactor {id}: its thread ended while it set up its data paths")]
+    SetupEnded {
+        /// Reactor index.
+        id: usize,
     },
     /// the thread could not be pinned to its core
     #[error("reactor {id}: cannot pin its thread to core {core}")]
@@ -171,8 +177,7 @@ impl ReactorHandle {
                     // seconds on a large pool: the loop, and with it the heartbeat, starts
                     // after it.
                     let work = work.map(|f| f());
-                    let _ = running_tx.send(());
-                    run(&thread_shared, poll, cfg, &log, work);
+                    run(&thread_shared, poll, cfg, &log, work, running_tx);
                 }
             })
             .map_err(|source| ReactorError::Spawn { id, source })?;
@@ -188,21 +193,32 @@ impl ReactorHandle {
         Ok(handle)
     }
 
-    /// Waits up to `timeout` for the thread to build its work and enter its loop; true once
-    /// it has (then at once), false when it has not (or its thread ended first).
-    pub fn wait_running(&mut self, timeout: Duration) -> bool {
+    /// Waits until `deadline` for the thread to build its work and enter its loop (at once
+    /// once it has).
+    pub fn wait_running(&mut self, deadline: Instant) -> Setup {
         let Some(rx) = self.running.as_ref() else {
-            return true;
+            return Setup::Running;
         };
         let got = rx
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .recv_timeout(timeout);
-        if got.is_ok() {
-            self.running = None;
-            return true;
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()));
+        match got {
+            Ok(()) => {
+                self.running = None;
+                Setup::Running
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Setup::TimedOut,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Setup::Ended,
         }
-        false
+    }
+
+    /// Lets go of a thread that has not entered its loop (stuck building its work, which
+    /// does not look at the stop flag): it is not waited for at stop.
+    pub fn abandon_if_not_running(&mut self) {
+        if self.running.is_some() {
+            self.thread = None;
+        }
     }
 
     /// Waits for the thread to end (after `request_stop`).
@@ -232,21 +248,36 @@ fn watch(poll: &Poll, work: &dyn ReactorWork, log: &Logger) {
     }
 }
 
-/// The poll loop.
+/// How a reactor's start went ([`ReactorHandle::wait_running`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setup {
+    /// It built its work and runs its loop.
+    Running,
+    /// Still building its work at the deadline.
+    TimedOut,
+    /// Its thread ended before it ran its loop.
+    Ended,
+}
+
+/// The poll loop; `running` says it has started, once it has.
 fn run(
     shared: &ReactorShared,
     mut poll: Poll,
     cfg: LoopConfig,
     log: &Logger,
     mut work: Option<Box<dyn ReactorWork>>,
+    running: std::sync::mpsc::SyncSender<()>,
 ) {
     info!(log, "reactor started");
+    let _ = running.send(());
     if let Some(w) = &work {
         watch(&poll, w.as_ref(), log);
     }
     let c = &shared.counters;
     let mut events = Events::with_capacity(16);
-    let mut last_work = Instant::now();
+    // When the current run of idle turns began (none while there is work): the start of the
+    // first idle turn after work, so a long busy turn does not count as idle time.
+    let mut idle_since: Option<Instant> = None;
     loop {
         ReactorCounters::bump(&c.turns);
         if shared.stop.load(Ordering::Acquire) {
@@ -267,9 +298,10 @@ fn run(
         let now = Instant::now();
         if work.as_mut().is_some_and(|w| w.poll(now)) {
             ReactorCounters::bump(&c.busy_turns);
-            last_work = now;
+            idle_since = None;
             continue;
         }
+        let since = *idle_since.get_or_insert(now);
         if let Some(w) = work.as_mut() {
             if w.wake_fds_changed() {
                 watch(&poll, w.as_ref(), log);
@@ -279,7 +311,7 @@ fn run(
         // command within microseconds finds the reactor awake, and an idle turn makes no
         // system call.
         if cfg.idle_sleep_after.is_zero()
-            || now.saturating_duration_since(last_work) < cfg.idle_sleep_after
+            || now.saturating_duration_since(since) < cfg.idle_sleep_after
         {
             continue;
         }
@@ -294,7 +326,7 @@ fn run(
         if work.as_mut().is_some_and(|w| w.poll(now)) {
             ReactorCounters::bump(&c.busy_turns);
             ReactorCounters::bump(&c.caught_before_sleep);
-            last_work = now;
+            idle_since = None;
             continue;
         }
         ReactorCounters::bump(&c.sleeps);
@@ -378,6 +410,69 @@ mod tests {
                 .caught_before_sleep
                 .load(Ordering::Relaxed),
             1
+        );
+    }
+    /// Work whose first turn is long (200 ms, a rebuild, say), then idle: it counts the idle
+    /// turns before the reactor first arms to sleep.
+    struct LongTurnThenIdle {
+        first: bool,
+        idle_polls: u32,
+        idle_before_arming: Arc<AtomicU32>,
+    }
+
+    impl ReactorWork for LongTurnThenIdle {
+        fn poll(&mut self, _now: Instant) -> bool {
+            if std::mem::take(&mut self.first) {
+                std::thread::sleep(Duration::from_millis(200));
+                return true;
+            }
+            self.idle_polls += 1;
+            false
+        }
+        fn wake_fds(&self) -> Vec<std::os::fd::RawFd> {
+            Vec::new()
+        }
+        fn prepare_sleep(&mut self) -> bool {
+            let _ = self.idle_before_arming.compare_exchange(
+                u32::MAX,
+                self.idle_polls,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+            true
+        }
+    }
+
+    #[test]
+    fn a_long_busy_turn_is_not_counted_as_idle_time() {
+        let seen = Arc::new(AtomicU32::new(u32::MAX));
+        let s = Arc::clone(&seen);
+        let factory: WorkFactory = Box::new(move || {
+            Box::new(LongTurnThenIdle {
+                first: true,
+                idle_polls: 0,
+                idle_before_arming: s,
+            })
+        });
+        let cfg = LoopConfig {
+            idle_sleep_after: Duration::from_millis(20),
+            max_sleep: Duration::from_millis(50),
+        };
+        let log = Logger::root(slog::Discard, o!());
+        let mut r = ReactorHandle::spawn(0, 0, cfg, &log, Some(factory)).unwrap();
+        let start = Instant::now();
+        while seen.load(Ordering::Relaxed) == u32::MAX && start.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::yield_now();
+        }
+        r.shared.request_stop();
+        r.join();
+        // 20 ms of idle turns come first (each well under a microsecond of work), where a
+        // reactor counting the long turn as idle time armed at the first idle turn.
+        let idle = seen.load(Ordering::Relaxed);
+        assert!(
+            idle != u32::MAX && idle >= 10,
+            "armed after {idle} idle turns"
         );
     }
 }

@@ -289,6 +289,34 @@ fn ready_waits_for_a_reactor_slow_to_set_up_and_does_not_report_it_stalled() {
 }
 
 #[test]
+fn a_reactor_that_cannot_finish_setting_up_fails_the_start_without_waiting_for_it() {
+    // A reactor stuck for 60 s building its data paths, allowed 300 ms.
+    let mut d = Daemon::spawn(Options {
+        notify: true,
+        test_hooks: true,
+        env: vec![
+            ("NVMFD_TEST_REACTOR_SETUP_MS".into(), "60000".into()),
+            ("NVMFD_TEST_REACTOR_SETUP_TIMEOUT_MS".into(), "300".into()),
+        ],
+        ..Options::default()
+    });
+    let t0 = std::time::Instant::now();
+    let status = d.wait_exit();
+    assert!(!status.success(), "{status:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "the daemon waited for the stuck reactor: {:?}",
+        t0.elapsed()
+    );
+    let log = d.log();
+    assert!(
+        log.contains("did not finish setting up its data paths within 300ms"),
+        "{log}"
+    );
+    assert!(!log.contains("nvmfd ready"), "{log}");
+}
+
+#[test]
 fn reactors_are_pinned_to_their_cores() {
     let cores: Vec<usize> = {
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());

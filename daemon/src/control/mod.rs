@@ -17,7 +17,7 @@ use crate::admin::{AdminError, AdminServer, Fault, Request, Response};
 use crate::datapath::{ConnectFailure, DataPathConfig};
 use crate::notify::Notifier;
 use crate::paths::{PathBuilder, ReactorCmd, ReactorPaths};
-use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, WorkFactory};
+use crate::reactor::{LoopConfig, ReactorError, ReactorHandle, Setup, WorkFactory};
 use crate::stats::{AdminStats, ListenerStats};
 use nvmfd_nvme::rdma_cm::{check_request, reject_private_data};
 use nvmfd_nvme::Target;
@@ -63,6 +63,9 @@ pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
 /// Test hook (with [`TEST_HOOKS_ENV`]): milliseconds each reactor takes to build its data
 /// paths on top of the real work, as registering a large pool with a slow device does.
 pub const TEST_SETUP_DELAY_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_MS";
+
+/// Test hook (with [`TEST_HOOKS_ENV`]): milliseconds in place of [`REACTOR_SETUP_TIMEOUT`].
+pub const TEST_SETUP_TIMEOUT_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_TIMEOUT_MS";
 
 /// How long a reactor may take to build its data paths at start (registering its pools)
 /// before the daemon gives up starting: within systemd's default start timeout (90 s).
@@ -207,10 +210,15 @@ pub fn run(
 impl Daemon {
     /// [`TEST_SETUP_DELAY_ENV`], with test hooks on.
     fn test_setup_delay(&self) -> Option<Duration> {
+        self.test_ms(TEST_SETUP_DELAY_ENV)
+    }
+
+    /// Milliseconds from test hook variable `name`, with test hooks on.
+    fn test_ms(&self, name: &str) -> Option<Duration> {
         if !self.test_hooks {
             return None;
         }
-        let ms: u64 = std::env::var(TEST_SETUP_DELAY_ENV).ok()?.parse().ok()?;
+        let ms: u64 = std::env::var(name).ok()?.parse().ok()?;
         Some(Duration::from_millis(ms))
     }
 
@@ -318,13 +326,30 @@ impl Daemon {
         // pool with an RDMA device takes seconds) and runs its loop before READY=1, and its
         // heartbeat is watched from then on (it was from before, and a reactor still
         // registering was reported stalled).
-        for r in &mut self.reactors {
-            if !r.wait_running(REACTOR_SETUP_TIMEOUT) {
-                return Err(DaemonError::Reactor(ReactorError::Setup {
+        // One deadline for all (they set up in parallel).
+        let allowed = self
+            .test_ms(TEST_SETUP_TIMEOUT_ENV)
+            .unwrap_or(REACTOR_SETUP_TIMEOUT);
+        let deadline = Instant::now() + allowed;
+        for i in 0..self.reactors.len() {
+            let r = &mut self.reactors[i];
+            let failed = match r.wait_running(deadline) {
+                Setup::Running => None,
+                Setup::TimedOut => Some(ReactorError::Setup {
                     id: r.shared.id,
-                    waited: REACTOR_SETUP_TIMEOUT,
-                }));
+                    waited: allowed,
+                }),
+                Setup::Ended => Some(ReactorError::SetupEnded { id: r.shared.id }),
+            };
+            if let Some(e) = failed {
+                // A reactor stuck building its data paths does not look at the stop flag:
+                // the daemon exits without waiting for it.
+                for r in &mut self.reactors {
+                    r.abandon_if_not_running();
+                }
+                return Err(DaemonError::Reactor(e));
             }
+            let r = &self.reactors[i];
             self.heartbeats.push(Heartbeat {
                 last_turns: r.shared.counters.turns.load(Ordering::Relaxed),
                 last_move: Instant::now(),
