@@ -5,7 +5,10 @@
 #
 #  1. Time: for 4 KiB random reads and writes at depth 1 and 32 and 128 KiB reads and writes at
 #     depth 16, IOPS and the CPU time the reactor thread spent per I/O (its run time over the
-#     I/Os it served; its busy-polling included), and the host thread's.
+#     I/Os it served; its busy-polling included), and the host thread's (pinned off the
+#     reactor's core). Then the same cases with host and target on one thread, turn by turn:
+#     the time spent in the target's turns per I/O, its CPU cost with nothing spinning and
+#     no other thread contending for the soft provider's lock.
 #  2. Instructions (valgrind's callgrind, as `perf stat` cannot count on most of these VMs):
 #     the target's work run on the host's thread turn by turn (nothing spins), counted only
 #     inside the reactor's poll, over N and 2N I/Os; the difference over N is per I/O. It is
@@ -31,6 +34,8 @@ exe=$(cargo bench -p nvmfd --bench datapath --no-run 2>&1 \
 [ -x "$exe" ] || { echo "bench-datapath: no benchmark executable" >&2; exit 1; }
 echo "== time: reactor thread and host thread, ${secs} s per case"
 "$exe" --seconds "$secs"
+echo "== time: host and target turn by turn on one thread (nothing spins, no lock contended), ${secs} s per case"
+"$exe" --manual --seconds "$secs"
 if [ "$callgrind" = 0 ]; then exit 0; fi
 if ! command -v valgrind > /dev/null; then
   echo "== instructions: skipped (valgrind is not installed: apt-get install valgrind)"
