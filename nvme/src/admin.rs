@@ -339,14 +339,13 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
                 oncs |= 1 << 3; // Write Zeroes
             }
             id.oncs = U16::new(oncs);
-            // Present where a namespace caches writes; and then Flush Behavior 10b: a Flush
-            // to every namespace (NSID FFFFFFFFh) is not supported (it answers Invalid
-            // Namespace), so a host flushes each namespace.
-            id.vwc = if s.namespaces.iter().any(|n| n.info.volatile_cache) {
-                1 | (0b10 << 1)
-            } else {
-                0
-            };
+            // Present for every subsystem, whatever its namespaces now: a host reads it once
+            // per association, and a namespace that caches writes (a file) may be added
+            // while it is connected, after a subsystem of RAM alone said none; the host would
+            // then never flush it. A Flush of a namespace without a cache costs nothing. Flush
+            // Behavior 10b: a Flush to every namespace (NSID FFFFFFFFh) is not supported (it
+            // answers Invalid Namespace), so a host flushes each namespace.
+            id.vwc = 1 | (0b10 << 1);
             // Every NSID up to the limit is valid (the inactive ones have a zeroed Identify
             // Namespace), so that a namespace added later has a valid NSID.
             id.nn = U32::new(max_nsid(q));
@@ -655,13 +654,9 @@ fn set_features(
             st.last_keep_alive = now;
             q.respond(&cmd, Status::SUCCESS, 0)
         }
+        // Reported present for every subsystem (Identify Controller's VWC).
         feature::VOLATILE_WRITE_CACHE if ctrl.subsystem.is_some() => {
-            let has_cache = q
-                .subsystem()
-                .is_some_and(|s| s.namespaces.iter().any(|n| n.info.volatile_cache));
-            if !has_cache {
-                q.respond(&cmd, status::INVALID_FIELD, 0)
-            } else if cdw11 & 1 == 1 {
+            if cdw11 & 1 == 1 {
                 q.respond(&cmd, Status::SUCCESS, 0)
             } else {
                 // Turning the cache off would need FUA on every write: not offered.
@@ -696,15 +691,7 @@ fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
         }
         feature::ASYNC_EVENT_CONFIG => st.aec,
         feature::KEEP_ALIVE_TIMER => u32::try_from(st.kato.as_millis()).unwrap_or(u32::MAX),
-        feature::VOLATILE_WRITE_CACHE if ctrl.subsystem.is_some() => {
-            let has_cache = q
-                .subsystem()
-                .is_some_and(|s| s.namespaces.iter().any(|n| n.info.volatile_cache));
-            if !has_cache {
-                return q.respond(&cmd, status::INVALID_FIELD, 0);
-            }
-            1
-        }
+        feature::VOLATILE_WRITE_CACHE if ctrl.subsystem.is_some() => 1,
         feature::ARBITRATION => 0,
         _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
     };

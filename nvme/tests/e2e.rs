@@ -353,6 +353,31 @@ fn a_volatile_cache_is_reported_with_its_flush_behavior() {
     assert!(status_of::<()>(Err(e)).same_code(status::INVALID_NAMESPACE));
 }
 
+/// A host reads VWC once per association: a subsystem of RAM alone reports a volatile write
+/// cache too, so that a host connected before a file namespace (which caches writes) is
+/// added still flushes it. A Flush of a namespace without a cache succeeds.
+#[test]
+fn a_subsystem_without_a_caching_namespace_still_reports_a_write_cache_a_host_may_flush() {
+    let w = world();
+    let s = w.target.subsystem(SUB).unwrap();
+    assert!(s.namespaces.iter().all(|n| !n.info.volatile_cache));
+    let (mut a, mut ios) = w.controller(1);
+    let id = a.identify_controller().unwrap();
+    assert_eq!(id.vwc & 1, 1, "no write cache reported: {:#b}", id.vwc);
+    ios[0].flush(1).unwrap();
+    // A namespace that caches writes comes while the host is connected: the host's view of
+    // the controller, read at connect, already says to flush.
+    let mut s = s.as_ref().clone();
+    s.namespaces[0].info.volatile_cache = true;
+    w.target.replace_subsystem(s).unwrap();
+    assert_eq!(
+        a.identify_controller().unwrap().vwc,
+        id.vwc,
+        "VWC changed under a host"
+    );
+    ios[0].flush(1).unwrap();
+}
+
 #[test]
 fn identify_reports_what_the_linux_host_checks() {
     let w = world();
@@ -375,7 +400,10 @@ fn identify_reports_what_the_linux_host_checks() {
         0,
         "an SGL longer than its data: {sgls:#x}"
     );
-    assert_eq!(id.vwc, 0, "no namespace of RAM caches writes");
+    assert_eq!(
+        id.vwc, 0b101,
+        "a volatile write cache, present for every subsystem"
+    );
     assert_eq!(id.icdoff.get(), 0);
     assert_eq!(id.ioccsz.get(), (64 + 4096) / 16);
     assert_eq!(id.iorcsz.get(), 1);
