@@ -225,7 +225,14 @@ pub fn block_error_status(e: &BlockFailure, op: &IoOp) -> Status {
     let read = matches!(op, IoOp::Read { .. });
     match e {
         BlockFailure::Misaligned => status::INVALID_FIELD,
-        BlockFailure::OutOfRange => status::LBA_OUT_OF_RANGE,
+        // The core checked the range against the namespace's size before the command went
+        // to the backend: the backend refusing it means a shrink has stored the device's new
+        // size and is not yet published (it waits for writes past the new end, and may yet
+        // be refused and undone). Namespace Not Ready, retryable: once the shrink is
+        // published the core answers LBA Out of Range itself; if it is undone, the retry
+        // is served. (LBA Out of Range has Do Not Retry: a filesystem could give up a disk
+        // whose blocks are all still there.)
+        BlockFailure::OutOfRange => Status::retryable(0, 0x82),
         BlockFailure::ReadOnly => status::NAMESPACE_WRITE_PROTECTED,
         BlockFailure::Unsupported => status::INVALID_OPCODE,
         BlockFailure::NoSpace => status::CAPACITY_EXCEEDED,
@@ -271,7 +278,7 @@ mod tests {
         };
         for (failure, want) in [
             (BlockFailure::Misaligned, status::INVALID_FIELD),
-            (BlockFailure::OutOfRange, status::LBA_OUT_OF_RANGE),
+            (BlockFailure::OutOfRange, Status::retryable(0, 0x82)),
             (BlockFailure::ReadOnly, status::NAMESPACE_WRITE_PROTECTED),
             (BlockFailure::Unsupported, status::INVALID_OPCODE),
             (BlockFailure::NoSpace, status::CAPACITY_EXCEEDED),

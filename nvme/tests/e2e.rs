@@ -33,6 +33,8 @@ fn host(n: u8) -> HostId {
 struct World {
     target: Target,
     backend: Rc<RefCell<Backend>>,
+    /// Namespace 1 of `SUB`.
+    d1: Arc<Device>,
 }
 
 fn malloc(size: u64, bs: u32, read_only: bool) -> Arc<Device> {
@@ -82,7 +84,7 @@ fn world() -> World {
     let target = Target::new(subsystems, ports, Limits::default());
     let backend = Backend::new(
         &[
-            (SUB.into(), 1, d1),
+            (SUB.into(), 1, Arc::clone(&d1)),
             (SUB.into(), 2, d2),
             (SUB.into(), 3, d3),
             (RESTRICTED.into(), 1, d4),
@@ -90,7 +92,11 @@ fn world() -> World {
         Limits::default().max_io_size,
     )
     .unwrap();
-    World { target, backend }
+    World {
+        target,
+        backend,
+        d1,
+    }
 }
 
 impl World {
@@ -376,6 +382,37 @@ fn a_subsystem_without_a_caching_namespace_still_reports_a_write_cache_a_host_ma
         "VWC changed under a host"
     );
     ios[0].flush(1).unwrap();
+}
+
+/// A shrink stores the device's new size, then waits for the writes past it before it is
+/// published (and may be refused and undone). A command the core let through meanwhile, past
+/// the new end, is answered Namespace Not Ready, which a host retries, not LBA Out of Range,
+/// which it does not (and the blocks are still there if the shrink is undone).
+#[test]
+fn io_past_a_shrink_not_yet_published_is_retryable_and_served_once_it_is_undone() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let io = &mut ios[0];
+    let half = SIZE / 2;
+    let past = half / 512 + 8;
+    let data = vec![0x6bu8; 4096];
+    io.write(1, past, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    let refused = w.d1.resize_fenced(Some(half), || {
+        let st = status_of(io.read(1, past, 8, &mut back));
+        assert!(
+            st.same_code(Status::retryable(0, 0x82)) && !st.dnr(),
+            "a command past a shrink in progress: {st:?}"
+        );
+        Err(std::io::Error::other("the shrink is refused"))
+    });
+    assert!(refused.is_err());
+    assert_eq!(w.d1.size(), SIZE, "undone");
+    io.read(1, past, 8, &mut back).unwrap();
+    assert_eq!(
+        back, data,
+        "the blocks past the refused shrink are all still there"
+    );
 }
 
 #[test]
@@ -1042,9 +1079,7 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
         panic!("expected a block operation");
     };
     assert_eq!(
-        q.io_done(&req, Err(BlockFailure::OutOfRange))
-            .status()
-            .crd(),
+        q.io_done(&req, Err(BlockFailure::ReadOnly)).status().crd(),
         0
     );
     features(&mut a, Some(0));
@@ -1311,6 +1346,7 @@ fn a_shutdown_whose_flush_fails_is_not_reported_complete() {
     let w = World {
         target: w.target,
         backend,
+        d1: w.d1,
     };
     let (mut a, ios) = w.controller(1);
     drop(ios);
@@ -1687,14 +1723,18 @@ fn limits_world(max1: u32, max2: u32) -> World {
     let target = Target::new(subsystems, vec![], Limits::default());
     let backend = Backend::new(
         &[
-            (SUB.into(), 1, d1),
+            (SUB.into(), 1, Arc::clone(&d1)),
             (SUB.into(), 2, d2),
             (RESTRICTED.into(), 1, d3),
         ],
         Limits::default().max_io_size,
     )
     .unwrap();
-    World { target, backend }
+    World {
+        target,
+        backend,
+        d1,
+    }
 }
 
 #[test]
