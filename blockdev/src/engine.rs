@@ -100,6 +100,9 @@ pub struct Engine {
     ready: VecDeque<(u32, Completion)>,
     unsubmitted: usize,
     max_devices: u32,
+    /// Test hook ([`Engine::fail_next_wait`]): the errors the next waits in `drain` report
+    /// instead of waiting, in order.
+    wait_errors: Vec<i32>,
     #[cfg(feature = "rbd")]
     rbd: RbdState,
 }
@@ -154,6 +157,7 @@ impl Engine {
             ready: VecDeque::with_capacity(depth as usize),
             unsubmitted: 0,
             max_devices: max_devices.max(1),
+            wait_errors: Vec::new(),
             #[cfg(feature = "rbd")]
             rbd: RbdState::default(),
         })
@@ -696,15 +700,38 @@ impl Engine {
         }
     }
 
-    /// Submits and waits until every operation has finished, handing each to `f`.
+    /// Test hook: the next wait of [`Engine::drain`] for the kernel fails with `errno` (and
+    /// so on, in order, for more calls).
+    #[doc(hidden)]
+    pub fn fail_next_wait(&mut self, errno: i32) {
+        self.wait_errors.push(errno);
+    }
+
+    /// Submits and waits until every operation has finished, handing each to `f`. A wait the
+    /// kernel cuts short (EINTR), or answers busy (EBUSY, EAGAIN: completions to reap first,
+    /// or no memory for now) is tried again, as in [`Engine::wait`]: an error here leaves
+    /// operations with the kernel that its caller must then never free the memory of.
     pub fn drain(&mut self, mut f: impl FnMut(Completion)) -> io::Result<()> {
         while self.in_flight() > 0 || !self.ready.is_empty() {
             self.submit()?;
             let kernel_owned = self.ring_owned();
             if kernel_owned > 0 && self.ready.is_empty() {
-                match self.ring.submit_and_wait(1) {
+                let waited = if self.wait_errors.is_empty() {
+                    self.ring.submit_and_wait(1)
+                } else {
+                    Err(io::Error::from_raw_os_error(self.wait_errors.remove(0)))
+                };
+                match waited {
                     Ok(_) => self.unsubmitted = 0,
-                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
+                        ) =>
+                    {
+                        // A busy kernel is not spun on: it is asked again after a yield.
+                        std::thread::yield_now();
+                    }
                     Err(e) => return Err(e),
                 }
             } else if self.ready.is_empty() && self.librbd_owned() > 0 {

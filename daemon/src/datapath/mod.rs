@@ -226,9 +226,12 @@ pub struct DataPath {
     dev: any::Device,
     // Field order is drop order: the engine waits for its operations before the SRQ's
     // receive buffers (which in-capsule writes are written from) and the pool go; the MR
-    // over the pool goes before the pool's memory.
+    // over the pool goes before the pool's memory. The SRQ is dropped by hand (`Drop`),
+    // only once the engine has drained: should the drain fail, operations may still read
+    // receive memory, and the SRQ is leaked instead (the pool's buffers of such operations
+    // the engine leaks itself).
     engine: Engine,
-    srq: ElasticSrq,
+    srq: std::mem::ManuallyDrop<ElasticSrq>,
     data_mr: Mr,
     small_mr: Mr,
     /// Zeroes, registered for local reading only: reads of a null namespace send their data
@@ -361,6 +364,23 @@ fn verr(e: VerbsError) -> std::io::Error {
     std::io::Error::other(e.to_string())
 }
 
+impl Drop for DataPath {
+    fn drop(&mut self) {
+        match self.engine.drain(drop) {
+            Ok(()) => {
+                // SAFETY: `srq` is dropped here once and never used after (this is the data
+                // path's drop; its other fields follow), and nothing at the engine reads its
+                // receives any more.
+                unsafe { std::mem::ManuallyDrop::drop(&mut self.srq) };
+            }
+            Err(e) => {
+                slog::error!(self.log, "the block engine could not wait for its operations; the receive buffers they may read are leaked";
+                    "error" => %e);
+            }
+        }
+    }
+}
+
 impl DataPath {
     /// Sets up the reactor's CQ, SRQ, receive buffers, data pool and engine on `dev`, with
     /// `namespaces` (subsystem NQN, NSID, device) attached.
@@ -423,7 +443,7 @@ impl DataPath {
             cq,
             async_fd: dev.async_fd(),
             dev: dev.clone(),
-            srq,
+            srq: std::mem::ManuallyDrop::new(srq),
             data_mr,
             small_mr,
             zeros,

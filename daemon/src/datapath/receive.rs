@@ -230,7 +230,7 @@ impl DataPath {
     pub(super) fn rebuild_srq(&mut self, now: Instant) {
         match self.srq.rebuild(now) {
             Ok(srq) => {
-                self.srq = srq;
+                *self.srq = srq;
                 self.srq_broken = false;
                 self.srq_retry = None;
                 self.counters.srq_rebuilds.fetch_add(1, Ordering::Relaxed);
