@@ -259,6 +259,13 @@ pub struct Device {
     /// What to warn of when serving it: why O_DIRECT was not used when it was wanted; an
     /// RBD image's feature that slows it down.
     pub(crate) warning: Option<String>,
+    /// A sync (a Flush, a FUA write's) failed once: every later Flush fails too. Linux reports
+    /// a writeback error once per open file, and every host, reactor and the stop-time sync
+    /// share this one file: after the report, a later sync succeeds though the data it should
+    /// have made durable is gone.
+    pub(crate) sync_failed: std::sync::atomic::AtomicBool,
+    /// Test hook ([`Device::fail_next_sync`]): the next sync to complete fails.
+    pub(crate) inject_sync_failure: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Device {
@@ -324,6 +331,8 @@ impl Device {
                     info,
                     backing: Backing::Malloc(Ram::new(region)),
                     warning: None,
+                    sync_failed: Default::default(),
+                    inject_sync_failure: Default::default(),
                 }))
             }
             Kind::Null => Ok(Arc::new(Device {
@@ -331,6 +340,8 @@ impl Device {
                 info: ram(Kind::Null)?,
                 backing: Backing::Null,
                 warning: None,
+                sync_failed: Default::default(),
+                inject_sync_failure: Default::default(),
             })),
             Kind::Rbd => open_rbd(spec),
             Kind::File | Kind::Bdev => {
@@ -427,11 +438,38 @@ impl Device {
     pub fn sync(&self) -> io::Result<bool> {
         match &self.backing {
             Backing::File(f) if !self.info.read_only => {
-                f.sync_data()?;
+                if self.sync_failed() {
+                    return Err(io::Error::other(
+                        "an earlier sync of this device failed: writes it covered may be lost",
+                    ));
+                }
+                if let Err(e) = f.sync_data() {
+                    self.note_sync_failure();
+                    return Err(e);
+                }
                 Ok(true)
             }
             _ => Ok(false),
         }
+    }
+
+    /// Whether a sync of this device ever failed ([`Device::sync_failed`] field).
+    pub fn sync_failed(&self) -> bool {
+        self.sync_failed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// A sync failed: every later Flush of the device fails too.
+    pub(crate) fn note_sync_failure(&self) {
+        self.sync_failed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Test hook: the next sync an engine completes on this device (a Flush, a FUA write)
+    /// fails with EIO, as a writeback error reported once would.
+    #[doc(hidden)]
+    pub fn fail_next_sync(&self) {
+        self.inject_sync_failure
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// What the daemon should warn of when it serves this device: why buffered I/O is used
@@ -561,6 +599,8 @@ fn open_path(
         },
         backing: Backing::File(file),
         warning: fallback_reason,
+        sync_failed: Default::default(),
+        inject_sync_failure: Default::default(),
     }))
 }
 
@@ -600,6 +640,8 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         },
         backing: Backing::Rbd(image),
         warning,
+        sync_failed: Default::default(),
+        inject_sync_failure: Default::default(),
     }))
 }
 

@@ -383,6 +383,9 @@ impl Engine {
             OpKind::Deallocate if !info.deallocate => {
                 return reject(BlockError::Unsupported("deallocate"), buf)
             }
+            // A sync failed before: the writes it covered may be lost, and a new sync would
+            // say nothing of them (the error was reported once).
+            OpKind::Flush if a.dev.sync_failed() => return reject(BlockError::Io(libc::EIO), buf),
             OpKind::Flush => {}
             _ => {
                 if let Err(e) = a.dev.check_range(offset, len) {
@@ -569,12 +572,31 @@ impl Engine {
     }
 
     /// Queues the slot's completion; the slot is freed when the completion is reaped.
-    fn finish(&mut self, slot: u32, result: Result<u32, BlockError>) {
+    fn finish(&mut self, slot: u32, mut result: Result<u32, BlockError>) {
         let s = self.slots[slot as usize]
             .take()
             .expect("finishing a live slot");
         if let Some(a) = self.devices[s.dev as usize].as_mut() {
             a.in_flight -= 1;
+            // A sync (a Flush; a FUA write or zeroing, which sync as they write) that failed
+            // makes every later Flush of the device fail.
+            if matches!(
+                s.op,
+                OpKind::Flush | OpKind::WriteFua | OpKind::WriteZeroesFua
+            ) {
+                if a.dev
+                    .inject_sync_failure
+                    .swap(false, std::sync::atomic::Ordering::AcqRel)
+                {
+                    result = Err(BlockError::Io(libc::EIO));
+                }
+                // Files and block devices only: their writeback errors are reported once.
+                if matches!(result, Err(BlockError::Io(_)))
+                    && matches!(a.dev.backing, Backing::File(_))
+                {
+                    a.dev.note_sync_failure();
+                }
+            }
         }
         self.ready.push_back((
             slot,

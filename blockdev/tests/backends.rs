@@ -430,6 +430,45 @@ fn flush_and_fua_complete(mut f: Fixture) {
 }
 per_backend!(flush_and_fua_complete);
 
+/// Linux reports a writeback error once per open file, and every host and reactor share the
+/// device's one file: after a sync failed, every later Flush fails too (a sync that succeeded
+/// then would say nothing of the writes lost), and so does the stop-time sync.
+fn a_failed_sync_fails_every_later_flush_of_a_file(mut f: Fixture) {
+    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
+    let data = pattern(3, 4096);
+    f.write(0, &data, false);
+    f.device.fail_next_sync();
+    f.engine.flush(f.dev, 1).unwrap();
+    let c = f.run();
+    assert_eq!(
+        c[0].result,
+        Err(BlockError::Io(libc::EIO)),
+        "the failed sync"
+    );
+    // A second engine (another reactor) and a later Flush: refused, for files.
+    let mut other = Engine::new(8, 1, std::slice::from_ref(&f.pool)).unwrap();
+    let d = other.attach(&f.device).unwrap();
+    let later = other.flush(d, 2);
+    let mut done = Vec::new();
+    if let Err(r) = &later {
+        assert!(file, "{:?}", r.error);
+        assert_eq!(r.error, BlockError::Io(libc::EIO));
+    } else {
+        other.drain(|c| done.push(c)).unwrap();
+        let expect = if file {
+            Err(BlockError::Io(libc::EIO))
+        } else {
+            Ok(0)
+        };
+        assert_eq!(done[0].result, expect);
+    }
+    assert_eq!(f.device.sync_failed(), file);
+    if file {
+        assert!(f.device.sync().is_err(), "the stop-time sync says so too");
+    }
+}
+per_backend!(a_failed_sync_fails_every_later_flush_of_a_file);
+
 fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
     let bs = f.device.info().logical_block_size as usize;
     let len = 64 * 1024;
