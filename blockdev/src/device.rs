@@ -438,14 +438,15 @@ impl Device {
     pub fn sync(&self) -> io::Result<bool> {
         match &self.backing {
             Backing::File(f) if !self.info.read_only => {
+                // Synced even after a failure: what was written since is made durable.
+                if let Err(e) = f.sync_data() {
+                    self.note_sync_failure();
+                    return Err(e);
+                }
                 if self.sync_failed() {
                     return Err(io::Error::other(
                         "an earlier sync of this device failed: writes it covered may be lost",
                     ));
-                }
-                if let Err(e) = f.sync_data() {
-                    self.note_sync_failure();
-                    return Err(e);
                 }
                 Ok(true)
             }
@@ -464,8 +465,9 @@ impl Device {
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
-    /// Test hook: the next sync an engine completes on this device (a Flush, a FUA write)
-    /// fails with EIO, as a writeback error reported once would.
+    /// Test hook: the next sync an engine completes on this file or block device (a Flush;
+    /// a FUA write on the buffered fallback) fails with EIO, as a writeback error reported
+    /// once would.
     #[doc(hidden)]
     pub fn fail_next_sync(&self) {
         self.inject_sync_failure

@@ -383,9 +383,8 @@ impl Engine {
             OpKind::Deallocate if !info.deallocate => {
                 return reject(BlockError::Unsupported("deallocate"), buf)
             }
-            // A sync failed before: the writes it covered may be lost, and a new sync would
-            // say nothing of them (the error was reported once).
-            OpKind::Flush if a.dev.sync_failed() => return reject(BlockError::Io(libc::EIO), buf),
+            // (A Flush of a device whose sync failed before still runs, and then fails:
+            // `finish`.)
             OpKind::Flush => {}
             _ => {
                 if let Err(e) = a.dev.check_range(offset, len) {
@@ -578,24 +577,33 @@ impl Engine {
             .expect("finishing a live slot");
         if let Some(a) = self.devices[s.dev as usize].as_mut() {
             a.in_flight -= 1;
-            // A sync (a Flush; a FUA write or zeroing, which sync as they write) that failed
-            // makes every later Flush of the device fail.
-            if matches!(
-                s.op,
-                OpKind::Flush | OpKind::WriteFua | OpKind::WriteZeroesFua
-            ) {
+            // A sync that failed (writeback lost data: EIO, or ENOSPC where space was not
+            // reserved) makes every later Flush of the device fail, once it has run. Files and
+            // block devices only: their writeback errors are reported once per open file. A
+            // Flush's fdatasync counts; so does a FUA write's or zeroing's on the buffered
+            // fallback (RWF_DSYNC syncs, and takes the report, through the shared file); an
+            // O_DIRECT write's own EIO is its own failure, answered to its host.
+            let sync = match s.op {
+                OpKind::Flush => true,
+                OpKind::WriteFua | OpKind::WriteZeroesFua => !a.dev.info.direct,
+                _ => false,
+            };
+            if sync && matches!(a.dev.backing, Backing::File(_)) {
                 if a.dev
                     .inject_sync_failure
                     .swap(false, std::sync::atomic::Ordering::AcqRel)
                 {
                     result = Err(BlockError::Io(libc::EIO));
                 }
-                // Files and block devices only: their writeback errors are reported once.
-                if matches!(result, Err(BlockError::Io(_)))
-                    && matches!(a.dev.backing, Backing::File(_))
-                {
+                if matches!(
+                    result,
+                    Err(BlockError::Io(libc::EIO)) | Err(BlockError::NoSpace)
+                ) {
                     a.dev.note_sync_failure();
                 }
+            }
+            if s.op == OpKind::Flush && result.is_ok() && a.dev.sync_failed() {
+                result = Err(BlockError::Io(libc::EIO));
             }
         }
         self.ready.push_back((
@@ -734,6 +742,10 @@ impl Engine {
     /// or no memory for now) is tried again, as in [`Engine::wait`]: an error here leaves
     /// operations with the kernel that its caller must then never free the memory of.
     pub fn drain(&mut self, mut f: impl FnMut(Completion)) -> io::Result<()> {
+        // A kernel busy for this long (no memory, say) is given up on: the caller then leaks
+        // what the operations may still use.
+        const BUSY_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+        let mut busy_since: Option<std::time::Instant> = None;
         while self.in_flight() > 0 || !self.ready.is_empty() {
             self.submit()?;
             let kernel_owned = self.ring_owned();
@@ -744,13 +756,20 @@ impl Engine {
                     Err(io::Error::from_raw_os_error(self.wait_errors.remove(0)))
                 };
                 match waited {
-                    Ok(_) => self.unsubmitted = 0,
+                    Ok(_) => {
+                        self.unsubmitted = 0;
+                        busy_since = None;
+                    }
                     Err(e)
                         if matches!(
                             e.raw_os_error(),
                             Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
                         ) =>
                     {
+                        let since = *busy_since.get_or_insert_with(std::time::Instant::now);
+                        if since.elapsed() >= BUSY_LIMIT {
+                            return Err(e);
+                        }
                         // A busy kernel is not spun on: it is asked again after a yield.
                         std::thread::yield_now();
                     }
