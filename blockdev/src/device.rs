@@ -459,6 +459,39 @@ impl Device {
         self.sync_failed.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Completes `result` of an operation `op` an engine ran on this device, as to syncs. A
+    /// sync that failed (writeback lost data: EIO, or ENOSPC where space was not reserved)
+    /// makes every later Flush of the device fail, once it has run. Files and block devices
+    /// only: their writeback errors are reported once per open file. A Flush's fdatasync
+    /// counts; so does a FUA write's or zeroing's on the buffered fallback (RWF_DSYNC syncs,
+    /// and takes the report, through the shared file); an O_DIRECT write's own EIO is its
+    /// own failure, answered to its host.
+    pub(crate) fn settle_sync(&self, op: crate::OpKind, result: &mut Result<u32, BlockError>) {
+        use crate::OpKind;
+        let sync = match op {
+            OpKind::Flush => true,
+            OpKind::WriteFua | OpKind::WriteZeroesFua => !self.info.direct,
+            _ => false,
+        };
+        if sync && matches!(self.backing, Backing::File(_)) {
+            if self
+                .inject_sync_failure
+                .swap(false, std::sync::atomic::Ordering::AcqRel)
+            {
+                *result = Err(BlockError::Io(libc::EIO));
+            }
+            if matches!(
+                result,
+                Err(BlockError::Io(libc::EIO)) | Err(BlockError::NoSpace)
+            ) {
+                self.note_sync_failure();
+            }
+        }
+        if op == OpKind::Flush && result.is_ok() && self.sync_failed() {
+            *result = Err(BlockError::Io(libc::EIO));
+        }
+    }
+
     /// A sync failed: every later Flush of the device fails too.
     pub(crate) fn note_sync_failure(&self) {
         self.sync_failed

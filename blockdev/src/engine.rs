@@ -576,35 +576,7 @@ impl Engine {
             .take()
             .expect("finishing a live slot");
         if let Some(a) = self.devices[s.dev as usize].as_mut() {
-            a.in_flight -= 1;
-            // A sync that failed (writeback lost data: EIO, or ENOSPC where space was not
-            // reserved) makes every later Flush of the device fail, once it has run. Files and
-            // block devices only: their writeback errors are reported once per open file. A
-            // Flush's fdatasync counts; so does a FUA write's or zeroing's on the buffered
-            // fallback (RWF_DSYNC syncs, and takes the report, through the shared file); an
-            // O_DIRECT write's own EIO is its own failure, answered to its host.
-            let sync = match s.op {
-                OpKind::Flush => true,
-                OpKind::WriteFua | OpKind::WriteZeroesFua => !a.dev.info.direct,
-                _ => false,
-            };
-            if sync && matches!(a.dev.backing, Backing::File(_)) {
-                if a.dev
-                    .inject_sync_failure
-                    .swap(false, std::sync::atomic::Ordering::AcqRel)
-                {
-                    result = Err(BlockError::Io(libc::EIO));
-                }
-                if matches!(
-                    result,
-                    Err(BlockError::Io(libc::EIO)) | Err(BlockError::NoSpace)
-                ) {
-                    a.dev.note_sync_failure();
-                }
-            }
-            if s.op == OpKind::Flush && result.is_ok() && a.dev.sync_failed() {
-                result = Err(BlockError::Io(libc::EIO));
-            }
+            a.dev.settle_sync(s.op, &mut result);
         }
         self.ready.push_back((
             slot,

@@ -208,11 +208,6 @@ pub fn run(
 }
 
 impl Daemon {
-    /// [`TEST_SETUP_DELAY_ENV`], with test hooks on.
-    fn test_setup_delay(&self) -> Option<Duration> {
-        self.test_ms(TEST_SETUP_DELAY_ENV)
-    }
-
     /// Milliseconds from test hook variable `name`, with test hooks on.
     fn test_ms(&self, name: &str) -> Option<Duration> {
         if !self.test_hooks {
@@ -306,7 +301,7 @@ impl Daemon {
             };
             let unserved = crate::paths::Unserved::default();
             self.unserved.push(Arc::clone(&unserved));
-            let setup_delay = self.test_setup_delay();
+            let setup_delay = self.test_ms(TEST_SETUP_DELAY_ENV);
             let factory: WorkFactory = Box::new(move || {
                 if let Some(d) = setup_delay {
                     std::thread::sleep(d);
