@@ -602,16 +602,22 @@ fn a_full_queue_is_backpressure(f: Fixture) {
 }
 per_backend!(a_full_queue_is_backpressure);
 
-fn dropping_the_engine_waits_for_operations_in_flight(f: Fixture) {
-    let Fixture { pool, device, .. } = f;
-    let mut engine = Engine::new(32, 1, std::slice::from_ref(&pool)).unwrap();
-    let dev = engine.attach(&device).unwrap();
-    for i in 0..16 {
-        let mut b = pool.take().unwrap();
-        b.set_len(128 * 1024);
-        engine.write(dev, i * 128 * 1024, b, false, i).unwrap();
+/// A new engine on `f`'s device with `n` writes of `len` bytes submitted (tags 0 to n - 1).
+fn writes_in_flight(f: &Fixture, n: u64, len: usize) -> Engine {
+    let mut engine = Engine::new(32, 1, std::slice::from_ref(&f.pool)).unwrap();
+    let dev = engine.attach(&f.device).unwrap();
+    for i in 0..n {
+        let mut b = f.pool.take().unwrap();
+        b.set_len(len);
+        engine.write(dev, i * len as u64, b, false, i).unwrap();
     }
     engine.submit().unwrap();
+    engine
+}
+
+fn dropping_the_engine_waits_for_operations_in_flight(f: Fixture) {
+    let engine = writes_in_flight(&f, 16, 128 * 1024);
+    let pool = f.pool.clone();
     drop(engine);
     assert_eq!(
         pool.free_count(),
@@ -622,15 +628,8 @@ fn dropping_the_engine_waits_for_operations_in_flight(f: Fixture) {
 per_backend!(dropping_the_engine_waits_for_operations_in_flight);
 
 fn a_drain_waits_through_a_busy_kernel(f: Fixture) {
-    let Fixture { pool, device, .. } = f;
-    let mut engine = Engine::new(32, 1, std::slice::from_ref(&pool)).unwrap();
-    let dev = engine.attach(&device).unwrap();
-    for i in 0..8 {
-        let mut b = pool.take().unwrap();
-        b.set_len(64 * 1024);
-        engine.write(dev, i * 64 * 1024, b, false, i).unwrap();
-    }
-    engine.submit().unwrap();
+    let mut engine = writes_in_flight(&f, 8, 64 * 1024);
+    let pool = f.pool.clone();
     // io_uring_enter answers busy twice: a drain that gave up here left writes with the
     // kernel whose memory its caller would then free.
     engine.fail_next_wait(libc::EAGAIN);
