@@ -576,6 +576,7 @@ impl Engine {
             .take()
             .expect("finishing a live slot");
         if let Some(a) = self.devices[s.dev as usize].as_mut() {
+            a.in_flight -= 1;
             a.dev.settle_sync(s.op, &mut result);
         }
         self.ready.push_back((
