@@ -145,21 +145,24 @@ impl Device {
         if s.removed.contains(&self.inner.id) {
             return Err(VerbsError::os("create_cq", libc::ENODEV));
         }
-        let id = s.alloc_id();
         let ready = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let delayed_any = Arc::clone(&s.delayed_any);
-        s.cqs.insert(
-            id,
-            CqState {
-                armed: false,
-                dev: self.inner.id,
-                cap: cqe as usize,
-                entries: VecDeque::new(),
-                overflowed: false,
-                channel: Arc::clone(&channel),
-                ready: Arc::clone(&ready),
-            },
-        );
+        let variant = s.variant();
+        let id = s
+            .cqs
+            .insert_new(
+                variant,
+                CqState {
+                    armed: false,
+                    dev: self.inner.id,
+                    cap: cqe as usize,
+                    entries: VecDeque::new(),
+                    overflowed: false,
+                    channel: Arc::clone(&channel),
+                    ready: Arc::clone(&ready),
+                },
+            )
+            .ok_or(VerbsError::os("create_cq", libc::ENOMEM))?;
         Ok(Cq {
             fabric: self.fabric().clone(),
             id,
@@ -225,18 +228,21 @@ impl Pd {
             s.fail_registrations -= 1;
             return Err(VerbsError::os("reg_mr", libc::ENOMEM));
         }
-        let key = s.alloc_id();
-        s.mrs.insert(
-            key,
-            MrEntry {
-                dev: self.dev,
-                pd: self.id,
-                addr: addr as u64,
-                len: len as u64,
-                access,
-                valid: true,
-            },
-        );
+        let variant = s.variant();
+        let key = s
+            .mrs
+            .insert_new(
+                variant,
+                MrEntry {
+                    dev: self.dev,
+                    pd: self.id,
+                    addr: addr as u64,
+                    len: len as u64,
+                    access,
+                    valid: true,
+                },
+            )
+            .ok_or(VerbsError::os("reg_mr", libc::ENOMEM))?;
         Ok(Mr {
             fabric: self.fabric.clone(),
             key,
@@ -269,18 +275,21 @@ impl Pd {
             return Err(VerbsError::os("create_srq", libc::EINVAL));
         }
         let mut s = self.fabric.lock();
-        let id = s.alloc_id();
-        s.srqs.insert(
-            id,
-            SrqState {
-                dev: self.dev,
-                pd: self.id,
-                max_wr,
-                max_sge,
-                limit: 0,
-                recvs: VecDeque::new(),
-            },
-        );
+        let variant = s.variant();
+        let id = s
+            .srqs
+            .insert_new(
+                variant,
+                SrqState {
+                    dev: self.dev,
+                    pd: self.id,
+                    max_wr,
+                    max_sge,
+                    limit: 0,
+                    recvs: VecDeque::new(),
+                },
+            )
+            .ok_or(VerbsError::os("create_srq", libc::ENOMEM))?;
         Ok(Srq {
             fabric: self.fabric.clone(),
             id,
@@ -316,36 +325,43 @@ impl Pd {
             return Err(VerbsError::os("create_qp", libc::EINVAL));
         }
         let mut s = self.fabric.lock();
-        let qpn = match s.reuse_qpns.pop_front() {
-            Some(n) if !s.qps.contains_key(&n) => n,
-            _ => s.alloc_id(),
+        let qp = QpState_ {
+            dev: self.dev,
+            pd: self.id,
+            state: QpState::Reset,
+            send_cq: send_cq.id,
+            recv_cq: recv_cq.id,
+            srq: Some(srq.id),
+            caps,
+            peer: None,
+            rnr_retry: 7,
+            unsignaled_run: 0,
+            deferred: 0,
+            inbound: VecDeque::new(),
+            last_wqe_sent: false,
+            remote: None,
+            remote_pending: std::collections::BTreeMap::new(),
+            next_seq: 0,
+            delayed: VecDeque::new(),
+            read_depth: 0,
+            reads_out: 0,
+            reads_peak: 0,
+            depths: None,
         };
-        s.qps.insert(
-            qpn,
-            QpState_ {
-                dev: self.dev,
-                pd: self.id,
-                state: QpState::Reset,
-                send_cq: send_cq.id,
-                recv_cq: recv_cq.id,
-                srq: Some(srq.id),
-                caps,
-                peer: None,
-                rnr_retry: 7,
-                unsignaled_run: 0,
-                deferred: 0,
-                inbound: VecDeque::new(),
-                last_wqe_sent: false,
-                remote: None,
-                remote_pending: std::collections::BTreeMap::new(),
-                next_seq: 0,
-                delayed: VecDeque::new(),
-                read_depth: 0,
-                reads_out: 0,
-                reads_peak: 0,
-                depths: None,
-            },
-        );
+        // A number given to reuse takes its slot where that is free ([`Table::insert_at`]).
+        let qp = match s.reuse_qpns.pop_front() {
+            Some(n) => s.qps.insert_at(n, qp).map(|()| n),
+            None => Err(qp),
+        };
+        let qpn = match qp {
+            Ok(n) => n,
+            Err(qp) => {
+                let variant = s.variant();
+                s.qps
+                    .insert_new(variant, qp)
+                    .ok_or(VerbsError::os("create_qp", libc::ENOMEM))?
+            }
+        };
         Ok(Qp {
             fabric: self.fabric.clone(),
             qpn,

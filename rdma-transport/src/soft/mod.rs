@@ -16,6 +16,7 @@ mod event;
 mod exec;
 mod queues;
 mod state;
+mod table;
 mod tcp;
 
 use std::collections::VecDeque;
@@ -31,6 +32,7 @@ pub use event::EventFd;
 use exec::*;
 pub use queues::{in_provider, Cq, Qp, Srq};
 use state::*;
+use table::Table;
 
 use crate::types::*;
 

@@ -131,10 +131,10 @@ pub(super) struct DevState {
 pub(crate) struct State {
     pub(super) next_id: u32,
     pub(super) devs: HashMap<u32, DevState>,
-    pub(super) mrs: HashMap<u32, MrEntry>,
-    pub(super) cqs: HashMap<u32, CqState>,
-    pub(super) srqs: HashMap<u32, SrqState>,
-    pub(crate) qps: HashMap<u32, QpState_>,
+    pub(super) mrs: Table<MrEntry>,
+    pub(super) cqs: Table<CqState>,
+    pub(super) srqs: Table<SrqState>,
+    pub(crate) qps: Table<QpState_>,
     pub(crate) cm: cm::CmState,
     pub(super) faults: Faults,
     pub(super) rng: fastrand::Rng,
@@ -290,6 +290,13 @@ impl State {
             self.delayed_any
                 .store(false, std::sync::atomic::Ordering::Release);
         }
+    }
+
+    /// A variant for a new QP, CQ, SRQ or memory region's ID ([`Table`]): the low byte of
+    /// the counter IDs come from.
+    pub(super) fn variant(&mut self) -> u8 {
+        self.next_id += 1;
+        self.next_id.to_le_bytes()[0]
     }
 
     pub(super) fn alloc_id(&mut self) -> u32 {
