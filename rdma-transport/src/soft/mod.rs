@@ -426,11 +426,11 @@ impl Fabric {
     pub fn srq_ids(&self) -> Vec<u32> {
         let s = self.lock();
         let mut v: Vec<u32> = s.srqs.keys().copied().collect();
-        v.sort_unstable();
+        v.sort_unstable_by_key(|id| s.srqs.born(id));
         v
     }
 
-    /// The QPs attached to SRQ `srq`, in creation order (QP numbers only grow).
+    /// The QPs attached to SRQ `srq`, in creation order.
     pub fn srq_qps(&self, srq: u32) -> Vec<u32> {
         let s = self.lock();
         let mut v: Vec<u32> = s
@@ -439,7 +439,7 @@ impl Fabric {
             .filter(|(_, q)| q.srq == Some(srq))
             .map(|(n, _)| *n)
             .collect();
-        v.sort_unstable();
+        v.sort_unstable_by_key(|n| s.qps.born(n));
         v
     }
 

@@ -81,7 +81,23 @@ impl Cq {
 
 impl Drop for Cq {
     fn drop(&mut self) {
-        self.fabric.lock().cqs.remove(&self.id);
+        let mut s = self.fabric.lock();
+        let id = self.id;
+        if let Some(c) = s.cqs.remove(&id) {
+            // Nothing names it any more: the QPs still on it complete into no CQ (0 is no
+            // ID), its held completions and unread events go, so that a CQ given its ID
+            // later gets none of them.
+            for q in s.qps.values_mut() {
+                if q.send_cq == id {
+                    q.send_cq = 0;
+                }
+                if q.recv_cq == id {
+                    q.recv_cq = 0;
+                }
+            }
+            s.held.retain(|(cq, _)| *cq != id);
+            s.forget_events(c.dev, |e| *e == AsyncEvent::CqErr(id));
+        }
     }
 }
 
@@ -173,7 +189,22 @@ impl Srq {
 
 impl Drop for Srq {
     fn drop(&mut self) {
-        self.fabric.lock().srqs.remove(&self.id);
+        let mut s = self.fabric.lock();
+        let id = self.id;
+        if let Some(q) = s.srqs.remove(&id) {
+            // As for a CQ: the QPs still on it take receives from no SRQ (0 is no ID, and
+            // they still count as SRQ-attached), and its state and unread events go.
+            for qp in s.qps.values_mut() {
+                if qp.srq == Some(id) {
+                    qp.srq = Some(0);
+                }
+            }
+            s.broken_srqs.remove(&id);
+            s.forget_events(
+                q.dev,
+                |e| matches!(e, AsyncEvent::SrqErr(x) | AsyncEvent::SrqLimitReached(x) if *x == id),
+            );
+        }
     }
 }
 
@@ -346,14 +377,15 @@ impl Drop for Qp {
         }
         // Its events not yet read go with it, as uverbs removes a destroyed QP's events
         // from the async event queue: none names a QP number the device may give out again.
-        if let Some(dev) = s.qps.remove(&self.qpn).map(|q| q.dev) {
-            if let Some(d) = s.devs.get_mut(&dev) {
-                let qpn = self.qpn;
-                d.events.retain(|e| e.qp() != Some(qpn));
-                if d.events.is_empty() {
-                    d.async_fd.clear();
+        // So does its TCP link's memory of it.
+        if let Some(q) = s.qps.remove(&self.qpn) {
+            let qpn = self.qpn;
+            if let Some(l) = q.remote.and_then(|l| s.links.get_mut(&l)) {
+                if l.qp == Some(qpn) {
+                    l.qp = None;
                 }
             }
+            s.forget_events(q.dev, |e| e.qp() == Some(qpn));
         }
     }
 }
@@ -399,5 +431,108 @@ mod tests {
             c.publish();
         }
         assert!(cq.poll(&mut out).is_err());
+    }
+
+    const CAPS: QpCaps = QpCaps {
+        max_send_wr: 16,
+        max_send_sge: 4,
+        max_recv_wr: 0,
+        max_inline_data: 64,
+    };
+
+    /// Makes and drops objects with `make` until one gets `id` again (a slot gives an ID
+    /// again after 256 reuses), and returns it.
+    fn made_again<T>(id: u32, make: impl Fn() -> T, id_of: impl Fn(&T) -> u32) -> T {
+        for _ in 0..1000 {
+            let x = make();
+            if id_of(&x) == id {
+                return x;
+            }
+        }
+        panic!("{id:#x} never given again");
+    }
+
+    fn events(dev: &Device) -> Vec<AsyncEvent> {
+        std::iter::from_fn(|| dev.next_event()).collect()
+    }
+
+    #[test]
+    fn an_srq_given_a_destroyed_ones_id_inherits_nothing_of_it() {
+        let f = Fabric::new();
+        let dev = f.add_device([10, 0, 0, 1].into()).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let cq = dev.create_cq(16).unwrap();
+        let old = pd.create_srq(16, 1).unwrap();
+        let id = old.id;
+        let qp = pd.create_qp(&cq, &cq, &old, CAPS).unwrap();
+        // It breaks (SRQ_ERR, unread) and goes while its QP stays.
+        f.lock().srq_error(id);
+        drop(old);
+        let new = made_again(id, || pd.create_srq(16, 1).unwrap(), |s| s.id);
+        let mr = pd.alloc_mr(64, Access::LOCAL_WRITE).unwrap();
+        new.post_recv(&[RecvWr {
+            wr_id: 1,
+            sges: &[mr.sge(0, 64)],
+        }])
+        .expect("a new SRQ is not broken");
+        assert!(
+            !events(&dev).contains(&AsyncEvent::SrqErr(id)),
+            "the old SRQ's event names the new one"
+        );
+        assert!(
+            f.srq_qps(id).is_empty(),
+            "the old SRQ's QP is on the new one"
+        );
+        drop(qp);
+    }
+
+    #[test]
+    fn a_cq_given_a_destroyed_ones_id_gets_none_of_its_completions_or_events() {
+        let f = Fabric::new();
+        let dev = f.add_device([10, 0, 0, 1].into()).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let srq = pd.create_srq(16, 1).unwrap();
+        let old = dev.create_cq(16).unwrap();
+        let id = old.id;
+        let qp = pd.create_qp(&old, &old, &srq, CAPS).unwrap();
+        f.lock().event(dev.inner.id, AsyncEvent::CqErr(id));
+        drop(old);
+        let new = made_again(id, || dev.create_cq(16).unwrap(), |c| c.id);
+        assert!(!events(&dev).contains(&AsyncEvent::CqErr(id)));
+        // The old CQ's QP completes work (its flush, here): none of it shows in the new CQ.
+        f.lock()
+            .complete_send(qp.qpn, 7, true, WcStatus::WrFlushErr, WcOpcode::Send);
+        let mut out = [Wc::default(); 4];
+        assert_eq!(new.poll(&mut out).unwrap(), 0, "{:?}", &out[..1]);
+    }
+
+    #[test]
+    fn a_destroyed_qps_tcp_link_forgets_it() {
+        let f = Fabric::new();
+        let dev = f.add_device([10, 0, 0, 1].into()).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let cq = dev.create_cq(16).unwrap();
+        let srq = pd.create_srq(16, 1).unwrap();
+        let qp = pd.create_qp(&cq, &cq, &srq, CAPS).unwrap();
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let link = {
+            let mut s = f.lock();
+            let link = s.alloc_id();
+            s.links.insert(
+                link,
+                tcp::LinkState {
+                    tx,
+                    cm_id: None,
+                    qp: None,
+                },
+            );
+            s.bind_remote(qp.qpn, link);
+            link
+        };
+        assert_eq!(f.lock().links[&link].qp, Some(qp.qpn));
+        drop(qp);
+        // A QP given its number later is not the link's: the old peer's frames and the
+        // link's loss would reach it.
+        assert_eq!(f.lock().links[&link].qp, None);
     }
 }

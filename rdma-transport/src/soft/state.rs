@@ -301,9 +301,20 @@ impl State {
 
     pub(super) fn alloc_id(&mut self) -> u32 {
         self.next_id += 1;
-        // Keys, QP numbers and IDs share one space: (counter << 8) | 0x5f makes them look
-        // like hardware keys and never zero.
+        // Devices, PDs, CM IDs and links: (counter << 8) | 0x5f, never zero. (QPs, CQs,
+        // SRQs and memory regions have IDs of their own tables, [`Table`].)
         (self.next_id << 8) | 0x5f
+    }
+
+    /// Removes device `dev`'s unread async events that `about` picks (those of a destroyed
+    /// object, whose ID may be given out again).
+    pub(super) fn forget_events(&mut self, dev: u32, about: impl Fn(&AsyncEvent) -> bool) {
+        if let Some(d) = self.devs.get_mut(&dev) {
+            d.events.retain(|e| !about(e));
+            if d.events.is_empty() {
+                d.async_fd.clear();
+            }
+        }
     }
 
     pub(super) fn event(&mut self, dev: u32, e: AsyncEvent) {

@@ -1,23 +1,26 @@
 //! The fabric's objects of one kind (QPs, CQs, SRQs, memory regions), found by ID with no
 //! hashing: an ID names its slot, as a NIC's QP numbers and memory keys index its tables.
 //!
-//! An ID is `(slot + 1) << 8 | variant`: the slot's index (never 0, so no ID is 0), and in the
-//! low byte a variant taken from a fabric-wide counter when the ID is made, as mlx5 makes a
-//! memory key's. An ID names its object only while the object lives: a lookup compares the
-//! whole ID, so a destroyed object's ID, or a key with any bit changed, finds nothing even
-//! once the slot is used again (with another variant). Free slots are used again oldest
-//! first, so a destroyed QP's number does not come back at once.
+//! An ID is `(slot + 1) << 8 | variant` (never 0, and never below 0x100). A slot's first
+//! variant is a byte of the fabric's ID counter (so neighbouring slots differ); each reuse of
+//! the slot adds one, as mlx5 varies a memory key. A lookup compares the whole ID, so a
+//! destroyed object's ID, or a key with a bit changed, finds nothing: a slot gives the same
+//! ID again only after 256 reuses. Free slots are reused oldest first, so that takes long.
 
 use std::collections::VecDeque;
 
 struct Slot<T> {
+    /// The ID of the slot's object, or of its last one while the slot is free.
     id: u32,
     val: Option<T>,
+    /// When its object was made, in the table's count of objects made.
+    born: u64,
 }
 
 pub(crate) struct Table<T> {
     slots: Vec<Slot<T>>,
     free: VecDeque<u32>,
+    made: u64,
 }
 
 impl<T> Default for Table<T> {
@@ -25,6 +28,7 @@ impl<T> Default for Table<T> {
         Table {
             slots: Vec::new(),
             free: VecDeque::new(),
+            made: 0,
         }
     }
 }
@@ -32,42 +36,61 @@ impl<T> Default for Table<T> {
 /// Slots in a table: an ID is 32 bits, of which the low 8 are its variant.
 const MAX_SLOTS: u32 = (1 << 24) - 1;
 
+/// How far past its last slot a table takes a given ID ([`Table::insert_at`]): a number
+/// from elsewhere does not make it allocate its whole range.
+const AHEAD: usize = 4096;
+
 /// The slot an ID names (`usize::MAX`, which is no slot, for IDs below 0x100).
 fn slot_of(id: u32) -> usize {
     ((id >> 8) as usize).wrapping_sub(1)
 }
 
 impl<T> Table<T> {
-    /// Adds `val` under a new ID, whose low byte is `variant`; `None` when all 2^24 - 1
-    /// slots are taken.
+    /// Adds `val` under a new ID: in a free slot, with the slot's next variant, or in a new
+    /// one, with `variant`. `None` when all [`MAX_SLOTS`] are taken.
     pub(crate) fn insert_new(&mut self, variant: u8, val: T) -> Option<u32> {
-        let slot = match self.free.pop_front() {
-            Some(s) => s,
+        let (slot, variant) = match self.free.pop_front() {
+            Some(s) => (
+                s,
+                self.slots[s as usize].id.to_le_bytes()[0].wrapping_add(1),
+            ),
             None => {
                 let s = u32::try_from(self.slots.len())
                     .ok()
                     .filter(|&s| s < MAX_SLOTS)?;
-                self.slots.push(Slot { id: 0, val: None });
-                s
+                self.slots.push(Slot {
+                    id: 0,
+                    val: None,
+                    born: 0,
+                });
+                (s, variant)
             }
         };
         let id = ((slot + 1) << 8) | u32::from(variant);
-        let e = &mut self.slots[slot as usize];
-        e.id = id;
-        e.val = Some(val);
+        self.made += 1;
+        self.slots[slot as usize] = Slot {
+            id,
+            val: Some(val),
+            born: self.made,
+        };
         Some(id)
     }
 
-    /// Adds `val` under the given ID, if its slot is free (a slot never used yet counts as
-    /// free, as do those before it); gives `val` back, and adds nothing, when it is not.
+    /// Adds `val` under the given ID, if its slot is free (a slot not used yet counts as
+    /// free, up to [`AHEAD`] past the last one); gives `val` back, and adds nothing, when it
+    /// is not.
     pub(crate) fn insert_at(&mut self, id: u32, val: T) -> Result<(), T> {
         let slot = slot_of(id);
-        if slot >= MAX_SLOTS as usize {
+        if slot >= MAX_SLOTS as usize || slot >= self.slots.len() + AHEAD {
             return Err(val);
         }
         while self.slots.len() <= slot {
             let s = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
-            self.slots.push(Slot { id: 0, val: None });
+            self.slots.push(Slot {
+                id: 0,
+                val: None,
+                born: 0,
+            });
             if self.slots.len() <= slot {
                 self.free.push_back(s);
             }
@@ -76,8 +99,20 @@ impl<T> Table<T> {
             return Err(val);
         }
         self.free.retain(|&s| s as usize != slot);
-        self.slots[slot] = Slot { id, val: Some(val) };
+        self.made += 1;
+        self.slots[slot] = Slot {
+            id,
+            val: Some(val),
+            born: self.made,
+        };
         Ok(())
+    }
+
+    /// When the object `id` names was made, counted in objects made by the table: IDs do
+    /// not grow with age.
+    pub(crate) fn born(&self, id: &u32) -> Option<u64> {
+        self.get(id)?;
+        Some(self.slots[slot_of(*id)].born)
     }
 
     #[inline]
@@ -86,6 +121,7 @@ impl<T> Table<T> {
             Some(Slot {
                 id: i,
                 val: Some(v),
+                ..
             }) if *i == *id => Some(v),
             _ => None,
         }
@@ -97,6 +133,7 @@ impl<T> Table<T> {
             Some(Slot {
                 id: i,
                 val: Some(v),
+                ..
             }) if *i == *id => Some(v),
             _ => None,
         }
@@ -119,6 +156,10 @@ impl<T> Table<T> {
 
     pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
         self.slots.iter().filter_map(|e| e.val.as_ref())
+    }
+
+    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.slots.iter_mut().filter_map(|e| e.val.as_mut())
     }
 
     pub(crate) fn keys(&self) -> impl Iterator<Item = &u32> {
@@ -147,15 +188,33 @@ mod tests {
         assert_eq!(t.get(&a), None);
         assert_eq!(t.remove(&a), None);
         assert_eq!(t.iter().count(), 1);
-        // The freed slot comes back with another variant: the old ID still finds nothing.
-        let c = t.insert_new(0x13, "c").unwrap();
-        assert_eq!(c >> 8, a >> 8);
+        // The freed slot comes back with its next variant: the old ID still finds nothing.
+        let c = t.insert_new(0x11, "c").unwrap();
+        assert_eq!(c, a + 1);
         assert_eq!(t.get(&a), None);
         assert_eq!(t.get(&c), Some(&"c"));
         assert_eq!(
             t.iter().map(|(k, v)| (*k, *v)).collect::<Vec<_>>(),
             [(c, "c"), (b, "b")]
         );
+        // Newer objects are born later, whatever their slots.
+        assert!(t.born(&c) > t.born(&b));
+        assert_eq!(t.born(&a), None);
+    }
+
+    #[test]
+    fn a_slot_gives_an_id_again_only_after_256_reuses() {
+        let mut t = Table::default();
+        let first = t.insert_new(0x5f, ()).unwrap();
+        let mut seen = std::collections::HashSet::from([first]);
+        let mut id = first;
+        for _ in 0..255 {
+            t.remove(&id);
+            id = t.insert_new(0x5f, ()).unwrap();
+            assert!(seen.insert(id), "{id:#x} again");
+        }
+        t.remove(&id);
+        assert_eq!(t.insert_new(0x5f, ()), Some(first));
     }
 
     #[test]
@@ -178,6 +237,11 @@ mod tests {
             t.insert_at(0x5f, 1),
             Err(1),
             "an ID below 0x100 names no slot"
+        );
+        assert_eq!(
+            t.insert_at(0xffff_ff00, 1),
+            Err(1),
+            "far past the last slot: refused, not allocated"
         );
     }
 }
