@@ -226,21 +226,49 @@ fn copy_sges(from: &[Sge], to: &[Sge]) {
     }
 }
 
+/// What running a send WR needs of its QP, read once per work request.
+#[derive(Clone, Copy)]
+pub(super) struct Sender {
+    dev: u32,
+    pd: u32,
+    peer: Option<u32>,
+    rnr_retry: u8,
+    /// Work of the QP is held up by an injected delay (this one waits behind it).
+    held: bool,
+    remote: Option<u32>,
+}
+
+impl Sender {
+    pub(super) fn of(q: &QpState_) -> Sender {
+        Sender {
+            dev: q.dev,
+            pd: q.pd,
+            peer: q.peer,
+            rnr_retry: q.rnr_retry,
+            held: !q.delayed.is_empty(),
+            remote: q.remote,
+        }
+    }
+}
+
 /// Runs one send WR on the in-process wire.
 pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode) {
-    // The QP is looked up once (the emulation's cost is per lookup).
-    let Some((dev, pd, peer, rnr_retry, held, remote)) = s.qps.get(&qpn).map(|q| {
-        (
-            q.dev,
-            q.pd,
-            q.peer,
-            q.rnr_retry,
-            !q.delayed.is_empty(),
-            q.remote,
-        )
-    }) else {
-        return;
-    };
+    if let Some(q) = s.qps.get(&qpn) {
+        let from = Sender::of(q);
+        execute_as(s, qpn, from, w, opcode);
+    }
+}
+
+/// Runs one send WR of QP `qpn`, read as `from`, on the in-process wire.
+pub(super) fn execute_as(s: &mut State, qpn: u32, from: Sender, w: &SendWr<'_>, opcode: WcOpcode) {
+    let Sender {
+        dev,
+        pd,
+        peer,
+        rnr_retry,
+        held,
+        remote,
+    } = from;
     // The QP's earlier work still out (SENDs waiting at the peer, requests waiting for the
     // peer's answer) is flushed first: completions come in posting order, as on a NIC.
     let fail = |s: &mut State, st: WcStatus| {
@@ -259,7 +287,10 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
     if !local_ok {
         return fail(s, WcStatus::LocProtErr);
     }
-    let delay = !s.releasing
+    // (The seeded faults are drawn only where some are set.)
+    let seeded = s.seeded;
+    let delay = seeded
+        && !s.releasing
         && !held
         && s.faults.delay_per_million > 0
         && s.draw() < u64::from(s.faults.delay_per_million);
@@ -281,10 +312,29 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
         }
         return;
     }
+    if seeded {
+        if let Err(st) = seeded_faults(s, qpn, dev, peer, w) {
+            return fail(s, st);
+        }
+    }
+    if let Some(link) = remote {
+        return send_remote(s, qpn, w, opcode, link);
+    }
+    run_local(s, qpn, w, opcode, (peer, rnr_retry));
+}
+
+/// The seeded faults a send WR may meet ([`Faults`]): `Err` with the status it fails with.
+fn seeded_faults(
+    s: &mut State,
+    qpn: u32,
+    dev: u32,
+    peer: Option<u32>,
+    w: &SendWr<'_>,
+) -> Result<(), WcStatus> {
     if s.faults.qp_fatal_per_million > 0 && s.draw() < u64::from(s.faults.qp_fatal_per_million) {
         s.injected.qp_fatals += 1;
         s.event(dev, AsyncEvent::QpFatal(qpn));
-        return fail(s, WcStatus::WrFlushErr);
+        return Err(WcStatus::WrFlushErr);
     }
     if s.faults.srq_error_per_million > 0
         && matches!(w.op, SendOp::Send | SendOp::SendWithInvalidate { .. })
@@ -297,12 +347,9 @@ pub(super) fn execute(s: &mut State, qpn: u32, w: &SendWr<'_>, opcode: WcOpcode)
     }
     if s.faults.drop_per_million > 0 && s.draw() < u64::from(s.faults.drop_per_million) {
         s.injected.drops += 1;
-        return fail(s, WcStatus::RetryExcErr);
+        return Err(WcStatus::RetryExcErr);
     }
-    if let Some(link) = remote {
-        return send_remote(s, qpn, w, opcode, link);
-    }
-    run_local(s, qpn, w, opcode, (peer, rnr_retry));
+    Ok(())
 }
 
 /// Sends one send WR of QP `qpn` over the TCP wire (`link`): its completion comes with the

@@ -170,6 +170,10 @@ impl Fabric {
     pub fn set_faults(&self, f: Faults) {
         let mut s = self.lock();
         s.rng = fastrand::Rng::with_seed(f.seed);
+        s.seeded = f.delay_per_million > 0
+            || f.qp_fatal_per_million > 0
+            || f.srq_error_per_million > 0
+            || f.drop_per_million > 0;
         s.faults = f;
     }
 

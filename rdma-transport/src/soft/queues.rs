@@ -309,11 +309,13 @@ impl Qp {
                 SendOp::RdmaWrite { .. } => WcOpcode::RdmaWrite,
                 SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
             };
-            if flush || s.qps.get(&self.qpn).is_none_or(|q| q.state == QpState::Err) {
-                s.complete_send(self.qpn, w.wr_id, w.signaled, WcStatus::WrFlushErr, opcode);
-                continue;
+            match s.qps.get(&self.qpn) {
+                Some(q) if !flush && q.state != QpState::Err => {
+                    let from = Sender::of(q);
+                    execute_as(&mut s, self.qpn, from, w, opcode);
+                }
+                _ => s.complete_send(self.qpn, w.wr_id, w.signaled, WcStatus::WrFlushErr, opcode),
             }
-            execute(&mut s, self.qpn, w, opcode);
         }
         let delay = s.faults.post_send_delay;
         // (Checked for emptiness first: hashing on every post would cost the emulation.)

@@ -137,6 +137,8 @@ pub(crate) struct State {
     pub(crate) qps: Table<QpState_>,
     pub(crate) cm: cm::CmState,
     pub(super) faults: Faults,
+    /// Some seeded fault of `faults` is set (a chance above 0): a send draws them only then.
+    pub(super) seeded: bool,
     pub(super) rng: fastrand::Rng,
     /// Set while delayed work runs, so that it is not delayed again.
     pub(super) releasing: bool,
