@@ -125,7 +125,12 @@ pub(crate) fn property(
         st.queues_granted = None;
         st.io_queues.clear();
         st.io_queues_lost.clear();
-        st.held_aers.clear();
+        // A shutdown waiting for the old I/O queues is over: its flush would otherwise run
+        // once they are gone and report SHST complete on the controller enabled again.
+        st.shutdown_pending = false;
+        // Held AERs stay held, as the kernel target keeps them: the host's admin queue stays,
+        // they complete at the next event, and dropping them would leave commands the host
+        // waits for unanswered (and held against its queue's flow control).
         st.resetting = true;
         refresh_ready(ctrl, &st);
         ctrl.new_epoch();
@@ -459,6 +464,13 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     // than the transfer it can take.
     if len > u64::from(q.target().limits().max_io_size) {
         return q.respond(&cmd, status::INVALID_FIELD, 0);
+    }
+    // The transfer is checked before the page is read: reading the Changed Namespace List
+    // clears it, and a read the host never gets must not.
+    match q.data_ref(&cmd.sqe, 0, false, icd) {
+        Ok(DataRef::Keyed { .. } | DataRef::KeyedList { .. }) => {}
+        Ok(_) => return q.respond(&cmd, status::SGL_DESCRIPTOR_TYPE_INVALID, 0),
+        Err(st) => return q.respond(&cmd, st, 0),
     }
     let mut page = q.take_bytes(0);
     match (lid, ctrl.subsystem.is_some()) {

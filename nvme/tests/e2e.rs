@@ -993,6 +993,80 @@ fn the_changed_namespace_list_is_ordered_and_cleared_only_by_a_read() {
     assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (300, 0x0004_0002));
 }
 
+/// A Get Log Page of the Changed Namespace List that fails on its data transfer (a PRP, or an
+/// SGL the target cannot send to) does not clear the list: the host never got it.
+#[test]
+fn a_changed_namespace_list_read_that_fails_on_its_transfer_leaves_the_list() {
+    let w = world();
+    let (mut a, _ios) = w.controller(1);
+    w.target.namespace_changed(SUB, 2);
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::admin_opcode::GET_LOG_PAGE;
+    s.cid = U16::new(400);
+    s.cdw10 = U32::new(u32::from(wire::log_page::CHANGED_NAMESPACES) | (1023 << 16));
+    // PSDT 0: PRPs, which a fabrics controller does not take.
+    let c = a.transport().send_capsule(s.as_bytes()).unwrap().unwrap();
+    assert!(!c.status().is_success());
+    let log = a
+        .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4096)
+        .unwrap();
+    assert_eq!(
+        &log[..8],
+        &[2, 0, 0, 0, 0, 0, 0, 0],
+        "the list went with the failed read"
+    );
+}
+
+/// AERs held when the host resets the controller (CC.EN to 0, admin queue kept) stay held and
+/// complete at the next event after it enables again: dropped, they would be commands the host
+/// waits for forever, each held against its admin queue's flow control.
+#[test]
+fn aers_held_across_a_reset_complete_at_the_next_event() {
+    let w = world();
+    let (mut a, ios) = w.controller(1);
+    let mut s: Sqe = wire::zeroed();
+    s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
+    s.cid = U16::new(100);
+    assert!(
+        a.transport().send_capsule(s.as_bytes()).unwrap().is_none(),
+        "held"
+    );
+    a.property_set(wire::property::CC, 0).unwrap();
+    drop(ios);
+    assert_eq!(a.property_get(wire::property::CSTS, false).unwrap() & 1, 0);
+    a.enable().unwrap();
+    a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
+        .unwrap();
+    w.target.namespace_changed(SUB, 2);
+    let ev = a.transport().poll_events();
+    assert_eq!(ev.len(), 1, "the AER held across the reset never completed");
+    assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (100, 0x0004_0002));
+}
+
+/// A shutdown waiting for its I/O queues, then a reset and an enable before they are gone:
+/// the shutdown is over with the reset. Its flush must not run when the old queues go, nor
+/// report SHST complete on the controller enabled again, whose new I/O queues must connect.
+#[test]
+fn a_reset_ends_a_shutdown_still_waiting_for_its_io_queues() {
+    let w = world();
+    let (mut a, ios) = w.controller(1);
+    let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
+    a.property_set(wire::property::CC, cc | 1 << 14).unwrap();
+    a.property_set(wire::property::CC, 0).unwrap();
+    a.enable().unwrap();
+    drop(ios);
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(
+        csts >> 2 & 3,
+        0,
+        "SHST reported on the controller enabled again"
+    );
+    assert_eq!(a.set_queue_count(1).unwrap(), 1);
+    let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127).unwrap();
+    let mut buf = vec![0u8; 512];
+    io.read(1, 0, 1, &mut buf).unwrap();
+}
+
 /// Commands complete out of order; each completion reports the SQ head when it is made, so
 /// a later completion never reports an older head than an earlier one (a host doing SQ flow
 /// control would take a step back for a wrap).
