@@ -310,6 +310,9 @@ pub enum AdminError {
     /// another process answers on the socket
     #[error("{0}: another nvmfd is already serving this admin socket")]
     InUse(PathBuf),
+    /// something other than a socket is at the path
+    #[error("{0}: exists and is not a socket (left as it is; name another admin_socket)")]
+    NotASocket(PathBuf),
     /// creating, binding or setting up the socket failed
     #[error("{path}: {what}: {source}")]
     Io {
@@ -382,7 +385,13 @@ impl AdminServer {
                     .map_err(io("cannot set its directory's mode"))?;
             }
         }
-        if path.exists() {
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            // Only a socket is replaced (one nobody answers on: a stale one): any other file
+            // at the path is the operator's, named by mistake, and stays.
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                return Err(AdminError::NotASocket(path.to_owned()));
+            }
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
                 return Err(AdminError::InUse(path.to_owned()));
             }

@@ -442,6 +442,39 @@ fn nvmfctl_prints_tables_json_toml_and_prometheus() {
     );
 }
 
+/// `nvmfctl --config FILE reload` (the systemd unit's reload) finds the admin socket the file
+/// names, and fails, with the daemon's reason, when the reload is refused.
+#[test]
+fn nvmfctl_reload_with_the_config_file_says_whether_the_reload_was_taken() {
+    let d = Daemon::start(Options::default());
+    let config = d.dir.path().join("nvmfd.toml");
+    let reload = || {
+        let out = Command::new(bin("nvmfctl"))
+            .arg("--config")
+            .arg(&config)
+            .arg("reload")
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = reload();
+    assert!(ok, "{out}");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace("size = \"64MiB\"", "size = \"64MiB\"\nbogus = 1"),
+    )
+    .unwrap();
+    let (ok, out) = reload();
+    assert!(!ok, "a refused reload reported success: {out}");
+    assert!(out.contains("bogus"), "{out}");
+    assert_eq!(d.data("status")["state"], "running");
+}
+
 #[test]
 fn nvmfctl_says_when_the_daemon_is_not_there() {
     let out = Command::new(bin("nvmfctl"))

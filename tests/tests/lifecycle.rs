@@ -120,6 +120,25 @@ fn a_second_signal_forces_exit_when_the_graceful_stop_hangs() {
     assert_eq!(d.wait_exit().code(), Some(130));
 }
 
+/// An admin socket path that names a file other than a socket (a configuration mistake) is
+/// refused, and the file is left as it was: only a stale socket is replaced.
+#[test]
+fn an_admin_socket_path_naming_a_regular_file_is_refused_and_the_file_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("precious");
+    std::fs::write(&file, b"not a socket").unwrap();
+    let mut d = Daemon::spawn(Options {
+        replace: vec![(
+            "admin_socket = \"".into(),
+            format!("admin_socket = \"{}\"\n# was: ", file.display()),
+        )],
+        ..Options::default()
+    });
+    assert_eq!(d.wait_exit().code(), Some(1));
+    assert!(d.log().contains("is not a socket"), "{}", d.log());
+    assert_eq!(std::fs::read(&file).unwrap(), b"not a socket");
+}
+
 #[test]
 fn a_second_daemon_on_the_same_socket_refuses_to_start() {
     let d = Daemon::start(Options::default());

@@ -21,6 +21,11 @@ struct Cli {
         global = true
     )]
     socket: PathBuf,
+    /// Take the admin socket from this configuration file instead (its
+    /// `daemon.admin_socket`, or the default where it names none), as the systemd unit's
+    /// reload does.
+    #[arg(long, global = true, conflicts_with = "socket")]
+    config: Option<PathBuf>,
     /// Print the daemon's JSON answer instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -323,6 +328,23 @@ fn request_of(cmd: &Command) -> Result<Request, String> {
     })
 }
 
+/// The admin socket a configuration file names. Only that key is read: a file the daemon
+/// would refuse (what a reload is to report) still names its socket.
+fn socket_of(path: &std::path::Path) -> Result<PathBuf, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let doc: toml::Table = toml::from_str(&text)
+        .map_err(|e| format!("{} is not TOML: {}", path.display(), e.message()))?;
+    match doc.get("daemon").and_then(|d| d.get("admin_socket")) {
+        None => Ok(nvmfd_config::defaults::admin_socket()),
+        Some(toml::Value::String(s)) => Ok(PathBuf::from(s)),
+        Some(_) => Err(format!(
+            "{}: daemon.admin_socket is not a path",
+            path.display()
+        )),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let req = match request_of(&cli.command) {
@@ -332,7 +354,17 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut data = match ctl::request(&cli.socket, &req, Duration::from_secs(cli.timeout)) {
+    let socket = match &cli.config {
+        Some(path) => match socket_of(path) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("nvmfctl: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        None => cli.socket.clone(),
+    };
+    let mut data = match ctl::request(&socket, &req, Duration::from_secs(cli.timeout)) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("nvmfctl: {e}");
