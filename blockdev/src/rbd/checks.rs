@@ -54,7 +54,10 @@ impl Image {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
-                        "{} skips partial discards (rbd_skip_partial_discard = true, set in {}                          ...)): a deallocated block could read back its old data, where hosts                          are told it reads zeroes; remove the setting (rbd config image|pool rm                          ... rbd_skip_partial_discard)",
+                        "{} skips partial discards (rbd_skip_partial_discard = true, set in {} \
+                         ...)): a deallocated block could read back its old data, where hosts \
+                         are told it reads zeroes; remove the setting (rbd config image|pool rm \
+                         ... rbd_skip_partial_discard)",
                         what(),
                         where_set(*source)
                     ),
