@@ -335,6 +335,36 @@ fn a_reactor_that_cannot_finish_setting_up_fails_the_start_without_waiting_for_i
     assert!(!log.contains("nvmfd ready"), "{log}");
 }
 
+/// `systemctl stop` while the reactors are still setting up (here for 60 s) stops the daemon
+/// then, cleanly and never ready, instead of after the setup, past systemd's stop timeout.
+#[test]
+fn a_stop_during_the_reactors_setup_is_taken_at_once() {
+    let mut d = Daemon::spawn(Options {
+        notify: true,
+        test_hooks: true,
+        env: vec![("NVMFD_TEST_REACTOR_SETUP_MS".into(), "60000".into())],
+        ..Options::default()
+    });
+    wait_for("the listeners", || {
+        d.log().contains("listening").then_some(())
+    });
+    let t0 = std::time::Instant::now();
+    d.signal(libc::SIGTERM);
+    let status = d.wait_exit();
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "the stop waited for the setup: {:?}",
+        t0.elapsed()
+    );
+    assert!(status.success(), "{status:?}: {}", d.log());
+    let log = d.log();
+    assert!(log.contains("stop requested while starting"), "{log}");
+    assert!(!log.contains("nvmfd ready"), "{log}");
+    let said = d.notifications_for(Duration::from_millis(100));
+    assert!(!said.iter().any(|n| n.contains("READY=1")), "{said:?}");
+    assert!(said.iter().any(|n| n.contains("STOPPING=1")), "{said:?}");
+}
+
 #[test]
 fn reactors_are_pinned_to_their_cores() {
     let cores: Vec<usize> = {

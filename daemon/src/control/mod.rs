@@ -197,8 +197,15 @@ pub fn run(
         );
     }
     let result = d
-        .start(&mut poll, loop_cfg)
-        .and_then(|admin| d.serve(&mut poll, &mut signals, admin, &term));
+        .start(&mut poll, loop_cfg, &term)
+        .and_then(|admin| match admin {
+            Some(admin) => d.serve(&mut poll, &mut signals, admin, &term),
+            // Stopped while starting: never ready, nothing served.
+            None => {
+                d.notifier.stopping("stopping before it was ready");
+                Ok(())
+            }
+        });
     d.stop_reactors();
     let not_synced = d.sync_devices_at_stop();
     match result {
@@ -217,7 +224,23 @@ impl Daemon {
         Some(Duration::from_millis(ms))
     }
 
-    fn start(&mut self, poll: &mut Poll, loop_cfg: LoopConfig) -> Result<AdminServer, DaemonError> {
+    /// Starts: namespaces, listeners, reactors, the admin socket, then READY=1. `None` when a
+    /// stop (`term`) came first: it is looked at between the steps and while the reactors
+    /// set up (up to [`REACTOR_SETUP_TIMEOUT`]), so `systemctl stop` during a long start is
+    /// not held up until READY=1. (Opening a namespace is not interrupted.)
+    fn start(
+        &mut self,
+        poll: &mut Poll,
+        loop_cfg: LoopConfig,
+        term: &AtomicBool,
+    ) -> Result<Option<AdminServer>, DaemonError> {
+        let stop_asked = |log: &Logger, during: &str| {
+            let asked = term.load(Ordering::Relaxed);
+            if asked {
+                info!(log, "stop requested while starting: stopping"; "during" => during);
+            }
+            asked
+        };
         let built = crate::serve::build_target(&self.cfg).map_err(DaemonError::Namespaces)?;
         for n in built.status.iter().filter(|n| !n.serving) {
             error!(self.log, "namespace not served: the others are";
@@ -232,6 +255,9 @@ impl Daemon {
         }
         info!(self.log, "namespaces open"; "count" => built.devices.len(),
               "not served" => built.status.len() - built.devices.len());
+        if stop_asked(&self.log, "opening the namespaces") {
+            return Ok(None);
+        }
         let (target, namespaces) = (built.target, built.devices);
         for (sub, nsid, dev) in &namespaces {
             if let Some(s) = target.subsystem_by_id(*sub) {
@@ -327,8 +353,22 @@ impl Daemon {
             .unwrap_or(REACTOR_SETUP_TIMEOUT);
         let deadline = Instant::now() + allowed;
         for i in 0..self.reactors.len() {
+            // Waited for in slices, to see a stop meanwhile.
+            let setup = loop {
+                let slice = deadline.min(Instant::now() + Duration::from_millis(50));
+                match self.reactors[i].wait_running(slice) {
+                    Setup::TimedOut if slice < deadline => {}
+                    s => break s,
+                }
+                if stop_asked(&self.log, "the reactors' setup") {
+                    for r in &mut self.reactors {
+                        r.abandon_if_not_running();
+                    }
+                    return Ok(None);
+                }
+            };
             let r = &mut self.reactors[i];
-            let failed = match r.wait_running(deadline) {
+            let failed = match setup {
                 Setup::Running => None,
                 Setup::TimedOut => Some(ReactorError::Setup {
                     id: r.shared.id,
@@ -374,11 +414,14 @@ impl Daemon {
             self.log
                 .new(o!("admin" => self.cfg.daemon.admin_socket.display().to_string())),
         )?;
+        if stop_asked(&self.log, "binding the admin socket") {
+            return Ok(None);
+        }
         info!(self.log, "nvmfd ready"; "reactors" => self.reactors.len(),
               "admin_socket" => %self.cfg.daemon.admin_socket.display(),
               "subsystems" => self.cfg.subsystems.len());
         self.notifier.ready(&self.status_line());
-        Ok(admin)
+        Ok(Some(admin))
     }
 
     /// Listener `i`'s status as hosts find it: one that a reactor could not set up a data
