@@ -266,6 +266,8 @@ pub struct Device {
     pub(crate) sync_failed: std::sync::atomic::AtomicBool,
     /// Test hook ([`Device::fail_next_sync`]): the next sync to complete fails.
     pub(crate) inject_sync_failure: std::sync::atomic::AtomicBool,
+    /// Test hook ([`Device::fail_next_cut`]): the next shrink's cut of the backend fails.
+    pub(crate) inject_cut_failure: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Device {
@@ -333,6 +335,7 @@ impl Device {
                     warning: None,
                     sync_failed: Default::default(),
                     inject_sync_failure: Default::default(),
+                    inject_cut_failure: Default::default(),
                 }))
             }
             Kind::Null => Ok(Arc::new(Device {
@@ -342,6 +345,7 @@ impl Device {
                 warning: None,
                 sync_failed: Default::default(),
                 inject_sync_failure: Default::default(),
+                inject_cut_failure: Default::default(),
             })),
             Kind::Rbd => open_rbd(spec),
             Kind::File | Kind::Bdev => {
@@ -507,6 +511,16 @@ impl Device {
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
+    /// Test hook: the next shrink fails when it cuts the backend. An RBD image is left as
+    /// librbd's resize leaves it when it fails part-way (it deletes the objects past the new
+    /// end before it updates the image's size): its tail reads zeroes, its size is the old
+    /// one. Other backends fail before they cut.
+    #[doc(hidden)]
+    pub fn fail_next_cut(&self) {
+        self.inject_cut_failure
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
     /// What the daemon should warn of when it serves this device: why buffered I/O is used
     /// although O_DIRECT was asked for; an RBD image's exclusive-lock feature.
     pub fn warning(&self) -> Option<&str> {
@@ -636,6 +650,7 @@ fn open_path(
         warning: fallback_reason,
         sync_failed: Default::default(),
         inject_sync_failure: Default::default(),
+        inject_cut_failure: Default::default(),
     }))
 }
 
@@ -677,6 +692,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         warning,
         sync_failed: Default::default(),
         inject_sync_failure: Default::default(),
+        inject_cut_failure: Default::default(),
     }))
 }
 

@@ -132,12 +132,17 @@ pub enum Request {
     },
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): the next change that resizes namespace
     /// `nsid` of `subsystem` fails when it makes that resize (after every check passed), as
-    /// a store that fails just then would.
+    /// a store that fails just then would; with `at_cut`, the next shrink of it fails when
+    /// it cuts the backend, after the fence (`Device::fail_next_cut`: an RBD image is left
+    /// as librbd's failed resize leaves it).
     DebugFailResize {
         /// The subsystem's NQN.
         subsystem: String,
         /// The namespace.
         nsid: u32,
+        /// Fail at the backend's cut instead.
+        #[serde(default)]
+        at_cut: bool,
     },
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): starts an operation off the control
     /// thread that lasts `ms` milliseconds, and does not wait for it, as the control thread

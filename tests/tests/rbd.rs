@@ -308,6 +308,67 @@ fn a_refused_change_never_loses_what_a_shrink_would_cut_off() {
     h.close();
 }
 
+/// A shrink whose cut of the image fails part-way (librbd deletes the objects past the new
+/// end before it changes the image's size) is refused, and what lay past the new end is not
+/// served as if it were still there (it reads zeroes): I/O past it fails until the resize is
+/// made again, which completes it.
+#[test]
+fn a_shrink_that_fails_part_way_through_the_image_never_serves_its_deleted_tail() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "backend = \"malloc\"\nsize = \"64MiB\"\n".into(),
+            format!(
+                "backend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{conf}\"\n\
+                 create = true\nsize = \"32MiB\"\n"
+            ),
+        )],
+        test_hooks: true,
+        ..Options::default()
+    });
+    let mut h = Host::connect(&d);
+    // 24 MiB in: past the 16 MiB the namespace is asked to shrink to.
+    let lba = (24 << 20) / 512;
+    let data = pattern(11, 64 * 1024);
+    h.write(lba, &data).unwrap();
+    let armed = d.request(&format!(
+        r#"{{"request": "debug_fail_resize", "subsystem": "{SUB}", "nsid": 1, "at_cut": true}}"#
+    ));
+    assert_eq!(armed["ok"], true, "{armed}");
+    let path = d.dir.path().join("nvmfd.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let smaller = text.replace("size = \"32MiB\"", "size = \"16MiB\"");
+    std::fs::write(&path, &smaller).unwrap();
+    let a = d.request(r#"{"request": "reload"}"#);
+    assert_eq!(a["ok"], false, "{a}");
+    let mut buf = vec![0u8; data.len()];
+    let nlb = u32::try_from(data.len() / 512).unwrap();
+    let past = h.io.read(1, lba, nlb, &mut buf);
+    assert!(
+        past.is_err(),
+        "the tail was served after a failed cut ({})",
+        if buf == data {
+            "its data"
+        } else {
+            "zeroes for its data"
+        }
+    );
+    assert!(
+        a["error"].as_str().unwrap_or_default().contains("part-way"),
+        "{a}"
+    );
+    // Before the new end, I/O goes on; the resize made again completes the shrink.
+    h.write(0, &data).unwrap();
+    assert_eq!(h.read(0, data.len()), data);
+    std::fs::write(&path, &smaller).unwrap();
+    let a = d.request(r#"{"request": "reload"}"#);
+    assert_eq!(a["ok"], true, "{a}");
+    assert_eq!(d.data("status")["namespaces"][0]["size"], 16 << 20);
+    h.close();
+}
+
 /// A listener added while serving an RBD namespace: the reactor's new data path needs its
 /// own handle on the image, opened ahead by the control side (not by the reactor, which
 /// would stop serving while the cluster answers), and serves I/O on it.

@@ -55,7 +55,10 @@ impl Device {
     /// backend. Cut first, a write already let through could extend a file (or recreate an
     /// image's objects) past the new end, where a later grow would read its old data and a
     /// restart would find the larger size. The tail of a RAM device is zeroed then, as a file's
-    /// truncated tail reads back zeroes. A failed fence or cut puts the capacity back.
+    /// truncated tail reads back zeroes. A failed fence or cut puts the capacity back, but
+    /// for an RBD image whose cut failed: librbd deletes the objects past the new end before
+    /// it updates the image's size, so the tail may be partly gone (it would read zeroes as
+    /// if they were the data); the capacity stays the new one, and the error says so.
     pub fn resize_fenced(
         &self,
         size: Option<u64>,
@@ -65,11 +68,28 @@ impl Device {
         let before = self.size();
         if let Some(n) = size.filter(|&n| n < before) {
             self.size.store(n, std::sync::atomic::Ordering::Release);
-            let cut = fence().and_then(|()| self.cut(n, before));
-            if let Err(e) = cut {
+            let put_back = || {
                 self.size
                     .store(before, std::sync::atomic::Ordering::Release);
+            };
+            if let Err(e) = fence() {
+                put_back();
                 return Err(e);
+            }
+            if let Err(e) = self.cut(n, before) {
+                if !matches!(self.info.kind, Kind::Rbd) {
+                    put_back();
+                    return Err(e);
+                }
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{e}; the image may be cut part-way past {n} bytes (librbd deletes \
+                         what lies past the new end before it changes the size), so its \
+                         capacity stays {n} bytes and I/O past it is refused: make the \
+                         resize again"
+                    ),
+                ));
             }
             return Ok(n);
         }
@@ -78,6 +98,20 @@ impl Device {
 
     /// Cuts the backend of a shrink from `before` to `n` bytes (the capacity stored already).
     fn cut(&self, n: u64, before: u64) -> io::Result<()> {
+        if self
+            .inject_cut_failure
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            #[cfg(feature = "rbd")]
+            if let Backing::Rbd(image) = &self.backing {
+                // As librbd's resize failing part-way: the tail deleted, the size the old one.
+                image.resize(n)?;
+                image.resize(before)?;
+            }
+            return Err(io::Error::other(
+                "the backend's cut failed (fail_next_cut test hook)",
+            ));
+        }
         match &self.backing {
             Backing::File(f) => f.set_len(n),
             Backing::Malloc(ram) => {

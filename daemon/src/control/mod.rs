@@ -663,9 +663,22 @@ impl Daemon {
                     None => Response::error(format!("no reactor {reactor}")),
                 }
             }
-            Request::DebugFailResize { subsystem, nsid } => {
+            Request::DebugFailResize {
+                subsystem,
+                nsid,
+                at_cut,
+            } => {
                 if !self.test_hooks {
                     return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));
+                }
+                if at_cut {
+                    return match self.devices.get(&(subsystem, nsid)) {
+                        Some(d) => {
+                            d.fail_next_cut();
+                            Response::data(serde_json::json!({ "fail_cut": nsid }))
+                        }
+                        None => Response::error(format!("no namespace {nsid} open")),
+                    };
                 }
                 self.fail_resize = Some((subsystem, nsid));
                 Response::data(serde_json::json!({ "fail_resize": nsid }))
