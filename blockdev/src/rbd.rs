@@ -313,6 +313,9 @@ pub(crate) struct Image {
     seen_size: Arc<AtomicU64>,
     /// This handle's header-update watch: librbd's handle and the callback's context.
     watch: Option<(u64, *mut Watch)>,
+    /// Progress reports of this handle's resizes so far (`resize_progress`): a shrink
+    /// deletes the image's objects past the new end one by one, which can take minutes.
+    progress: AtomicU64,
 }
 
 /// What a header-update callback needs: the handle it asks, and where it stores the size.
@@ -336,6 +339,19 @@ unsafe extern "C" fn header_updated(arg: *mut c_void) {
     if unsafe { lib().rbd.rbd_get_size(w.handle, &mut size) } == 0 {
         w.size.store(size, Ordering::Release);
     }
+}
+
+/// A resize's progress callback: counts the report (its offset and total are not needed).
+///
+/// # Safety
+///
+/// `arg` is the `AtomicU64` that `Image::resize` passed, which lives until the resize has
+/// returned: librbd calls this only during the call.
+unsafe extern "C" fn resize_progress(_offset: u64, _total: u64, arg: *mut c_void) -> i32 {
+    // SAFETY: as the function's contract says.
+    let n = unsafe { &*arg.cast::<AtomicU64>() };
+    n.fetch_add(1, Ordering::Relaxed);
+    0
 }
 
 // SAFETY: librbd image handles may be used from any thread (librbd serialises internally);
@@ -426,6 +442,7 @@ fn open_handle(
         spares: Mutex::new(Vec::new()),
         seen_size: Arc::clone(seen_size),
         watch: None,
+        progress: AtomicU64::new(0),
     };
     let w = Box::into_raw(Box::new(Watch {
         handle,
@@ -560,16 +577,32 @@ impl Image {
         Ok(size)
     }
 
+    /// Progress reports of this handle's resizes so far: a count that moves while a resize
+    /// works.
+    pub(crate) fn progress(&self) -> u64 {
+        self.progress.load(Ordering::Relaxed)
+    }
+
     /// The image's size as its handles last saw it (their header-update callbacks): read
     /// without calling librbd, which would refresh a changed header on the caller's thread.
     pub(crate) fn seen_size(&self) -> u64 {
         self.seen_size.load(Ordering::Acquire)
     }
 
-    /// Resizes the image to `size` bytes.
+    /// Resizes the image to `size` bytes, counting librbd's progress reports meanwhile
+    /// ([`Image::progress`]).
     pub(crate) fn resize(&self, size: u64) -> io::Result<()> {
-        // SAFETY: an open handle.
-        let rc = unsafe { lib().rbd.rbd_resize(self.handle, size) };
+        let arg: *const AtomicU64 = &self.progress;
+        // SAFETY: an open handle; `arg` points at a field of `self`, alive through the call,
+        // the only time librbd calls `resize_progress` with it.
+        let rc = unsafe {
+            lib().rbd.rbd_resize_with_progress(
+                self.handle,
+                size,
+                Some(resize_progress),
+                arg.cast_mut().cast(),
+            )
+        };
         if rc < 0 {
             return Err(err("rbd_resize", rc));
         }

@@ -369,6 +369,78 @@ fn a_shrink_that_fails_part_way_through_the_image_never_serves_its_deleted_tail(
     h.close();
 }
 
+/// A shrink that takes long because it deletes many objects (an image created without an
+/// object map: librbd deletes each object past the new end, minutes for a terabyte) keeps the
+/// watchdog fed while librbd reports progress: it is not taken for a hang (here after 500 ms
+/// without progress, 60 s in service) and the service manager does not restart the daemon.
+#[test]
+fn a_long_shrink_that_makes_progress_keeps_the_watchdog_fed() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let mut d = Daemon::start(Options {
+        replace: vec![(
+            "backend = \"malloc\"\nsize = \"64MiB\"\n".into(),
+            format!(
+                "backend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{conf}\"\n\
+                 create = true\nsize = \"64GiB\"\n"
+            ),
+        )],
+        notify: true,
+        watchdog_usec: Some(400_000),
+        test_hooks: true,
+        env: vec![("NVMFD_TEST_KEEP_WATCH_MS".into(), "500".into())],
+        ..Options::default()
+    });
+    d.notifications_until("WATCHDOG=1");
+    let path = d.dir.path().join("nvmfd.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replace("size = \"64GiB\"", "size = \"16MiB\"")).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (fed, t0, t1) = std::thread::scope(|s| {
+        let sock = d.notify.as_ref().unwrap();
+        let stop = &stop;
+        let watcher = s.spawn(move || {
+            sock.set_read_timeout(Some(Duration::from_millis(10)))
+                .unwrap();
+            let mut fed = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(n) = sock.recv(&mut buf) {
+                    if String::from_utf8_lossy(&buf[..n]).contains("WATCHDOG=1") {
+                        fed.push(Instant::now());
+                    }
+                }
+            }
+            fed
+        });
+        let t0 = Instant::now();
+        let a = d.request(r#"{"request": "reload"}"#);
+        let t1 = Instant::now();
+        assert_eq!(a["ok"], true, "{a}");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (watcher.join().unwrap(), t0, t1)
+    });
+    let took = t1 - t0;
+    if took < Duration::from_millis(1500) {
+        skip(&format!(
+            "the shrink took {took:?} here: too short to tell a fed watchdog from one that is not"
+        ));
+        return;
+    }
+    let mut at: Vec<Instant> = fed.into_iter().filter(|&t| t > t0 && t < t1).collect();
+    at.insert(0, t0);
+    at.push(t1);
+    let gap = at.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+    assert!(
+        gap < Duration::from_millis(1200),
+        "the watchdog went unfed for {gap:?} of the {took:?} shrink"
+    );
+    assert_eq!(d.data("status")["namespaces"][0]["size"], 16 << 20);
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
 /// A listener added while serving an RBD namespace: the reactor's new data path needs its
 /// own handle on the image, opened ahead by the control side (not by the reactor, which
 /// would stop serving while the cluster answers), and serves I/O on it.

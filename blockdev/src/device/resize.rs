@@ -96,6 +96,16 @@ impl Device {
         self.resize_now(size)
     }
 
+    /// A count that moves while a resize of the backend works (an RBD image's progress
+    /// reports; 0 for the others, whose resizes do not take long).
+    pub fn resize_progress(&self) -> u64 {
+        match &self.backing {
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(image) => image.progress(),
+            _ => 0,
+        }
+    }
+
     /// Cuts the backend of a shrink from `before` to `n` bytes (the capacity stored already).
     fn cut(&self, n: u64, before: u64) -> io::Result<()> {
         if self

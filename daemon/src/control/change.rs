@@ -373,11 +373,17 @@ impl Daemon {
                     Err("failed by the debug_fail_resize test hook".to_owned())
                 } else {
                     let fence = self.write_fence();
-                    self.off_thread(move || {
-                        let end = size.unwrap_or(0);
-                        dev.resize_fenced(size, || fence.wait(&dev, end))
-                            .map_err(|e| e.to_string())
-                    })
+                    let probe = Arc::clone(&dev);
+                    // An RBD shrink deletes the image's objects past the new end one by one
+                    // (minutes for a large tail): the watch is kept while librbd reports.
+                    self.off_thread_progress(
+                        move || {
+                            let end = size.unwrap_or(0);
+                            dev.resize_fenced(size, || fence.wait(&dev, end))
+                                .map_err(|e| e.to_string())
+                        },
+                        move || probe.resize_progress(),
+                    )
                     .and_then(|r| r)
                 };
                 let Some(d) = self.devices.get(&(nqn.clone(), *nsid)) else {
@@ -396,8 +402,12 @@ impl Daemon {
             for (d, before, name) in made.into_iter().rev() {
                 // Off this thread, as the resize was: shrinking an RBD image back waits on
                 // the cluster (an operation per object).
+                let probe = Arc::clone(&d);
                 let put_back = self
-                    .off_thread(move || d.resize(Some(before)).map_err(|e| e.to_string()))
+                    .off_thread_progress(
+                        move || d.resize(Some(before)).map_err(|e| e.to_string()),
+                        move || probe.resize_progress(),
+                    )
                     .and_then(|r| r);
                 if let Err(back) = put_back {
                     e.push_str(&format!(
@@ -547,7 +557,7 @@ impl Daemon {
         let deadline = Instant::now() + ATTACH_TIMEOUT;
         let mut failed = None;
         for _ in 0..self.inboxes.len() {
-            match self.wait_keeping_watch(&rx, Some(deadline)) {
+            match self.wait_keeping_watch(&rx, Some(deadline), None) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => failed = Some(e),
                 Err(_) => {

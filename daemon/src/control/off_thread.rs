@@ -7,10 +7,15 @@ use std::sync::mpsc;
 
 use super::*;
 
-/// How long a change may wait for a device (opening, resizing) while the control thread still
-/// feeds the watchdog: longer than the store's own timeouts (an RBD client's 10 s mount and
-/// 30 s operation timeouts), after which the wait is taken for a hang.
+/// How long a change may wait for a device (opening, resizing) with no sign of progress while
+/// the control thread still feeds the watchdog: longer than the store's own timeouts (an RBD
+/// client's 10 s mount and 30 s operation timeouts), after which the wait is taken for a hang.
+/// An operation that reports progress (an RBD shrink deleting the objects past the new end,
+/// minutes for a large tail) starts it again with each report.
 const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
+
+/// Test hook (with test hooks on): [`KEEP_WATCH_MAX`] in milliseconds.
+pub(super) const TEST_KEEP_WATCH_ENV: &str = "NVMFD_TEST_KEEP_WATCH_MS";
 
 /// Operations started off the control thread (`off_thread`) that have not returned yet: one
 /// whose caller stopped waiting at its deadline goes on alone, possibly inside librbd.
@@ -87,7 +92,19 @@ impl Daemon {
         deadline: Option<Instant>,
     ) -> Result<T, String> {
         let rx = spawn_counted(f)?;
-        self.wait_keeping_watch(&rx, deadline)
+        self.wait_keeping_watch(&rx, deadline, None)
+            .map_err(|_| "the operation ended without an answer".to_owned())
+    }
+
+    /// `off_thread` for an operation whose progress `progress` reports (a count that moves
+    /// while it works): the watch is kept as long as it moves.
+    pub(super) fn off_thread_progress<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce() -> T + Send + 'static,
+        progress: impl Fn() -> u64,
+    ) -> Result<T, String> {
+        let rx = spawn_counted(f)?;
+        self.wait_keeping_watch(&rx, None, Some(&progress))
             .map_err(|_| "the operation ended without an answer".to_owned())
     }
 
@@ -98,9 +115,12 @@ impl Daemon {
         &mut self,
         rx: &mpsc::Receiver<T>,
         deadline: Option<Instant>,
+        progress: Option<&dyn Fn() -> u64>,
     ) -> Result<T, mpsc::RecvTimeoutError> {
         let tick = self.tick_interval();
-        let began = Instant::now();
+        let keep_max = self.test_ms(TEST_KEEP_WATCH_ENV).unwrap_or(KEEP_WATCH_MAX);
+        let mut began = Instant::now();
+        let mut seen = progress.map(|p| p());
         loop {
             let now = Instant::now();
             let slice = deadline.map_or(tick, |d| tick.min(d.saturating_duration_since(now)));
@@ -109,9 +129,15 @@ impl Daemon {
                     if deadline.is_none_or(|d| Instant::now() < d) =>
                 {
                     // A wait past any timeout of the store (a hard NFS mount, an RBD
-                    // configuration without op timeouts) is a hang: the watchdog is no longer
-                    // fed, and the service manager restarts the daemon as it did before.
-                    if began.elapsed() < KEEP_WATCH_MAX {
+                    // configuration without op timeouts) with no progress is a hang: the
+                    // watchdog is no longer fed, and the service manager restarts the daemon
+                    // as it did before.
+                    let now_seen = progress.map(|p| p());
+                    if now_seen != seen {
+                        seen = now_seen;
+                        began = Instant::now();
+                    }
+                    if began.elapsed() < keep_max {
                         self.check_heartbeats(Instant::now());
                     }
                 }
