@@ -268,6 +268,9 @@ pub struct Device {
     pub(crate) inject_sync_failure: std::sync::atomic::AtomicBool,
     /// Test hook ([`Device::fail_next_cut`]): the next shrink's cut of the backend fails.
     pub(crate) inject_cut_failure: std::sync::atomic::AtomicBool,
+    /// The size an RBD image's shrink failed to cut it to (`u64::MAX`: none): the image may
+    /// be cut part-way, and the next resize of any kind completes that cut first.
+    pub(crate) pending_cut: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Device {
@@ -336,6 +339,7 @@ impl Device {
                     sync_failed: Default::default(),
                     inject_sync_failure: Default::default(),
                     inject_cut_failure: Default::default(),
+                    pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
                 }))
             }
             Kind::Null => Ok(Arc::new(Device {
@@ -346,6 +350,7 @@ impl Device {
                 sync_failed: Default::default(),
                 inject_sync_failure: Default::default(),
                 inject_cut_failure: Default::default(),
+                pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
             })),
             Kind::Rbd => open_rbd(spec),
             Kind::File | Kind::Bdev => {
@@ -651,6 +656,7 @@ fn open_path(
         sync_failed: Default::default(),
         inject_sync_failure: Default::default(),
         inject_cut_failure: Default::default(),
+        pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
     }))
 }
 
@@ -693,6 +699,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         sync_failed: Default::default(),
         inject_sync_failure: Default::default(),
         inject_cut_failure: Default::default(),
+        pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
     }))
 }
 

@@ -213,11 +213,16 @@ impl ReactorHandle {
         }
     }
 
-    /// Lets go of a thread that has not entered its loop (stuck building its work, which
-    /// does not look at the stop flag): it is not waited for at stop.
+    /// Lets go of a thread still building its work (which does not look at the stop flag):
+    /// it is not waited for at stop, and the process leaves with `_exit`
+    /// ([`reactors_abandoned`]). One that entered its loop or ended meanwhile is stopped and
+    /// joined as usual.
     pub fn abandon_if_not_running(&mut self) {
-        if self.running.is_some() {
-            self.thread = None;
+        if self.running.is_some()
+            && matches!(self.wait_running(Instant::now()), Setup::TimedOut)
+            && self.thread.take().is_some()
+        {
+            ABANDONED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
 
@@ -246,6 +251,15 @@ fn watch(poll: &Poll, work: &dyn ReactorWork, log: &Logger) {
             }
         }
     }
+}
+
+/// Reactor threads let go while still building their work ([`ReactorHandle::abandon_if_not_running`]).
+static ABANDONED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Reactor threads let go while still building their work (registering memory, say): the
+/// process must leave with `_exit`, not run the libraries' destructors under them.
+pub fn reactors_abandoned() -> usize {
+    ABANDONED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// How a reactor's start went ([`ReactorHandle::wait_running`]).

@@ -449,7 +449,9 @@ fn nvmfctl_reload_with_the_config_file_says_whether_the_reload_was_taken() {
     let d = Daemon::start(Options::default());
     let config = d.dir.path().join("nvmfd.toml");
     let reload = || {
+        // The file's socket wins over one in the environment.
         let out = Command::new(bin("nvmfctl"))
+            .env("NVMFD_SOCKET", "/nonexistent/other.sock")
             .arg("--config")
             .arg(&config)
             .arg("reload")

@@ -360,6 +360,9 @@ fn a_stop_during_the_reactors_setup_is_taken_at_once() {
     let log = d.log();
     assert!(log.contains("stop requested while starting"), "{log}");
     assert!(!log.contains("nvmfd ready"), "{log}");
+    // The reactor still setting up is let go, and the process leaves without running the
+    // libraries' destructors under it.
+    assert!(log.contains("left to the process's end"), "{log}");
     let said = d.notifications_for(Duration::from_millis(100));
     assert!(!said.iter().any(|n| n.contains("READY=1")), "{said:?}");
     assert!(said.iter().any(|n| n.contains("STOPPING=1")), "{said:?}");

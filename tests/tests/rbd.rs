@@ -359,13 +359,18 @@ fn a_shrink_that_fails_part_way_through_the_image_never_serves_its_deleted_tail(
         a["error"].as_str().unwrap_or_default().contains("part-way"),
         "{a}"
     );
-    // Before the new end, I/O goes on; the resize made again completes the shrink.
+    // Before the new end, I/O goes on. A resize that reads the size again (which would have
+    // read the image's old size, and served the tail) completes the cut first.
     h.write(0, &data).unwrap();
     assert_eq!(h.read(0, data.len()), data);
-    std::fs::write(&path, &smaller).unwrap();
-    let a = d.request(r#"{"request": "reload"}"#);
+    std::fs::write(&path, &text).unwrap();
+    let a = d.request(&format!(
+        r#"{{"request": "resize_namespace", "subsystem": "{SUB}", "nsid": 1}}"#
+    ));
     assert_eq!(a["ok"], true, "{a}");
     assert_eq!(d.data("status")["namespaces"][0]["size"], 16 << 20);
+    assert_eq!(d.data("status")["namespaces"][0]["backend_size"], 16 << 20);
+    assert!(h.io.read(1, lba, nlb, &mut buf).is_err());
     h.close();
 }
 
@@ -383,7 +388,7 @@ fn a_long_shrink_that_makes_progress_keeps_the_watchdog_fed() {
             "backend = \"malloc\"\nsize = \"64MiB\"\n".into(),
             format!(
                 "backend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{conf}\"\n\
-                 create = true\nsize = \"64GiB\"\n"
+                 create = true\nsize = \"128GiB\"\n"
             ),
         )],
         notify: true,
@@ -395,7 +400,7 @@ fn a_long_shrink_that_makes_progress_keeps_the_watchdog_fed() {
     d.notifications_until("WATCHDOG=1");
     let path = d.dir.path().join("nvmfd.toml");
     let text = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(&path, text.replace("size = \"64GiB\"", "size = \"16MiB\"")).unwrap();
+    std::fs::write(&path, text.replace("size = \"128GiB\"", "size = \"16MiB\"")).unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (fed, t0, t1) = std::thread::scope(|s| {
         let sock = d.notify.as_ref().unwrap();

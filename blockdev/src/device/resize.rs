@@ -58,13 +58,15 @@ impl Device {
     /// truncated tail reads back zeroes. A failed fence or cut puts the capacity back, but
     /// for an RBD image whose cut failed: librbd deletes the objects past the new end before
     /// it updates the image's size, so the tail may be partly gone (it would read zeroes as
-    /// if they were the data); the capacity stays the new one, and the error says so.
+    /// if they were the data); the capacity stays the new one, the error says so, and the
+    /// next resize of any kind (a grow, a size read again) completes that cut first.
     pub fn resize_fenced(
         &self,
         size: Option<u64>,
         fence: impl FnOnce() -> io::Result<()>,
     ) -> io::Result<u64> {
         self.check_resize(size)?;
+        self.finish_cut()?;
         let before = self.size();
         if let Some(n) = size.filter(|&n| n < before) {
             self.size.store(n, std::sync::atomic::Ordering::Release);
@@ -81,19 +83,37 @@ impl Device {
                     put_back();
                     return Err(e);
                 }
+                self.pending_cut
+                    .store(n, std::sync::atomic::Ordering::Release);
                 return Err(io::Error::new(
                     e.kind(),
                     format!(
                         "{e}; the image may be cut part-way past {n} bytes (librbd deletes \
                          what lies past the new end before it changes the size), so its \
-                         capacity stays {n} bytes and I/O past it is refused: make the \
-                         resize again"
+                         capacity stays {n} bytes and I/O past it is refused until a resize \
+                         completes the cut (make it again, or resize without a size); a \
+                         restart before that would serve the image's old size, its tail \
+                         partly zeroes"
                     ),
                 ));
             }
             return Ok(n);
         }
         self.resize_now(size)
+    }
+
+    /// Completes the cut of an RBD image's shrink that failed part-way
+    /// ([`Device::resize_fenced`]), before any other resize: grown, or its size read again,
+    /// the image would serve the partly deleted tail.
+    fn finish_cut(&self) -> io::Result<()> {
+        let n = self.pending_cut.load(std::sync::atomic::Ordering::Acquire);
+        if n == u64::MAX {
+            return Ok(());
+        }
+        self.cut(n, n)?;
+        self.pending_cut
+            .store(u64::MAX, std::sync::atomic::Ordering::Release);
+        Ok(())
     }
 
     /// A count that moves while a resize of the backend works (an RBD image's progress

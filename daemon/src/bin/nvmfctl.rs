@@ -23,8 +23,8 @@ struct Cli {
     socket: PathBuf,
     /// Take the admin socket from this configuration file instead (its
     /// `daemon.admin_socket`, or the default where it names none), as the systemd unit's
-    /// reload does.
-    #[arg(long, global = true, conflicts_with = "socket")]
+    /// reload does; it wins over `--socket` and `NVMFD_SOCKET`.
+    #[arg(long, global = true)]
     config: Option<PathBuf>,
     /// Print the daemon's JSON answer instead of tables.
     #[arg(long, global = true)]

@@ -95,12 +95,20 @@ fn main() -> ExitCode {
             && nvmfd_blockdev::wait_for_rbd_closes(
                 end.saturating_duration_since(std::time::Instant::now()),
             );
-    if !settled {
-        warn!(log, "RBD work still under way at exit: the cluster drops the images' watches when they time out";
-              "images_closing" => nvmfd_blockdev::rbd_closes_pending(),
-              "operations" => control::off_thread_running());
-        // Something is still inside librbd: leave without running the libraries'
-        // destructors under it (the log is written synchronously, so nothing is lost).
+    let abandoned = nvmfd::reactor::reactors_abandoned();
+    if abandoned > 0 {
+        warn!(log, "reactor threads still setting up at exit are left to the process's end";
+              "reactors" => abandoned);
+    }
+    if !settled || abandoned > 0 {
+        if !settled {
+            warn!(log, "RBD work still under way at exit: the cluster drops the images' watches when they time out";
+                  "images_closing" => nvmfd_blockdev::rbd_closes_pending(),
+                  "operations" => control::off_thread_running());
+        }
+        // Something is still inside librbd, or a reactor still setting up: leave without
+        // running the libraries' destructors under it (the log is written synchronously, so
+        // nothing is lost).
         // SAFETY: _exit ends the process at once; no Rust state needs to outlive it.
         unsafe { libc::_exit(code) };
     }

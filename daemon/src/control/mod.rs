@@ -415,6 +415,7 @@ impl Daemon {
                 .new(o!("admin" => self.cfg.daemon.admin_socket.display().to_string())),
         )?;
         if stop_asked(&self.log, "binding the admin socket") {
+            admin.shutdown(poll.registry());
             return Ok(None);
         }
         info!(self.log, "nvmfd ready"; "reactors" => self.reactors.len(),
