@@ -975,6 +975,60 @@ fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_the_rebuilt_srq_serves_agai
     assert_eq!(c.srq_rebuilds.load(Relaxed), 1);
 }
 
+/// An SRQ error while an in-capsule write is at a stalled disk, written from its receive: the
+/// SRQ is rebuilt as soon as its QPs are gone, and hosts are served again, without waiting
+/// for the disk (connections were refused for as long as it took); the old SRQ's memory
+/// stays until the write is done.
+#[test]
+fn an_srq_error_with_an_in_capsule_write_at_a_stalled_disk_is_rebuilt_without_waiting_for_it() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4495, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 1, 1);
+    let from_receive = c.writes_from_receive.load(Relaxed);
+    s.set_switch(&s.hold_block, true);
+    let mut io = ios.pop().unwrap();
+    let writer = std::thread::spawn(move || {
+        let r = io.write(2, 9, 1, &pattern(95, 4096), false);
+        (io, r)
+    });
+    wait_until("the write is at the disk, from its receive", || {
+        c.writes_from_receive.load(Relaxed) == from_receive + 1
+            && c.block_ops_in_flight.load(Relaxed) == 1
+    });
+    s.fabric.inject_srq_error(s.srq_id);
+    // Its QP is torn down (the drain gives up on the write at the disk), then the SRQ is
+    // rebuilt while the disk still holds the write.
+    wait_until("the SRQ is rebuilt", || c.srq_rebuilds.load(Relaxed) == 1);
+    assert_eq!(
+        c.block_ops_in_flight.load(Relaxed),
+        1,
+        "the disk gave the write back"
+    );
+    // Another host (this one's next association waits for its write: Controller Busy).
+    let other = HostId {
+        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb".into(),
+        id: [0xbb; 16],
+    };
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &other, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let mut io2 = IoQueue::connect(queue(&s, 1, 31), &other, SUB, admin.cntlid, 1, 31).unwrap();
+    admin.identify_controller().unwrap();
+    assert_eq!(
+        c.block_ops_in_flight.load(Relaxed),
+        1,
+        "the disk gave the write back"
+    );
+    s.hold_block.store(false, Relaxed);
+    write_verified(&mut io2, 2, 2);
+    let (io, r) = writer.join().unwrap();
+    assert!(r.is_err(), "answered on a QP torn down");
+    drop((io, io2, admin));
+    wait_pools_full(&c, true);
+}
+
 /// A broken SRQ whose rebuild fails (no memory can be registered) is tried again after a
 /// wait that doubles from 50 ms, not on every turn: the data path once retried, and logged a
 /// warning, each turn, thousands of times a second while other work kept it busy. Once

@@ -204,6 +204,10 @@ pub struct DataPath {
     // the engine leaks itself).
     engine: Engine,
     srq: std::mem::ManuallyDrop<ElasticSrq>,
+    /// SRQs replaced after an error whose receives in-capsule writes still write from
+    /// (`retired_held` of them): each stays until they are given back, dropped as `srq` is.
+    retired_srqs: std::mem::ManuallyDrop<Vec<ElasticSrq>>,
+    retired_held: usize,
     data_mr: Mr,
     small_mr: Mr,
     /// Zeroes, registered for local reading only: reads of a null namespace send their data
@@ -258,8 +262,8 @@ pub struct DataPath {
     admin_reserve: usize,
     /// QPs with work staged this turn: (connection index, QP number).
     dirty: Vec<(u32, u32)>,
-    /// Receives kept by requests (in-capsule writes in flight): the SRQ is not rebuilt while
-    /// any is, as their memory is being written from.
+    /// Receives kept by requests (in-capsule writes in flight), whose memory is being
+    /// written from: an SRQ rebuilt meanwhile keeps the old one (`retired_srqs`).
     held_receives: usize,
     /// Device limits: RDMA READ depth and send queue size.
     max_read_depth: u32,
@@ -340,10 +344,13 @@ impl Drop for DataPath {
     fn drop(&mut self) {
         match self.engine.drain(drop) {
             Ok(()) => {
-                // SAFETY: `srq` is dropped here once and never used after (this is the data
-                // path's drop; its other fields follow), and nothing at the engine reads its
-                // receives any more.
-                unsafe { std::mem::ManuallyDrop::drop(&mut self.srq) };
+                // SAFETY: `srq` and `retired_srqs` are dropped here once and never used
+                // after (this is the data path's drop; its other fields follow), and nothing
+                // at the engine reads their receives any more.
+                unsafe {
+                    std::mem::ManuallyDrop::drop(&mut self.srq);
+                    std::mem::ManuallyDrop::drop(&mut self.retired_srqs);
+                }
             }
             Err(e) => {
                 slog::error!(self.log, "the block engine could not wait for its operations; the receive buffers they may read are leaked";
@@ -416,6 +423,8 @@ impl DataPath {
             async_fd: dev.async_fd(),
             dev: dev.clone(),
             srq: std::mem::ManuallyDrop::new(srq),
+            retired_srqs: std::mem::ManuallyDrop::new(Vec::new()),
+            retired_held: 0,
             data_mr,
             small_mr,
             zeros,
@@ -623,7 +632,6 @@ impl DataPath {
         if self.srq_broken
             && self.draining.is_empty()
             && self.conns.is_empty()
-            && self.held_receives == 0
             && self.srq_retry.is_none_or(|(at, _)| now >= at)
         {
             self.rebuild_srq(now);

@@ -222,6 +222,14 @@ impl DataPath {
     /// A receive a request kept goes back to the SRQ.
     pub(super) fn give_back(&mut self, wr: u64) {
         release_usize(&mut self.held_receives, 1);
+        if self.retired_held > 0 && !self.srq.owns(wr) {
+            // One of a replaced SRQ's: the last lets the replaced SRQs go.
+            self.retired_held -= 1;
+            if self.retired_held == 0 {
+                self.retired_srqs.clear();
+            }
+            return;
+        }
         self.srq.completed(wr, Instant::now());
     }
 
@@ -230,7 +238,14 @@ impl DataPath {
     pub(super) fn rebuild_srq(&mut self, now: Instant) {
         match self.srq.rebuild(now) {
             Ok(srq) => {
-                *self.srq = srq;
+                let old = std::mem::replace(&mut *self.srq, srq);
+                if self.held_receives > 0 {
+                    // In-capsule writes still write from its receives (at a slow disk: not
+                    // waited for, connections would be refused meanwhile): it stays until
+                    // they are given back. Every receive held now is a replaced SRQ's.
+                    self.retired_srqs.push(old);
+                    self.retired_held = self.held_receives;
+                }
                 self.srq_broken = false;
                 self.srq_retry = None;
                 self.counters.srq_rebuilds.fetch_add(1, Ordering::Relaxed);

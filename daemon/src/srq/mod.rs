@@ -367,6 +367,11 @@ impl ElasticSrq {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// Whether `wr_id` names a receive of this SRQ (not of one it replaced).
+    pub fn owns(&self, wr_id: u64) -> bool {
+        (wr_id >> GEN_SHIFT) & 0xf == self.generation
+    }
+
     /// A receive's chunk and slot; a receive of another generation names no chunk.
     fn split(&self, wr_id: u64) -> (usize, u32) {
         if (wr_id >> GEN_SHIFT) & 0xf != self.generation {
