@@ -125,6 +125,10 @@ pub struct ElasticSrq {
     chain_ids: Vec<(usize, u32)>,
     /// The lowest `posted` since `window_start`.
     window_min: u32,
+    /// Receives whose completions were polled (`consumed`) and that are not back yet
+    /// (`completed`): commands waiting for admission, in-capsule writes at the disk. Still
+    /// counted in `posted`, they are not on the SRQ.
+    outstanding: u32,
     window_start: Instant,
     counters: Arc<DataPathCounters>,
 }
@@ -202,12 +206,13 @@ impl ElasticSrq {
             chain_sges: vec![[Sge::default(); 1 + MAX_ICD_PAGES]; CHAIN],
             chain_ids: Vec::with_capacity(CHAIN),
             window_min: 0,
+            outstanding: 0,
             window_start: now,
             counters,
             generation,
         };
         s.add_chunk(mr, cfg.initial)?;
-        s.window_min = s.posted;
+        s.window_min = s.level();
         s.arm();
         s.request_spare();
         Ok(s)
@@ -436,11 +441,17 @@ impl ElasticSrq {
         Some((cmd, icd))
     }
 
+    /// Receives on the SRQ now: posted, less those consumed and not back yet.
+    fn level(&self) -> u32 {
+        self.posted.saturating_sub(self.outstanding)
+    }
+
     /// A poll found `n` receive completions: before any is re-posted, that many fewer
     /// receives were posted, which is the low point the shrink decision and the empty count
     /// look at.
     pub fn consumed(&mut self, n: u32) {
-        let low = self.posted.saturating_sub(n);
+        let low = self.level().saturating_sub(n);
+        self.outstanding = self.outstanding.saturating_add(n);
         if low == 0 && n > 0 {
             // Hosts met an empty SRQ and RNR-retried.
             self.counters.srq_empty.fetch_add(1, Ordering::Relaxed);
@@ -451,6 +462,7 @@ impl ElasticSrq {
     /// Receive `wr_id` completed (or was flushed): re-posts it, unless its chunk is draining,
     /// in which case the chunk leaves once none of its receives is posted.
     pub fn completed(&mut self, wr_id: u64, now: Instant) -> Change {
+        self.outstanding = self.outstanding.saturating_sub(1);
         let (idx, slot) = self.split(wr_id);
         let Some(c) = self.chunks.get_mut(idx).and_then(Option::as_mut) else {
             return Change::None;
@@ -479,7 +491,7 @@ impl ElasticSrq {
                 .srq_receives_registered
                 .store(u64::from(self.registered), Ordering::Relaxed);
             self.window_start = now;
-            self.window_min = self.posted;
+            self.window_min = self.level();
             self.request_spare();
             return Change::Shrank(self.registered);
         }
@@ -527,7 +539,7 @@ impl ElasticSrq {
             return Ok(Change::None);
         }
         self.window_start = now;
-        self.window_min = self.posted;
+        self.window_min = self.level();
         Ok(Change::Grew(self.registered))
     }
 
@@ -635,7 +647,7 @@ impl ElasticSrq {
         self.counters.srq_grows.fetch_add(1, Ordering::Relaxed);
         self.arm();
         self.window_start = now;
-        self.window_min = self.posted;
+        self.window_min = self.level();
         Change::Grew(self.registered)
     }
 
@@ -689,7 +701,7 @@ impl ElasticSrq {
             }
         }
         self.window_start = now;
-        self.window_min = self.posted;
+        self.window_min = self.level();
         Change::None
     }
 }
@@ -757,5 +769,48 @@ mod tests {
             s.spare.is_some()
         });
         assert!(matches!(s.limit_reached(later), Change::Grew(24)));
+    }
+
+    /// Commands waiting for admission keep their receives off the SRQ, polled but not yet
+    /// given back: under such a backlog the SRQ runs low though its count of receives posted
+    /// does not drop, and the shrink decision must see the low, not that count (it drained a
+    /// chunk as the SRQ neared empty).
+    #[test]
+    fn receives_polled_and_not_given_back_count_as_gone_for_the_shrink_decision() {
+        let fabric = nvmfd_rdma::soft::Fabric::new();
+        let dev = fabric.add_device([10, 0, 0, 9].into()).unwrap();
+        let pd = Pd::Soft(dev.alloc_pd().unwrap());
+        let delay = Duration::from_secs(1);
+        let cfg = SrqConfig {
+            initial: 8,
+            max: 64,
+            low_watermark: 2,
+            chunk: 8,
+            shrink_delay: delay,
+            cover_queues: false,
+        };
+        let t0 = Instant::now();
+        let mut s = ElasticSrq::new(
+            &pd,
+            1024,
+            cfg,
+            4096,
+            Registrar::spawn().unwrap(),
+            Arc::default(),
+            t0,
+        )
+        .unwrap();
+        tick_until(&mut s, t0, "the first spare", |s| s.spare.is_some());
+        assert!(matches!(s.limit_reached(t0), Change::Grew(16)));
+        assert_eq!(s.posted, 16);
+        // Three polls take 4 receives each; the commands wait, their receives not back.
+        for _ in 0..3 {
+            s.consumed(4);
+        }
+        s.tick(t0 + delay);
+        assert!(
+            !s.chunks[1].as_ref().unwrap().draining,
+            "a chunk drained with 4 receives left on the SRQ"
+        );
     }
 }
