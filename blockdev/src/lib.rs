@@ -106,10 +106,36 @@ impl BlockError {
 
     pub(crate) fn from_errno(errno: i32) -> BlockError {
         match errno {
-            libc::ENOSPC => BlockError::NoSpace,
+            // A quota (a file system's, an RBD pool's) is the capacity run out as well.
+            libc::ENOSPC | libc::EDQUOT => BlockError::NoSpace,
             libc::EOPNOTSUPP => BlockError::Unsupported("this operation"),
             libc::EROFS | libc::EBADF => BlockError::ReadOnly,
             e => BlockError::Io(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BlockError;
+
+    #[test]
+    fn a_full_store_or_a_quota_reached_is_no_space_and_the_rest_keep_their_errno() {
+        assert!(matches!(
+            BlockError::from_errno(libc::ENOSPC),
+            BlockError::NoSpace
+        ));
+        assert!(matches!(
+            BlockError::from_errno(libc::EDQUOT),
+            BlockError::NoSpace
+        ));
+        assert!(matches!(
+            BlockError::from_errno(libc::EROFS),
+            BlockError::ReadOnly
+        ));
+        assert!(matches!(
+            BlockError::from_errno(libc::EIO),
+            BlockError::Io(libc::EIO)
+        ));
     }
 }
