@@ -710,6 +710,35 @@ impl ElasticSrq {
 mod tests {
     use super::*;
 
+    /// An SRQ of 8 receives in chunks of 8, up to 64, watermark 2, on a soft device of
+    /// `fabric`.
+    fn small_srq(
+        fabric: &nvmfd_rdma::soft::Fabric,
+        shrink_delay: Duration,
+        t0: Instant,
+    ) -> ElasticSrq {
+        let dev = fabric.add_device([10, 0, 0, 9].into()).unwrap();
+        let pd = Pd::Soft(dev.alloc_pd().unwrap());
+        let cfg = SrqConfig {
+            initial: 8,
+            max: 64,
+            low_watermark: 2,
+            chunk: 8,
+            shrink_delay,
+            cover_queues: false,
+        };
+        ElasticSrq::new(
+            &pd,
+            1024,
+            cfg,
+            4096,
+            Registrar::spawn().unwrap(),
+            Arc::default(),
+            t0,
+        )
+        .unwrap()
+    }
+
     /// Ticks until `done` holds, or fails after a bound: the registrar answers from its thread.
     fn tick_until(
         s: &mut ElasticSrq,
@@ -732,27 +761,8 @@ mod tests {
     #[test]
     fn a_failed_spare_registration_is_asked_for_again_and_the_srq_grows() {
         let fabric = nvmfd_rdma::soft::Fabric::new();
-        let dev = fabric.add_device([10, 0, 0, 9].into()).unwrap();
-        let pd = Pd::Soft(dev.alloc_pd().unwrap());
-        let cfg = SrqConfig {
-            initial: 8,
-            max: 64,
-            low_watermark: 2,
-            chunk: 8,
-            shrink_delay: Duration::from_secs(60),
-            cover_queues: false,
-        };
         let t0 = Instant::now();
-        let mut s = ElasticSrq::new(
-            &pd,
-            1024,
-            cfg,
-            4096,
-            Registrar::spawn().unwrap(),
-            Arc::default(),
-            t0,
-        )
-        .unwrap();
+        let mut s = small_srq(&fabric, Duration::from_secs(60), t0);
         tick_until(&mut s, t0, "the first spare", |s| s.spare.is_some());
         // The next registration fails: the spare asked for after this growth.
         fabric.fail_registrations(1);
@@ -778,28 +788,9 @@ mod tests {
     #[test]
     fn receives_polled_and_not_given_back_count_as_gone_for_the_shrink_decision() {
         let fabric = nvmfd_rdma::soft::Fabric::new();
-        let dev = fabric.add_device([10, 0, 0, 9].into()).unwrap();
-        let pd = Pd::Soft(dev.alloc_pd().unwrap());
         let delay = Duration::from_secs(1);
-        let cfg = SrqConfig {
-            initial: 8,
-            max: 64,
-            low_watermark: 2,
-            chunk: 8,
-            shrink_delay: delay,
-            cover_queues: false,
-        };
         let t0 = Instant::now();
-        let mut s = ElasticSrq::new(
-            &pd,
-            1024,
-            cfg,
-            4096,
-            Registrar::spawn().unwrap(),
-            Arc::default(),
-            t0,
-        )
-        .unwrap();
+        let mut s = small_srq(&fabric, delay, t0);
         tick_until(&mut s, t0, "the first spare", |s| s.spare.is_some());
         assert!(matches!(s.limit_reached(t0), Change::Grew(16)));
         assert_eq!(s.posted, 16);
