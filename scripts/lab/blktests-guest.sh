@@ -59,9 +59,47 @@ TIMEOUT=$TIMEOUT
 CFG
 cd "$BT"
 make -s > $WORK/make.log 2>&1 || echo "blktests' make failed (its C helpers): $(tail -3 $WORK/make.log)"
+# A stall watcher: when neither check's output nor its results have changed for STALL seconds,
+# the guest's state (processes and where they wait, the kernel's stacks of those blocked, the
+# NVMe controllers, dmesg, nvmfd's and the control hook's logs) is printed; at the second such
+# dump check is stopped, so that the run ends with a verdict and the state on record.
+STALL=${BLKTESTS_STALL:-240}
+stall_dump() {
+  echo "==> STALL: nothing new from check for ${STALL}s ($(date +%T))"
+  ps -eo pid,ppid,stat,etimes,wchan:28,args | grep -v ' \[' | cut -c1-220
+  for p in /proc/[0-9]*; do
+    st=$(awk '{print $3}' "$p/stat" 2>/dev/null) || continue
+    case $st in D) echo "--- blocked: $(tr '\0' ' ' < "$p/cmdline" | cut -c1-120)"; cat "$p/stack" 2>/dev/null ;; esac
+  done
+  for c in /sys/class/nvme/nvme*; do
+    [ -e "$c/state" ] && echo "$(basename "$c") $(cat "$c/transport" "$c/subsysnqn" "$c/state" 2>/dev/null | tr '\n' ' ')"
+  done
+  echo "--- dmesg"; dmesg | tail -40
+  echo "--- nvmfd log"; tail -40 $WORK/nvmfd.log
+  echo "--- control log"; tail -10 $WORK/control.log 2>/dev/null
+  echo "--- nvmfctl"; timeout 20 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json status 2>&1 | cut -c1-2000
+}
 echo "==> ./check $TESTS (NVME_IMG_SIZE=$NVME_IMG_SIZE, TIMEOUT=$TIMEOUT)"
+: > $WORK/check.out
 # shellcheck disable=SC2086 # one word per test
-timeout 3600 ./check $TESTS 2>&1 | tee $WORK/check.out
+timeout 3600 ./check $TESTS > >(tee $WORK/check.out) 2>&1 &
+check=$!
+(
+  dumps=0
+  while sleep 10; do
+    kill -0 $check 2>/dev/null || exit 0
+    newest=$(find $WORK/check.out "$BT/results" -newermt "-${STALL} seconds" 2>/dev/null | head -1)
+    [ -n "$newest" ] && continue
+    stall_dump
+    dumps=$((dumps + 1))
+    if [ $dumps -ge 2 ]; then echo "==> STALL: stopping check"; pkill -TERM -P $check; kill -TERM $check; exit 0; fi
+    touch $WORK/check.out
+  done
+) &
+watcher=$!
+wait $check
+kill $watcher 2>/dev/null
+wait $watcher 2>/dev/null
 echo "==> verdicts"
 verdicts=$(grep -aoE '^nvme/[0-9]+ .*\[(passed|failed|not run)\]' $WORK/check.out | sed -E 's/ +/ /g')
 echo "$verdicts"
