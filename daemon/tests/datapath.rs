@@ -1029,6 +1029,58 @@ fn an_srq_error_with_an_in_capsule_write_at_a_stalled_disk_is_rebuilt_without_wa
     wait_pools_full(&c, true);
 }
 
+/// A receive held by an in-capsule write at a stalled disk across 16 SRQ rebuilds is still
+/// told from the current SRQ's: with a 4-bit generation the 16th SRQ had the held receive's,
+/// and giving it back re-posted a receive the current SRQ already had posted (posted twice)
+/// and kept every replaced SRQ's memory for good.
+#[test]
+fn a_receive_held_across_sixteen_srq_rebuilds_is_still_the_replaced_srqs() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4496, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 1, 1);
+    let from_receive = c.writes_from_receive.load(Relaxed);
+    s.set_switch(&s.hold_block, true);
+    let mut io = ios.pop().unwrap();
+    let writer = std::thread::spawn(move || {
+        let r = io.write(2, 9, 1, &pattern(96, 4096), false);
+        (io, r)
+    });
+    wait_until("the write is at the disk, from its receive", || {
+        c.writes_from_receive.load(Relaxed) == from_receive + 1
+            && c.block_ops_in_flight.load(Relaxed) == 1
+    });
+    // The data path's SRQ, then each one it builds (the newest SRQ of the fabric).
+    let mut srq = s.srq_id;
+    let mut replaced = Vec::new();
+    for n in 1..=16 {
+        s.fabric.inject_srq_error(srq);
+        replaced.push(srq);
+        wait_until("the SRQ is rebuilt", || c.srq_rebuilds.load(Relaxed) == n);
+        srq = *s.fabric.srq_ids().last().unwrap();
+    }
+    assert_eq!(
+        c.block_ops_in_flight.load(Relaxed),
+        1,
+        "the disk gave the write back"
+    );
+    s.hold_block.store(false, Relaxed);
+    let (io, r) = writer.join().unwrap();
+    assert!(r.is_err(), "answered on a QP torn down");
+    drop(io);
+    wait_pools_full(&c, true);
+    // The replaced SRQs go with the held receive; the current SRQ has each of its receives
+    // posted once.
+    wait_until("the replaced SRQs are let go", || {
+        s.fabric.srq_ids().iter().all(|id| !replaced.contains(id))
+    });
+    let (posted, _) = s.fabric.srq_backlog(srq).unwrap();
+    assert_eq!(posted as u64, c.srq_receives_registered.load(Relaxed));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 3, 3);
+}
+
 /// A broken SRQ whose rebuild fails (no memory can be registered) is tried again after a
 /// wait that doubles from 50 ms, not on every turn: the data path once retried, and logged a
 /// warning, each turn, thousands of times a second while other work kept it busy. Once

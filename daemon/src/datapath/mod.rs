@@ -98,6 +98,7 @@ const MIN_QPS: u32 = 64;
 
 /// Work request IDs below this name receives; send work requests carry a kind above it.
 const REQ_BASE: u64 = crate::srq::WR_ID_END;
+const _: () = assert!(REQ_BASE <= 1 << post::KIND_SHIFT);
 /// The RNR NAK timer QPs advertise: 0.16 ms (InfiniBand encoding 8).
 const MIN_RNR_TIMER: u8 = 8;
 /// The longest a connection's posted work (a response's SEND, an RDMA READ of a write's

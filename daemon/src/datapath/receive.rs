@@ -236,7 +236,8 @@ impl DataPath {
     /// Replaces the broken SRQ by a new one of the next generation (receives of the old one
     /// completing late name no chunk of the new one).
     pub(super) fn rebuild_srq(&mut self, now: Instant) {
-        match self.srq.rebuild(now) {
+        let retired: Vec<u64> = self.retired_srqs.iter().map(|s| s.generation()).collect();
+        match self.srq.rebuild(now, &retired) {
             Ok(srq) => {
                 let old = std::mem::replace(&mut *self.srq, srq);
                 if self.held_receives > 0 {

@@ -36,11 +36,14 @@ const SLOT_BITS: u32 = 24;
 /// How long after a failed registration of a spare chunk the next one is asked for.
 const REGISTER_RETRY: Duration = Duration::from_secs(1);
 const CHAIN: usize = 32;
-/// Above the chunk index, the SRQ's generation (4 bits): a completion of a receive of an
-/// SRQ since rebuilt is told apart from the new one's.
+/// Above the chunk index, the SRQ's generation: a receive of an SRQ since rebuilt (held by an
+/// in-capsule write, or completing late) is told apart from the new one's. A rebuild takes
+/// the next generation no retired SRQ still has (`rebuild`).
 const GEN_SHIFT: u32 = 40;
+const GEN_BITS: u32 = 16;
+const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
 /// Receive work request IDs are below this.
-pub const WR_ID_END: u64 = 1 << (GEN_SHIFT + 4);
+pub const WR_ID_END: u64 = 1 << (GEN_SHIFT + GEN_BITS);
 
 /// Sizes of an elastic SRQ.
 #[derive(Clone, Copy, Debug)]
@@ -374,12 +377,17 @@ impl ElasticSrq {
 
     /// Whether `wr_id` names a receive of this SRQ (not of one it replaced).
     pub fn owns(&self, wr_id: u64) -> bool {
-        (wr_id >> GEN_SHIFT) & 0xf == self.generation
+        (wr_id >> GEN_SHIFT) & GEN_MASK == self.generation
+    }
+
+    /// This SRQ's generation (in its receives' work request IDs).
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// A receive's chunk and slot; a receive of another generation names no chunk.
     fn split(&self, wr_id: u64) -> (usize, u32) {
-        if (wr_id >> GEN_SHIFT) & 0xf != self.generation {
+        if (wr_id >> GEN_SHIFT) & GEN_MASK != self.generation {
             return (usize::MAX, 0);
         }
         (
@@ -388,10 +396,19 @@ impl ElasticSrq {
         )
     }
 
-    /// A new SRQ with the same sizes (the next generation), after this one broke
-    /// (`SRQ_ERR`): created, its first chunk posted and its limit armed, as at start. Every QP
-    /// on this one must be destroyed first. This one's receives leave the counters.
-    pub fn rebuild(&self, now: Instant) -> Result<ElasticSrq, VerbsError> {
+    /// A new SRQ with the same sizes (the next generation none of `retired` has), after this
+    /// one broke (`SRQ_ERR`): created, its first chunk posted and its limit armed, as at
+    /// start. Every QP on this one must be destroyed first. This one's receives leave the
+    /// counters. `retired` are the generations of replaced SRQs whose receives are still held
+    /// (fewer than the generations there are: each holds registered memory).
+    pub fn rebuild(&self, now: Instant, retired: &[u64]) -> Result<ElasticSrq, VerbsError> {
+        let mut generation = self.generation;
+        loop {
+            generation = (generation + 1) & GEN_MASK;
+            if !retired.contains(&generation) || generation == self.generation {
+                break;
+            }
+        }
         let next = ElasticSrq::build(
             &self.pd,
             self.cfg,
@@ -399,7 +416,7 @@ impl ElasticSrq {
             self.registrar.clone(),
             Arc::clone(&self.counters),
             now,
-            (self.generation + 1) & 0xf,
+            generation,
         )?;
         self.counters
             .receives_posted
