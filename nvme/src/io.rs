@@ -4,9 +4,9 @@ use zerocopy::FromBytes;
 
 use crate::block::BlockFailure;
 
-use crate::queue::{Action, Command, DataRef, IoOp, IoRequest, Queue};
+use crate::queue::{Action, Command, IoOp, IoRequest, Queue};
 use crate::target::Subsystem;
-use crate::wire::{self, io_opcode as op, status, Sgl, Sqe, Status};
+use crate::wire::{self, io_opcode as op, status, Sqe, Status};
 
 /// Bytes of the ranges a Dataset Management command lists (NR + 1 ranges of 16 bytes).
 fn ranges_len(sqe: &Sqe) -> u32 {
@@ -151,16 +151,7 @@ pub(crate) fn handle(q: &mut Queue, cmd: Command, icd: &[u8]) -> Action {
             // target does (nvmet_check_data_len_lte), any transfer at least as long as the
             // ranges is taken, a shorter one is Data SGL Length Invalid, and only the bytes
             // of the NR + 1 ranges are fetched.
-            let need = ranges_len(&sqe);
-            let described = match sqe.dptr.decode() {
-                Sgl::InCapsule { len, .. } => len.max(need),
-                _ => need,
-            };
-            match q.data_ref(&sqe, described, true, icd) {
-                Ok(DataRef::InCapsule { offset, .. }) => Action::Fetch {
-                    cmd,
-                    from: DataRef::InCapsule { offset, len: need },
-                },
+            match q.data_ref(&sqe, ranges_len(&sqe), true, icd) {
                 Ok(from) => Action::Fetch { cmd, from },
                 Err(st) => q.respond(&cmd, st, 0),
             }

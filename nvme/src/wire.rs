@@ -1097,6 +1097,15 @@ pub fn get_str(field: &[u8]) -> Option<&str> {
         .map(|s| s.trim_end_matches(' '))
 }
 
+/// An NQN field as text: NUL-terminated within the field (a field filled to its end holds no
+/// NQN, as SPDK checks) and UTF-8.
+pub fn get_nqn(field: &[u8]) -> Option<&str> {
+    if !field.contains(&0) {
+        return None;
+    }
+    get_str(field)
+}
+
 /// The low dword of a 64-bit value (the first of the two dwords it is carried in).
 pub fn lo32(v: u64) -> u32 {
     u32::try_from(v & 0xFFFF_FFFF).unwrap_or(0)

@@ -341,6 +341,39 @@ fn connect_refuses_an_incompatible_format_and_a_static_cntlid() {
     assert_eq!(c.dw0.get(), 1 << 16 | 16);
 }
 
+/// An NQN is NUL-terminated within its 256-byte field: one that fills the field (here a
+/// known NQN padded with spaces, which was taken for it) is Connect Invalid Parameters
+/// pointing at the field, as SPDK answers.
+#[test]
+fn connect_refuses_an_nqn_without_its_terminating_nul() {
+    let w = world();
+    let connect = |subnqn: &str, sub_fill: u8, hostnqn: &str, host_fill: u8| {
+        let mut l = w.link(0, 31);
+        let mut cmd: wire::ConnectCmd = wire::zeroed();
+        cmd.opcode = 0x7F;
+        cmd.flags = 0x40;
+        cmd.fctype = wire::fctype::CONNECT;
+        cmd.sqsize = U16::new(31);
+        let mut data: wire::ConnectData = wire::zeroed();
+        data.cntlid = U16::new(0xFFFF);
+        data.subnqn.fill(sub_fill);
+        data.hostnqn.fill(host_fill);
+        data.subnqn[..subnqn.len()].copy_from_slice(subnqn.as_bytes());
+        data.hostnqn[..hostnqn.len()].copy_from_slice(hostnqn.as_bytes());
+        let sqe = wire::read::<Sqe>(cmd.as_bytes()).unwrap();
+        nvmfd_nvme::host::HostTransport::execute(&mut l, sqe, DataDir::ToTarget(data.as_bytes()))
+            .unwrap()
+    };
+    let nqn = host(1).nqn;
+    assert!(connect(SUB, 0, &nqn, 0).status().is_success());
+    let c = connect(SUB, b' ', &nqn, 0);
+    assert!(c.status().same_code(status::CONNECT_INVALID_PARAMETERS));
+    assert_eq!(c.dw0.get(), 1 << 16 | 256);
+    let c = connect(SUB, 0, &nqn, b' ');
+    assert!(c.status().same_code(status::CONNECT_INVALID_PARAMETERS));
+    assert_eq!(c.dw0.get(), 1 << 16 | 512);
+}
+
 /// A subsystem with a namespace that caches writes reports a volatile write cache, and that
 /// a Flush to every namespace (NSID FFFFFFFFh) is not supported (Flush Behavior 10b), which
 /// it answers with Invalid Namespace.
@@ -655,6 +688,21 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
         .same_code(status::DATA_SGL_LENGTH_INVALID),
         "more in-capsule data than offered"
     );
+    // An in-capsule SGL longer than the data (SGLS bit 18, which Identify sets) is taken: its
+    // first 1024 bytes are written.
+    let mut longer = vec![0x5au8; 2048];
+    longer[1024..].fill(0xa5);
+    assert!(
+        send(l, rw(1, SglDesc::in_capsule(0, 2048), 0x40), &longer).is_success(),
+        "an in-capsule SGL longer than the data"
+    );
+    let mut written = vec![0u8; 1024];
+    io.read(1, 0, 2, &mut written).unwrap();
+    assert!(
+        written.iter().all(|&b| b == 0x5a),
+        "not the SGL's first bytes"
+    );
+    let l = io.transport();
     // A connect on a connected queue is a sequence error; the queue still works.
     let mut again: Sqe = wire::zeroed();
     again.opcode = 0x7F;

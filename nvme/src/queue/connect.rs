@@ -44,9 +44,11 @@ impl Queue {
         if sqsize == 0 || sqsize >= limits.max_queue_depth {
             return invalid(self, false, 44);
         }
-        let (Some(subnqn), Some(hostnqn)) = (wire::get_str(&d.subnqn), wire::get_str(&d.hostnqn))
-        else {
+        let Some(subnqn) = wire::get_nqn(&d.subnqn) else {
             return invalid(self, true, 256);
+        };
+        let Some(hostnqn) = wire::get_nqn(&d.hostnqn) else {
+            return invalid(self, true, 512);
         };
         let discovery = subnqn == DISCOVERY_NQN;
         // The version first: a change after it is seen at the next command.
