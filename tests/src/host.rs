@@ -39,10 +39,16 @@ impl Host {
     /// Connects host `n` from the soft device `ip` to subsystem `sub` at `addr`, with
     /// Namespace Attribute Notices enabled.
     pub fn connect(ip: &str, addr: SocketAddr, sub: &str, n: u8) -> Host {
+        Host::connect_with_kato(ip, addr, sub, n, 0)
+    }
+
+    /// `connect`, asking for a keep-alive timeout of `kato_ms` (0: none); the host sends no
+    /// Keep Alive of its own.
+    pub fn connect_with_kato(ip: &str, addr: SocketAddr, sub: &str, n: u8, kato_ms: u32) -> Host {
         let f = Fabric::networked();
         f.add_device(ip.parse().unwrap()).unwrap();
         let h = host(n);
-        let mut admin = AdminQueue::connect(queue(&f, addr, 0), &h, sub, 31, 0).unwrap();
+        let mut admin = AdminQueue::connect(queue(&f, addr, 0), &h, sub, 31, kato_ms).unwrap();
         admin.enable().unwrap();
         admin.set_queue_count(1).unwrap();
         // Asynchronous Event Configuration: Namespace Attribute Notices.

@@ -685,6 +685,64 @@ fn a_reload_whose_second_resize_fails_leaves_the_first_namespace_as_it_was() {
     a.write_read(2, 6 << 11, 0x62);
 }
 
+/// A change that waits for long (an RBD image resized off the control thread, minutes for a
+/// large shrink) no longer holds up what the control thread does for hosts: a new host
+/// connects, and a controller whose keep-alive timeout passed is ended, while the resize is
+/// held at a test gate. Both waited for the change's end before.
+#[test]
+fn hosts_connect_and_keep_alives_expire_while_a_long_change_waits() {
+    let gate = tempfile::tempdir().unwrap();
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        env: vec![(
+            "NVMFD_TEST_RESIZE_GATE".into(),
+            gate.path().display().to_string(),
+        )],
+        ..Options::default()
+    });
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let silent = Host::connect_with_kato("127.0.0.47", addr, A, 0x47, 1000);
+    let silent_cntlid = silent.admin.cntlid;
+    std::thread::scope(|scope| {
+        let resize = scope.spawn(|| {
+            d.request(
+                &serde_json::json!({"request": "resize_namespace", "subsystem": A,
+                    "nsid": 1, "size": "4MiB"})
+                .to_string(),
+            )
+        });
+        wait_for("the resize to wait at the gate", || {
+            gate.path().join("resize-waiting").exists().then_some(())
+        });
+        // A new host, while the change waits.
+        let (tx, rx) = std::sync::mpsc::channel();
+        scope.spawn(move || {
+            let mut b = Host::connect("127.0.0.48", addr, B, 0x48);
+            b.write_read(1, 0, 0x48);
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .expect("a host connects while a change waits");
+        // The silent host's controller ends at its keep-alive timeout, while the change waits.
+        wait_for(
+            "the silent controller to be ended at its keep-alive timeout",
+            || {
+                log_lines(&d, "keep-alive timeout: controller ended")
+                    .iter()
+                    .any(|l| l["cntlid"] == silent_cntlid)
+                    .then_some(())
+            },
+        );
+        assert!(!resize.is_finished(), "the change did not wait at the gate");
+        std::fs::write(gate.path().join("resize-go"), b"").unwrap();
+        let a = resize.join().unwrap();
+        assert_eq!(a["ok"], true, "{a}");
+    });
+    drop(silent);
+}
+
 /// The log's JSON lines whose message starts with `msg`.
 fn log_lines(d: &Daemon, msg: &str) -> Vec<serde_json::Value> {
     d.log()

@@ -374,10 +374,18 @@ impl Daemon {
                 } else {
                     let fence = self.write_fence();
                     let probe = Arc::clone(&dev);
+                    let gate = self
+                        .test_hooks
+                        .then(|| std::env::var_os(TEST_RESIZE_GATE_ENV))
+                        .flatten()
+                        .map(std::path::PathBuf::from);
                     // An RBD shrink deletes the image's objects past the new end one by one
                     // (minutes for a large tail): the watch is kept while librbd reports.
                     self.off_thread_progress(
                         move || {
+                            if let Some(gate) = gate {
+                                wait_at_gate(&gate);
+                            }
                             let end = size.unwrap_or(0);
                             dev.resize_fenced(size, || fence.wait(&dev, end))
                                 .map_err(|e| e.to_string())
@@ -791,5 +799,18 @@ impl WriteFence {
             }
         }
         Ok(())
+    }
+}
+
+/// Test hook (with test hooks on): a directory where each resize, off the control thread,
+/// creates `resize-waiting` and then waits (up to a minute) until `resize-go` is there: a
+/// change held as long as a test needs.
+pub const TEST_RESIZE_GATE_ENV: &str = "NVMFD_TEST_RESIZE_GATE";
+
+fn wait_at_gate(dir: &std::path::Path) {
+    let _ = std::fs::write(dir.join("resize-waiting"), b"");
+    let until = Instant::now() + Duration::from_secs(60);
+    while !dir.join("resize-go").exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -48,6 +48,16 @@ pub(super) struct Retiring {
 /// off its reactor (its commands answering Namespace Not Ready meanwhile).
 const PREPARE_WAIT: Duration = Duration::from_secs(2);
 
+/// A device removal to handle (`Daemon::handle_removal`), seen while a change waited.
+#[derive(Debug)]
+pub(super) struct DeferredRemoval {
+    /// The device's async fd (`None`: the listener had no device any more).
+    fd: Option<std::os::fd::RawFd>,
+    cause: &'static str,
+    /// The connection whose CM ID reported it.
+    disconnected: Option<usize>,
+}
+
 impl Daemon {
     /// Opens ahead, off this thread, a handle of every RBD namespace (those of `devices`,
     /// and `added`) for each reactor about to build a data path on listener `listener`'s
@@ -318,6 +328,12 @@ impl Daemon {
     /// reactor (round robin); the end of a connection is told to every reactor; a device
     /// removal (on the listening ID or on a connection) takes the whole device down.
     pub(super) fn cm_events(&mut self, registry: &Registry, i: usize) {
+        self.cm_events_of(registry, i, false);
+    }
+
+    /// `cm_events`; while a change waits (`meanwhile`), a device removal is only noted, and
+    /// handled once the change is done (`handle_deferred_removals`).
+    fn cm_events_of(&mut self, registry: &Registry, i: usize, meanwhile: bool) {
         loop {
             let Some(ch) = self.cm.get(i).and_then(|c| c.channel.as_ref()) else {
                 return;
@@ -379,17 +395,19 @@ impl Daemon {
                     let listening = c
                         .and_then(|c| c.id.as_ref())
                         .is_some_and(|l| l.token() == token);
-                    let fd = c.and_then(|c| c.device.as_ref()).map(any::Device::async_fd);
-                    if let Some(fd) = fd {
-                        let cause = if listening {
+                    let removal = DeferredRemoval {
+                        fd: c.and_then(|c| c.device.as_ref()).map(any::Device::async_fd),
+                        cause: if listening {
                             "RDMA_CM_EVENT_DEVICE_REMOVAL on the listening ID"
                         } else {
                             "RDMA_CM_EVENT_DEVICE_REMOVAL on a connection"
-                        };
-                        self.device_removed(registry, fd, cause);
-                    }
-                    if !listening {
-                        self.tell_reactors(|| ReactorCmd::Disconnected { token });
+                        },
+                        disconnected: (!listening).then_some(token),
+                    };
+                    if meanwhile {
+                        self.deferred_removals.push(removal);
+                    } else {
+                        self.handle_removal(registry, removal);
                     }
                 }
                 CmEvent::Disconnected { id } => {
@@ -414,6 +432,51 @@ impl Daemon {
                 CmEvent::Established { .. } | CmEvent::TimewaitExit { .. } => {}
             }
         }
+    }
+
+    /// A device removal: the device goes (its listeners listen again once it is back), and
+    /// the connection whose CM ID reported it (if not the listening ID's) is told gone.
+    fn handle_removal(&mut self, registry: &Registry, r: DeferredRemoval) {
+        if let Some(fd) = r.fd {
+            self.device_removed(registry, fd, r.cause);
+        }
+        if let Some(token) = r.disconnected {
+            self.tell_reactors(|| ReactorCmd::Disconnected { token });
+        }
+    }
+
+    /// The device removals seen while a change waited, now that it is done.
+    pub(super) fn handle_deferred_removals(&mut self, registry: &Registry) {
+        for r in std::mem::take(&mut self.deferred_removals) {
+            self.handle_removal(registry, r);
+        }
+    }
+
+    /// While a change waits for long (an RBD image opened or resized off this thread, up to
+    /// minutes): what must not wait for it. Connection requests and the ends of connections
+    /// go to the reactors, the devices' async events are routed (an SRQ's limit, a QP's
+    /// fatal error), controllers whose keep-alive expired are ended. A device's removal
+    /// changes the listeners the change may be working on: it is handled after the change,
+    /// as admin clients are served.
+    pub(super) fn serve_meanwhile(&mut self, now: Instant) {
+        let Some(registry) = self.registry.take() else {
+            return;
+        };
+        for i in 0..self.cm.len() {
+            self.cm_events_of(&registry, i, true);
+        }
+        for slot in 0..self.async_devs.len() {
+            if self.route_async(slot) {
+                let fd = self.async_devs[slot].as_ref().map(any::Device::async_fd);
+                self.deferred_removals.push(DeferredRemoval {
+                    fd,
+                    cause: "IBV_EVENT_DEVICE_FATAL",
+                    disconnected: None,
+                });
+            }
+        }
+        self.check_controllers(now);
+        self.registry = Some(registry);
     }
 
     /// Device `slot`'s async events: each goes to every reactor (the one whose SRQ or QP it

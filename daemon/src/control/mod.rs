@@ -120,6 +120,12 @@ struct Daemon {
     reopens: Vec<reopen::Reopen>,
     /// Devices let go of, synced once the reactors release them.
     leaving: Vec<leaving::Leaving>,
+    /// The control loop's registry, for serving connections while a change waits
+    /// (`serve_meanwhile`); `None` until serving, and while it is in use.
+    registry: Option<mio::Registry>,
+    /// Device removals seen while a change waited, handled once it is done (they change the
+    /// listeners the change may be working on).
+    deferred_removals: Vec<listeners::DeferredRemoval>,
 }
 
 /// Runs the daemon until a termination signal: the control loop on this thread, one reactor
@@ -188,6 +194,8 @@ pub fn run(
         listener_slots: cfg.listeners.iter().cloned().map(Some).collect(),
         reopens: Vec::new(),
         leaving: Vec::new(),
+        registry: None,
+        deferred_removals: Vec::new(),
         cfg,
     };
     if d.test_hooks {
@@ -484,7 +492,9 @@ impl Daemon {
               "watchdog" => ?self.notifier.watchdog_interval());
         let mut events = Events::with_capacity(64);
         let mut next_tick = Instant::now();
+        self.registry = poll.registry().try_clone().ok();
         loop {
+            self.handle_deferred_removals(poll.registry());
             let now = Instant::now();
             if now >= next_tick {
                 self.check_heartbeats(now);

@@ -14,6 +14,9 @@ use super::*;
 /// minutes for a large tail) starts it again with each report.
 const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
 
+/// How long a hosts' connection request waits at most while a change waits.
+const MEANWHILE_SLICE: Duration = Duration::from_millis(20);
+
 /// Test hook (with test hooks on): [`KEEP_WATCH_MAX`] in milliseconds.
 pub(super) const TEST_KEEP_WATCH_ENV: &str = "NVMFD_TEST_KEEP_WATCH_MS";
 
@@ -110,14 +113,16 @@ impl Daemon {
 
     /// Waits for `rx` (until `deadline`, if any) while checking the reactors' heartbeats
     /// every tick, which feeds systemd's watchdog as long as they move: a change that waits
-    /// for a slow device does not make the service manager end a daemon that serves.
+    /// for a slow device does not make the service manager end a daemon that serves. Hosts'
+    /// connections, the devices' events and keep-alives are served meanwhile
+    /// (`serve_meanwhile`), every [`MEANWHILE_SLICE`].
     pub(super) fn wait_keeping_watch<T>(
         &mut self,
         rx: &mpsc::Receiver<T>,
         deadline: Option<Instant>,
         progress: Option<&dyn Fn() -> u64>,
     ) -> Result<T, mpsc::RecvTimeoutError> {
-        let tick = self.tick_interval();
+        let tick = self.tick_interval().min(MEANWHILE_SLICE);
         let keep_max = self.test_ms(TEST_KEEP_WATCH_ENV).unwrap_or(KEEP_WATCH_MAX);
         let mut began = Instant::now();
         let mut seen = progress.map(|p| p());
@@ -139,6 +144,9 @@ impl Daemon {
                     }
                     if began.elapsed() < keep_max {
                         self.check_heartbeats(Instant::now());
+                    }
+                    if !self.stopping {
+                        self.serve_meanwhile(Instant::now());
                     }
                 }
                 other => return other,
