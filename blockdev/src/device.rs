@@ -264,6 +264,8 @@ pub struct Device {
     /// share this one file: after the report, a later sync succeeds though the data it should
     /// have made durable is gone.
     pub(crate) sync_failed: std::sync::atomic::AtomicBool,
+    /// `sync_failed` was reported once ([`Device::first_sync_failure`]).
+    pub(crate) sync_failure_reported: std::sync::atomic::AtomicBool,
     /// Test hook ([`Device::fail_next_sync`]): the next sync to complete fails.
     pub(crate) inject_sync_failure: std::sync::atomic::AtomicBool,
     /// Test hook ([`Device::fail_next_cut`]): the next shrink's cut of the backend fails.
@@ -337,6 +339,7 @@ impl Device {
                     backing: Backing::Malloc(Ram::new(region)),
                     warning: None,
                     sync_failed: Default::default(),
+                    sync_failure_reported: Default::default(),
                     inject_sync_failure: Default::default(),
                     inject_cut_failure: Default::default(),
                     pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
@@ -348,6 +351,7 @@ impl Device {
                 backing: Backing::Null,
                 warning: None,
                 sync_failed: Default::default(),
+                sync_failure_reported: Default::default(),
                 inject_sync_failure: Default::default(),
                 inject_cut_failure: Default::default(),
                 pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
@@ -461,6 +465,15 @@ impl Device {
             }
             _ => Ok(false),
         }
+    }
+
+    /// True once, at the first call after a sync of this device failed: that failure is to
+    /// be reported (logged) now.
+    pub fn first_sync_failure(&self) -> bool {
+        self.sync_failed()
+            && !self
+                .sync_failure_reported
+                .swap(true, std::sync::atomic::Ordering::AcqRel)
     }
 
     /// Whether a sync of this device ever failed ([`Device::sync_failed`] field).
@@ -654,6 +667,7 @@ fn open_path(
         backing: Backing::File(file),
         warning: fallback_reason,
         sync_failed: Default::default(),
+        sync_failure_reported: Default::default(),
         inject_sync_failure: Default::default(),
         inject_cut_failure: Default::default(),
         pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
@@ -697,6 +711,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         backing: Backing::Rbd(image),
         warning,
         sync_failed: Default::default(),
+        sync_failure_reported: Default::default(),
         inject_sync_failure: Default::default(),
         inject_cut_failure: Default::default(),
         pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),

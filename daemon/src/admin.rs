@@ -144,6 +144,15 @@ pub enum Request {
         #[serde(default)]
         at_cut: bool,
     },
+    /// Test hook (only with `NVMFD_TEST_HOOKS=1`): the next sync of that namespace's file or
+    /// block device (a host's Flush) fails with EIO, as a writeback error does
+    /// (`Device::fail_next_sync`).
+    DebugFailSync {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The namespace.
+        nsid: u32,
+    },
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): starts an operation off the control
     /// thread that lasts `ms` milliseconds, and does not wait for it, as the control thread
     /// does not wait past its deadline for RBD handles opened ahead.

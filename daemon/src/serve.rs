@@ -106,6 +106,10 @@ pub struct NamespaceStatus {
     /// the image was shrunk elsewhere and I/O past its end fails.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend_size: Option<u64>,
+    /// A sync of its device failed (writeback lost data hosts were told was written): every
+    /// Flush of it fails until it is opened again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sync_failed: bool,
 }
 
 /// What [`build_target`] built.
@@ -219,6 +223,7 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                         reason: Some(e.to_string()),
                         warning: None,
                         backend_size: None,
+                        sync_failed: false,
                     });
                     continue;
                 }
@@ -239,6 +244,7 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                 reason: None,
                 warning: dev.warning().map(str::to_owned),
                 backend_size: None,
+                sync_failed: false,
             });
             devices.push((s.nqn.clone(), ns.nsid, dev));
         }

@@ -743,6 +743,57 @@ fn hosts_connect_and_keep_alives_expire_while_a_long_change_waits() {
     drop(silent);
 }
 
+/// A file namespace whose sync fails (writeback lost data a host was told was written) is
+/// logged as an error, once, and shown in the status; every later Flush of it fails too. It
+/// was a host's error alone before, with nothing in the log.
+#[test]
+fn a_failed_sync_is_logged_once_and_shown_in_the_status() {
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        ..Options::default()
+    });
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let img = d.dir.path().join("ns2.img");
+    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+    change(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 2, "backend": "file", "path": img}}),
+    );
+    let mut a = Host::connect("127.0.0.49", addr, A, 0x49);
+    a.write_read(2, 8, 0x49);
+    a.io.flush(2).unwrap();
+    const FAILED: &str = "namespace's device failed a sync";
+    assert!(log_lines(&d, FAILED).is_empty());
+    change(
+        &d,
+        serde_json::json!({"request": "debug_fail_sync", "subsystem": A, "nsid": 2}),
+    );
+    a.write_read(2, 16, 0x4a);
+    assert!(
+        a.io.flush(2).is_err(),
+        "the failed sync was answered success"
+    );
+    let line = wait_for("the failed sync in the log", || {
+        log_lines(&d, FAILED).into_iter().next()
+    });
+    assert_eq!(line["level"], "ERRO", "{line}");
+    assert_eq!(line["nsid"], 2, "{line}");
+    let status = d.data("status");
+    let ns = status["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["nsid"] == 2)
+        .unwrap()
+        .clone();
+    assert_eq!(ns["sync_failed"], true, "{status}");
+    assert!(a.io.flush(2).is_err(), "a later Flush succeeded");
+    assert_eq!(log_lines(&d, FAILED).len(), 1, "{}", d.log());
+}
+
 /// The log's JSON lines whose message starts with `msg`.
 fn log_lines(d: &Daemon, msg: &str) -> Vec<serde_json::Value> {
     d.log()

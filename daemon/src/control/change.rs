@@ -653,6 +653,7 @@ impl Daemon {
                     reason: if dev.is_some() { None } else { earlier },
                     warning: dev.and_then(|d| d.warning()).map(str::to_owned),
                     backend_size: None,
+                    sync_failed: false,
                 });
             }
         }

@@ -40,6 +40,18 @@ fn sync_logged(
 }
 
 impl Daemon {
+    /// Every tick: a served namespace whose device failed a sync (a host's Flush, a FUA
+    /// write on the buffered fallback) is logged, once: writeback lost data hosts were told
+    /// was written, and every later Flush of it fails until it is opened again.
+    pub(super) fn report_sync_failures(&self) {
+        for ((nqn, nsid), dev) in &self.devices {
+            if dev.first_sync_failure() {
+                error!(self.log, "namespace's device failed a sync: writes hosts completed on it may be lost; every later Flush of it fails until it is opened again (remove and add it, or restart nvmfd)";
+                       "subsystem" => nqn, "nsid" => nsid);
+            }
+        }
+    }
+
     /// Every tick: devices let go of that no reactor holds any more are synced off this
     /// thread (an `fdatasync` can take long) and closed there.
     pub(super) fn sync_released_devices(&mut self) {

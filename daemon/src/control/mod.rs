@@ -504,6 +504,7 @@ impl Daemon {
                 self.check_controllers(now);
                 self.reopen_namespaces(now);
                 self.sync_released_devices();
+                self.report_sync_failures();
                 admin.sweep(poll.registry(), now);
                 next_tick = now + tick;
             }
@@ -693,6 +694,18 @@ impl Daemon {
                 }
                 self.fail_resize = Some((subsystem, nsid));
                 Response::data(serde_json::json!({ "fail_resize": nsid }))
+            }
+            Request::DebugFailSync { subsystem, nsid } => {
+                if !self.test_hooks {
+                    return Response::error(format!("debug requests need {TEST_HOOKS_ENV}=1"));
+                }
+                match self.devices.get(&(subsystem, nsid)) {
+                    Some(d) => {
+                        d.fail_next_sync();
+                        Response::data(serde_json::json!({ "fail_sync": nsid }))
+                    }
+                    None => Response::error(format!("no namespace {nsid} open")),
+                }
             }
             Request::DebugOffThread { ms } => {
                 if !self.test_hooks {

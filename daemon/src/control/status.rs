@@ -196,10 +196,9 @@ impl Daemon {
                 .iter()
                 .cloned()
                 .map(|mut n| {
-                    n.backend_size = self
-                        .devices
-                        .get(&(n.subsystem.clone(), n.nsid))
-                        .and_then(|d| d.backend_size());
+                    let dev = self.devices.get(&(n.subsystem.clone(), n.nsid));
+                    n.backend_size = dev.and_then(|d| d.backend_size());
+                    n.sync_failed = dev.is_some_and(|d| d.sync_failed());
                     n
                 })
                 .collect(),
