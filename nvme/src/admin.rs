@@ -684,8 +684,18 @@ fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     let fid = (cdw10 & 0xFF) as u8;
     let sel = (cdw10 >> 8) & 0x7;
     if sel == 3 {
-        // Supported capabilities: nothing is saveable or namespace specific; all changeable.
-        return q.respond(&cmd, Status::SUCCESS, 1 << 2);
+        // Supported capabilities: nothing is saveable or namespace specific; changeable (bit
+        // 2) as Set Features takes it: not the write cache (turning it off is refused) nor
+        // arbitration (not settable).
+        let io = ctrl.subsystem.is_some();
+        let changeable = match fid {
+            feature::NUMBER_OF_QUEUES | feature::HOST_BEHAVIOR_SUPPORT if io => true,
+            feature::ASYNC_EVENT_CONFIG | feature::KEEP_ALIVE_TIMER => true,
+            feature::VOLATILE_WRITE_CACHE if io => false,
+            feature::ARBITRATION => false,
+            _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
+        };
+        return q.respond(&cmd, Status::SUCCESS, u32::from(changeable) << 2);
     }
     if fid == feature::HOST_BEHAVIOR_SUPPORT && ctrl.subsystem.is_some() {
         let mut data = vec![0u8; HOST_BEHAVIOR_LEN as usize];

@@ -320,6 +320,14 @@ impl<T: HostTransport> AdminQueue<T> {
         Ok(check(self.t.execute(s, DataDir::None)?)?.dw0.get())
     }
 
+    /// Get Features with SEL 011b: the feature's supported capabilities (bit 0 saveable,
+    /// bit 1 namespace specific, bit 2 changeable).
+    pub fn feature_capabilities(&mut self, fid: u8) -> Result<u32, HostError> {
+        let mut s = sqe(admin_opcode::GET_FEATURES, self.next_cid());
+        s.cdw10 = U32::new(u32::from(fid) | 3 << 8);
+        Ok(check(self.t.execute(s, DataDir::None)?)?.dw0.get())
+    }
+
     /// Set Features with dword 11.
     pub fn set_feature(&mut self, fid: u8, cdw11: u32) -> Result<u32, HostError> {
         let mut s = sqe(admin_opcode::SET_FEATURES, self.next_cid());

@@ -953,6 +953,22 @@ fn features_negotiate_queues_keep_alive_and_events() {
         1 << 8
     );
     assert!(status_of(a.get_feature(0x80)).same_code(status::INVALID_FIELD));
+    // Supported capabilities (SEL 011b): changeable as Set Features takes it; a feature the
+    // controller lacks is an Invalid Field there too.
+    for (fid, changeable) in [
+        (wire::feature::NUMBER_OF_QUEUES, true),
+        (wire::feature::KEEP_ALIVE_TIMER, true),
+        (wire::feature::ASYNC_EVENT_CONFIG, true),
+        (wire::feature::VOLATILE_WRITE_CACHE, false),
+        (wire::feature::ARBITRATION, false),
+    ] {
+        assert_eq!(
+            a.feature_capabilities(fid).unwrap(),
+            u32::from(changeable) << 2,
+            "feature {fid:#x}"
+        );
+    }
+    assert!(status_of(a.feature_capabilities(0x80)).same_code(status::INVALID_FIELD));
     assert!(
         status_of(a.set_feature(wire::feature::NUMBER_OF_QUEUES, 0xFFFF))
             .same_code(status::INVALID_FIELD)
