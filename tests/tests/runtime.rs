@@ -696,10 +696,7 @@ fn hosts_connect_and_keep_alives_expire_while_a_long_change_waits() {
     let d = Daemon::start(Options {
         config: Some(config(std::path::Path::new("@DIR@"), port)),
         test_hooks: true,
-        env: vec![(
-            "NVMFD_TEST_RESIZE_GATE".into(),
-            gate.path().display().to_string(),
-        )],
+        env: vec![("NVMFD_TEST_GATE".into(), gate.path().display().to_string())],
         ..Options::default()
     });
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
@@ -741,6 +738,55 @@ fn hosts_connect_and_keep_alives_expire_while_a_long_change_waits() {
         assert_eq!(a["ok"], true, "{a}");
     });
     drop(silent);
+}
+
+/// A listener whose device came back takes connection requests only once its reactors have
+/// a data path on it. While the control thread opens RBD handles ahead for those data paths
+/// (held here at the test gate, taken with no RBD namespace too), a request waits; handed on
+/// during that wait, a reactor with no data path yet refused it (a review found it in the
+/// change that serves connections while the control thread waits).
+#[test]
+fn a_connect_to_a_returning_listener_waits_for_its_data_path() {
+    use std::time::{Duration, Instant};
+    let gate = tempfile::tempdir().unwrap();
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        env: vec![("NVMFD_TEST_GATE".into(), gate.path().display().to_string())],
+        ..Options::default()
+    });
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let v = d.request(r#"{"request":"debug_fault","fault":"remove_device","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    wait_for("the removed device to be released", || {
+        d.log()
+            .contains("removed device released: nothing nvmfd made on it is left")
+            .then_some(())
+    });
+    let v = d.request(r#"{"request":"debug_fault","fault":"restore_device","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    wait_for("the returning listener's data paths to be prepared", || {
+        gate.path().join("prepare-waiting").exists().then_some(())
+    });
+    let host = std::thread::spawn(move || {
+        let mut h = Host::connect("127.0.0.50", addr, A, 0x50);
+        h.write_read(1, 0, 0x50);
+    });
+    // Refused, the connect ended within milliseconds before; now it waits for the gate (a
+    // slower machine could only hide the refusal, never fail this).
+    let until = Instant::now() + Duration::from_secs(1);
+    while !host.is_finished() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        !host.is_finished(),
+        "the connect ended while the listener had no data path:\n{}",
+        d.log()
+    );
+    std::fs::write(gate.path().join("prepare-go"), b"").unwrap();
+    host.join()
+        .expect("the host connects once the listener's data path is built");
 }
 
 /// A file namespace whose sync fails (writeback lost data a host was told was written) is

@@ -216,6 +216,12 @@ impl Daemon {
     ) -> Result<Vec<String>, String> {
         let target = self.target.clone().ok_or("the daemon is not serving yet")?;
         let plan = self.plan(&new, resizes)?;
+        // A listener the change removes takes no new connection while it waits.
+        for &i in &plan.listeners_removed {
+            if let Some(c) = self.cm.get_mut(i) {
+                c.held = true;
+            }
+        }
         // 1. Devices of new namespaces, opened and attached on every reactor.
         let mut ids: BTreeMap<String, u64> = BTreeMap::new();
         for s in &plan.subsystems_added {
@@ -374,17 +380,13 @@ impl Daemon {
                 } else {
                     let fence = self.write_fence();
                     let probe = Arc::clone(&dev);
-                    let gate = self
-                        .test_hooks
-                        .then(|| std::env::var_os(TEST_RESIZE_GATE_ENV))
-                        .flatten()
-                        .map(std::path::PathBuf::from);
+                    let gate = self.test_gate();
                     // An RBD shrink deletes the image's objects past the new end one by one
                     // (minutes for a large tail): the watch is kept while librbd reports.
                     self.off_thread_progress(
                         move || {
                             if let Some(gate) = gate {
-                                wait_at_gate(&gate);
+                                wait_at_gate(&gate, "resize");
                             }
                             let end = size.unwrap_or(0);
                             dev.resize_fenced(size, || fence.wait(&dev, end))
@@ -671,7 +673,11 @@ impl Daemon {
         added: &[Arc<BlockDevice>],
     ) -> Result<usize, String> {
         let i = self.cm.len();
-        self.cm.push(listeners::Listening::default());
+        // Its connection requests wait until its reactors have a data path on it.
+        self.cm.push(listeners::Listening {
+            held: true,
+            ..Default::default()
+        });
         self.listener_slots.push(Some(l.clone()));
         let mut listened = self.listen(registry, i);
         if listened.is_err() {
@@ -803,15 +809,28 @@ impl WriteFence {
     }
 }
 
-/// Test hook (with test hooks on): a directory where each resize, off the control thread,
-/// creates `resize-waiting` and then waits (up to a minute) until `resize-go` is there: a
-/// change held as long as a test needs.
-pub const TEST_RESIZE_GATE_ENV: &str = "NVMFD_TEST_RESIZE_GATE";
+/// Test hook (with test hooks on): a directory where work the control thread waits for off
+/// its thread stops, creating `NAME-waiting` and then waiting (up to a minute) until
+/// `NAME-go` is there: each resize (`resize`), and the RBD handles opened ahead of a
+/// listener's new data paths (`prepare`, bounded by its 2 s wait; taken with no RBD
+/// namespace too). Work held as long as a test needs.
+pub const TEST_GATE_ENV: &str = "NVMFD_TEST_GATE";
 
-fn wait_at_gate(dir: &std::path::Path) {
-    let _ = std::fs::write(dir.join("resize-waiting"), b"");
+impl Daemon {
+    /// The [`TEST_GATE_ENV`] directory, with test hooks on.
+    pub(super) fn test_gate(&self) -> Option<std::path::PathBuf> {
+        self.test_hooks
+            .then(|| std::env::var_os(TEST_GATE_ENV))
+            .flatten()
+            .map(std::path::PathBuf::from)
+    }
+}
+
+pub(super) fn wait_at_gate(dir: &std::path::Path, name: &str) {
+    let _ = std::fs::write(dir.join(format!("{name}-waiting")), b"");
+    let go = dir.join(format!("{name}-go"));
     let until = Instant::now() + Duration::from_secs(60);
-    while !dir.join("resize-go").exists() && Instant::now() < until {
+    while !go.exists() && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -27,6 +27,11 @@ pub(super) struct Listening {
     pub(super) relisten_error: Option<String>,
     pub(super) device_removals: u64,
     pub(super) returns: u64,
+    /// Its connection requests wait for the control loop, not served while a change waits
+    /// (`serve_meanwhile`): a listener whose reactors have no data path on it yet (added,
+    /// or its device back, and RBD handles being opened for it), or one the change removes.
+    /// Cleared at the top of every control loop turn.
+    pub(super) held: bool,
 }
 
 /// A listener's listening ID on a removed device, until the device is released.
@@ -51,8 +56,9 @@ const PREPARE_WAIT: Duration = Duration::from_secs(2);
 /// A device removal to handle (`Daemon::handle_removal`), seen while a change waited.
 #[derive(Debug)]
 pub(super) struct DeferredRemoval {
-    /// The device's async fd (`None`: the listener had no device any more).
-    fd: Option<std::os::fd::RawFd>,
+    /// The device (`None`: the listener had no device any more); a handle on it, so that
+    /// its async fd names no other device until the removal is handled.
+    device: Option<any::Device>,
     cause: &'static str,
     /// The connection whose CM ID reported it.
     disconnected: Option<usize>,
@@ -78,6 +84,12 @@ impl Daemon {
         });
         if fd.is_none() || shared {
             return;
+        }
+        if let Some(gate) = self.test_gate() {
+            let _ = self.off_thread_until(
+                move || super::change::wait_at_gate(&gate, "prepare"),
+                Some(Instant::now() + PREPARE_WAIT),
+            );
         }
         let devs: Vec<Arc<BlockDevice>> = self
             .devices
@@ -396,7 +408,7 @@ impl Daemon {
                         .and_then(|c| c.id.as_ref())
                         .is_some_and(|l| l.token() == token);
                     let removal = DeferredRemoval {
-                        fd: c.and_then(|c| c.device.as_ref()).map(any::Device::async_fd),
+                        device: c.and_then(|c| c.device.clone()),
                         cause: if listening {
                             "RDMA_CM_EVENT_DEVICE_REMOVAL on the listening ID"
                         } else {
@@ -437,8 +449,8 @@ impl Daemon {
     /// A device removal: the device goes (its listeners listen again once it is back), and
     /// the connection whose CM ID reported it (if not the listening ID's) is told gone.
     fn handle_removal(&mut self, registry: &Registry, r: DeferredRemoval) {
-        if let Some(fd) = r.fd {
-            self.device_removed(registry, fd, r.cause);
+        if let Some(dev) = r.device {
+            self.device_removed(registry, dev.async_fd(), r.cause);
         }
         if let Some(token) = r.disconnected {
             self.tell_reactors(|| ReactorCmd::Disconnected { token });
@@ -463,13 +475,15 @@ impl Daemon {
             return;
         };
         for i in 0..self.cm.len() {
-            self.cm_events_of(&registry, i, true);
+            if !self.cm[i].held {
+                self.cm_events_of(&registry, i, true);
+            }
         }
         for slot in 0..self.async_devs.len() {
             if self.route_async(slot) {
-                let fd = self.async_devs[slot].as_ref().map(any::Device::async_fd);
+                let device = self.async_devs[slot].clone();
                 self.deferred_removals.push(DeferredRemoval {
-                    fd,
+                    device,
                     cause: "IBV_EVENT_DEVICE_FATAL",
                     disconnected: None,
                 });
@@ -669,6 +683,10 @@ impl Daemon {
             st.reason = None;
             info!(self.log, "device returned: the listener serves again";
                   "listener" => i, "address" => &st.address, "port" => st.port);
+        }
+        // Its connection requests wait until its reactors have a data path on it.
+        if let Some(c) = self.cm.get_mut(i) {
+            c.held = true;
         }
         self.prepare_rbd_handles(i, &[]);
         self.tell_reactors(|| ReactorCmd::AddPath {

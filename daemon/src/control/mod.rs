@@ -494,6 +494,9 @@ impl Daemon {
         let mut next_tick = Instant::now();
         self.registry = poll.registry().try_clone().ok();
         loop {
+            for c in &mut self.cm {
+                c.held = false;
+            }
             self.handle_deferred_removals(poll.registry());
             let now = Instant::now();
             if now >= next_tick {
@@ -509,7 +512,8 @@ impl Daemon {
                 next_tick = now + tick;
             }
             // An admin client with requests left from its last turn is served without waiting.
-            let timeout = if admin.has_pending() {
+            // So are device removals seen while a change waited (their fds were drained).
+            let timeout = if admin.has_pending() || !self.deferred_removals.is_empty() {
                 Duration::ZERO
             } else {
                 next_tick.saturating_duration_since(Instant::now())
@@ -524,6 +528,7 @@ impl Daemon {
                 if ev.token() == SIGNALS {
                     for sig in signals.pending() {
                         if sig == SIGHUP {
+                            self.handle_deferred_removals(poll.registry());
                             match self.reload(poll.registry()) {
                                 Ok(what) => {
                                     info!(self.log, "SIGHUP: configuration reloaded"; "changes" => what.join("; "))
@@ -650,6 +655,9 @@ impl Daemon {
             Ok(v) => Response::data(v),
             Err(e) => Response::error(format!("internal error: {e}")),
         };
+        // A change plans against the devices there are: removals seen while an earlier
+        // change of this turn waited are handled first.
+        self.handle_deferred_removals(registry);
         match req {
             Request::Status {} => json(serde_json::to_value(self.status())),
             Request::Stats {} => json(serde_json::to_value(self.stats(admin))),
