@@ -268,6 +268,10 @@ pub struct Device {
     pub(crate) sync_failure_reported: std::sync::atomic::AtomicBool,
     /// Test hook ([`Device::fail_next_sync`]): the next sync to complete fails.
     pub(crate) inject_sync_failure: std::sync::atomic::AtomicBool,
+    /// Test hook ([`Device::fail_sync`]): syncs let through before the injected failure, and
+    /// its errno.
+    pub(crate) inject_sync_skip: std::sync::atomic::AtomicU32,
+    pub(crate) inject_sync_errno: std::sync::atomic::AtomicI32,
     /// Test hook ([`Device::fail_next_cut`]): the next shrink's cut of the backend fails.
     pub(crate) inject_cut_failure: std::sync::atomic::AtomicBool,
     /// The size an RBD image's shrink failed to cut it to (`u64::MAX`: none): the image may
@@ -341,6 +345,8 @@ impl Device {
                     sync_failed: Default::default(),
                     sync_failure_reported: Default::default(),
                     inject_sync_failure: Default::default(),
+                    inject_sync_skip: Default::default(),
+                    inject_sync_errno: Default::default(),
                     inject_cut_failure: Default::default(),
                     pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
                 }))
@@ -353,6 +359,8 @@ impl Device {
                 sync_failed: Default::default(),
                 sync_failure_reported: Default::default(),
                 inject_sync_failure: Default::default(),
+                inject_sync_skip: Default::default(),
+                inject_sync_errno: Default::default(),
                 inject_cut_failure: Default::default(),
                 pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
             })),
@@ -481,32 +489,60 @@ impl Device {
         self.sync_failed.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Completes `result` of an operation `op` an engine ran on this device, as to syncs. A
-    /// sync that failed (writeback lost data: EIO, or ENOSPC where space was not reserved)
-    /// makes every later Flush of the device fail, once it has run. Files and block devices
-    /// only: their writeback errors are reported once per open file. A Flush's fdatasync
-    /// counts; so does a FUA write's or zeroing's on the buffered fallback (RWF_DSYNC syncs,
-    /// and takes the report, through the shared file); an O_DIRECT write's own EIO is its
-    /// own failure, answered to its host.
-    pub(crate) fn settle_sync(&self, op: crate::OpKind, result: &mut Result<u32, BlockError>) {
+    /// Completes `result` of an operation `op` an engine ran on this device, as to syncs
+    /// (`synced`: the step that ended it synced the file: a Flush's fdatasync, a FUA write's
+    /// RWF_DSYNC, a FUA zeroing's fdatasync after its fallocate). Files and block devices
+    /// only: Linux reports a writeback error once per open file description, to the first
+    /// sync that asks, with the errno of the failed writeback (EIO, ENOSPC, but also
+    /// ENODATA, ETIMEDOUT or ENOLINK from a network block device or file system). Such an
+    /// error makes every later Flush of the device fail, once it has run, and is never
+    /// answered as one to retry (a retry's sync would succeed, the lost data forgotten). An
+    /// O_DIRECT FUA write's own ENOSPC is its own failure; its EIO is taken as a lost
+    /// writeback too (its sync may have taken the report, and cannot be told from it).
+    pub(crate) fn settle_sync(
+        &self,
+        op: crate::OpKind,
+        synced: bool,
+        result: &mut Result<u32, BlockError>,
+    ) {
         use crate::OpKind;
-        let sync = match op {
-            OpKind::Flush => true,
-            OpKind::WriteFua | OpKind::WriteZeroesFua => !self.info.direct,
-            _ => false,
-        };
-        if sync && matches!(self.backing, Backing::File(_)) {
-            if self
-                .inject_sync_failure
-                .swap(false, std::sync::atomic::Ordering::AcqRel)
+        if !matches!(self.backing, Backing::File(_)) {
+            return;
+        }
+        if synced {
+            use std::sync::atomic::Ordering::{AcqRel, Acquire};
+            if self.inject_sync_failure.load(Acquire)
+                && self
+                    .inject_sync_skip
+                    .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+                    .is_err()
+                && self.inject_sync_failure.swap(false, AcqRel)
             {
-                *result = Err(BlockError::Io(libc::EIO));
+                *result = Err(BlockError::Io(self.inject_sync_errno.load(Acquire)));
             }
-            if matches!(
-                result,
-                Err(BlockError::Io(libc::EIO)) | Err(BlockError::NoSpace)
-            ) {
+            let report = match result {
+                Ok(_) => false,
+                // Refusals of the call itself, never a writeback's error.
+                Err(BlockError::Io(e)) => ![
+                    libc::EBADF,
+                    libc::EINVAL,
+                    libc::ECANCELED,
+                    libc::EAGAIN,
+                    libc::EINTR,
+                    libc::ENOMEM,
+                ]
+                .contains(e),
+                Err(BlockError::NoSpace) => !(op == OpKind::WriteFua && self.info.direct),
+                Err(_) => false,
+            };
+            if report {
                 self.note_sync_failure();
+                if let Err(BlockError::Io(e)) = result {
+                    if *e != libc::EIO {
+                        // Answered as lost data, not as a device to retry later.
+                        *result = Err(BlockError::Io(libc::EIO));
+                    }
+                }
             }
         }
         if op == OpKind::Flush && result.is_ok() && self.sync_failed() {
@@ -525,8 +561,18 @@ impl Device {
     /// once would.
     #[doc(hidden)]
     pub fn fail_next_sync(&self) {
-        self.inject_sync_failure
-            .store(true, std::sync::atomic::Ordering::Release);
+        self.fail_sync(0, libc::EIO);
+    }
+
+    /// Test hook: after `skip` syncs an engine completes on this file or block device, the
+    /// next fails with `errno`, as a writeback error reported once (with the failed bio's
+    /// errno) would.
+    #[doc(hidden)]
+    pub fn fail_sync(&self, skip: u32, errno: i32) {
+        use std::sync::atomic::Ordering::Release;
+        self.inject_sync_skip.store(skip, Release);
+        self.inject_sync_errno.store(errno, Release);
+        self.inject_sync_failure.store(true, Release);
     }
 
     /// Test hook: the next shrink fails when it cuts the backend. An RBD image is left as
@@ -669,6 +715,8 @@ fn open_path(
         sync_failed: Default::default(),
         sync_failure_reported: Default::default(),
         inject_sync_failure: Default::default(),
+        inject_sync_skip: Default::default(),
+        inject_sync_errno: Default::default(),
         inject_cut_failure: Default::default(),
         pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
     }))
@@ -713,6 +761,8 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         sync_failed: Default::default(),
         sync_failure_reported: Default::default(),
         inject_sync_failure: Default::default(),
+        inject_sync_skip: Default::default(),
+        inject_sync_errno: Default::default(),
         inject_cut_failure: Default::default(),
         pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
     }))

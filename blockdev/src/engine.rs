@@ -67,7 +67,17 @@ struct Attached {
     dev: Arc<Device>,
     /// Index in the ring's registered file table (files and block devices).
     file: Option<u32>,
+    /// This engine's own open file description of the device (`reopen`), registered in
+    /// place of the device's: Linux reports a writeback error once per open file
+    /// description, so each engine's next sync sees it, not only the first to ask.
+    _own_file: Option<std::fs::File>,
     in_flight: usize,
+    /// Operations in flight here whose step syncs the file (a Flush, a FUA write, a FUA
+    /// zeroing's fdatasync): one of them may take a writeback error's report.
+    syncs: u32,
+    /// Flushes that succeeded while such an operation was in flight here: they complete once
+    /// none is, and fail if one of those took a writeback error (`Device::settle_sync`).
+    parked: Vec<(u32, Completion)>,
     /// This engine's own handle on an RBD image, notifying the engine's eventfd.
     #[cfg(feature = "rbd")]
     rbd: Option<crate::rbd::Image>,
@@ -83,6 +93,8 @@ struct Slot {
     buf: Option<DmaBuf>,
     /// A write's data in memory the engine does not own (`write_from`): its address.
     from: Option<std::ptr::NonNull<u8>>,
+    /// Counted in its device's `syncs`.
+    syncing: bool,
 }
 
 /// The largest region io_uring registers as one fixed buffer.
@@ -99,6 +111,8 @@ pub struct Engine {
     /// unreaped completion still counts against the depth).
     ready: VecDeque<(u32, Completion)>,
     unsubmitted: usize,
+    /// Completions parked in the devices' `parked`.
+    parked: usize,
     max_devices: u32,
     /// Test hook ([`Engine::fail_next_wait`]): the errors the next waits in `drain` report
     /// instead of waiting, in order.
@@ -156,6 +170,7 @@ impl Engine {
             free_slots: (0..depth).rev().collect(),
             ready: VecDeque::with_capacity(depth as usize),
             unsubmitted: 0,
+            parked: 0,
             max_devices: max_devices.max(1),
             wait_errors: Vec::new(),
             #[cfg(feature = "rbd")]
@@ -195,14 +210,15 @@ impl Engine {
         };
         let slot =
             u32::try_from(index).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
-        let file = match &dev.backing {
+        let (file, own_file) = match &dev.backing {
             Backing::File(f) => {
-                self.ring
-                    .submitter()
-                    .register_files_update(slot, &[f.as_raw_fd()])?;
-                Some(slot)
+                // (Where the device cannot be opened again, the shared description serves.)
+                let own = reopen(f).ok();
+                let fd = own.as_ref().unwrap_or(f).as_raw_fd();
+                self.ring.submitter().register_files_update(slot, &[fd])?;
+                (Some(slot), own)
             }
-            _ => None,
+            _ => (None, None),
         };
         #[cfg(feature = "rbd")]
         let rbd = match &dev.backing {
@@ -216,7 +232,10 @@ impl Engine {
         self.devices[index] = Some(Attached {
             dev: Arc::clone(dev),
             file,
+            _own_file: own_file,
             in_flight: 0,
+            syncs: 0,
+            parked: Vec::new(),
             #[cfg(feature = "rbd")]
             rbd,
         });
@@ -230,7 +249,7 @@ impl Engine {
             .get_mut(id.0 as usize)
             .and_then(Option::as_mut)
             .ok_or(BlockError::UnknownDevice)?;
-        if a.in_flight > 0 {
+        if a.in_flight > 0 || !a.parked.is_empty() {
             return Err(BlockError::QueueFull);
         }
         if a.file.is_some() {
@@ -408,6 +427,7 @@ impl Engine {
             done: 0,
             buf,
             from,
+            syncing: false,
         });
         if let Some(a) = self.devices[dev_index as usize].as_mut() {
             a.in_flight += 1;
@@ -435,12 +455,19 @@ impl Engine {
     /// Builds and queues the SQE for (the rest of) slot `slot`'s operation.
     fn push_sqe(&mut self, slot: u32) {
         let s = self.slots[slot as usize].as_mut().expect("queued slot");
-        let file = types::Fixed(
-            self.devices[s.dev as usize]
-                .as_ref()
-                .and_then(|a| a.file)
-                .expect("file device"),
-        );
+        let a = self.devices[s.dev as usize]
+            .as_mut()
+            .expect("an attached device");
+        let file = types::Fixed(a.file.expect("file device"));
+        let syncs = match s.op {
+            OpKind::Flush | OpKind::WriteFua => true,
+            OpKind::WriteZeroesFua => s.done > 0,
+            _ => false,
+        };
+        if syncs && !s.syncing {
+            s.syncing = true;
+            a.syncs += 1;
+        }
         let offset = s.offset + u64::from(s.done);
         let remaining = s.len - s.done;
         let entry: squeue::Entry = match s.op {
@@ -575,19 +602,42 @@ impl Engine {
         let s = self.slots[slot as usize]
             .take()
             .expect("finishing a live slot");
-        if let Some(a) = self.devices[s.dev as usize].as_mut() {
-            a.in_flight -= 1;
-            a.dev.settle_sync(s.op, &mut result);
+        let c = |result| Completion {
+            tag: s.tag,
+            op: s.op,
+            result,
+            buf: s.buf,
+        };
+        let Some(a) = self.devices[s.dev as usize].as_mut() else {
+            self.ready.push_back((slot, c(result)));
+            return;
+        };
+        a.in_flight -= 1;
+        if s.syncing {
+            a.syncs -= 1;
         }
-        self.ready.push_back((
-            slot,
-            Completion {
-                tag: s.tag,
-                op: s.op,
-                result,
-                buf: s.buf,
-            },
-        ));
+        let synced = match s.op {
+            OpKind::Flush | OpKind::WriteFua => true,
+            OpKind::WriteZeroesFua => s.done > 0,
+            _ => false,
+        };
+        a.dev.settle_sync(s.op, synced, &mut result);
+        // Two syncs of one open file in flight together: the one that takes a writeback
+        // error's report may complete after the other succeeded. A Flush that succeeded
+        // waits for the others, then is settled again.
+        if s.op == OpKind::Flush && result.is_ok() && a.syncs > 0 {
+            a.parked.push((slot, c(result)));
+            self.parked += 1;
+            return;
+        }
+        self.ready.push_back((slot, c(result)));
+        if a.syncs == 0 && !a.parked.is_empty() {
+            for (slot, mut p) in a.parked.drain(..) {
+                a.dev.settle_sync(OpKind::Flush, false, &mut p.result);
+                self.ready.push_back((slot, p));
+                self.parked -= 1;
+            }
+        }
     }
 
     /// Submits everything queued since the last call, in one system call. A busy kernel is
@@ -758,7 +808,7 @@ impl Engine {
 
     /// Operations the kernel has (in the ring, not yet completed).
     fn ring_owned(&self) -> usize {
-        self.in_flight() - self.ready.len() - self.librbd_owned()
+        self.in_flight() - self.ready.len() - self.librbd_owned() - self.parked
     }
 
     /// Without RBD images, nothing waits at librbd.
@@ -798,4 +848,21 @@ impl Drop for Engine {
             }
         }
     }
+}
+
+/// A new open file description of the file `f` is open on (through `/proc/self/fd`, so the
+/// same inode whatever became of its path), with its access mode and flags (O_DIRECT).
+fn reopen(f: &std::fs::File) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    // SAFETY: F_GETFL on a descriptor `f` owns reads its flags and changes nothing.
+    let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(flags & (libc::O_DIRECT | libc::O_DSYNC | libc::O_SYNC | libc::O_NOATIME))
+        .open(format!("/proc/self/fd/{}", f.as_raw_fd()))
 }

@@ -469,6 +469,104 @@ fn a_failed_sync_fails_every_later_flush_of_a_file(mut f: Fixture) {
 }
 per_backend!(a_failed_sync_fails_every_later_flush_of_a_file);
 
+/// A writeback error is reported with the failed write's errno (ENODATA for a media error,
+/// ETIMEDOUT from a network block device), not only EIO: any of them makes every later
+/// Flush fail, and the Flush is answered as lost data, never as one to retry (ETIMEDOUT was
+/// Namespace Not Ready, and the retry's sync succeeded, the lost data forgotten).
+fn a_sync_failing_with_any_writeback_errno_fails_every_later_flush(mut f: Fixture) {
+    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
+    f.write(0, &pattern(4, 4096), false);
+    f.device.fail_sync(0, libc::ETIMEDOUT);
+    f.engine.flush(f.dev, 1).unwrap();
+    let c = f.run();
+    let failed = if file {
+        Err(BlockError::Io(libc::EIO))
+    } else {
+        Ok(0)
+    };
+    assert_eq!(c[0].result, failed, "the failed sync");
+    f.engine.flush(f.dev, 2).unwrap();
+    let c = f.run();
+    assert_eq!(c[0].result, failed, "a later Flush");
+    assert_eq!(f.device.sync_failed(), file);
+}
+per_backend!(a_sync_failing_with_any_writeback_errno_fails_every_later_flush);
+
+/// Two Flushes in flight together on one engine: Linux gives a writeback error's report to
+/// the first sync that asks, and the other may complete first, successfully. It waits for
+/// the one still in flight, and fails with it (it was answered success).
+fn a_flush_that_succeeds_beside_one_taking_a_writeback_error_fails_too(mut f: Fixture) {
+    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
+    f.write(0, &pattern(5, 4096), false);
+    // The second sync to complete fails, whichever it is.
+    f.device.fail_sync(1, libc::EIO);
+    f.engine.flush(f.dev, 1).unwrap();
+    f.engine.flush(f.dev, 2).unwrap();
+    let c = f.run();
+    assert_eq!(c.len(), 2);
+    for c in &c {
+        let want = if file {
+            Err(BlockError::Io(libc::EIO))
+        } else {
+            Ok(0)
+        };
+        assert_eq!(c.result, want, "flush {}", c.tag);
+    }
+}
+per_backend!(a_flush_that_succeeds_beside_one_taking_a_writeback_error_fails_too);
+
+/// A FUA zeroing's fdatasync takes writeback errors' reports as a Flush's does, direct I/O
+/// or not: its failure makes every later Flush fail (it did not, with O_DIRECT).
+fn a_fua_zeroings_failed_sync_fails_every_later_flush(mut f: Fixture) {
+    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
+    f.write(0, &pattern(6, 4096), false);
+    f.device.fail_next_sync();
+    if let Err(r) = f.engine.write_zeroes(f.dev, 0, 4096, true, 1) {
+        // (A file system without ZERO_RANGE: tmpfs.)
+        assert!(matches!(r.error, BlockError::Unsupported(_)), "{r:?}");
+        return;
+    }
+    let c = f.run();
+    if file {
+        assert!(c[0].result.is_err(), "the zeroing's sync failed");
+    }
+    f.engine.flush(f.dev, 2).unwrap();
+    let c = f.run();
+    let want = if file {
+        Err(BlockError::Io(libc::EIO))
+    } else {
+        Ok(0)
+    };
+    assert_eq!(c[0].result, want, "a later Flush");
+}
+per_backend!(a_fua_zeroings_failed_sync_fails_every_later_flush);
+
+/// Each engine syncs through an open file description of its own: Linux reports a writeback
+/// error once per description, and one shared by every reactor gave it to whichever synced
+/// first; another reactor's Flush, settled before that one's, succeeded.
+#[test]
+fn each_engine_has_its_own_open_file_description_of_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("img");
+    std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+    let mut spec = DeviceSpec::new(Kind::File);
+    spec.path = Some(path.clone());
+    let dev = Device::open(&spec).unwrap();
+    let descriptions = || {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+            .filter(|l| *l == path)
+            .count()
+    };
+    let before = descriptions();
+    let mut a = Engine::new(8, 1, &[]).unwrap();
+    let mut b = Engine::new(8, 1, &[]).unwrap();
+    a.attach(&dev).unwrap();
+    b.attach(&dev).unwrap();
+    assert_eq!(descriptions(), before + 2);
+}
+
 fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
     let bs = f.device.info().logical_block_size as usize;
     let len = 64 * 1024;
