@@ -115,14 +115,16 @@ pub(crate) fn property(
         let iocqes = (value >> 20) & 0xF;
         let mps = (value >> 7) & 0xF;
         let css = (value >> 4) & 0x7;
+        // Round robin only (CAP.AMS offers nothing else).
+        let ams = (value >> 11) & 0x7;
         let discovery = ctrl.subsystem.is_none();
-        let ok = mps == 0 && css == 0 && (discovery || (iosqes == 6 && iocqes == 4));
+        let ok = mps == 0 && css == 0 && ams == 0 && (discovery || (iosqes == 6 && iocqes == 4));
         st.csts = if ok { 1 } else { 1 << 1 }; // RDY, or CFS
     } else if !enable && was_enabled {
         // Reset: the I/O queues must go (they see the new epoch and disconnect); the admin
         // queue stays, with the controller disabled and its negotiated state cleared.
         st.csts = 0;
-        st.queues_granted = None;
+        // (The queues allocated stay: they do not change between resets.)
         st.io_queues.clear();
         st.io_queues_lost.clear();
         // A shutdown waiting for the old I/O queues is over: its flush would otherwise run
@@ -376,6 +378,8 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.acl = 3;
     id.aerl = wire::sat(AER_LIMIT - 1);
     id.lpa = 1 << 2; // extended Get Log Page (offsets, NUMDU)
+    // One firmware slot, read-only (the Firmware Slot log reports slot 1 active).
+    id.frmw = 0x3;
     id.elpe = 0;
     id.kas = U16::new(1); // keep-alive granularity: 100 ms
     id.ctratt = U32::new(1 << 6); // TBKAS: any command restarts the keep-alive timer
@@ -648,6 +652,13 @@ fn set_features(
             q.respond(&cmd, Status::SUCCESS, dw0)
         }
         feature::ASYNC_EVENT_CONFIG => {
+            // Only the notices OAES offers (Namespace Attribute Notices, on an I/O
+            // controller), as the kernel target checks.
+            let offered = if ctrl.subsystem.is_some() { 1 << 8 } else { 0 };
+            if cdw11 & !offered != 0 {
+                drop(st);
+                return q.respond(&cmd, status::INVALID_FIELD, 0);
+            }
             st.aec = cdw11;
             q.respond(&cmd, Status::SUCCESS, 0)
         }
@@ -675,6 +686,8 @@ fn set_features(
                 q.respond(&cmd, status::FEATURE_NOT_CHANGEABLE, 0)
             }
         }
+        // Round robin, fixed (Get Features SEL 011b says so).
+        feature::ARBITRATION => q.respond(&cmd, status::FEATURE_NOT_CHANGEABLE, 0),
         _ => q.respond(&cmd, status::INVALID_FIELD, 0),
     }
 }

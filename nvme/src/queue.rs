@@ -622,7 +622,10 @@ impl Queue {
     }
 
     /// Hands over the data fetched for `cmd` (after [`Action::Fetch`]).
-    pub fn data_arrived(&mut self, cmd: Command, data: &[u8], now: Instant) -> Action {
+    pub fn data_arrived(&mut self, mut cmd: Command, data: &[u8], now: Instant) -> Action {
+        // Its completion reports the head when it is made: other commands may have completed
+        // since it arrived, with a later one.
+        cmd.sqhd = self.sqhd;
         if cmd.sqe.opcode == wire::admin_opcode::FABRICS {
             return self.connect(cmd, data, now);
         }

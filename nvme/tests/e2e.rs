@@ -906,6 +906,37 @@ fn properties_say_what_the_controller_is() {
         0x2,
         "CFS"
     );
+    // An arbitration mechanism CAP.AMS does not offer (weighted round robin): fatal too,
+    // as the kernel target answers (it was enabled).
+    let mut a = w.admin(&host(2), SUB).unwrap();
+    a.property_set(wire::property::CC, 1 | (6 << 16) | (4 << 20) | (1 << 11))
+        .unwrap();
+    assert_eq!(
+        a.property_get(wire::property::CSTS, false).unwrap() & 0x3,
+        0x2,
+        "CFS for AMS 001b"
+    );
+}
+
+/// Set Features takes only what the controller offers: Async Event Configuration bits
+/// OAES does not name are an Invalid Field (they were stored and read back as enabled), and
+/// arbitration, fixed, is Feature Not Changeable (it was an Invalid Field, against what
+/// Get Features SEL 011b says). Identify's FRMW says one read-only slot, as the Firmware
+/// Slot log reports.
+#[test]
+fn set_features_refuses_what_the_controller_does_not_offer() {
+    let w = world();
+    let (mut a, _ios) = w.controller(1);
+    assert!(status_of(a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8 | 1))
+        .same_code(status::INVALID_FIELD));
+    assert_eq!(a.get_feature(wire::feature::ASYNC_EVENT_CONFIG).unwrap(), 0);
+    assert!(status_of(a.set_feature(wire::feature::ARBITRATION, 0))
+        .same_code(status::FEATURE_NOT_CHANGEABLE));
+    assert_eq!(a.identify_controller().unwrap().frmw, 0x3);
+    let mut d = w.admin(&host(3), DISCOVERY_NQN).unwrap();
+    d.enable().unwrap();
+    assert!(status_of(d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8))
+        .same_code(status::INVALID_FIELD), "the discovery controller offers no notice");
 }
 
 #[test]
@@ -1105,6 +1136,67 @@ fn aers_held_across_a_reset_complete_at_the_next_event() {
     let ev = a.transport().poll_events();
     assert_eq!(ev.len(), 1, "the AER held across the reset never completed");
     assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (100, 0x0004_0002));
+}
+
+/// A completion reports the SQ head when it is made: a Dataset Management whose ranges are
+/// fetched completes after later commands did, and reported the head from when it arrived,
+/// older than theirs (the head went backwards).
+#[test]
+fn a_completion_after_a_data_fetch_reports_the_head_of_its_time() {
+    let w = world();
+    let (_a, mut ios) = w.controller(1);
+    let l = ios[0].transport();
+    let (addr, key) = l.register_host_memory(vec![0u8; 16]);
+    let mut dsm: Sqe = wire::zeroed();
+    dsm.opcode = wire::io_opcode::DATASET_MANAGEMENT;
+    dsm.flags = 0x40;
+    dsm.cid = U16::new(0x51);
+    dsm.nsid = U32::new(1);
+    // One range, no attribute (nothing to deallocate: answered once the ranges are here).
+    dsm.dptr = SglDesc::keyed(addr, 16, key, false);
+    let now = l.now;
+    let Action::Fetch { cmd, .. } = l.queue_mut().handle(dsm.as_bytes(), now) else {
+        panic!("the ranges are fetched");
+    };
+    // A later command completes meanwhile, with a later head.
+    let mut flush: Sqe = wire::zeroed();
+    flush.opcode = wire::io_opcode::FLUSH;
+    flush.flags = 0x40;
+    flush.cid = U16::new(0x52);
+    flush.nsid = U32::new(1);
+    let later = l.send_capsule(flush.as_bytes()).unwrap().unwrap();
+    let Action::Respond { cqe, .. } = l.queue_mut().data_arrived(cmd, &[0u8; 16], now) else {
+        panic!("answered");
+    };
+    assert!(cqe.status().is_success());
+    assert_eq!(
+        cqe.sqhd.get(),
+        later.sqhd.get(),
+        "the DSM's completion went back to its arrival's head"
+    );
+}
+
+/// Set Features Number of Queues is optional: without it, the I/O queues Get Features
+/// reports are allocated (they were refused, Connect Invalid Parameters at QID), and what
+/// was allocated stays across a reset (it was cleared, and the queues refused again).
+#[test]
+fn io_queues_connect_without_set_features_and_after_a_reset() {
+    let w = world();
+    let mut a = w.admin(&host(1), SUB).unwrap();
+    a.enable().unwrap();
+    let got = a.get_feature(wire::feature::NUMBER_OF_QUEUES).unwrap();
+    let allocated = (got & 0xFFFF) + 1;
+    assert!(allocated >= 2, "{got:#x}");
+    let last = u16::try_from(allocated).unwrap();
+    let io = IoQueue::connect(w.link(last, 31), &host(1), SUB, a.cntlid, last, 31).unwrap();
+    drop(io);
+    a.set_queue_count(2).unwrap();
+    a.property_set(wire::property::CC, 0).unwrap();
+    a.enable().unwrap();
+    assert_eq!(a.get_feature(wire::feature::NUMBER_OF_QUEUES).unwrap(), 1 | 1 << 16);
+    IoQueue::connect(w.link(2, 31), &host(1), SUB, a.cntlid, 2, 31).unwrap();
+    let beyond = IoQueue::connect(w.link(3, 31), &host(1), SUB, a.cntlid, 3, 31);
+    assert_eq!(dw0_of(beyond), 42, "qid 3 of 2 allocated");
 }
 
 /// A shutdown waiting for its I/O queues, then a reset and an enable before they are gone:

@@ -176,7 +176,12 @@ impl Queue {
             if (st.csts >> 2) & 0x3 != 0 {
                 return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
             }
-            let granted = st.queues_granted.map_or(0, |g| usize::from(g) + 1);
+            // Without Set Features Number of Queues, what Get Features reports is allocated
+            // (as the kernel target and SPDK take any queue ID up to their limit).
+            let granted = usize::from(
+                st.queues_granted
+                    .unwrap_or(limits.max_io_queues.saturating_sub(1)),
+            ) + 1;
             let slot = usize::from(qid) - 1;
             if slot < granted && st.io_queues_lost.get(slot).copied().unwrap_or(false) {
                 return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY_RETRY, 0);
