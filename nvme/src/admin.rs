@@ -181,7 +181,10 @@ fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
     Action::Io(IoRequest {
         cmd,
         nsid: 0,
-        op: IoOp::FlushAll { nsids },
+        op: IoOp::FlushAll {
+            nsids,
+            epoch: ctrl.epoch.load(Ordering::Acquire),
+        },
         data: None,
     })
 }
@@ -378,7 +381,7 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.acl = 3;
     id.aerl = wire::sat(AER_LIMIT - 1);
     id.lpa = 1 << 2; // extended Get Log Page (offsets, NUMDU)
-    // One firmware slot, read-only (the Firmware Slot log reports slot 1 active).
+                     // One firmware slot, read-only (the Firmware Slot log reports slot 1 active).
     id.frmw = 0x3;
     id.elpe = 0;
     id.kas = U16::new(1); // keep-alive granularity: 100 ms

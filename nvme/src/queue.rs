@@ -170,6 +170,9 @@ pub enum IoOp {
     FlushAll {
         /// Namespaces.
         nsids: Vec<u32>,
+        /// The controller's epoch when the shutdown began: a reset since ends it, and its
+        /// end reports nothing to the controller enabled again.
+        epoch: u32,
     },
 }
 
@@ -646,11 +649,14 @@ impl Queue {
     /// already in the transport's buffer: push it, then send the completion).
     pub fn io_done(&mut self, req: &IoRequest, result: Result<u32, BlockFailure>) -> Cqe {
         let qid = self.qid_or_zero();
-        if let IoOp::FlushAll { .. } = req.op {
+        if let IoOp::FlushAll { epoch, .. } = req.op {
             let mut csts = 0;
             if let Some(ctrl) = &self.ctrl {
                 let mut st = ctrl.lock();
-                st.csts = if result.is_ok() {
+                st.csts = if ctrl.epoch.load(Ordering::Acquire) != epoch {
+                    // Reset (and maybe enabled again) while it flushed: that shutdown is over.
+                    st.csts
+                } else if result.is_ok() {
                     (st.csts & !0xC) | (2 << 2) // SHST: shutdown processing complete
                 } else {
                     // A namespace could not be made durable: the shutdown never completes,

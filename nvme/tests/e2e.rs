@@ -927,16 +927,21 @@ fn properties_say_what_the_controller_is() {
 fn set_features_refuses_what_the_controller_does_not_offer() {
     let w = world();
     let (mut a, _ios) = w.controller(1);
-    assert!(status_of(a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8 | 1))
-        .same_code(status::INVALID_FIELD));
+    assert!(
+        status_of(a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8 | 1))
+            .same_code(status::INVALID_FIELD)
+    );
     assert_eq!(a.get_feature(wire::feature::ASYNC_EVENT_CONFIG).unwrap(), 0);
     assert!(status_of(a.set_feature(wire::feature::ARBITRATION, 0))
         .same_code(status::FEATURE_NOT_CHANGEABLE));
     assert_eq!(a.identify_controller().unwrap().frmw, 0x3);
     let mut d = w.admin(&host(3), DISCOVERY_NQN).unwrap();
     d.enable().unwrap();
-    assert!(status_of(d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8))
-        .same_code(status::INVALID_FIELD), "the discovery controller offers no notice");
+    assert!(
+        status_of(d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8))
+            .same_code(status::INVALID_FIELD),
+        "the discovery controller offers no notice"
+    );
 }
 
 #[test]
@@ -1176,6 +1181,37 @@ fn a_completion_after_a_data_fetch_reports_the_head_of_its_time() {
     );
 }
 
+/// A shutdown's flush still running when the host resets and enables the controller again:
+/// its end must not report SHST complete (nor a failure's CFS) on the controller enabled
+/// since, whose I/O queues would then be refused until another reset.
+#[test]
+fn a_shutdown_flush_ending_after_a_reset_leaves_the_enabled_controller_alone() {
+    let w = world();
+    let mut a = w.admin(&host(1), SUB).unwrap();
+    a.enable().unwrap();
+    a.set_queue_count(1).unwrap();
+    let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
+    let mut shn: Sqe = wire::zeroed();
+    shn.opcode = wire::admin_opcode::FABRICS;
+    shn.cid = U16::new(0x61);
+    let b = shn.as_mut_bytes();
+    b[4] = wire::fctype::PROPERTY_SET;
+    b[44..48].copy_from_slice(&wire::property::CC.to_le_bytes());
+    b[48..56].copy_from_slice(&u64::from(cc | 1 << 14).to_le_bytes());
+    let now = a.transport().now;
+    let Action::Io(flush) = a.transport().queue_mut().handle(shn.as_bytes(), now) else {
+        panic!("the shutdown flushes its namespaces");
+    };
+    // Reset and enabled again while the flush runs; then it ends.
+    a.property_set(wire::property::CC, 0).unwrap();
+    a.enable().unwrap();
+    a.transport().queue_mut().io_done(&flush, Ok(0));
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(csts & 0xF, 1, "ready, not shut down: CSTS {csts:#x}");
+    a.set_queue_count(1).unwrap();
+    IoQueue::connect(w.link(1, 31), &host(1), SUB, a.cntlid, 1, 31).unwrap();
+}
+
 /// Set Features Number of Queues is optional: without it, the I/O queues Get Features
 /// reports are allocated (they were refused, Connect Invalid Parameters at QID), and what
 /// was allocated stays across a reset (it was cleared, and the queues refused again).
@@ -1193,7 +1229,10 @@ fn io_queues_connect_without_set_features_and_after_a_reset() {
     a.set_queue_count(2).unwrap();
     a.property_set(wire::property::CC, 0).unwrap();
     a.enable().unwrap();
-    assert_eq!(a.get_feature(wire::feature::NUMBER_OF_QUEUES).unwrap(), 1 | 1 << 16);
+    assert_eq!(
+        a.get_feature(wire::feature::NUMBER_OF_QUEUES).unwrap(),
+        1 | 1 << 16
+    );
     IoQueue::connect(w.link(2, 31), &host(1), SUB, a.cntlid, 2, 31).unwrap();
     let beyond = IoQueue::connect(w.link(3, 31), &host(1), SUB, a.cntlid, 3, 31);
     assert_eq!(dw0_of(beyond), 42, "qid 3 of 2 allocated");

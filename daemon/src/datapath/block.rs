@@ -160,7 +160,7 @@ impl DataPath {
         };
         while !r.ops_done {
             let nsid = match &io.op {
-                IoOp::FlushAll { nsids } => match nsids.get(r.next_op as usize) {
+                IoOp::FlushAll { nsids, .. } => match nsids.get(r.next_op as usize) {
                     Some(&n) => n,
                     None => break,
                 },

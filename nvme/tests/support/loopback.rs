@@ -281,7 +281,7 @@ impl Loopback {
             _ => None,
         };
         let (result, read) = match &req.op {
-            IoOp::FlushAll { nsids } => {
+            IoOp::FlushAll { nsids, .. } => {
                 let mut r = Ok(0);
                 for &n in nsids {
                     let (x, _) = self
