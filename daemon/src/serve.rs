@@ -69,6 +69,10 @@ fn unavailable(errno: i32) -> bool {
         libc::EHOSTUNREACH,
         libc::EAGAIN,
         libc::EINTR,
+        // io_uring's worker pool could not take the operation (no worker thread could be
+        // made, RLIMIT_NPROC or memory): nothing was done, a retry may pass.
+        libc::ECANCELED,
+        libc::ENOMEM,
     ]
     .contains(&errno)
 }
@@ -341,6 +345,9 @@ mod tests {
             // Turned away for now by the device: retried, not a lost write.
             (BlockError::Io(libc::EAGAIN), BlockFailure::Unavailable),
             (BlockError::Io(libc::EINTR), BlockFailure::Unavailable),
+            // Not taken by io_uring's workers for want of a thread or memory.
+            (BlockError::Io(libc::ECANCELED), BlockFailure::Unavailable),
+            (BlockError::Io(libc::ENOMEM), BlockFailure::Unavailable),
             // Blocklisted by the cluster: retrying cannot help.
             (BlockError::Io(libc::ESHUTDOWN), BlockFailure::Io),
         ];
