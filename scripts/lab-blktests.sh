@@ -10,7 +10,8 @@
 # lab's kernel 6.1. Every test's verdict is printed; the script fails when any test failed or
 # did not run. Not part of the test command: blktests cannot be fetched in CI.
 # Environment: NVME_IMG_SIZE (blktests', default 1G), BLKTESTS_TIMEOUT (fio's time limit in
-# blktests' timed tests, default 60 s).
+# blktests' timed tests, default 60 s), BLKTESTS_STALL (seconds without progress from check
+# before the guest's state is printed; at the second time the run ends; default 240).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 src=${1:?usage: scripts/lab-blktests.sh BLKTESTS-DIR [TEST...]}
@@ -30,6 +31,7 @@ rm -rf "$dst/results"
   printf 'TESTS="%s"\n' "${tests[*]/#/nvme/}"
   printf 'NVME_IMG_SIZE=%s\n' "${NVME_IMG_SIZE:-1G}"
   printf 'TIMEOUT=%s\n' "${BLKTESTS_TIMEOUT:-60}"
+  printf 'BLKTESTS_STALL=%s\n' "${BLKTESTS_STALL:-240}"
 } > "$dst/.nvmfd-lab"
 exec "$top/scripts/lab/run-guest-script.sh" lab-blktests blktests-guest.sh \
   "LAB BLKTESTS: ALL TESTS PASSED" \
