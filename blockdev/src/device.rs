@@ -249,6 +249,13 @@ impl Ram {
     }
 }
 
+/// The syncs of a device's file in flight on every engine, numbered in the order they began.
+#[derive(Debug, Default)]
+pub(crate) struct SyncsInFlight {
+    next: u64,
+    in_flight: std::collections::BTreeSet<u64>,
+}
+
 /// An open device, shared by the reactors that serve it (each attaches it to its own engine).
 pub struct Device {
     /// What it is; `info.size` is its capacity when opened (`size` is the capacity now).
@@ -266,6 +273,9 @@ pub struct Device {
     pub(crate) sync_failed: std::sync::atomic::AtomicBool,
     /// `sync_failed` was reported once ([`Device::first_sync_failure`]).
     pub(crate) sync_failure_reported: std::sync::atomic::AtomicBool,
+    /// Operations of every engine whose step syncs the device's file, in flight
+    /// ([`Device::sync_begin`]): one of them may take a writeback error's report.
+    pub(crate) syncs: std::sync::Mutex<SyncsInFlight>,
     /// Test hook ([`Device::fail_next_sync`]): the next sync to complete fails.
     pub(crate) inject_sync_failure: std::sync::atomic::AtomicBool,
     /// Test hook ([`Device::fail_sync`]): syncs let through before the injected failure, and
@@ -344,6 +354,7 @@ impl Device {
                     warning: None,
                     sync_failed: Default::default(),
                     sync_failure_reported: Default::default(),
+                    syncs: Default::default(),
                     inject_sync_failure: Default::default(),
                     inject_sync_skip: Default::default(),
                     inject_sync_errno: Default::default(),
@@ -358,6 +369,7 @@ impl Device {
                 warning: None,
                 sync_failed: Default::default(),
                 sync_failure_reported: Default::default(),
+                syncs: Default::default(),
                 inject_sync_failure: Default::default(),
                 inject_sync_skip: Default::default(),
                 inject_sync_errno: Default::default(),
@@ -475,6 +487,49 @@ impl Device {
         }
     }
 
+    /// A sync of the file begins (a Flush's fdatasync, a FUA write, a FUA zeroing's
+    /// fdatasync, on any engine): its number, for [`Device::sync_end`].
+    pub(crate) fn sync_begin(&self) -> u64 {
+        let mut s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = s.next;
+        s.next += 1;
+        s.in_flight.insert(n);
+        n
+    }
+
+    /// Sync `n` ended (settled first: a writeback error it took is noted before a Flush
+    /// waiting for it looks).
+    pub(crate) fn sync_end(&self, n: u64) {
+        let mut s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.in_flight.remove(&n);
+    }
+
+    /// For a Flush that succeeded now: `Some(until)` when syncs begun before now are still
+    /// in flight (one may take the report of a writeback error this Flush's sync did not
+    /// see); it is settled once every sync numbered below `until` has ended.
+    pub(crate) fn syncs_to_wait_for(&self) -> Option<u64> {
+        let s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (!s.in_flight.is_empty()).then_some(s.next)
+    }
+
+    /// Whether every sync numbered below `until` has ended.
+    pub(crate) fn syncs_ended_before(&self, until: u64) -> bool {
+        let s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.in_flight.first().is_none_or(|&low| low >= until)
+    }
+
     /// True once, at the first call after a sync of this device failed: that failure is to
     /// be reported (logged) now.
     pub fn first_sync_failure(&self) -> bool {
@@ -522,7 +577,9 @@ impl Device {
             }
             let report = match result {
                 Ok(_) => false,
-                // Refusals of the call itself, never a writeback's error.
+                // Refusals of the call itself (a FUA write refused before any I/O: a
+                // read-only block device's EPERM, an immutable file's), never a writeback's
+                // error.
                 Err(BlockError::Io(e)) => ![
                     libc::EBADF,
                     libc::EINVAL,
@@ -530,6 +587,10 @@ impl Device {
                     libc::EAGAIN,
                     libc::EINTR,
                     libc::ENOMEM,
+                    libc::EPERM,
+                    libc::ETXTBSY,
+                    libc::EFBIG,
+                    libc::EFAULT,
                 ]
                 .contains(e),
                 Err(BlockError::NoSpace) => !(op == OpKind::WriteFua && self.info.direct),
@@ -714,6 +775,7 @@ fn open_path(
         warning: fallback_reason,
         sync_failed: Default::default(),
         sync_failure_reported: Default::default(),
+        syncs: Default::default(),
         inject_sync_failure: Default::default(),
         inject_sync_skip: Default::default(),
         inject_sync_errno: Default::default(),
@@ -760,6 +822,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         warning,
         sync_failed: Default::default(),
         sync_failure_reported: Default::default(),
+        syncs: Default::default(),
         inject_sync_failure: Default::default(),
         inject_sync_skip: Default::default(),
         inject_sync_errno: Default::default(),
@@ -861,5 +924,32 @@ mod sync_tests {
             assert!(!Device::open(&spec).unwrap().sync().unwrap(), "{kind:?}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod sync_order {
+    use super::*;
+
+    /// A Flush that succeeded waits for the syncs begun before it ended (one may have taken
+    /// a writeback error's report), not for those begun after: under a steady stream of FUA
+    /// writes it waited for a moment with none in flight, which may never come.
+    #[test]
+    fn a_flush_waits_only_for_the_syncs_begun_before_it_ended() {
+        let mut spec = DeviceSpec::new(Kind::Malloc);
+        spec.size = 1 << 20;
+        let d = Device::open(&spec).unwrap();
+        assert_eq!(d.syncs_to_wait_for(), None, "nothing in flight");
+        let before = d.sync_begin();
+        let until = d.syncs_to_wait_for().expect("a sync begun before");
+        let after = d.sync_begin();
+        assert!(!d.syncs_ended_before(until));
+        d.sync_end(before);
+        assert!(
+            d.syncs_ended_before(until),
+            "held by a sync begun after the Flush ended"
+        );
+        d.sync_end(after);
+        assert_eq!(d.syncs_to_wait_for(), None);
     }
 }

@@ -67,17 +67,11 @@ struct Attached {
     dev: Arc<Device>,
     /// Index in the ring's registered file table (files and block devices).
     file: Option<u32>,
-    /// This engine's own open file description of the device (`reopen`), registered in
-    /// place of the device's: Linux reports a writeback error once per open file
-    /// description, so each engine's next sync sees it, not only the first to ask.
-    _own_file: Option<std::fs::File>,
     in_flight: usize,
-    /// Operations in flight here whose step syncs the file (a Flush, a FUA write, a FUA
-    /// zeroing's fdatasync): one of them may take a writeback error's report.
-    syncs: u32,
-    /// Flushes that succeeded while such an operation was in flight here: they complete once
-    /// none is, and fail if one of those took a writeback error (`Device::settle_sync`).
-    parked: Vec<(u32, Completion)>,
+    /// Flushes that succeeded while syncs of the device's file begun before were in flight
+    /// (on any engine): each completes once those have ended (the number they are below),
+    /// and fails if one took a writeback error's report (`Device::settle_sync`).
+    parked: Vec<(u32, Completion, u64)>,
     /// This engine's own handle on an RBD image, notifying the engine's eventfd.
     #[cfg(feature = "rbd")]
     rbd: Option<crate::rbd::Image>,
@@ -93,8 +87,8 @@ struct Slot {
     buf: Option<DmaBuf>,
     /// A write's data in memory the engine does not own (`write_from`): its address.
     from: Option<std::ptr::NonNull<u8>>,
-    /// Counted in its device's `syncs`.
-    syncing: bool,
+    /// Its number among the syncs of its device's file in flight (`Device::sync_begin`).
+    sync: Option<u64>,
 }
 
 /// The largest region io_uring registers as one fixed buffer.
@@ -210,15 +204,14 @@ impl Engine {
         };
         let slot =
             u32::try_from(index).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
-        let (file, own_file) = match &dev.backing {
+        let file = match &dev.backing {
             Backing::File(f) => {
-                // (Where the device cannot be opened again, the shared description serves.)
-                let own = reopen(f).ok();
-                let fd = own.as_ref().unwrap_or(f).as_raw_fd();
-                self.ring.submitter().register_files_update(slot, &[fd])?;
-                (Some(slot), own)
+                self.ring
+                    .submitter()
+                    .register_files_update(slot, &[f.as_raw_fd()])?;
+                Some(slot)
             }
-            _ => (None, None),
+            _ => None,
         };
         #[cfg(feature = "rbd")]
         let rbd = match &dev.backing {
@@ -232,9 +225,7 @@ impl Engine {
         self.devices[index] = Some(Attached {
             dev: Arc::clone(dev),
             file,
-            _own_file: own_file,
             in_flight: 0,
-            syncs: 0,
             parked: Vec::new(),
             #[cfg(feature = "rbd")]
             rbd,
@@ -427,7 +418,7 @@ impl Engine {
             done: 0,
             buf,
             from,
-            syncing: false,
+            sync: None,
         });
         if let Some(a) = self.devices[dev_index as usize].as_mut() {
             a.in_flight += 1;
@@ -464,9 +455,8 @@ impl Engine {
             OpKind::WriteZeroesFua => s.done > 0,
             _ => false,
         };
-        if syncs && !s.syncing {
-            s.syncing = true;
-            a.syncs += 1;
+        if syncs && s.sync.is_none() {
+            s.sync = Some(a.dev.sync_begin());
         }
         let offset = s.offset + u64::from(s.done);
         let remaining = s.len - s.done;
@@ -613,29 +603,46 @@ impl Engine {
             return;
         };
         a.in_flight -= 1;
-        if s.syncing {
-            a.syncs -= 1;
-        }
         let synced = match s.op {
             OpKind::Flush | OpKind::WriteFua => true,
             OpKind::WriteZeroesFua => s.done > 0,
             _ => false,
         };
         a.dev.settle_sync(s.op, synced, &mut result);
-        // Two syncs of one open file in flight together: the one that takes a writeback
-        // error's report may complete after the other succeeded. A Flush that succeeded
-        // waits for the others, then is settled again.
-        if s.op == OpKind::Flush && result.is_ok() && a.syncs > 0 {
-            a.parked.push((slot, c(result)));
-            self.parked += 1;
-            return;
+        // Settled first, then ended: a Flush waiting for it sees the error it took.
+        if let Some(n) = s.sync {
+            a.dev.sync_end(n);
+        }
+        // Linux reports a writeback error once, to the first sync of the file that asks:
+        // another sync begun before this Flush ended may have taken it, and end after. A
+        // Flush that succeeded waits for those (not for syncs begun after it ended, which
+        // cannot have), then is settled again.
+        if s.op == OpKind::Flush && result.is_ok() && s.sync.is_some() {
+            if let Some(until) = a.dev.syncs_to_wait_for() {
+                a.parked.push((slot, c(result), until));
+                self.parked += 1;
+                return;
+            }
         }
         self.ready.push_back((slot, c(result)));
-        if a.syncs == 0 && !a.parked.is_empty() {
-            for (slot, mut p) in a.parked.drain(..) {
-                a.dev.settle_sync(OpKind::Flush, false, &mut p.result);
-                self.ready.push_back((slot, p));
-                self.parked -= 1;
+    }
+
+    /// Parked Flushes whose syncs to wait for have ended go on, settled again.
+    fn release_parked(&mut self) {
+        if self.parked == 0 {
+            return;
+        }
+        for a in self.devices.iter_mut().flatten() {
+            let mut i = 0;
+            while i < a.parked.len() {
+                if a.dev.syncs_ended_before(a.parked[i].2) {
+                    let (slot, mut c, _) = a.parked.swap_remove(i);
+                    a.dev.settle_sync(OpKind::Flush, false, &mut c.result);
+                    self.ready.push_back((slot, c));
+                    self.parked -= 1;
+                } else {
+                    i += 1;
+                }
             }
         }
     }
@@ -717,6 +724,7 @@ impl Engine {
                 self.finish(slot, Ok(len));
             }
         }
+        self.release_parked();
         let mut n = 0;
         while let Some((slot, c)) = self.ready.pop_front() {
             self.free_slots.push(slot);
@@ -800,6 +808,9 @@ impl Engine {
                 }
             } else if self.ready.is_empty() && self.librbd_owned() > 0 {
                 self.wait_librbd()?;
+            } else if self.ready.is_empty() && self.parked > 0 {
+                // Flushes waiting for another engine's syncs: asked again after a yield.
+                std::thread::yield_now();
             }
             self.reap(&mut f);
         }
@@ -848,21 +859,4 @@ impl Drop for Engine {
             }
         }
     }
-}
-
-/// A new open file description of the file `f` is open on (through `/proc/self/fd`, so the
-/// same inode whatever became of its path), with its access mode and flags (O_DIRECT).
-fn reopen(f: &std::fs::File) -> io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    // SAFETY: F_GETFL on a descriptor `f` owns reads its flags and changes nothing.
-    let flags = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
-    if flags < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(write)
-        .custom_flags(flags & (libc::O_DIRECT | libc::O_DSYNC | libc::O_SYNC | libc::O_NOATIME))
-        .open(format!("/proc/self/fd/{}", f.as_raw_fd()))
 }

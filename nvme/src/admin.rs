@@ -655,9 +655,15 @@ fn set_features(
             q.respond(&cmd, Status::SUCCESS, dw0)
         }
         feature::ASYNC_EVENT_CONFIG => {
-            // Only the notices OAES offers (Namespace Attribute Notices, on an I/O
-            // controller), as the kernel target checks.
-            let offered = if ctrl.subsystem.is_some() { 1 << 8 } else { 0 };
+            // The SMART / Health critical warnings (bits 7:0, never raised) and the notices
+            // OAES offers: Namespace Attribute Notices on an I/O controller; on a discovery
+            // controller, the Discovery Log Page Change notices SPDK hosts ask for (never
+            // raised either), as the kernel target accepts them.
+            let offered = if ctrl.subsystem.is_some() {
+                0xFF | 1 << 8
+            } else {
+                1 << 31
+            };
             if cdw11 & !offered != 0 {
                 drop(st);
                 return q.respond(&cmd, status::INVALID_FIELD, 0);

@@ -919,7 +919,8 @@ fn properties_say_what_the_controller_is() {
 }
 
 /// Set Features takes only what the controller offers: Async Event Configuration bits
-/// OAES does not name are an Invalid Field (they were stored and read back as enabled), and
+/// beyond the critical warnings and what OAES names are an Invalid Field (they were stored
+/// and read back as enabled), and
 /// arbitration, fixed, is Feature Not Changeable (it was an Invalid Field, against what
 /// Get Features SEL 011b says). Identify's FRMW says one read-only slot, as the Firmware
 /// Slot log reports.
@@ -928,10 +929,13 @@ fn set_features_refuses_what_the_controller_does_not_offer() {
     let w = world();
     let (mut a, _ios) = w.controller(1);
     assert!(
-        status_of(a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8 | 1))
+        status_of(a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8 | 1 << 9))
             .same_code(status::INVALID_FIELD)
     );
     assert_eq!(a.get_feature(wire::feature::ASYNC_EVENT_CONFIG).unwrap(), 0);
+    // What an SPDK host asks for: the critical warnings and Namespace Attribute Notices.
+    a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 0x11F)
+        .unwrap();
     assert!(status_of(a.set_feature(wire::feature::ARBITRATION, 0))
         .same_code(status::FEATURE_NOT_CHANGEABLE));
     assert_eq!(a.identify_controller().unwrap().frmw, 0x3);
@@ -940,8 +944,10 @@ fn set_features_refuses_what_the_controller_does_not_offer() {
     assert!(
         status_of(d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8))
             .same_code(status::INVALID_FIELD),
-        "the discovery controller offers no notice"
+        "no Namespace Attribute Notices on discovery"
     );
+    d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 31)
+        .unwrap();
 }
 
 #[test]

@@ -417,6 +417,10 @@ impl Daemon {
                         disconnected: (!listening).then_some(token),
                     };
                     if meanwhile {
+                        // Its listeners take no new connection on the dying device until
+                        // the removal is handled.
+                        let fd = removal.device.as_ref().map(any::Device::async_fd);
+                        self.hold_listeners_on(fd);
                         self.deferred_removals.push(removal);
                     } else {
                         self.handle_removal(registry, removal);
@@ -457,6 +461,17 @@ impl Daemon {
         }
     }
 
+    /// Listeners on the device whose async fd is `fd` take no connection until the next
+    /// control loop turn (`Listening::held`).
+    fn hold_listeners_on(&mut self, fd: Option<std::os::fd::RawFd>) {
+        let Some(fd) = fd else { return };
+        for c in &mut self.cm {
+            if c.device.as_ref().is_some_and(|d| d.async_fd() == fd) {
+                c.held = true;
+            }
+        }
+    }
+
     /// The device removals seen while a change waited, now that it is done.
     pub(super) fn handle_deferred_removals(&mut self, registry: &Registry) {
         for r in std::mem::take(&mut self.deferred_removals) {
@@ -482,6 +497,7 @@ impl Daemon {
         for slot in 0..self.async_devs.len() {
             if self.route_async(slot) {
                 let device = self.async_devs[slot].clone();
+                self.hold_listeners_on(device.as_ref().map(any::Device::async_fd));
                 self.deferred_removals.push(DeferredRemoval {
                     device,
                     cause: "IBV_EVENT_DEVICE_FATAL",
