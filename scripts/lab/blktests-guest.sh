@@ -37,6 +37,12 @@ CFG
 # blktests' check needs /dev/fd, which the minimal guest lacks.
 [ -e /dev/fd ] || ln -s /proc/self/fd /dev/fd
 modprobe -a nvme-rdma nvme-fabrics || { echo "modprobe nvme-rdma failed"; exit 1; }
+# blktests unloads after each test the modules it loaded itself (`_have_driver`), waiting for
+# them in `modprobe --remove --wait=50000`; for `loop`, which its nvme tests ask for, that
+# wait spun in this guest (state R, minutes past its 50 s, nvmfd idle: the stall watcher caught
+# it after nvme/003), and otherwise took 50 s per test ("still loop has references"). Loaded
+# here first, it is not blktests' to unload.
+modprobe loop || echo "modprobe loop failed: blktests will load and unload it itself"
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
 for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
