@@ -412,7 +412,12 @@ impl ReactorPaths {
 
     /// Every live data path.
     fn live(&mut self) -> impl Iterator<Item = &mut CountedPath> {
-        self.paths.iter_mut().map(|s| &mut s.path)
+        // Not one whose CQ failed this turn: it serves nothing more, and is replaced (from
+        // `builder`) at the end of the turn.
+        self.paths
+            .iter_mut()
+            .map(|s| &mut s.path)
+            .filter(|p| !p.dp.cq_broken())
     }
 
     /// Moves the data paths' totals into the reactor's counters and stores the sum of their

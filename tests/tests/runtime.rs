@@ -740,6 +740,55 @@ fn hosts_connect_and_keep_alives_expire_while_a_long_change_waits() {
     drop(silent);
 }
 
+/// At the namespace limit (1,024 in all), a change that removes one namespace and adds
+/// another attaches the new one before the old one is let go: each reactor's engine has room
+/// for both (its device table was exactly the limit, and such a change was refused: "the
+/// engine's device table is full").
+#[test]
+fn a_change_swapping_a_namespace_at_the_namespace_limit_is_taken() {
+    let port = test_port();
+    // Subsystem A with 1,023 namespaces, B with one: 1,024 in all; the change moves B's to A.
+    let config = |a_count: u32, b_has_one: bool| {
+        let mut c = format!(
+            "[daemon]\nreactor_cores = [0]\nadmin_socket = \"@DIR@/admin.sock\"\n\n\
+             [[listener]]\naddress = \"127.0.0.1\"\nport = {port}\nprovider = \"soft\"\n\n\
+             [[subsystem]]\nnqn = \"{A}\"\nallow_any_host = true\n"
+        );
+        let ns = |nsid: u32| {
+            format!(
+                "\n[[subsystem.namespace]]\nnsid = {nsid}\nbackend = \"null\"\nsize = \"1MiB\"\n"
+            )
+        };
+        for nsid in 1..=a_count {
+            c.push_str(&ns(nsid));
+        }
+        c.push_str(&format!(
+            "\n[[subsystem]]\nnqn = \"{B}\"\nallow_any_host = true\n"
+        ));
+        if b_has_one {
+            c.push_str(&ns(1));
+        }
+        c
+    };
+    let d = Daemon::start(Options {
+        config: Some(config(1023, true)),
+        ..Options::default()
+    });
+    let dir = d.dir.path().display().to_string();
+    std::fs::write(
+        d.dir.path().join("nvmfd.toml"),
+        config(1024, false).replace("@DIR@", &dir),
+    )
+    .unwrap();
+    let done = change(&d, serde_json::json!({"request": "reload"}));
+    assert!(done.to_string().contains("1024"), "{done}");
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut h = Host::connect("127.0.0.51", addr, A, 0x51);
+    assert_eq!(h.blocks(1024), 2048, "the added namespace serves");
+    let mut back = vec![0u8; 4096];
+    h.io.read(1024, 0, 8, &mut back).unwrap();
+}
+
 /// A listener whose device came back takes connection requests only once its reactors have
 /// a data path on it. While the control thread opens RBD handles ahead for those data paths
 /// (held here at the test gate, taken with no RBD namespace too), a request waits; handed on

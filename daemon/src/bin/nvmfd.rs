@@ -68,6 +68,9 @@ fn main() -> ExitCode {
     for w in cfg.warnings() {
         warn!(log, "configuration: {}", w);
     }
+    if let Err(e) = nvmfd::datapath::raise_file_limit() {
+        warn!(log, "cannot raise the open file limit to its hard limit: each reactor's engine serves at most 1,024 namespace devices at once"; "error" => %e);
+    }
     // Written back after changes made while serving: by its absolute path, whatever the
     // working directory becomes.
     let path = std::fs::canonicalize(&cli.config).unwrap_or_else(|_| cli.config.clone());

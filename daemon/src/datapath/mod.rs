@@ -39,9 +39,46 @@ use crate::stats::bump;
 use class::Class;
 
 /// Namespace devices one data path's engine can serve at once (its registered file table):
-/// as many as the configuration allows namespaces. No more: registering a file table larger
-/// than RLIMIT_NOFILE fails with EMFILE, and the usual soft limit is 1024.
-pub const MAX_ATTACHED: u32 = nvmfd_config::MAX_NAMESPACES;
+/// twice as many as the configuration allows namespaces, so that a change swapping
+/// namespaces at the limit attaches the new ones before the old ones are let go (and devices
+/// still finishing operations after their removal keep their slots meanwhile). Bounded by
+/// the soft RLIMIT_NOFILE (a larger file table fails with EMFILE; nvmfd raises its soft limit
+/// to the hard one at start, `raise_file_limit`), and never below the namespace limit.
+pub fn max_attached() -> u32 {
+    let want = 2 * nvmfd_config::MAX_NAMESPACES;
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limits of this process into `lim`, which it owns.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return nvmfd_config::MAX_NAMESPACES;
+    }
+    let soft = u32::try_from(lim.rlim_cur).unwrap_or(u32::MAX);
+    want.min(soft).max(nvmfd_config::MAX_NAMESPACES)
+}
+
+/// Raises this process's soft RLIMIT_NOFILE to its hard limit (the usual soft 1024 bounds the
+/// engines' file tables, `max_attached`); returns the soft limit now.
+pub fn raise_file_limit() -> std::io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limits of this process into `lim`, which it owns.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        lim.rlim_cur = lim.rlim_max;
+        // SAFETY: setrlimit reads `lim`; raising the soft limit up to the hard one is always
+        // allowed.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(lim.rlim_cur)
+}
 
 mod block;
 mod class;
@@ -417,7 +454,7 @@ impl DataPath {
         let zeros = pd
             .alloc_mr(cfg.max_io.max(small_size) as usize, Access::empty())
             .map_err(verr)?;
-        let engine = Engine::new(cfg.requests, MAX_ATTACHED, &[pool.clone(), small.clone()])?;
+        let engine = Engine::new(cfg.requests, max_attached(), &[pool.clone(), small.clone()])?;
         let mut dp = DataPath {
             target,
             cq,
