@@ -248,8 +248,7 @@ impl Daemon {
             // An RBD image's engine handles are opened here too, one for each data path a
             // reactor may have (one per listener's device at most), so that no reactor waits
             // on the cluster when it attaches the image.
-            let engines =
-                self.inboxes.len() * self.cm.iter().filter(|c| c.device.is_some()).count().max(1);
+            let engines = self.engines();
             let attached = self
                 .off_thread(move || {
                     let dev = BlockDevice::open(&spec)?;

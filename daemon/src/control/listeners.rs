@@ -461,6 +461,18 @@ impl Daemon {
         }
     }
 
+    /// The engines an RBD image is attached to: one per reactor and data path, and a reactor
+    /// has one data path per RDMA device its listeners serve on (listeners sharing a device
+    /// share it), at least one.
+    pub(super) fn engines(&self) -> usize {
+        let devices: std::collections::BTreeSet<std::os::fd::RawFd> = self
+            .cm
+            .iter()
+            .filter_map(|c| c.device.as_ref().map(any::Device::async_fd))
+            .collect();
+        self.inboxes.len() * devices.len().max(1)
+    }
+
     /// Listeners on the device whose async fd is `fd` take no connection until the next
     /// control loop turn (`Listening::held`).
     fn hold_listeners_on(&mut self, fd: Option<std::os::fd::RawFd>) {

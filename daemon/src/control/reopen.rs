@@ -66,8 +66,7 @@ impl Daemon {
         }
         // An RBD image's engine handles are opened with it, one for each data path a reactor
         // may have, so that no reactor waits on the cluster when it attaches the image.
-        let engines =
-            self.inboxes.len() * self.cm.iter().filter(|c| c.device.is_some()).count().max(1);
+        let engines = self.engines();
         let mut ended = Vec::new();
         for (k, r) in self.reopens.iter_mut().enumerate() {
             match &r.pending {
