@@ -260,13 +260,14 @@ impl Engine {
         self.slots.len() - self.free_slots.len()
     }
 
-    /// Whether an operation that writes past `end` bytes of `dev` is queued or in flight
-    /// here (reaped or not): a shrink of `dev` to `end` waits until none is left anywhere
-    /// before it cuts the backend (`Device::resize_fenced`), or such a write could extend it
-    /// again.
-    pub fn writes_past(&self, dev: &Arc<Device>, end: u64) -> bool {
+    /// Whether an operation that reads or writes past `end` bytes of `dev` is queued or in
+    /// flight here (reaped or not): a shrink of `dev` to `end` waits until none is left
+    /// anywhere before it cuts the backend (`Device::resize_fenced`): such a write could
+    /// extend it again, and such a read, running while the tail is cut (librbd deletes an
+    /// image's objects one by one), would return zeroes as data.
+    pub fn io_past(&self, dev: &Arc<Device>, end: u64) -> bool {
         self.slots.iter().flatten().any(|s| {
-            !matches!(s.op, OpKind::Read | OpKind::Flush)
+            s.op != OpKind::Flush
                 && s.offset.saturating_add(u64::from(s.len)) > end
                 && self
                     .devices

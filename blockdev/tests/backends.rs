@@ -852,6 +852,49 @@ impl ProbeDirect for std::fs::OpenOptions {
     }
 }
 
+/// A shrink's fence waits for the reads past the new end let through before it, as for the
+/// writes: cut under one (librbd deletes an image's tail object by object), a read returned
+/// zeroes as data, or a file's a short transfer. It was not waited for.
+fn a_shrink_waits_for_the_reads_past_its_end_let_through_before_it(mut f: Fixture) {
+    let kind = f.device.info().kind;
+    if !f.stores || kind == Kind::Bdev {
+        return; // a block device has its own size; null stores nothing
+    }
+    let half = SIZE / 2;
+    let len = 8192;
+    let at = half + 8192;
+    let data = pattern(9, len);
+    f.write(at, &data, false);
+    let b = f.buf(len);
+    f.engine.read(f.dev, at, b, 1).unwrap();
+    // RAM reads as it queues (done, no longer in flight); the others later.
+    assert_eq!(
+        f.engine.io_past(&f.device, half),
+        kind != Kind::Malloc,
+        "a read past the new end in flight"
+    );
+    let (engine, pool) = (&mut f.engine, &f.pool);
+    let mut done = Vec::new();
+    f.device
+        .resize_fenced(Some(half), || {
+            let late = pool.take().unwrap();
+            let refused = engine.read(f.dev, at, late, 2).unwrap_err();
+            assert!(
+                matches!(refused.error, BlockError::OutOfRange { .. }),
+                "{refused:?}"
+            );
+            engine.drain(|c| done.push(c))?;
+            assert!(!engine.io_past(&f.device, half));
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].result, Ok(len as u32));
+    let got = done.pop().unwrap().buf.unwrap();
+    f.expect(&got.as_slice()[..len], &data, "read before the cut");
+}
+per_backend!(a_shrink_waits_for_the_reads_past_its_end_let_through_before_it);
+
 /// A shrink stores the new capacity first (a write past it is refused from then on), waits in
 /// its fence for the writes past it let through before, and only then cuts the backend: a
 /// write queued before the shrink, which runs in the fence, cannot extend a file past its new
@@ -870,11 +913,8 @@ fn a_shrink_cuts_after_the_writes_let_through_before_it(mut f: Fixture) {
     b.as_mut_slice().copy_from_slice(&data);
     f.engine.write(f.dev, at, b, false, 1).unwrap();
     // RAM writes as it queues (what is done is no longer in flight); the others later.
-    assert_eq!(f.engine.writes_past(&f.device, half), kind != Kind::Malloc);
-    assert!(
-        !f.engine.writes_past(&f.device, at + len as u64),
-        "ends there"
-    );
+    assert_eq!(f.engine.io_past(&f.device, half), kind != Kind::Malloc);
+    assert!(!f.engine.io_past(&f.device, at + len as u64), "ends there");
     let (engine, pool) = (&mut f.engine, &f.pool);
     let mut done = Vec::new();
     f.device
@@ -888,7 +928,7 @@ fn a_shrink_cuts_after_the_writes_let_through_before_it(mut f: Fixture) {
                 "{refused:?}"
             );
             engine.drain(|c| done.push(c))?;
-            assert!(!engine.writes_past(&f.device, half));
+            assert!(!engine.io_past(&f.device, half));
             Ok(())
         })
         .unwrap();

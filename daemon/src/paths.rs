@@ -89,8 +89,8 @@ pub enum ReactorCmd {
     /// The target raised asynchronous events (or ended controllers): complete the held
     /// AERs whose events came, and close what ended, now rather than at the next command.
     PollEvents,
-    /// `dev` was shrunk to `end` bytes (its capacity stored, so no write past it is let
-    /// through any more): answer on `done` once no write past it is left at an engine here,
+    /// `dev` was shrunk to `end` bytes (its capacity stored, so no read or write past it is
+    /// let through any more): answer on `done` once none past it is left at an engine here,
     /// after which the control thread cuts the backend.
     FenceWrites {
         /// The device.
@@ -232,7 +232,8 @@ pub struct ReactorPaths {
     fds_changed: bool,
     /// Listeners without a data path here because setting one up failed.
     unserved: Unserved,
-    /// Shrinks waiting for writes past their device's new end (`ReactorCmd::FenceWrites`).
+    /// Shrinks waiting for reads and writes past their device's new end
+    /// (`ReactorCmd::FenceWrites`).
     fences: Vec<(
         Arc<nvmfd_blockdev::Device>,
         u64,
@@ -684,7 +685,7 @@ impl crate::reactor::ReactorWork for ReactorPaths {
             // an engine by now.
             let mut fences = std::mem::take(&mut self.fences);
             fences.retain(|(dev, end, done)| {
-                let left = self.all().any(|p| p.dp.writes_past(dev, *end));
+                let left = self.all().any(|p| p.dp.io_past(dev, *end));
                 if !left {
                     let _ = done.send(());
                 }

@@ -50,11 +50,12 @@ impl Device {
 
     /// [`Device::resize`]; a shrink to `size` first stores the new capacity (every engine
     /// refuses an operation past it from then on), then runs `fence`, which must return once
-    /// no write past it queued before is left at any engine (a reactor's turn, then its
-    /// operations past the end completed: `Engine::writes_past`), and only then cuts the
+    /// no read or write past it queued before is left at any engine (a reactor's turn, then
+    /// its operations past the end completed: `Engine::io_past`), and only then cuts the
     /// backend. Cut first, a write already let through could extend a file (or recreate an
     /// image's objects) past the new end, where a later grow would read its old data and a
-    /// restart would find the larger size. The tail of a RAM device is zeroed then, as a file's
+    /// restart would find the larger size; and a read could return the tail being deleted
+    /// as zeroes. The tail of a RAM device is zeroed then, as a file's
     /// truncated tail reads back zeroes. A failed fence or cut puts the capacity back, but
     /// for an RBD image whose cut failed: librbd deletes the objects past the new end before
     /// it updates the image's size, so the tail may be partly gone (it would read zeroes as

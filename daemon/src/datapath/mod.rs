@@ -703,10 +703,10 @@ impl DataPath {
         }
     }
 
-    /// Whether a write past `end` bytes of `dev` is queued or in flight at this data path's
-    /// engine (a shrink of `dev` waits for none: [`nvmfd_blockdev::Engine::writes_past`]).
-    pub fn writes_past(&self, dev: &Arc<BlockDevice>, end: u64) -> bool {
-        self.engine.writes_past(dev, end)
+    /// Whether a read or write past `end` bytes of `dev` is queued or in flight at this data
+    /// path's engine (a shrink of `dev` waits for none: [`nvmfd_blockdev::Engine::io_past`]).
+    pub fn io_past(&self, dev: &Arc<BlockDevice>, end: u64) -> bool {
+        self.engine.io_past(dev, end)
     }
 
     /// Devices of removed namespaces still waiting for their operations to complete.
