@@ -219,6 +219,16 @@ impl Fixture {
         c.pop().unwrap().buf.unwrap().as_slice().to_vec()
     }
 
+    /// What a Flush answers once a sync of this device failed: EIO for files and block
+    /// devices, success for the others (nothing to sync).
+    fn flush_after_a_failed_sync(&self) -> Result<u32, BlockError> {
+        if matches!(self.device.info().kind, Kind::File | Kind::Bdev) {
+            Err(BlockError::Io(libc::EIO))
+        } else {
+            Ok(0)
+        }
+    }
+
     fn expect(&self, got: &[u8], want: &[u8], what: &str) {
         if self.stores {
             assert!(got == want, "{what}: data differs");
@@ -440,11 +450,7 @@ fn a_failed_sync_fails_every_later_flush_of_a_file(mut f: Fixture) {
     f.device.fail_next_sync();
     f.engine.flush(f.dev, 1).unwrap();
     let c = f.run();
-    let expect = if file {
-        Err(BlockError::Io(libc::EIO))
-    } else {
-        Ok(0)
-    };
+    let expect = f.flush_after_a_failed_sync();
     assert_eq!(
         c[0].result, expect,
         "the failed sync (files and block devices)"
@@ -456,11 +462,7 @@ fn a_failed_sync_fails_every_later_flush_of_a_file(mut f: Fixture) {
     other.flush(d, 2).unwrap();
     let mut done = Vec::new();
     other.drain(|c| done.push(c)).unwrap();
-    let expect = if file {
-        Err(BlockError::Io(libc::EIO))
-    } else {
-        Ok(0)
-    };
+    let expect = f.flush_after_a_failed_sync();
     assert_eq!(done[0].result, expect);
     assert_eq!(f.device.sync_failed(), file);
     if file {
@@ -479,11 +481,7 @@ fn a_sync_failing_with_any_writeback_errno_fails_every_later_flush(mut f: Fixtur
     f.device.fail_sync(0, libc::ETIMEDOUT);
     f.engine.flush(f.dev, 1).unwrap();
     let c = f.run();
-    let failed = if file {
-        Err(BlockError::Io(libc::EIO))
-    } else {
-        Ok(0)
-    };
+    let failed = f.flush_after_a_failed_sync();
     assert_eq!(c[0].result, failed, "the failed sync");
     f.engine.flush(f.dev, 2).unwrap();
     let c = f.run();
@@ -496,7 +494,6 @@ per_backend!(a_sync_failing_with_any_writeback_errno_fails_every_later_flush);
 /// the first sync that asks, and the other may complete first, successfully. It waits for
 /// the one still in flight, and fails with it (it was answered success).
 fn a_flush_that_succeeds_beside_one_taking_a_writeback_error_fails_too(mut f: Fixture) {
-    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
     f.write(0, &pattern(5, 4096), false);
     // The second sync to complete fails, whichever it is.
     f.device.fail_sync(1, libc::EIO);
@@ -505,11 +502,7 @@ fn a_flush_that_succeeds_beside_one_taking_a_writeback_error_fails_too(mut f: Fi
     let c = f.run();
     assert_eq!(c.len(), 2);
     for c in &c {
-        let want = if file {
-            Err(BlockError::Io(libc::EIO))
-        } else {
-            Ok(0)
-        };
+        let want = f.flush_after_a_failed_sync();
         assert_eq!(c.result, want, "flush {}", c.tag);
     }
 }
@@ -532,11 +525,7 @@ fn a_fua_zeroings_failed_sync_fails_every_later_flush(mut f: Fixture) {
     }
     f.engine.flush(f.dev, 2).unwrap();
     let c = f.run();
-    let want = if file {
-        Err(BlockError::Io(libc::EIO))
-    } else {
-        Ok(0)
-    };
+    let want = f.flush_after_a_failed_sync();
     assert_eq!(c[0].result, want, "a later Flush");
 }
 per_backend!(a_fua_zeroings_failed_sync_fails_every_later_flush);
@@ -545,7 +534,6 @@ per_backend!(a_fua_zeroings_failed_sync_fails_every_later_flush);
 /// reactor's engine runs it: a Flush on another engine that succeeded beside the one taking
 /// the report, and was settled first, succeeded (data lost). It waits for that one.
 fn a_flush_on_another_engine_beside_one_taking_a_writeback_error_fails_too(mut f: Fixture) {
-    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
     f.write(0, &pattern(7, 4096), false);
     let mut other = Engine::new(8, 1, std::slice::from_ref(&f.pool)).unwrap();
     let d = other.attach(&f.device).unwrap();
@@ -565,11 +553,7 @@ fn a_flush_on_another_engine_beside_one_taking_a_writeback_error_fails_too(mut f
         other.wait(0).unwrap();
         other.reap(|c| theirs.push(c));
     }
-    let want = if file {
-        Err(BlockError::Io(libc::EIO))
-    } else {
-        Ok(0)
-    };
+    let want = f.flush_after_a_failed_sync();
     assert_eq!(mine[0].result, want, "this engine's Flush");
     assert_eq!(theirs[0].result, want, "the other engine's Flush");
 }

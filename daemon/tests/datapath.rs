@@ -975,6 +975,29 @@ fn an_srq_error_tears_down_all_sixteen_qps_on_it_and_the_rebuilt_srq_serves_agai
     assert_eq!(c.srq_rebuilds.load(Relaxed), 1);
 }
 
+/// Holds the disk, and writes one block from the capsule on `io` (pattern `seed`) on a thread
+/// of its own; returns once the write is at the disk, written from its receive. The thread
+/// gives back the queue and the write's result.
+fn in_capsule_write_at_a_stalled_disk(
+    s: &Served,
+    c: &nvmfd::stats::DataPathCounters,
+    mut io: IoQueue<RdmaQueue>,
+    seed: u64,
+) -> std::thread::JoinHandle<(IoQueue<RdmaQueue>, Result<(), nvmfd_nvme::host::HostError>)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let from_receive = c.writes_from_receive.load(Relaxed);
+    s.set_switch(&s.hold_block, true);
+    let writer = std::thread::spawn(move || {
+        let r = io.write(2, 9, 1, &pattern(seed, 4096), false);
+        (io, r)
+    });
+    wait_until("the write is at the disk, from its receive", || {
+        c.writes_from_receive.load(Relaxed) == from_receive + 1
+            && c.block_ops_in_flight.load(Relaxed) == 1
+    });
+    writer
+}
+
 /// An SRQ error while an in-capsule write is at a stalled disk, written from its receive: the
 /// SRQ is rebuilt as soon as its QPs are gone, and hosts are served again, without waiting
 /// for the disk (connections were refused for as long as it took); the old SRQ's memory
@@ -986,17 +1009,7 @@ fn an_srq_error_with_an_in_capsule_write_at_a_stalled_disk_is_rebuilt_without_wa
     let s = serve_counted(4495, None, Arc::clone(&c));
     let (_admin, mut ios) = controller(&s, 1);
     write_verified(&mut ios[0], 1, 1);
-    let from_receive = c.writes_from_receive.load(Relaxed);
-    s.set_switch(&s.hold_block, true);
-    let mut io = ios.pop().unwrap();
-    let writer = std::thread::spawn(move || {
-        let r = io.write(2, 9, 1, &pattern(95, 4096), false);
-        (io, r)
-    });
-    wait_until("the write is at the disk, from its receive", || {
-        c.writes_from_receive.load(Relaxed) == from_receive + 1
-            && c.block_ops_in_flight.load(Relaxed) == 1
-    });
+    let writer = in_capsule_write_at_a_stalled_disk(&s, &c, ios.pop().unwrap(), 95);
     s.fabric.inject_srq_error(s.srq_id);
     // Its QP is torn down (the drain gives up on the write at the disk), then the SRQ is
     // rebuilt while the disk still holds the write.
@@ -1040,17 +1053,7 @@ fn a_receive_held_across_sixteen_srq_rebuilds_is_still_the_replaced_srqs() {
     let s = serve_counted(4496, None, Arc::clone(&c));
     let (_admin, mut ios) = controller(&s, 1);
     write_verified(&mut ios[0], 1, 1);
-    let from_receive = c.writes_from_receive.load(Relaxed);
-    s.set_switch(&s.hold_block, true);
-    let mut io = ios.pop().unwrap();
-    let writer = std::thread::spawn(move || {
-        let r = io.write(2, 9, 1, &pattern(96, 4096), false);
-        (io, r)
-    });
-    wait_until("the write is at the disk, from its receive", || {
-        c.writes_from_receive.load(Relaxed) == from_receive + 1
-            && c.block_ops_in_flight.load(Relaxed) == 1
-    });
+    let writer = in_capsule_write_at_a_stalled_disk(&s, &c, ios.pop().unwrap(), 96);
     // The data path's SRQ, then each one it builds (the newest SRQ of the fabric).
     let mut srq = s.srq_id;
     let mut replaced = Vec::new();

@@ -59,6 +59,21 @@ fn start() -> (Daemon, SocketAddr) {
     (d, SocketAddr::from(([127, 0, 0, 1], port)))
 }
 
+/// `start`, with test hooks on and, with `gate`, the test gate (`NVMFD_TEST_GATE`) there.
+fn start_hooked(gate: Option<&std::path::Path>) -> (Daemon, SocketAddr) {
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        env: gate
+            .map(|g| ("NVMFD_TEST_GATE".into(), g.display().to_string()))
+            .into_iter()
+            .collect(),
+        ..Options::default()
+    });
+    (d, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
 fn change(d: &Daemon, req: serde_json::Value) -> serde_json::Value {
     let a = d.request(&req.to_string());
     assert_eq!(a["ok"], true, "{req}: {a}\nlog:\n{}", d.log());
@@ -692,14 +707,7 @@ fn a_reload_whose_second_resize_fails_leaves_the_first_namespace_as_it_was() {
 #[test]
 fn hosts_connect_and_keep_alives_expire_while_a_long_change_waits() {
     let gate = tempfile::tempdir().unwrap();
-    let port = test_port();
-    let d = Daemon::start(Options {
-        config: Some(config(std::path::Path::new("@DIR@"), port)),
-        test_hooks: true,
-        env: vec![("NVMFD_TEST_GATE".into(), gate.path().display().to_string())],
-        ..Options::default()
-    });
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let (d, addr) = start_hooked(Some(gate.path()));
     let silent = Host::connect_with_kato("127.0.0.47", addr, A, 0x47, 1000);
     let silent_cntlid = silent.admin.cntlid;
     std::thread::scope(|scope| {
@@ -798,14 +806,7 @@ fn a_change_swapping_a_namespace_at_the_namespace_limit_is_taken() {
 fn a_connect_to_a_returning_listener_waits_for_its_data_path() {
     use std::time::{Duration, Instant};
     let gate = tempfile::tempdir().unwrap();
-    let port = test_port();
-    let d = Daemon::start(Options {
-        config: Some(config(std::path::Path::new("@DIR@"), port)),
-        test_hooks: true,
-        env: vec![("NVMFD_TEST_GATE".into(), gate.path().display().to_string())],
-        ..Options::default()
-    });
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let (d, addr) = start_hooked(Some(gate.path()));
     let v = d.request(r#"{"request":"debug_fault","fault":"remove_device","listener":0}"#);
     assert_eq!(v["ok"], true, "{v}");
     wait_for("the removed device to be released", || {
@@ -843,13 +844,7 @@ fn a_connect_to_a_returning_listener_waits_for_its_data_path() {
 /// was a host's error alone before, with nothing in the log.
 #[test]
 fn a_failed_sync_is_logged_once_and_shown_in_the_status() {
-    let port = test_port();
-    let d = Daemon::start(Options {
-        config: Some(config(std::path::Path::new("@DIR@"), port)),
-        test_hooks: true,
-        ..Options::default()
-    });
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let (d, addr) = start_hooked(None);
     let img = d.dir.path().join("ns2.img");
     std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
     change(

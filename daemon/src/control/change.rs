@@ -385,7 +385,7 @@ impl Daemon {
                     self.off_thread_progress(
                         move || {
                             if let Some(gate) = gate {
-                                wait_at_gate(&gate, "resize");
+                                super::off_thread::wait_at_gate(&gate, "resize");
                             }
                             let end = size.unwrap_or(0);
                             dev.resize_fenced(size, || fence.wait(&dev, end))
@@ -805,31 +805,5 @@ impl WriteFence {
             }
         }
         Ok(())
-    }
-}
-
-/// Test hook (with test hooks on): a directory where work the control thread waits for off
-/// its thread stops, creating `NAME-waiting` and then waiting (up to a minute) until
-/// `NAME-go` is there: each resize (`resize`), and the RBD handles opened ahead of a
-/// listener's new data paths (`prepare`, bounded by its 2 s wait; taken with no RBD
-/// namespace too). Work held as long as a test needs.
-pub const TEST_GATE_ENV: &str = "NVMFD_TEST_GATE";
-
-impl Daemon {
-    /// The [`TEST_GATE_ENV`] directory, with test hooks on.
-    pub(super) fn test_gate(&self) -> Option<std::path::PathBuf> {
-        self.test_hooks
-            .then(|| std::env::var_os(TEST_GATE_ENV))
-            .flatten()
-            .map(std::path::PathBuf::from)
-    }
-}
-
-pub(super) fn wait_at_gate(dir: &std::path::Path, name: &str) {
-    let _ = std::fs::write(dir.join(format!("{name}-waiting")), b"");
-    let go = dir.join(format!("{name}-go"));
-    let until = Instant::now() + Duration::from_secs(60);
-    while !go.exists() && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(5));
     }
 }

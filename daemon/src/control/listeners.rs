@@ -87,7 +87,7 @@ impl Daemon {
         }
         if let Some(gate) = self.test_gate() {
             let _ = self.off_thread_until(
-                move || super::change::wait_at_gate(&gate, "prepare"),
+                move || super::off_thread::wait_at_gate(&gate, "prepare"),
                 Some(Instant::now() + PREPARE_WAIT),
             );
         }

@@ -121,7 +121,7 @@ struct Daemon {
     /// Devices let go of, synced once the reactors release them.
     leaving: Vec<leaving::Leaving>,
     /// The control loop's registry, for serving connections while a change waits
-    /// (`serve_meanwhile`); `None` until serving, and while it is in use.
+    /// (`serve_meanwhile`); `None` before serving, while it is in use, and once stopping.
     registry: Option<mio::Registry>,
     /// Device removals seen while a change waited, handled once it is done (they change the
     /// listeners the change may be working on).
@@ -570,6 +570,8 @@ impl Daemon {
             }
         }
         self.notifier.stopping("stopping: draining reactors");
+        // Nothing is served while the daemon stops (`serve_meanwhile`).
+        self.registry = None;
         admin.shutdown(poll.registry());
         Ok(())
     }

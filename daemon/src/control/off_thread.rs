@@ -145,12 +145,36 @@ impl Daemon {
                     if began.elapsed() < keep_max {
                         self.check_heartbeats(Instant::now());
                     }
-                    if !self.stopping {
-                        self.serve_meanwhile(Instant::now());
-                    }
+                    self.serve_meanwhile(Instant::now());
                 }
                 other => return other,
             }
         }
+    }
+}
+
+/// Test hook (with test hooks on): a directory where work the control thread waits for off
+/// its thread stops, creating `NAME-waiting` and then waiting (up to a minute) until
+/// `NAME-go` is there: each resize (`resize`), and the RBD handles opened ahead of a
+/// listener's new data paths (`prepare`, bounded by its 2 s wait; taken with no RBD
+/// namespace too). Work held as long as a test needs.
+pub const TEST_GATE_ENV: &str = "NVMFD_TEST_GATE";
+
+impl Daemon {
+    /// The [`TEST_GATE_ENV`] directory, with test hooks on.
+    pub(super) fn test_gate(&self) -> Option<std::path::PathBuf> {
+        self.test_hooks
+            .then(|| std::env::var_os(TEST_GATE_ENV))
+            .flatten()
+            .map(std::path::PathBuf::from)
+    }
+}
+
+pub(super) fn wait_at_gate(dir: &std::path::Path, name: &str) {
+    let _ = std::fs::write(dir.join(format!("{name}-waiting")), b"");
+    let go = dir.join(format!("{name}-go"));
+    let until = Instant::now() + Duration::from_secs(60);
+    while !go.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -1,0 +1,239 @@
+//! A device's syncs: what makes completed writes durable, and what a failed one (a writeback
+//! error, reported once) means for every later Flush.
+
+use std::io;
+
+use super::{Backing, Device};
+use crate::BlockError;
+
+/// The syncs of a device's file in flight on every engine, numbered in the order they began.
+#[derive(Debug, Default)]
+pub(crate) struct SyncsInFlight {
+    next: u64,
+    in_flight: std::collections::BTreeSet<u64>,
+}
+
+impl Device {
+    /// Makes every write completed on the device durable (`fdatasync` of a file or block
+    /// device): for a device nvmfd lets go of, whose hosts can no longer flush it. Returns
+    /// whether there was anything to sync: `false` for RAM, null and read-only devices, and
+    /// for RBD images, whose engine handles flush their cache when they close.
+    pub fn sync(&self) -> io::Result<bool> {
+        match &self.backing {
+            Backing::File(f) if !self.info.read_only => {
+                // Synced even after a failure: what was written since is made durable.
+                if let Err(e) = f.sync_data() {
+                    self.note_sync_failure();
+                    return Err(e);
+                }
+                if self.sync_failed() {
+                    return Err(io::Error::other(
+                        "an earlier sync of this device failed: writes it covered may be lost",
+                    ));
+                }
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// A sync of the file begins (a Flush's fdatasync, a FUA write, a FUA zeroing's
+    /// fdatasync, on any engine): its number, for [`Device::sync_end`].
+    pub(crate) fn sync_begin(&self) -> u64 {
+        let mut s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = s.next;
+        s.next += 1;
+        s.in_flight.insert(n);
+        n
+    }
+
+    /// Sync `n` ended (settled first: a writeback error it took is noted before a Flush
+    /// waiting for it looks).
+    pub(crate) fn sync_end(&self, n: u64) {
+        let mut s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.in_flight.remove(&n);
+    }
+
+    /// For a Flush that succeeded now: `Some(until)` when syncs begun before now are still
+    /// in flight (one may take the report of a writeback error this Flush's sync did not
+    /// see); it is settled once every sync numbered below `until` has ended.
+    pub(crate) fn syncs_to_wait_for(&self) -> Option<u64> {
+        let s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (!s.in_flight.is_empty()).then_some(s.next)
+    }
+
+    /// Whether every sync numbered below `until` has ended.
+    pub(crate) fn syncs_ended_before(&self, until: u64) -> bool {
+        let s = self
+            .syncs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.in_flight.first().is_none_or(|&low| low >= until)
+    }
+
+    /// True once, at the first call after a sync of this device failed: that failure is to
+    /// be reported (logged) now.
+    pub fn first_sync_failure(&self) -> bool {
+        self.sync_failed()
+            && !self
+                .sync_failure_reported
+                .swap(true, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    /// Whether a sync of this device ever failed ([`Device::sync_failed`] field).
+    pub fn sync_failed(&self) -> bool {
+        self.sync_failed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Completes `result` of an operation `op` an engine ran on this device, as to syncs
+    /// (`synced`: the step that ended it synced the file: a Flush's fdatasync, a FUA write's
+    /// RWF_DSYNC, a FUA zeroing's fdatasync after its fallocate). Files and block devices
+    /// only: Linux reports a writeback error once per open file description, to the first
+    /// sync that asks, with the errno of the failed writeback (EIO, ENOSPC, but also
+    /// ENODATA, ETIMEDOUT or ENOLINK from a network block device or file system). Such an
+    /// error makes every later Flush of the device fail, once it has run, and is never
+    /// answered as one to retry (a retry's sync would succeed, the lost data forgotten). An
+    /// O_DIRECT FUA write's own ENOSPC is its own failure; its EIO is taken as a lost
+    /// writeback too (its sync may have taken the report, and cannot be told from it).
+    pub(crate) fn settle_sync(
+        &self,
+        op: crate::OpKind,
+        synced: bool,
+        result: &mut Result<u32, BlockError>,
+    ) {
+        use crate::OpKind;
+        if !matches!(self.backing, Backing::File(_)) {
+            return;
+        }
+        if synced {
+            use std::sync::atomic::Ordering::{AcqRel, Acquire};
+            if self.inject_sync_failure.load(Acquire)
+                && self
+                    .inject_sync_skip
+                    .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+                    .is_err()
+                && self.inject_sync_failure.swap(false, AcqRel)
+            {
+                *result = Err(BlockError::Io(self.inject_sync_errno.load(Acquire)));
+            }
+            let report = match result {
+                Ok(_) => false,
+                // Refusals of the call itself (a FUA write refused before any I/O: a
+                // read-only block device's EPERM, an immutable file's), never a writeback's
+                // error.
+                Err(BlockError::Io(e)) => ![
+                    libc::EBADF,
+                    libc::EINVAL,
+                    libc::ECANCELED,
+                    libc::EAGAIN,
+                    libc::EINTR,
+                    libc::ENOMEM,
+                    libc::EPERM,
+                    libc::ETXTBSY,
+                    libc::EFBIG,
+                    libc::EFAULT,
+                ]
+                .contains(e),
+                Err(BlockError::NoSpace) => !(op == OpKind::WriteFua && self.info.direct),
+                Err(_) => false,
+            };
+            if report {
+                self.note_sync_failure();
+                if let Err(BlockError::Io(e)) = result {
+                    if *e != libc::EIO {
+                        // Answered as lost data, not as a device to retry later.
+                        *result = Err(BlockError::Io(libc::EIO));
+                    }
+                }
+            }
+        }
+        if op == OpKind::Flush && result.is_ok() && self.sync_failed() {
+            *result = Err(BlockError::Io(libc::EIO));
+        }
+    }
+
+    /// A sync failed: every later Flush of the device fails too.
+    pub(crate) fn note_sync_failure(&self) {
+        self.sync_failed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Test hook: the next sync an engine completes on this file or block device (a Flush;
+    /// a FUA write on the buffered fallback) fails with EIO, as a writeback error reported
+    /// once would.
+    #[doc(hidden)]
+    pub fn fail_next_sync(&self) {
+        self.fail_sync(0, libc::EIO);
+    }
+
+    /// Test hook: after `skip` syncs an engine completes on this file or block device, the
+    /// next fails with `errno`, as a writeback error reported once (with the failed bio's
+    /// errno) would.
+    #[doc(hidden)]
+    pub fn fail_sync(&self, skip: u32, errno: i32) {
+        use std::sync::atomic::Ordering::Release;
+        self.inject_sync_skip.store(skip, Release);
+        self.inject_sync_errno.store(errno, Release);
+        self.inject_sync_failure.store(true, Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{DeviceSpec, Kind};
+
+    /// A writable file is synced; RAM, null and a read-only file have nothing to sync.
+    #[test]
+    fn only_a_writable_file_or_block_device_has_something_to_sync() {
+        let dir = std::env::temp_dir().join(format!("nvmfd-sync-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let open = |read_only| {
+            let mut spec = DeviceSpec::new(Kind::File);
+            spec.path = Some(path.clone());
+            spec.read_only = read_only;
+            Device::open(&spec).unwrap()
+        };
+        assert!(open(false).sync().unwrap());
+        assert!(!open(true).sync().unwrap());
+        for kind in [Kind::Malloc, Kind::Null] {
+            let mut spec = DeviceSpec::new(kind);
+            spec.size = 1 << 20;
+            assert!(!Device::open(&spec).unwrap().sync().unwrap(), "{kind:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A Flush that succeeded waits for the syncs begun before it ended (one may have taken
+    /// a writeback error's report), not for those begun after: under a steady stream of FUA
+    /// writes it waited for a moment with none in flight, which may never come.
+    #[test]
+    fn a_flush_waits_only_for_the_syncs_begun_before_it_ended() {
+        let mut spec = DeviceSpec::new(Kind::Malloc);
+        spec.size = 1 << 20;
+        let d = Device::open(&spec).unwrap();
+        assert_eq!(d.syncs_to_wait_for(), None, "nothing in flight");
+        let before = d.sync_begin();
+        let until = d.syncs_to_wait_for().expect("a sync begun before");
+        let after = d.sync_begin();
+        assert!(!d.syncs_ended_before(until));
+        d.sync_end(before);
+        assert!(
+            d.syncs_ended_before(until),
+            "held by a sync begun after the Flush ended"
+        );
+        d.sync_end(after);
+        assert_eq!(d.syncs_to_wait_for(), None);
+    }
+}
