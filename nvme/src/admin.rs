@@ -90,6 +90,9 @@ pub(crate) fn property(
                 if st.resetting && alive == 0 {
                     st.resetting = false;
                 }
+                if st.shutdown_awaits_releases {
+                    shutdown_flushed(q, ctrl, &mut st);
+                }
                 // A reset is not over while a queue of before it may still write.
                 let rdy = u32::from(st.resetting);
                 u64::from(st.csts | rdy)
@@ -130,6 +133,7 @@ pub(crate) fn property(
         // A shutdown waiting for the old I/O queues is over: its flush would otherwise run
         // once they are gone and report SHST complete on the controller enabled again.
         st.shutdown_pending = false;
+        st.shutdown_awaits_releases = false;
         // Held AERs stay held, as the kernel target keeps them: the host's admin queue stays,
         // they complete at the next event, and dropping them would leave commands the host
         // waits for unanswered (and held against its queue's flow control).
@@ -162,6 +166,26 @@ pub(crate) fn property(
     q.respond(&cmd, Status::SUCCESS, 0)
 }
 
+/// The shutdown's flush of the namespaces served succeeded: SHST reads complete once every
+/// device of the subsystem let go of (a namespace removed or reopened, which the flush no
+/// longer reaches) is synced too; until then it reads "processing", and each CSTS read looks
+/// again. A device let go of whose sync failed since the controller was made fails the
+/// shutdown (CFS): writes its host completed there may be lost.
+pub(crate) fn shutdown_flushed(q: &Queue, ctrl: &Controller, st: &mut crate::target::CtrlState) {
+    let r = ctrl
+        .subsystem
+        .map(|s| q.target().releases(s))
+        .unwrap_or_default();
+    st.shutdown_awaits_releases = false;
+    if r.failures > ctrl.release_failures_at_start {
+        st.csts |= 1 << 1;
+    } else if r.in_flight > 0 {
+        st.shutdown_awaits_releases = true;
+    } else {
+        st.csts = (st.csts & !0xC) | (2 << 2);
+    }
+}
+
 /// A flush of every namespace of the queue's subsystem, answering `cmd` when done.
 fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
     let nsids: Vec<u32> = q
@@ -173,7 +197,7 @@ fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
         // the shutdown is complete now, answered as `Queue::io_done` answers a flush.
         let csts = {
             let mut st = ctrl.lock();
-            st.csts = (st.csts & !0xC) | (2 << 2);
+            shutdown_flushed(q, ctrl, &mut st);
             st.csts
         };
         return q.respond(&cmd, Status::SUCCESS, csts);

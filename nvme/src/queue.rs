@@ -657,7 +657,9 @@ impl Queue {
                     // Reset (and maybe enabled again) while it flushed: that shutdown is over.
                     st.csts
                 } else if result.is_ok() {
-                    (st.csts & !0xC) | (2 << 2) // SHST: shutdown processing complete
+                    // SHST complete, once the devices let go of are synced too.
+                    crate::admin::shutdown_flushed(self, ctrl, &mut st);
+                    st.csts
                 } else {
                     // A namespace could not be made durable: the shutdown never completes,
                     // and Controller Fatal Status says why.

@@ -159,6 +159,10 @@ pub(crate) struct CtrlState {
     /// CC.SHN was set while I/O queues of the controller still existed: the namespaces are
     /// flushed (and SHST completes) once the last of them is gone.
     pub shutdown_pending: bool,
+    /// The shutdown's flush has run, and devices of the subsystem let go of (a namespace
+    /// removed or reopened) are still being synced: SHST completes once they are
+    /// ([`Target::release_begins`]).
+    pub shutdown_awaits_releases: bool,
 }
 
 /// A controller, shared by its admin and I/O queues.
@@ -202,6 +206,9 @@ pub struct Controller {
     /// The SMART log's figures of its queues that are gone (those alive keep theirs in
     /// their `QueueStats`).
     pub(crate) io_gone: IoCounts,
+    /// Its subsystem's count of failed releases ([`Target::release_ends`]) when it was made:
+    /// one more since, and writes its host completed may be lost; its shutdown fails.
+    pub(crate) release_failures_at_start: u64,
 }
 
 /// Reads and writes completed and their bytes: the SMART log's figures.
@@ -394,6 +401,9 @@ pub(crate) struct TargetInner {
     pub genctr: AtomicU64,
     /// Moves on whenever a controller ends or resets (`Controller::end`, `new_epoch`).
     pub ctrl_changes: Arc<ChangeCount>,
+    /// Per subsystem ID: devices let go of whose sync has not ended, and syncs that failed
+    /// ([`Target::release_begins`]).
+    pub releases: Mutex<HashMap<u64, Releases>>,
     /// Tests: run when a Connect has passed its checks: an admin queue's before it makes its
     /// controller, an I/O queue's once it has taken its queue ID, before it is bound.
     pub connect_hook: Hook,
@@ -402,6 +412,17 @@ pub(crate) struct TargetInner {
     /// Tests: run when an I/O queue whose commands may be at a backend is lost, before it
     /// marks its queue ID lost.
     pub lost_hook: Hook,
+}
+
+/// The devices of a subsystem let go of while it is served: a namespace removed, or its device
+/// replaced. Its controllers' hosts can no longer flush such a device; it is synced once no
+/// reactor holds it, and a shutdown of the subsystem's controllers is complete only then.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Releases {
+    /// Let go of and not synced yet.
+    pub in_flight: u32,
+    /// Syncs that failed: writes completed on those devices may be lost.
+    pub failures: u64,
 }
 
 /// Why a change of the target's subsystems was refused.
@@ -454,6 +475,7 @@ impl Target {
                 next_cntlid: AtomicU32::new(1),
                 genctr: AtomicU64::new(1),
                 ctrl_changes: Arc::default(),
+                releases: Mutex::new(HashMap::new()),
                 connect_hook: Hook::default(),
                 lost_hook: Hook::default(),
                 discovery_hook: Hook::default(),
@@ -524,6 +546,47 @@ impl Target {
     /// The subsystem with this ID.
     pub fn subsystem_by_id(&self, id: u64) -> Option<Arc<Subsystem>> {
         self.subsystems().iter().find(|s| s.id == id).cloned()
+    }
+
+    /// A device of subsystem `sub` is let go of (a namespace removed, or its device
+    /// replaced): a shutdown of the subsystem's controllers completes only once it is synced
+    /// ([`Target::release_ends`]). Call it before any reactor is told to let the device go.
+    pub fn release_begins(&self, sub: u64) {
+        let mut r = self
+            .inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        r.entry(sub).or_default().in_flight += 1;
+    }
+
+    /// The sync of a device of subsystem `sub` let go of ended; `durable` when it succeeded
+    /// (or there was nothing to sync). A failure fails the shutdown of every controller of
+    /// the subsystem that existed before it.
+    pub fn release_ends(&self, sub: u64, durable: bool) {
+        let mut r = self
+            .inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some(e) = r.get_mut(&sub) else {
+            return;
+        };
+        e.in_flight = e.in_flight.saturating_sub(1);
+        e.failures += u64::from(!durable);
+        if *e == Releases::default() {
+            r.remove(&sub);
+        }
+    }
+
+    /// Subsystem `sub`'s devices let go of and not synced yet, and its failed syncs.
+    pub fn releases(&self, sub: u64) -> Releases {
+        let r = self
+            .inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        r.get(&sub).copied().unwrap_or_default()
     }
 
     /// Moves on with every change of the subsystems.

@@ -22,7 +22,13 @@ impl Device {
         match &self.backing {
             Backing::File(f) if !self.info.read_only => {
                 // Synced even after a failure: what was written since is made durable.
-                if let Err(e) = f.sync_data() {
+                let synced = f
+                    .sync_data()
+                    .and_then(|()| match self.take_injected_failure() {
+                        Some(errno) => Err(io::Error::from_raw_os_error(errno)),
+                        None => Ok(()),
+                    });
+                if let Err(e) = synced {
                     self.note_sync_failure();
                     return Err(e);
                 }
@@ -115,15 +121,8 @@ impl Device {
             return;
         }
         if synced {
-            use std::sync::atomic::Ordering::{AcqRel, Acquire};
-            if self.inject_sync_failure.load(Acquire)
-                && self
-                    .inject_sync_skip
-                    .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
-                    .is_err()
-                && self.inject_sync_failure.swap(false, AcqRel)
-            {
-                *result = Err(BlockError::Io(self.inject_sync_errno.load(Acquire)));
+            if let Some(errno) = self.take_injected_failure() {
+                *result = Err(BlockError::Io(errno));
             }
             let report = match result {
                 Ok(_) => false,
@@ -161,6 +160,19 @@ impl Device {
         }
     }
 
+    /// The errno of a sync failure injected by [`Device::fail_sync`], when this sync is the
+    /// one to fail.
+    fn take_injected_failure(&self) -> Option<i32> {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        (self.inject_sync_failure.load(Acquire)
+            && self
+                .inject_sync_skip
+                .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+                .is_err()
+            && self.inject_sync_failure.swap(false, AcqRel))
+        .then(|| self.inject_sync_errno.load(Acquire))
+    }
+
     /// A sync failed: every later Flush of the device fails too.
     pub(crate) fn note_sync_failure(&self) {
         self.sync_failed
@@ -175,9 +187,9 @@ impl Device {
         self.fail_sync(0, libc::EIO);
     }
 
-    /// Test hook: after `skip` syncs an engine completes on this file or block device, the
-    /// next fails with `errno`, as a writeback error reported once (with the failed bio's
-    /// errno) would.
+    /// Test hook: after `skip` syncs of this file or block device (those engines complete,
+    /// and [`Device::sync`]'s), the next fails with `errno`, as a writeback error reported
+    /// once (with the failed bio's errno) would.
     #[doc(hidden)]
     pub fn fail_sync(&self, skip: u32, errno: i32) {
         use std::sync::atomic::Ordering::Release;

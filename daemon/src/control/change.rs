@@ -539,7 +539,13 @@ impl Daemon {
     /// Its device is synced once they have (`sync_released_devices`).
     fn let_go(&mut self, sub: u64, nqn: &str, nsid: u32) {
         if let Some(dev) = self.devices.remove(&(nqn.to_owned(), nsid)) {
+            // Before any reactor lets it go: a shutdown's flush that no longer finds it
+            // waits for its sync.
+            if let Some(t) = &self.target {
+                t.release_begins(sub);
+            }
             self.leaving.push(super::leaving::Leaving {
+                sub,
                 nqn: nqn.to_owned(),
                 nsid,
                 dev,

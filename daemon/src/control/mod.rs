@@ -120,6 +120,10 @@ struct Daemon {
     reopens: Vec<reopen::Reopen>,
     /// Devices let go of, synced once the reactors release them.
     leaving: Vec<leaving::Leaving>,
+    /// Syncs of devices let go of, running on threads of their own.
+    release_syncs: Vec<leaving::ReleaseSync>,
+    /// Syncs of devices let go of that failed.
+    release_sync_failures: usize,
     /// The control loop's registry, for serving connections while a change waits
     /// (`serve_meanwhile`); `None` before serving, while it is in use, and once stopping.
     registry: Option<mio::Registry>,
@@ -194,6 +198,8 @@ pub fn run(
         listener_slots: cfg.listeners.iter().cloned().map(Some).collect(),
         reopens: Vec::new(),
         leaving: Vec::new(),
+        release_syncs: Vec::new(),
+        release_sync_failures: 0,
         registry: None,
         deferred_removals: Vec::new(),
         cfg,

@@ -50,8 +50,11 @@ pub enum DaemonError {
     /// a namespace could not be opened
     #[error("{0}")]
     Namespaces(String),
-    /// at stop, devices could not be synced: writes completed on them may not be durable
-    #[error("{0} namespace devices could not be synced at stop: writes completed on them may not be durable")]
+    /// devices could not be synced (at stop, or when let go of): writes completed on them
+    /// may not be durable
+    #[error(
+        "{0} namespace devices could not be synced: writes completed on them may not be durable"
+    )]
     NotSynced(usize),
 }
 
@@ -117,6 +120,13 @@ pub struct Status {
     /// Every configured namespace: served, or why not.
     #[serde(default)]
     pub namespaces: Vec<crate::serve::NamespaceStatus>,
+    /// Devices let go of (a namespace removed or reopened) whose sync has not ended yet.
+    #[serde(default)]
+    pub releases_syncing: usize,
+    /// Devices let go of whose sync failed: writes hosts completed on them may be lost (the
+    /// daemon exits with an error at stop).
+    #[serde(default)]
+    pub release_sync_failures: usize,
 }
 
 impl Daemon {
@@ -202,6 +212,8 @@ impl Daemon {
                     n
                 })
                 .collect(),
+            releases_syncing: self.leaving.len() + self.release_syncs.len(),
+            release_sync_failures: self.release_sync_failures,
         }
     }
 

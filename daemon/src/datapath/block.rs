@@ -173,10 +173,10 @@ impl DataPath {
                 _ => None,
             };
             let Some(dev) = dev else {
-                // A namespace removed since the shutdown's flush began is no longer the
-                // controller's to make durable.
-                // One waiting for a handle on its image has had nothing written through
-                // this data path either.
+                // A namespace removed since the shutdown's flush began is synced when its
+                // device is let go of, and the shutdown completes only once it is
+                // (`Target::release_begins`). One waiting for a handle on its image has no
+                // cache to flush (librbd's is off), whatever other data paths wrote to it.
                 if let IoOp::FlushAll { .. } = io.op {
                     r.next_op += 1;
                     continue;

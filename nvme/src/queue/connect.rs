@@ -138,6 +138,7 @@ impl Queue {
                     acre: false,
                     resetting: false,
                     shutdown_pending: false,
+                    shutdown_awaits_releases: false,
                 }),
                 dead: false.into(),
                 end_reason: std::sync::Mutex::new(None),
@@ -149,6 +150,9 @@ impl Queue {
                 io_queues_unsettled: 0.into(),
                 io_gone: IoCounts::default(),
                 queue_stats: std::sync::Mutex::new(Vec::new()),
+                release_failures_at_start: subsystem
+                    .as_ref()
+                    .map_or(0, |s| self.target.releases(s.id).failures),
             });
             map.insert(cntlid, Arc::clone(&ctrl));
             drop(map);
