@@ -266,11 +266,13 @@ fn command(ev: any::cm::CmEvent, limits: &Limits) -> Option<ReactorCmd> {
             private_data,
             initiator_depth,
             ..
-        } => match check_request(&private_data, limits) {
+        } => match check_request(&private_data, limits)
+            .and_then(|r| r.with_read_depth(initiator_depth))
+        {
             Ok(req) => ReactorCmd::Adopt {
                 listener: 0,
                 id,
-                req: req.with_read_depth(initiator_depth),
+                req,
             },
             Err(status) => {
                 let _ = id.reject(&reject_private_data(status));

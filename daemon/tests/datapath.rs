@@ -310,10 +310,12 @@ fn serve_opts(
                     private_data,
                     initiator_depth,
                     ..
-                }) => match check_request(&private_data, &limits) {
+                }) => match check_request(&private_data, &limits)
+                    .and_then(|r| r.with_read_depth(initiator_depth))
+                {
                     Ok(req) => {
                         // A connection that cannot be accepted is rejected and counted.
-                        let _ = dp.adopt(id, req.with_read_depth(initiator_depth));
+                        let _ = dp.adopt(id, req);
                     }
                     Err(st) => id.reject(&reject_private_data(st)).unwrap(),
                 },
@@ -1711,6 +1713,29 @@ fn controller_of(
         .map(|(q, &o)| IoQueue::connect(queue_with(s, q, 31, o), &h, SUB, cntlid, q, 31).unwrap())
         .collect();
     (admin, ios)
+}
+
+/// A host that offers no RDMA READ depth (responder resources 0) is refused at connect with
+/// Invalid IRD: it was accepted with a depth of 1, and its first keyed write had the target
+/// post a READ the host never granted (on a NIC, a remote error that tears the QP down).
+#[test]
+fn a_host_offering_no_read_depth_is_refused_at_connect() {
+    let s = serve(4497);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let opts = QueueOptions {
+        responder_resources: 0,
+        pieces: 1,
+    };
+    let e = RdmaQueue::connect_with(ch, s.addr, 0, 31, 4096, 128 * 1024, opts)
+        .expect_err("accepted with no read depth");
+    assert!(e.to_string().contains("status 0x7"), "{e}");
+    // One READ is enough.
+    let one = QueueOptions {
+        responder_resources: 1,
+        pieces: 1,
+    };
+    let (_admin, mut ios) = controller_of(&s, &[one]);
+    write_verified(&mut ios[0], 1, 1);
 }
 
 #[test]

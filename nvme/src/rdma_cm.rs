@@ -23,10 +23,15 @@ pub struct CmRequest {
 }
 
 impl CmRequest {
-    /// The request with the initiator depth its CM event reported.
-    pub fn with_read_depth(mut self, initiator_depth: u8) -> CmRequest {
+    /// The request with the initiator depth its CM event reported (the host's responder
+    /// resources). A host that takes no RDMA READ at all could not send a keyed write: it is
+    /// refused at connect (Invalid IRD) rather than torn down at its first one.
+    pub fn with_read_depth(mut self, initiator_depth: u8) -> Result<CmRequest, u16> {
+        if initiator_depth == 0 {
+            return Err(st::INVALID_IRD);
+        }
         self.read_depth = initiator_depth;
-        self
+        Ok(self)
     }
 
     /// The receive queue the target grants: one receive per SQ entry.

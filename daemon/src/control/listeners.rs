@@ -367,7 +367,7 @@ impl Daemon {
                     }
                     let limits = crate::serve::limits(&self.cfg);
                     match check_request(&private_data, &limits)
-                        .map(|r| r.with_read_depth(initiator_depth))
+                        .and_then(|r| r.with_read_depth(initiator_depth))
                     {
                         Err(st) => {
                             warn!(self.log, "connect request refused"; "listener" => i, "status" => st);

@@ -627,10 +627,6 @@ impl DataPath {
             self.on_block_done(c, now);
         }
         self.reaped = done;
-        // Receives given back by the completions above go back to the SRQ now, in chains,
-        // before this turn's responses are posted: a host that has its response may send its
-        // next command at once, and the SRQ covers only the queues' depths.
-        self.srq.flush();
         // Room came free in the engine: requests waiting for it go on.
         if !self.blocked.is_empty() {
             self.unblock(now);

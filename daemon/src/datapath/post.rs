@@ -238,7 +238,12 @@ impl DataPath {
     }
 
     /// Posts the turn's staged work requests: one call per QP (more only past `POST_BATCH`).
+    /// The receives given back this turn go back to the SRQ first, in chains: a host that
+    /// has its response may send its next command at once, and the SRQ covers only the
+    /// queues' depths (a receive given back after the SRQ's post, by a blocked command that
+    /// failed, say, would otherwise still be off it when the host's next command came).
     pub(super) fn flush(&mut self, now: Instant) {
+        self.srq.flush();
         let mut dirty = std::mem::take(&mut self.dirty);
         for (ci, qpn) in dirty.drain(..) {
             self.flush_qp(ci, qpn, now);

@@ -142,10 +142,12 @@ impl DataPath {
     /// Takes a free request slot for a command of `qpn` (its generation moves on), with a
     /// buffer of `class` kept for it.
     pub(super) fn take_slot(&mut self, qpn: u32, class: Option<Class>) -> Option<usize> {
+        // A free slot is empty; knowing it lets the request be built in place (no drop of an
+        // old value, no copy of a 300-byte request per command). One in use is not free: it
+        // leaves the list.
         let i = self.free.pop()?;
         if self.reqs[i].is_some() {
-            // A free slot is empty; knowing it lets the request be built in place (no drop
-            // of an old value, no copy of a 300-byte request per command).
+            // Not free (a bug): it leaves the list, logged.
             slog::error!(self.log, "a free request slot was in use"; "slot" => i);
             return None;
         }
@@ -198,8 +200,14 @@ impl DataPath {
         if conn.queue.qid() != Some(0) {
             return;
         }
-        for cqe in conn.queue.poll_events() {
+        let cqes = conn.queue.poll_events();
+        let n = cqes.len();
+        for (k, cqe) in cqes.into_iter().enumerate() {
             let Some(i) = self.take_slot(qpn, None) else {
+                // Slots for every AER were checked for above: only a slot list that is
+                // wrong (logged) gets here.
+                slog::error!(self.log, "no request slot for an event's completion: the host's AERs are lost";
+                             "qpn" => qpn, "lost" => n - k);
                 break;
             };
             if let Some(r) = self.reqs[i].as_mut() {
