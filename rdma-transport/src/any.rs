@@ -86,17 +86,17 @@ impl Device {
     pub fn attr(&self) -> Result<DeviceAttr, VerbsError> {
         forward!(self, d => d.attr())
     }
-    /// Makes this device and every object made on it hold the rdma_cm ID `other` holds
-    /// instead of the one it was taken from, when both are librdmacm's context of one device
-    /// (ibverbs): that ID (a listener's) can then go, and stop listening, while the objects
-    /// live on. Soft devices hold no ID; devices of two contexts are left as they are.
-    pub fn hold_id_of(&self, other: &Device) {
+    /// Makes this device and every object made on it hold rdma_cm ID `id` instead of the
+    /// one it holds, when `id` is of librdmacm's context of this device (ibverbs): the ID it
+    /// held (a listener's) can then go, and stop listening, while the objects live on. Soft
+    /// devices hold no ID; an ID of another context changes nothing.
+    pub fn hold_id(&self, id: &cm::CmId) {
         #[cfg(feature = "ibverbs")]
-        if let (Self::Verbs(a), Self::Verbs(b)) = (self, other) {
-            a.hold_id_of(b);
+        if let (Self::Verbs(d), cm::CmId::Verbs(id)) = (self, id) {
+            d.hold_id(id);
         }
         #[cfg(not(feature = "ibverbs"))]
-        let _ = other;
+        let _ = id;
     }
     /// Whether anything but this one handle holds the device: objects made on it (PDs, CQs,
     /// SRQs, MRs, QPs) or other handles of it.

@@ -2039,3 +2039,38 @@ mod soft_only {
         );
     }
 }
+
+/// Only the ibverbs provider: device handles taken from librdmacm's IDs hold an ID, which keeps
+/// librdmacm's context open.
+#[cfg(feature = "ibverbs")]
+mod ibverbs_only {
+    use super::*;
+
+    /// Two listeners on one device; the handle the daemon watches (the first listener's
+    /// device) takes the second's ID when it is added, and the first's back when the second
+    /// goes: the second's ID is then destroyed, and its port can be listened on again. The
+    /// ID to hold was taken from the other listener's device handle before, which was the
+    /// watched handle itself, still holding the second's ID: it kept listening for good.
+    #[test]
+    fn a_device_holding_a_removed_listeners_id_lets_it_go() {
+        let Some(env) = VerbsEnv::new() else { return };
+        let ch = env.channel();
+        let (a1, a2) = (env.addr(24001), env.addr(24002));
+        let id1 = ch.listen(a1, 4).unwrap();
+        let id2 = ch.listen(a2, 4).unwrap();
+        let watched = id1.device().unwrap();
+        let d2 = id2.device().unwrap();
+        let pd = watched.alloc_pd().unwrap();
+        watched.hold_id(&id2);
+        // The second listener goes.
+        watched.hold_id(&id1);
+        d2.hold_id(&id1);
+        drop((id2, d2));
+        let again = ch
+            .listen(a2, 4)
+            .expect("the removed listener's port is free again");
+        // The device and what was made on it live on.
+        let cq = watched.create_cq(16).expect("the device still serves");
+        drop((again, cq, pd, watched, id1));
+    }
+}

@@ -3,7 +3,8 @@
 # Linux kernel host, and namespaces are added, resized and removed with nvmfctl while fio
 # verifies namespace 1 of the first subsystem and namespace 1 of the second the whole time.
 # The host must see each change by itself (Namespace Attribute Changed, then the Changed
-# Namespace List), with no reconnect and no fio error on the namespaces left alone.
+# Namespace List), with no reconnect and no fio error on the namespaces left alone. Then a
+# second listener on rxe0 is added, removed and added back while the first serves.
 set -uo pipefail
 BIN=$1
 NQN=nqn.2024-01.io.nvmfd:runtime
@@ -135,6 +136,19 @@ step ctl controllers
 # Each controller shows where its host connects from (the kernel host on rxe0).
 addresses() { ctl --json controllers | jq -e --arg ip "$RDMA_IP" 'length == 2 and all(.[]; .host_address | startswith($ip + ":"))'; }
 step addresses
+
+# 4. A second listener on the same device, removed and added back while the first serves: its
+#    port is let go of (the device's objects, made through the first listener's device, had
+#    taken the second's listening ID, and kept it listening: adding it back failed).
+step ctl listener add "$RDMA_IP" --port 4421 --provider ibverbs
+step nvme discover -t rdma -a "$RDMA_IP" -s 4421
+step ctl listener remove "$RDMA_IP" --port 4421
+step ctl listener add "$RDMA_IP" --port 4421 --provider ibverbs
+step nvme discover -t rdma -a "$RDMA_IP" -s 4421
+step ctl listener remove "$RDMA_IP" --port 4421
+same_controllers() { [ "$(ls -d /sys/class/nvme/nvme* | wc -l)" -eq "$ctrls_before" ]; }
+step same_controllers
+
 step nvme disconnect -n $NQN
 step nvme disconnect -n $OTHER
 kill -TERM $pid

@@ -191,7 +191,7 @@ impl Daemon {
             .listen(addr, 128)
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         let dev = id.device().map_err(|e| e.to_string())?;
-        self.watch_device(registry, &dev)
+        self.watch_device(registry, &dev, &id)
             .map_err(|e| format!("cannot watch the device's async events: {e}"))?;
         if let Some(c) = self.cm.get_mut(i) {
             c.id = Some(id);
@@ -201,11 +201,13 @@ impl Daemon {
     }
 
     /// Watches `dev`'s async event fd (SRQ limit, QP and device errors, port changes), unless
-    /// it already is (listeners on one device share it).
+    /// it already is (listeners on one device share it); `id` is the listening ID `dev` was
+    /// taken from.
     pub(super) fn watch_device(
         &mut self,
         registry: &Registry,
         dev: &any::Device,
+        id: &any::cm::CmId,
     ) -> std::io::Result<()> {
         let fd = dev.async_fd();
         if let Some(watched) = self
@@ -217,7 +219,7 @@ impl Daemon {
             // What was made on the device (through the watched handle) holds this new
             // listener's ID from now on: the ID it held may be a removed listener's, still
             // listening only for it (its last listener removed, its data path draining).
-            watched.hold_id_of(dev);
+            watched.hold_id(id);
             return Ok(());
         }
         let slot = self
@@ -246,13 +248,14 @@ impl Daemon {
             return;
         };
         let fd = dev.async_fd();
+        // Another listener's own listening ID (not the one its device holds: that may be
+        // this listener's, taken when it was added).
         let other = self
             .cm
             .iter()
             .enumerate()
-            .filter(|&(j, c)| j != i && c.id.is_some())
-            .find_map(|(_, c)| c.device.as_ref().filter(|d| d.async_fd() == fd))
-            .cloned();
+            .filter(|&(j, c)| j != i && c.device.as_ref().is_some_and(|d| d.async_fd() == fd))
+            .find_map(|(_, c)| c.id.as_ref());
         let Some(other) = other else { return };
         for d in self
             .async_devs
@@ -260,9 +263,9 @@ impl Daemon {
             .flatten()
             .filter(|d| d.async_fd() == fd)
         {
-            d.hold_id_of(&other);
+            d.hold_id(other);
         }
-        dev.hold_id_of(&other);
+        dev.hold_id(other);
     }
 
     /// Devices no listener serves any more (their last listener was removed) are watched

@@ -465,6 +465,17 @@ impl CmId {
         Device::of_cm_id(unsafe { (*self.raw()).verbs }, Arc::clone(&self.handle))
     }
 
+    /// The librdmacm context of the ID's device (null before the ID is bound to one).
+    pub(crate) fn context(&self) -> *mut rdma_sys::ibv_context {
+        // SAFETY: live ID.
+        unsafe { (*self.raw()).verbs }
+    }
+
+    /// The ID's handle, which a device of its context may hold ([`Device::hold_id`]).
+    pub(crate) fn handle(&self) -> &Arc<IdHandle> {
+        &self.handle
+    }
+
     /// After the ID's device was removed (`DEVICE_REMOVAL`, `DEVICE_FATAL`): lets go of the
     /// device once nothing made on it is open, so that the kernel can finish removing it.
     ///

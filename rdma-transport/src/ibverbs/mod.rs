@@ -66,7 +66,7 @@ pub(crate) struct Ctx {
     /// librdmacm keeps its context open while an ID on the device lives, so an ID is held
     /// here: every object made on the context (each holds this `Ctx`) goes before the ID, and
     /// so before librdmacm may close the context. It is the ID the device was taken from until
-    /// [`Device::hold_id_of`] puts another ID of the same context in its place.
+    /// [`Device::hold_id`] puts another ID of the same context in its place.
     cm_id: Mutex<Option<Arc<cm::IdHandle>>>,
 }
 
@@ -237,28 +237,21 @@ impl Device {
         Ok(d)
     }
 
-    /// Makes this device, and every object made on it, hold the rdma_cm ID `other` holds
-    /// instead of its own, when both are librdmacm's context of one device: the ID this one
-    /// was taken from (a listener's) can then be destroyed, and stop listening, while the
-    /// objects live on. Nothing changes when they are not.
-    pub fn hold_id_of(&self, other: &Device) {
-        if self.ctx.ctx != other.ctx.ctx
-            || !self.ctx.from_cm
-            || !other.ctx.from_cm
-            || Arc::ptr_eq(&self.ctx, &other.ctx)
-        {
+    /// Makes this device, and every object made on it, hold rdma_cm ID `id` instead of the
+    /// one it holds, when `id` is of librdmacm's context of this device: the ID it held (a
+    /// listener's) can then be destroyed, and stop listening, while the objects live on.
+    /// Nothing changes when it is not. (The ID a device holds may itself be another's taken
+    /// this way: the one to hold is always named by its own `CmId`.)
+    pub fn hold_id(&self, id: &cm::CmId) {
+        if !self.ctx.from_cm || id.context() != self.ctx.ctx.as_ptr() {
             return;
         }
-        let id = other
+        let old = self
             .ctx
             .cm_id
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let old = std::mem::replace(
-            &mut *self.ctx.cm_id.lock().unwrap_or_else(|e| e.into_inner()),
-            id,
-        );
+            .replace(Arc::clone(id.handle()));
         // The old ID goes (maybe destroyed) outside the lock.
         drop(old);
     }
