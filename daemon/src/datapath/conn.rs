@@ -511,6 +511,10 @@ impl DataPath {
             }
         }
         let _ = c.id.disconnect();
+        // rdma_disconnect moves an InfiniBand or RoCE QP to ERR, an iWARP one only to
+        // closing (its work would flush once the TCP connection closes, and the marker below
+        // be refused): ERR here, as the kernel's drain does, so the marker flushes now.
+        let _ = c.id.to_error();
         c.queue.connection_lost();
         // Numbered, so that a marker of an earlier QP of the same number is told apart.
         self.markers = self.markers.wrapping_add(1);
