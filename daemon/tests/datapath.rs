@@ -1086,6 +1086,49 @@ fn a_receive_held_across_sixteen_srq_rebuilds_is_still_the_replaced_srqs() {
     write_verified(&mut ios[0], 3, 3);
 }
 
+/// An SRQ error read before the SRQ it names was made is of a destroyed object whose handle
+/// the device gave again (kernel handles are reused, lowest first, across kinds): it is
+/// dropped. It tore every connection of a healthy data path down before. (A CQ's events are
+/// told apart the same way; the data path's CQ is made before any event is read here.)
+#[test]
+fn an_async_event_read_before_its_srq_or_cq_was_made_is_dropped() {
+    use nvmfd_rdma::AsyncEvent;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4498, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 1, 1);
+    // A rebuilt SRQ, made after an event was read (its own error's).
+    s.fabric.inject_srq_error(s.srq_id);
+    wait_until("the SRQ is rebuilt", || c.srq_rebuilds.load(Relaxed) == 1);
+    let srq = s.on_data_path(|dp| dp.srq_id());
+    assert_ne!(srq, s.srq_id);
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 2, 2);
+    let devents = c.device_events.load(Relaxed);
+    // Numbered 0: read before the rebuilt SRQ was made.
+    s.on_data_path(move |dp| dp.on_event(&AsyncEvent::SrqErr(srq), 0, Instant::now()));
+    write_verified(&mut ios[0], 3, 3);
+    assert_eq!(
+        c.device_events.load(Relaxed),
+        devents,
+        "a stale event was acted on"
+    );
+    assert_eq!(c.srq_rebuilds.load(Relaxed), 1);
+    // Read after it was made, the same event is the SRQ's own.
+    let n = s.on_data_path(move |dp| {
+        let n = dp.events_read();
+        dp.on_event(&AsyncEvent::SrqErr(srq), n, Instant::now());
+        n
+    });
+    assert!(n > 0);
+    assert_eq!(
+        c.device_events.load(Relaxed),
+        devents + 1,
+        "the SRQ's own event was dropped"
+    );
+}
+
 /// A broken SRQ whose rebuild fails (no memory can be registered) is tried again after a
 /// wait that doubles from 50 ms, not on every turn: the data path once retried, and logged a
 /// warning, each turn, thousands of times a second while other work kept it busy. Once

@@ -443,6 +443,19 @@ impl DataPath {
                 return Change::None;
             }
         }
+        let stale = match *ev {
+            AsyncEvent::SrqLimitReached(id) | AsyncEvent::SrqErr(id) if self.srq.is(id) => {
+                number < self.srq_events_from
+            }
+            AsyncEvent::CqErr(id) if self.cq.id() == id => number < self.cq_events_from,
+            _ => false,
+        };
+        if stale {
+            // Read before the SRQ or CQ it names was made: of a destroyed one whose handle the
+            // device gave to this one.
+            slog::info!(self.log, "async event of a destroyed SRQ or CQ dropped"; "event" => ?ev);
+            return Change::None;
+        }
         let c = &self.counters;
         match *ev {
             AsyncEvent::SrqLimitReached(id) if self.srq.is(id) => {
@@ -632,6 +645,11 @@ impl DataPath {
     /// Whether the CQ failed: the data path serves nothing more and is to be replaced.
     pub fn cq_broken(&self) -> bool {
         self.cq_broken
+    }
+
+    /// The device's count of async events read ([`any::Device::events_read`]).
+    pub fn events_read(&self) -> u64 {
+        self.dev.events_read()
     }
 
     /// QPs torn down and not yet destroyed.

@@ -327,6 +327,11 @@ pub struct DataPath {
     settling: usize,
     /// The SRQ failed: connections are refused until every QP on it is gone and it is rebuilt.
     srq_broken: bool,
+    /// The device's count of async events read when the SRQ, and the CQ, were made: an event
+    /// naming one of them read before is of a destroyed object whose handle the device gave
+    /// again (kernel handles are reused lowest first, across object kinds).
+    srq_events_from: u64,
+    cq_events_from: u64,
     /// The CQ failed (an overrun): its completions are lost, so every QP was torn down and
     /// connections are refused; the reactor replaces this data path by a new one.
     cq_broken: bool,
@@ -455,6 +460,8 @@ impl DataPath {
             .alloc_mr(cfg.max_io.max(small_size) as usize, Access::empty())
             .map_err(verr)?;
         let engine = Engine::new(cfg.requests, max_attached(), &[pool.clone(), small.clone()])?;
+        // After the SRQ and the CQ were made, as for a QP (`adopt`).
+        let events_from = dev.events_read();
         let mut dp = DataPath {
             target,
             cq,
@@ -499,6 +506,8 @@ impl DataPath {
             cq_empty_polls: 0,
             settling: 0,
             srq_broken: false,
+            srq_events_from: events_from,
+            cq_events_from: events_from,
             cq_broken: false,
             srq_retry: None,
             unconnected: VecDeque::new(),

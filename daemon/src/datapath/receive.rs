@@ -255,6 +255,7 @@ impl DataPath {
         let retired: Vec<u64> = self.retired_srqs.iter().map(|s| s.generation()).collect();
         match self.srq.rebuild(now, &retired) {
             Ok(srq) => {
+                self.srq_events_from = self.dev.events_read();
                 let old = std::mem::replace(&mut *self.srq, srq);
                 if self.held_receives > 0 {
                     // In-capsule writes still write from its receives (at a slow disk: not
