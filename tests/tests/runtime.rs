@@ -893,6 +893,31 @@ fn log_lines(d: &Daemon, msg: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A listener that cannot listen at start (its port taken, its address not up yet) tries
+/// again every second and serves once it can: it stayed down until a restart before, and a
+/// reload found nothing changed.
+#[test]
+fn a_listener_that_cannot_listen_at_start_serves_once_it_can() {
+    let port = test_port();
+    let holder = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        ..Options::default()
+    });
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let listener = |d: &Daemon| d.data("status")["listeners"][0].clone();
+    assert_eq!(listener(&d)["serving"], false, "{}", d.log());
+    drop(holder);
+    wait_for("the listener to serve", || {
+        (listener(&d)["serving"] == true).then_some(())
+    });
+    let mut a = Host::connect("127.0.0.55", addr, A, 0x55);
+    a.write_read(1, 8, 0x55);
+    // Not counted as a device's return.
+    let stats = d.data("stats");
+    assert_eq!(stats["listeners"][0]["returns_total"], 0, "{stats}");
+}
+
 /// Adds file namespace `nsid` (4 MiB) to subsystem A.
 fn add_file_namespace(d: &Daemon, nsid: u32) {
     let img = d.dir.path().join(format!("ns{nsid}.img"));

@@ -639,7 +639,8 @@ impl Daemon {
     }
 
     /// Every tick: listeners whose device was removed let go of it once nothing made on it is
-    /// left, then try to listen again every `RELISTEN_INTERVAL`.
+    /// left, then try to listen again every `RELISTEN_INTERVAL`; so do listeners that could
+    /// not listen at start.
     pub(super) fn relisten(&mut self, registry: &Registry, now: Instant) {
         for i in 0..self.cm.len() {
             self.release_removed(i, now);
@@ -657,7 +658,7 @@ impl Daemon {
                     let c = &mut self.cm[i];
                     c.relisten_at = Some(now + RELISTEN_INTERVAL);
                     if c.relisten_error.as_deref() != Some(e.as_str()) {
-                        info!(self.log, "listener still waiting for its device"; "listener" => i, "error" => &e);
+                        info!(self.log, "listener still not serving"; "listener" => i, "error" => &e);
                         c.relisten_error = Some(e);
                     }
                 }
@@ -707,13 +708,19 @@ impl Daemon {
         let Some(c) = self.cm.get_mut(i) else { return };
         c.relisten_at = None;
         c.relisten_error = None;
-        c.returns += 1;
+        // A device that returns, or (never removed) a listener that could not listen at start.
+        let returned = c.device_removals > 0;
+        c.returns += u64::from(returned);
         let Some(dev) = c.device.clone() else { return };
         if let Some(st) = self.listeners.get_mut(i) {
             st.serving = true;
             st.reason = None;
-            info!(self.log, "device returned: the listener serves again";
-                  "listener" => i, "address" => &st.address, "port" => st.port);
+            let msg = if returned {
+                "device returned: the listener serves again"
+            } else {
+                "listening"
+            };
+            info!(self.log, "{}", msg; "listener" => i, "address" => &st.address, "port" => st.port);
         }
         // Its connection requests wait until its reactors have a data path on it.
         if let Some(c) = self.cm.get_mut(i) {

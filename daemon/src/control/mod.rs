@@ -288,8 +288,14 @@ impl Daemon {
                     (true, None)
                 }
                 Err(reason) => {
-                    warn!(self.log, "listener not serving"; "address" => %l.address, "port" => l.port,
+                    // Tried again every RELISTEN_INTERVAL (its address may come up later in
+                    // the boot, its port be freed).
+                    warn!(self.log, "listener not serving: it tries again every second"; "address" => %l.address, "port" => l.port,
                           "provider" => %l.provider, "reason" => &reason);
+                    if let Some(c) = self.cm.get_mut(i) {
+                        c.relisten_at = Some(Instant::now() + RELISTEN_INTERVAL);
+                        c.relisten_error = Some(reason.clone());
+                    }
                     (false, Some(reason))
                 }
             };
