@@ -217,6 +217,8 @@ pub struct Options {
     /// Its standard error a pipe nobody reads (closed before it starts): every log line
     /// fails with EPIPE. `Daemon::log` is then empty.
     pub stderr_broken: bool,
+    /// Its configuration path (`nvmfd.toml`) a symlink to `v1.toml` beside it.
+    pub config_symlink: bool,
 }
 
 /// A running `nvmfd` process, killed if still running when dropped.
@@ -279,7 +281,12 @@ impl Daemon {
             c
         });
         let config_path = dir.path().join("nvmfd.toml");
-        std::fs::write(&config_path, config).expect("write config");
+        if opts.config_symlink {
+            std::fs::write(dir.path().join("v1.toml"), config).expect("write config");
+            std::os::unix::fs::symlink("v1.toml", &config_path).expect("config symlink");
+        } else {
+            std::fs::write(&config_path, config).expect("write config");
+        }
         let log_path = dir.path().join("nvmfd.log");
         let log = std::fs::File::create(&log_path).expect("log file");
         let stderr = if opts.stderr_broken {

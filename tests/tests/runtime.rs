@@ -918,6 +918,56 @@ fn a_listener_that_cannot_listen_at_start_serves_once_it_can() {
     assert_eq!(stats["listeners"][0]["returns_total"], 0, "{stats}");
 }
 
+/// A configuration path that is a symlink stays one: an operator who points it at another
+/// file and reloads gets that file's configuration, and a change made after is written to the
+/// file it names, the link kept. The daemon took the file the link named at start for good:
+/// a reload then found nothing changed.
+#[test]
+fn a_symlinked_configuration_is_read_through_the_link_and_written_to_where_it_points() {
+    let port = test_port();
+    let d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        config_symlink: true,
+        ..Options::default()
+    });
+    let dir = d.dir.path();
+    const C: &str = "nqn.2024-01.io.nvmfd.test:c";
+    let v2 = std::fs::read_to_string(dir.join("v1.toml")).unwrap()
+        + &format!("\n[[subsystem]]\nnqn = \"{C}\"\nallow_any_host = true\n");
+    std::fs::write(dir.join("v2.toml"), v2).unwrap();
+    std::os::unix::fs::symlink("v2.toml", dir.join("link.new")).unwrap();
+    std::fs::rename(dir.join("link.new"), dir.join("nvmfd.toml")).unwrap();
+    change(&d, serde_json::json!({"request": "reload"}));
+    let status = d.data("status");
+    assert!(
+        status["subsystems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["nqn"] == C),
+        "{status}"
+    );
+    change(
+        &d,
+        serde_json::json!({"request": "add_host", "subsystem": C,
+            "host": "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000c1"}),
+    );
+    let link = dir.join("nvmfd.toml");
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(
+        std::fs::read_link(&link).unwrap(),
+        std::path::Path::new("v2.toml")
+    );
+    let written = std::fs::read_to_string(dir.join("v2.toml")).unwrap();
+    assert!(written.contains("0000000000c1"), "{written}");
+    assert!(!std::fs::read_to_string(dir.join("v1.toml"))
+        .unwrap()
+        .contains(C));
+}
+
 /// Adds file namespace `nsid` (4 MiB) to subsystem A.
 fn add_file_namespace(d: &Daemon, nsid: u32) {
     let img = d.dir.path().join(format!("ns{nsid}.img"));

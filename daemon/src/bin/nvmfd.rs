@@ -71,9 +71,10 @@ fn main() -> ExitCode {
     if let Err(e) = nvmfd::datapath::raise_file_limit() {
         warn!(log, "cannot raise the open file limit to its hard limit: each reactor's engine serves at most 1,024 namespace devices at once"; "error" => %e);
     }
-    // Written back after changes made while serving: by its absolute path, whatever the
-    // working directory becomes.
-    let path = std::fs::canonicalize(&cli.config).unwrap_or_else(|_| cli.config.clone());
+    // Read again on a reload, and written back after changes made while serving: by its
+    // absolute path, whatever the working directory becomes. A symlink stays one (an operator
+    // may point it at another file, then reload): it is resolved when the file is written.
+    let path = std::path::absolute(&cli.config).unwrap_or_else(|_| cli.config.clone());
     let result = control::run(cfg, Some(path), facts, log.clone());
     let code = match result {
         Ok(()) => {
