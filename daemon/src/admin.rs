@@ -21,7 +21,9 @@ use nvmfd_config::Edit;
 
 /// Longest request line, newline included.
 pub const MAX_LINE_BYTES: usize = 4096;
-/// Most answer bytes buffered for a client that does not read them; past this it is dropped.
+/// Most answer bytes buffered for a client that does not read them: one that sends another
+/// request while its earlier answers still wait past this is dropped. (One answer alone may
+/// be larger: a client reading it gets it whole.)
 pub const MAX_PENDING_OUTPUT_BYTES: usize = 1 << 20;
 /// Most clients connected at once; one more gets an error answer and is disconnected.
 pub const MAX_CLIENTS: usize = 64;
@@ -352,6 +354,9 @@ struct Client {
     /// Its turn ended with requests left (received or still in the socket): it is served
     /// again at the next turn, without a new readiness event.
     more: bool,
+    /// It sent a request while its unread answers were past `MAX_PENDING_OUTPUT_BYTES`: it
+    /// is dropped.
+    overflowed: bool,
 }
 
 /// The admin socket server.
@@ -556,6 +561,7 @@ impl AdminServer {
                             last_active: Instant::now(),
                             closing: false,
                             more: false,
+                            overflowed: false,
                         },
                     );
                 }
@@ -591,9 +597,9 @@ impl AdminServer {
                     c.input.extend_from_slice(&buf[..n]);
                     self.answer_lines(c, handle, &mut budget);
                     c.more = budget == 0;
-                    // Write answers as they are made; a client whose unread answers pass the
-                    // bound is dropped now, before it can make the daemon read (and buffer)
-                    // any more of its requests.
+                    // Write answers as they are made; a client that asked for more while its
+                    // unread answers were past the bound is dropped now, before it can make
+                    // the daemon read (and buffer) any more of its requests.
                     if !self.flush(c) {
                         return false;
                     }
@@ -624,6 +630,11 @@ impl AdminServer {
             if nl + 1 > MAX_LINE_BYTES || *budget == 0 {
                 break;
             }
+            if c.output.len() > MAX_PENDING_OUTPUT_BYTES {
+                // Another request while its earlier answers wait unread past the bound.
+                c.overflowed = true;
+                return;
+            }
             let line: Vec<u8> = c.input.drain(..=nl).collect();
             let text = String::from_utf8_lossy(&line[..nl]);
             let text = text.trim();
@@ -647,9 +658,6 @@ impl AdminServer {
                 self.stats.errors_total += 1;
             }
             c.output.extend_from_slice(&answer.line());
-            if c.output.len() > MAX_PENDING_OUTPUT_BYTES {
-                return;
-            }
         }
         let pending_line = c
             .input
@@ -682,7 +690,7 @@ impl AdminServer {
                 Err(_) => return false,
             }
         }
-        if c.output.len() > MAX_PENDING_OUTPUT_BYTES {
+        if c.overflowed {
             warn!(self.log, "admin client does not read its answers: disconnected";
                   "pending_bytes" => c.output.len());
             self.stats.dropped_total += 1;

@@ -276,6 +276,45 @@ fn a_client_that_never_reads_is_dropped() {
     assert_eq!(d.data("status")["state"], "running");
 }
 
+/// One answer larger than the bound on unread answers (2 MiB: a configuration with thousands of
+/// allowed hosts here; `controllers` of a big target likewise) reaches a client that reads
+/// it: the bound applies to answers left unread when the client asks for more. The client was
+/// dropped midway before (a truncated line).
+#[test]
+fn an_answer_larger_than_the_bound_reaches_a_client_that_reads_it() {
+    let hosts: Vec<String> = (0..24_000)
+        .map(|i| format!("nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-{i:012}-padding-to-make-the-name-long"))
+        .collect();
+    let list = hosts
+        .iter()
+        .map(|h| format!("\"{h}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "allow_any_host = true".into(),
+            format!("allow_any_host = false\nhosts = [{list}]"),
+        )],
+        ..Options::default()
+    });
+    let s = UnixStream::connect(&d.socket).unwrap();
+    (&s).write_all(b"{\"request\":\"config\"}\n").unwrap();
+    // Read only once the daemon has answered: it wrote what the socket took, and keeps the
+    // rest for when the client reads.
+    wait_for("the config request answered", || {
+        (d.data("stats")["admin"]["requests_total"].as_u64() >= Some(1)).then_some(())
+    });
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line).unwrap();
+    assert!(line.len() > 1 << 20, "the answer is {} bytes", line.len());
+    let v: Value = serde_json::from_str(&line).expect("one whole JSON answer");
+    assert_eq!(
+        v["data"]["subsystem"][0]["hosts"].as_array().map(Vec::len),
+        Some(24_000)
+    );
+    assert_eq!(d.data("stats")["admin"]["dropped_total"], 0);
+}
+
 #[test]
 fn a_vanished_client_does_not_disturb_the_daemon() {
     let d = Daemon::start(Options::default());
