@@ -685,11 +685,20 @@ impl DataPath {
                 .filter(|r| r.qpn == qpn && r.conn != NO_CONN)
                 .count()
         };
+        // Each draining QP's requests, in one pass over the slots (a mass teardown, a host
+        // with a thousand queues gone, would otherwise scan every slot for each QP, each turn).
+        let mut live = std::mem::take(&mut self.scratch_counts);
+        live.clear();
+        for r in self.reqs.iter().flatten() {
+            if r.conn != NO_CONN && self.draining.contains_key(&r.qpn) {
+                *live.entry(r.qpn).or_default() += 1;
+            }
+        }
         // The reused scratch vector: a turn with QPs draining allocates nothing either.
         let mut gone = std::mem::take(&mut self.scratch_qpns);
         let empty_polls = self.cq_empty_polls;
         for (&qpn, d) in &mut self.draining {
-            let quiet = requests_of(&self.reqs, qpn) == 0
+            let quiet = live.get(&qpn).copied().unwrap_or(0) == 0
                 && d.flushed
                 && (d.last_wqe || !self.wait_last_wqe);
             let expired = now.duration_since(d.since) >= DRAIN_TIMEOUT;
@@ -710,7 +719,7 @@ impl DataPath {
             if d.quiet_at.is_some() {
                 self.settling -= 1;
             }
-            let requests = requests_of(&self.reqs, qpn);
+            let requests = live.get(&qpn).copied().unwrap_or(0);
             let timed_out = requests > 0 || !d.flushed || (!d.last_wqe && self.wait_last_wqe);
             if timed_out {
                 self.counters.drain_timeouts.fetch_add(1, Ordering::Relaxed);
@@ -727,7 +736,8 @@ impl DataPath {
             }
             self.srq.unreserve(d.depth);
             drop(d.id);
-            if requests_of(&self.reqs, qpn) > 0 {
+            // Only a timed-out drain can have requests left (those its end above kept).
+            if timed_out && requests_of(&self.reqs, qpn) > 0 {
                 // Block operations of it are still in flight: its queue stays counted by
                 // its controller until they complete. Its requests lose their connection:
                 // the device may give its QP number to a new QP, whose connection may take
@@ -741,6 +751,7 @@ impl DataPath {
             }
         }
         self.scratch_qpns = gone;
+        self.scratch_counts = live;
     }
 
     /// Ends the requests of torn-down QP `qpn` that wait for nothing but its network (every

@@ -351,6 +351,8 @@ pub struct DataPath {
     reaped: Vec<Completion>,
     /// QP numbers of one turn's ended connections (kept likewise).
     scratch_qpns: Vec<u32>,
+    /// A turn's count of live requests per draining QP (kept likewise).
+    scratch_counts: HashMap<u32, usize>,
     /// Whether the device sends LAST_WQE_REACHED (rxe and iWARP do not: the drain marker
     /// alone ends a drain there).
     wait_last_wqe: bool,
@@ -517,6 +519,7 @@ impl DataPath {
             max_qps,
             reaped: Vec::with_capacity(2 * cfg.requests as usize),
             scratch_qpns: Vec::with_capacity(64),
+            scratch_counts: HashMap::default(),
             // No count is this: the first turn looks.
             ctrl_changes_seen: u64::MAX,
             wait_last_wqe: dev.sends_last_wqe(),
