@@ -315,6 +315,48 @@ fn an_answer_larger_than_the_bound_reaches_a_client_that_reads_it() {
     assert_eq!(d.data("stats")["admin"]["dropped_total"], 0);
 }
 
+/// An admin client whose request waited in its socket through a long change (held here at
+/// the test gate, past the client's idle timeout) is answered: the idle sweep after the
+/// change dropped it before its request was read.
+#[test]
+fn a_client_whose_request_waited_through_a_long_change_is_answered() {
+    let gate = tempfile::tempdir().unwrap();
+    let d = Daemon::start(Options {
+        extra_daemon: "admin_client_timeout = \"300ms\"".into(),
+        test_hooks: true,
+        env: vec![("NVMFD_TEST_GATE".into(), gate.path().display().to_string())],
+        ..Options::default()
+    });
+    let x = UnixStream::connect(&d.socket).unwrap();
+    let mut reader = BufReader::new(&x);
+    let mut line = String::new();
+    (&x).write_all(b"{\"request\":\"status\"}\n").unwrap();
+    reader.read_line(&mut line).unwrap();
+    std::thread::scope(|scope| {
+        let resize = scope.spawn(|| {
+            d.request(
+                &serde_json::json!({"request": "resize_namespace",
+                    "subsystem": "nqn.2024-01.io.nvmfd.test:ram0", "nsid": 1, "size": "32MiB"})
+                .to_string(),
+            )
+        });
+        wait_for("the resize to wait at the gate", || {
+            gate.path().join("resize-waiting").exists().then_some(())
+        });
+        (&x).write_all(b"{\"request\":\"status\"}\n").unwrap();
+        // The client's idle timeout passes while the change waits: the time itself is what
+        // the test needs.
+        std::thread::sleep(Duration::from_millis(600));
+        std::fs::write(gate.path().join("resize-go"), b"").unwrap();
+        let a = resize.join().unwrap();
+        assert_eq!(a["ok"], true, "{a}");
+    });
+    line.clear();
+    reader.read_line(&mut line).unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    assert_eq!(v["ok"], true, "{v}");
+}
+
 #[test]
 fn a_vanished_client_does_not_disturb_the_daemon() {
     let d = Daemon::start(Options::default());

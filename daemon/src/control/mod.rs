@@ -504,6 +504,10 @@ impl Daemon {
               "watchdog" => ?self.notifier.watchdog_interval());
         let mut events = Events::with_capacity(64);
         let mut next_tick = Instant::now();
+        // Idle admin clients are dropped once this turn's events are handled, idle as of the
+        // poll: a client whose request waited in its socket through a long turn (a change
+        // that waited) is not idle.
+        let mut sweep_due = false;
         self.registry = poll.registry().try_clone().ok();
         loop {
             for c in &mut self.cm {
@@ -520,7 +524,7 @@ impl Daemon {
                 self.reopen_namespaces(now);
                 self.sync_released_devices();
                 self.report_sync_failures();
-                admin.sweep(poll.registry(), now);
+                sweep_due = true;
                 next_tick = now + tick;
             }
             // An admin client with requests left from its last turn is served without waiting.
@@ -536,6 +540,7 @@ impl Daemon {
                 }
                 return Err(DaemonError::Setup(e));
             }
+            let polled_at = Instant::now();
             for ev in events.iter() {
                 if ev.token() == SIGNALS {
                     for sig in signals.pending() {
@@ -569,6 +574,9 @@ impl Daemon {
                 admin.serve_pending(registry, &mut |req, uid, stats| {
                     self.answer(registry, req, uid, stats)
                 });
+            }
+            if std::mem::take(&mut sweep_due) {
+                admin.sweep(poll.registry(), polled_at);
             }
             // The flag is set by the signal handler itself, possibly before the signal's event
             // is polled: it alone decides.
