@@ -968,6 +968,44 @@ fn a_symlinked_configuration_is_read_through_the_link_and_written_to_where_it_po
         .contains(C));
 }
 
+/// A change whose resize fails after the file was written puts the file back, but not over
+/// edits the operator made while the resize waited (held here at the test gate): those were
+/// overwritten before.
+#[test]
+fn a_refused_change_leaves_edits_made_meanwhile_in_the_file() {
+    let gate = tempfile::tempdir().unwrap();
+    let (d, _addr) = start_hooked(Some(gate.path()));
+    let path = d.dir.path().join("nvmfd.toml");
+    change(
+        &d,
+        serde_json::json!({"request": "debug_fail_resize", "subsystem": A, "nsid": 1}),
+    );
+    std::thread::scope(|scope| {
+        let resize = scope.spawn(|| {
+            d.request(
+                &serde_json::json!({"request": "resize_namespace", "subsystem": A,
+                    "nsid": 1, "size": "4MiB"})
+                .to_string(),
+            )
+        });
+        wait_for("the resize to wait at the gate", || {
+            gate.path().join("resize-waiting").exists().then_some(())
+        });
+        let edited = std::fs::read_to_string(&path).unwrap() + "\n# the operator's note\n";
+        std::fs::write(&path, &edited).unwrap();
+        std::fs::write(gate.path().join("resize-go"), b"").unwrap();
+        let a = resize.join().unwrap();
+        assert_eq!(a["ok"], false, "{a}");
+        let why = a["error"].as_str().unwrap_or_default();
+        assert!(why.contains("edited while the change was made"), "{why}");
+    });
+    assert!(
+        config_text(&d).contains("# the operator's note"),
+        "{}",
+        config_text(&d)
+    );
+}
+
 /// Adds file namespace `nsid` (4 MiB) to subsystem A.
 fn add_file_namespace(d: &Daemon, nsid: u32) {
     let img = d.dir.path().join(format!("ns{nsid}.img"));

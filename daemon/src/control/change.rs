@@ -373,10 +373,13 @@ impl Daemon {
                 };
                 let before = d.size();
                 let (dev, size) = (Arc::clone(d), *size);
-                let resized = if self.fail_resize.as_ref() == Some(&(nqn.clone(), *nsid)) {
+                // The test hook fails it where a resize fails: off this thread, after the
+                // test gate.
+                let fail = self.fail_resize.as_ref() == Some(&(nqn.clone(), *nsid));
+                if fail {
                     self.fail_resize = None;
-                    Err("failed by the debug_fail_resize test hook".to_owned())
-                } else {
+                }
+                let resized = {
                     let fence = self.write_fence();
                     let probe = Arc::clone(&dev);
                     let gate = self.test_gate();
@@ -386,6 +389,9 @@ impl Daemon {
                         move || {
                             if let Some(gate) = gate {
                                 super::off_thread::wait_at_gate(&gate, "resize");
+                            }
+                            if fail {
+                                return Err("failed by the debug_fail_resize test hook".to_owned());
                             }
                             let end = size.unwrap_or(0);
                             dev.resize_fenced(size, || fence.wait(&dev, end))
@@ -425,7 +431,16 @@ impl Daemon {
                 }
             }
             if persist {
-                if let Err(w) = self.write_config(&old_text) {
+                // Put back only what this change wrote: edits made meanwhile (a resize can
+                // wait for minutes) are the operator's.
+                let edited = self.source.path.as_ref().is_some_and(|p| {
+                    std::fs::read_to_string(p).is_ok_and(|on_disk| on_disk != text)
+                });
+                if edited {
+                    e.push_str(
+                        "; the file was edited while the change was made and is left as it is: it holds the refused change and those edits (a reload would apply both)",
+                    );
+                } else if let Err(w) = self.write_config(&old_text) {
                     e.push_str(&format!(
                         "; the file could not be put back and holds the refused change (a reload would apply it): {w}"
                     ));
