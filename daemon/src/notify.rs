@@ -51,6 +51,14 @@ impl Notifier {
         }
     }
 
+    /// EXTEND_TIMEOUT_USEC: the service manager waits `by` more (for the start, or for the
+    /// stop, whichever is under way) before it gives up on the daemon. Sent again before it
+    /// passes, as long as the wait goes on.
+    pub fn extend_timeout(&self, by: Duration) {
+        let usec = u32::try_from(by.as_micros()).unwrap_or(u32::MAX);
+        self.send("EXTEND_TIMEOUT", &[NotifyState::ExtendTimeoutUsec(usec)]);
+    }
+
     /// STOPPING=1 with a STATUS line.
     pub fn stopping(&self, status: &str) {
         self.send(

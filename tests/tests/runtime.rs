@@ -1006,6 +1006,47 @@ fn a_refused_change_leaves_edits_made_meanwhile_in_the_file() {
     );
 }
 
+/// A stop asked for while a change waits (a resize held here at the test gate; an RBD shrink
+/// can take minutes) tells the service manager at once (STOPPING=1) and extends its stop
+/// timeout while the change goes on, then stops once it ends. Nothing was said before: the
+/// service manager killed the daemon at its stop timeout, in the middle of the change.
+#[test]
+fn a_stop_during_a_long_change_waits_for_it_and_tells_the_service_manager() {
+    use std::io::{BufRead, Write};
+    let gate = tempfile::tempdir().unwrap();
+    let port = test_port();
+    let mut d = Daemon::start(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        notify: true,
+        env: vec![("NVMFD_TEST_GATE".into(), gate.path().display().to_string())],
+        ..Options::default()
+    });
+    d.notifications_until("READY=1");
+    let client = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+    (&client)
+        .write_all(
+            format!(
+                "{}\n",
+                serde_json::json!({"request": "resize_namespace", "subsystem": A,
+                    "nsid": 1, "size": "4MiB"})
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    wait_for("the resize to wait at the gate", || {
+        gate.path().join("resize-waiting").exists().then_some(())
+    });
+    d.signal(libc::SIGTERM);
+    let said = d.notifications_until("EXTEND_TIMEOUT_USEC=");
+    assert!(said.iter().any(|n| n.contains("STOPPING=1")), "{said:?}");
+    std::fs::write(gate.path().join("resize-go"), b"").unwrap();
+    let mut answer = String::new();
+    let _ = std::io::BufReader::new(&client).read_line(&mut answer);
+    assert!(d.wait_exit().success(), "{}", d.log());
+    assert!(answer.contains("\"ok\":true"), "the resize: {answer}");
+}
+
 /// Adds file namespace `nsid` (4 MiB) to subsystem A.
 fn add_file_namespace(d: &Daemon, nsid: u32) {
     let img = d.dir.path().join(format!("ns{nsid}.img"));

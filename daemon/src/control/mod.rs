@@ -86,6 +86,8 @@ struct Daemon {
     log: Logger,
     started: Instant,
     notifier: Notifier,
+    /// Set by SIGTERM and SIGINT: the daemon stops (a change under way first ends).
+    term: Arc<AtomicBool>,
     reactors: Vec<ReactorHandle>,
     heartbeats: Vec<Heartbeat>,
     listeners: Vec<ListenerStatus>,
@@ -170,6 +172,7 @@ pub fn run(
         log: log.clone(),
         started: Instant::now(),
         notifier,
+        term: Arc::clone(&term),
         reactors: Vec::new(),
         heartbeats: Vec::new(),
         listeners: Vec::new(),

@@ -17,6 +17,11 @@ const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);
 /// How long a hosts' connection request waits at most while a change waits.
 const MEANWHILE_SLICE: Duration = Duration::from_millis(20);
 
+/// While a stop waits for a change under way: how often the service manager's stop timeout is
+/// extended, and by how much each time.
+const STOP_EXTEND_EVERY: Duration = Duration::from_secs(1);
+const STOP_EXTEND_BY: Duration = Duration::from_secs(5);
+
 /// Test hook (with test hooks on): [`KEEP_WATCH_MAX`] in milliseconds.
 pub(super) const TEST_KEEP_WATCH_ENV: &str = "NVMFD_TEST_KEEP_WATCH_MS";
 
@@ -126,6 +131,9 @@ impl Daemon {
         let keep_max = self.test_ms(TEST_KEEP_WATCH_ENV).unwrap_or(KEEP_WATCH_MAX);
         let mut began = Instant::now();
         let mut seen = progress.map(|p| p());
+        // A stop asked for meanwhile waits for the change to end (a resize cut off half-way
+        // is worse); the service manager is told, and given more time while it goes on.
+        let mut stop_extended: Option<Instant> = None;
         loop {
             let now = Instant::now();
             let slice = deadline.map_or(tick, |d| tick.min(d.saturating_duration_since(now)));
@@ -142,8 +150,24 @@ impl Daemon {
                         seen = now_seen;
                         began = Instant::now();
                     }
-                    if began.elapsed() < keep_max {
+                    let alive = began.elapsed() < keep_max;
+                    if alive {
                         self.check_heartbeats(Instant::now());
+                    }
+                    if self.term.load(std::sync::atomic::Ordering::Relaxed) {
+                        if stop_extended.is_none() {
+                            info!(self.log, "stopping once the change under way ends");
+                            self.notifier
+                                .stopping("stopping once the change under way ends");
+                        }
+                        // While it moves (a hung one is left to the stop timeout).
+                        if alive && stop_extended.is_none_or(|at| at.elapsed() >= STOP_EXTEND_EVERY)
+                        {
+                            self.notifier.extend_timeout(STOP_EXTEND_BY);
+                            stop_extended = Some(Instant::now());
+                        } else if stop_extended.is_none() {
+                            stop_extended = Some(Instant::now());
+                        }
                     }
                     self.serve_meanwhile(Instant::now());
                 }
