@@ -10,6 +10,15 @@ use std::sync::Arc;
 use crate::mem::DmaRegion;
 use crate::BlockError;
 
+/// What stores a device's data ([`Device::identity`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StoreIdentity {
+    /// A regular file: its filesystem's device number and its inode.
+    File(u64, u64),
+    /// A block device: its device number.
+    BlockDevice(u64),
+}
+
 mod resize;
 mod sync;
 pub(crate) use sync::SyncsInFlight;
@@ -386,6 +395,23 @@ impl Device {
     /// zeroes from memory of its own instead of reading.
     pub fn reads_zeroes(&self) -> bool {
         matches!(self.backing, Backing::Null)
+    }
+
+    /// What stores the device's data, whatever path named it (a symlink, a hard link,
+    /// `/dev/disk/by-id/...`): a file's filesystem and inode, a block device's device
+    /// number. `None` for RAM, null and RBD devices. Two namespaces on one store would
+    /// overwrite each other's data.
+    pub fn identity(&self) -> Option<StoreIdentity> {
+        use std::os::unix::fs::MetadataExt;
+        let Backing::File(f) = &self.backing else {
+            return None;
+        };
+        let m = f.metadata().ok()?;
+        Some(if m.file_type().is_block_device() {
+            StoreIdentity::BlockDevice(m.rdev())
+        } else {
+            StoreIdentity::File(m.dev(), m.ino())
+        })
     }
 
     /// What the device is, as opened: its capacity now is [`Device::size`].

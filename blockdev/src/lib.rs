@@ -17,7 +17,7 @@ mod mem;
 #[cfg(feature = "rbd")]
 mod rbd;
 
-pub use device::{Device, DeviceInfo, DeviceSpec, Kind, RbdSpec};
+pub use device::{Device, DeviceInfo, DeviceSpec, Kind, RbdSpec, StoreIdentity};
 
 /// Waits until every RBD image handle let go so far is closed, or `timeout`: whether they all
 /// are. Handles are closed on a thread of their own (closing one can wait on the cluster for

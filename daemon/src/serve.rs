@@ -201,6 +201,16 @@ fn open_all(cfg: &Config) -> Vec<Vec<std::io::Result<Arc<BlockDevice>>>> {
     })
 }
 
+/// The error for two namespaces whose paths name one file or block device.
+pub fn one_store(a: (&String, u32), b: (&String, u32)) -> String {
+    format!(
+        "subsystem {} namespace {} and subsystem {} namespace {} are one file or block device \
+         (by other paths: a link, another name of the device): they would overwrite each \
+         other's data",
+        a.0, a.1, b.0, b.1
+    )
+}
+
 /// Opens every namespace's device, each on its own thread (an unreachable Ceph cluster takes
 /// its mount timeout once, not once per namespace), and builds the target. A file, block
 /// device or RAM namespace that does not open is an error naming it; an RBD namespace that
@@ -253,6 +263,15 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
             devices.push((s.nqn.clone(), ns.nsid, dev));
         }
         subsystems.push(subsystem(s, namespaces));
+    }
+    let mut stores = std::collections::HashMap::new();
+    for (nqn, nsid, dev) in &devices {
+        if let Some(other) = dev
+            .identity()
+            .and_then(|id| stores.insert(id, (nqn, *nsid)))
+        {
+            return Err(one_store(other, (nqn, *nsid)));
+        }
     }
     let ports = cfg
         .listeners

@@ -1047,6 +1047,54 @@ fn a_stop_during_a_long_change_waits_for_it_and_tells_the_service_manager() {
     assert!(answer.contains("\"ok\":true"), "the resize: {answer}");
 }
 
+/// Two namespaces whose paths name one file (a symlink, a hard link; a block device by two
+/// names likewise) would overwrite each other's data: a configuration with them does not
+/// start, and a change adding one is refused. Both were taken before.
+#[test]
+fn two_namespaces_on_one_file_by_other_paths_are_refused() {
+    let images = tempfile::tempdir().unwrap();
+    let x = images.path().join("x.img");
+    std::fs::write(&x, vec![0u8; 4 << 20]).unwrap();
+    std::os::unix::fs::symlink(&x, images.path().join("y.img")).unwrap();
+    std::fs::hard_link(&x, images.path().join("z.img")).unwrap();
+    let port = test_port();
+    let both = format!(
+        "{}\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"file\"\npath = \"{}\"\n\n[[subsystem.namespace]]\nnsid = 3\nbackend = \"file\"\npath = \"{}\"\n",
+        config(std::path::Path::new("@DIR@"), port),
+        x.display(),
+        images.path().join("y.img").display()
+    );
+    let mut d = Daemon::spawn(Options {
+        config: Some(both),
+        ..Options::default()
+    });
+    assert!(!d.wait_exit().success(), "{}", d.log());
+    assert!(
+        d.log().contains("are one file or block device"),
+        "{}",
+        d.log()
+    );
+
+    // (The same path is refused by the configuration's checks.)
+    let (d, _addr) = start();
+    add_file_namespace(&d, 2);
+    let link = d.dir.path().join("again.img");
+    std::fs::hard_link(d.dir.path().join("ns2.img"), &link).unwrap();
+    let why = refused(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 3, "backend": "file", "path": link}}),
+    );
+    assert!(why.contains("are one file or block device"), "{why}");
+    // Nothing of the refused ones is served.
+    let status = d.data("status");
+    assert_eq!(
+        status["namespaces"].as_array().unwrap().len(),
+        3,
+        "{status}"
+    );
+}
+
 /// Adds file namespace `nsid` (4 MiB) to subsystem A.
 fn add_file_namespace(d: &Daemon, nsid: u32) {
     let img = d.dir.path().join(format!("ns{nsid}.img"));

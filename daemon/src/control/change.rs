@@ -260,6 +260,23 @@ impl Daemon {
                 .and_then(|r| r.map_err(|e| e.to_string()))
                 .map_err(|e| format!("subsystem {nqn} namespace {}: {e}", ns.nsid))
                 .and_then(|dev| {
+                    // Not a store another namespace has (one this change removes aside).
+                    if let Some(id) = dev.identity() {
+                        let served = self
+                            .devices
+                            .iter()
+                            .filter(|((n, i), _)| {
+                                !plan.namespaces_removed.contains(&(n.clone(), *i))
+                            })
+                            .map(|((n, i), d)| (n, *i, d));
+                        let added = opened.iter().map(|(n, i, d)| (n, *i, d));
+                        if let Some((n, i, _)) = served
+                            .chain(added)
+                            .find(|(_, _, d)| d.identity() == Some(id))
+                        {
+                            return Err(crate::serve::one_store((n, i), (nqn, ns.nsid)));
+                        }
+                    }
                     self.attach_everywhere(sub, ns.nsid, &dev)?;
                     Ok(dev)
                 });
