@@ -602,6 +602,43 @@ fn bare_connect(
     (id, ch, (srq, cq, pd))
 }
 
+/// A long `stall_timeout` (an idle reactor slept a quarter of it) does not delay the
+/// reactor's own timers: a connection that never sends a Fabrics Connect is still ended after
+/// `transport.connect_timeout` (after minutes before).
+#[test]
+fn a_long_stall_timeout_does_not_delay_the_connect_timeout() {
+    let d = Daemon::start(Options {
+        replace: vec![
+            (
+                "[[subsystem]]".into(),
+                "[transport]\nconnect_timeout = \"300ms\"\n\n[[subsystem]]".into(),
+            ),
+            (
+                "stall_timeout = \"300ms\"".into(),
+                "stall_timeout = \"10min\"".into(),
+            ),
+        ],
+        ..Options::default()
+    });
+    let addr = listener(&d);
+    let f = Fabric::networked();
+    f.add_device("127.0.0.11".parse().unwrap()).unwrap();
+    let (id, ch, qp_on) = bare_connect(&f, addr);
+    nvmfd_tests::wait_for("ESTABLISHED", || match ch.next_event() {
+        Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. }) => Some(()),
+        Some(other) => panic!("{other:?}"),
+        None => None,
+    });
+    nvmfd_tests::wait_for(
+        "the connection without a Fabrics Connect to be ended",
+        || {
+            (nvmfd_tests::dp_sum(&d.data("stats"), "connects_failed_no_connect_total") == 1)
+                .then_some(())
+        },
+    );
+    drop((id, ch, qp_on));
+}
+
 /// Through the daemon's control thread and reactor: a host process that goes away after its
 /// connection was accepted, before its RTU (REJECTED at the daemon), and one that is
 /// established but never sends a Fabrics Connect (ended after `transport.connect_timeout`).

@@ -71,6 +71,10 @@ pub const TEST_SETUP_TIMEOUT_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_TIMEOUT_MS";
 /// before the daemon gives up starting: within systemd's default start timeout (90 s).
 pub const REACTOR_SETUP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The longest an idle reactor sleeps (a quarter of `stall_timeout`, at most this): how late
+/// its timers may be.
+const MAX_REACTOR_SLEEP: Duration = Duration::from_millis(500);
+
 /// Exit status when a second termination signal forces the daemon out during a graceful stop.
 pub const FORCED_EXIT_STATUS: i32 = 130;
 
@@ -166,7 +170,9 @@ pub fn run(
     let stall_timeout = cfg.daemon.stall_timeout.0;
     let loop_cfg = LoopConfig {
         idle_sleep_after: cfg.daemon.idle_sleep_after.0,
-        max_sleep: (stall_timeout / 4).max(Duration::from_millis(1)),
+        // Bounded: the reactors' own timers (a connection's Fabrics Connect, drains, stalled
+        // sends) are looked at when they wake.
+        max_sleep: (stall_timeout / 4).clamp(Duration::from_millis(1), MAX_REACTOR_SLEEP),
     };
     let mut d = Daemon {
         log: log.clone(),
