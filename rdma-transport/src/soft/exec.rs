@@ -41,6 +41,17 @@ impl State {
     /// ever made for a QP in ERR: its receive completions in a CQ are those of messages that
     /// arrived before it entered ERR.
     pub(super) fn deliver(&mut self, dst: u32, m: &Pending) -> Option<Result<(), ()>> {
+        self.deliver_from(dst, Payload::Bytes(&m.data), m.invalidate)
+    }
+
+    /// [`State::deliver`] of a message whose bytes are `data` (a SEND's own SGEs, copied
+    /// straight into the receive, when it is delivered as it is posted).
+    pub(super) fn deliver_from(
+        &mut self,
+        dst: u32,
+        data: Payload<'_>,
+        invalidate: Option<u32>,
+    ) -> Option<Result<(), ()>> {
         let q = self.qps.get(&dst)?;
         if !matches!(q.state, QpState::Rtr | QpState::Rts) {
             return Some(Err(()));
@@ -52,7 +63,7 @@ impl State {
         // SEND with Invalidate may invalidate only a key of the receiver's PD that was given
         // out for remote access; any other key fails the message (and both QPs), leaving the
         // region as it was.
-        let bad_invalidate = m.invalidate.is_some_and(|k| {
+        let bad_invalidate = invalidate.is_some_and(|k| {
             !self.mrs.get(&k).is_some_and(|mr| {
                 mr.dev == dev
                     && mr.pd == pd
@@ -68,7 +79,8 @@ impl State {
             self.event(sdev, AsyncEvent::SrqLimitReached(srq_id));
         }
         let room = self.check_local(dev, pd, &r.sges, Access::LOCAL_WRITE);
-        let fits = room.is_some_and(|room| room >= m.data.len() as u64);
+        let len = data.len();
+        let fits = room.is_some_and(|room| room >= len as u64);
         if !fits || bad_invalidate {
             let status = if bad_invalidate {
                 WcStatus::RemInvReqErr
@@ -90,8 +102,11 @@ impl State {
             self.qp_error(dst);
             return Some(Err(()));
         }
-        scatter(&r.sges, &m.data);
-        if let Some(k) = m.invalidate {
+        match data {
+            Payload::Bytes(b) => scatter(&r.sges, b),
+            Payload::Sges(s) => copy_sges(s, &r.sges),
+        }
+        if let Some(k) = invalidate {
             if let Some(mr) = self.mrs.get_mut(&k) {
                 mr.valid = false;
             }
@@ -100,9 +115,9 @@ impl State {
             wr_id: r.wr_id,
             status: WcStatus::Success,
             opcode: WcOpcode::Recv,
-            byte_len: u32::try_from(m.data.len()).unwrap_or(u32::MAX),
+            byte_len: u32::try_from(len).unwrap_or(u32::MAX),
             qp_num: dst,
-            invalidated_rkey: m.invalidate,
+            invalidated_rkey: invalidate,
         };
         self.push_wc(recv_cq, wc);
         Some(Ok(()))
@@ -157,6 +172,23 @@ impl State {
                     }
                 }
             }
+        }
+    }
+}
+
+/// A message's bytes: gathered, or still in the sender's SGEs (checked, or inline data the
+/// poster keeps readable for the call).
+#[derive(Clone, Copy)]
+pub(super) enum Payload<'a> {
+    Bytes(&'a [u8]),
+    Sges(&'a [Sge]),
+}
+
+impl Payload<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Bytes(b) => b.len(),
+            Payload::Sges(s) => s.iter().map(|g| g.length as usize).sum(),
         }
     }
 }
@@ -474,29 +506,26 @@ fn send_local(
         SendOp::SendWithInvalidate { rkey } => Some(rkey),
         _ => None,
     };
-    // The message's bytes go through the fabric's scratch buffer, which stays with the
-    // message only when it has to wait for a receive.
-    let mut data = std::mem::take(&mut s.send_scratch);
-    gather_into(w.sges, &mut data);
-    let m = Pending {
-        from_qpn: qpn,
-        wr_id: w.wr_id,
-        signaled: w.signaled,
-        data,
-        invalidate,
-        remote: None,
+    // Delivered as it is posted, the bytes go from the SEND's regions straight into the
+    // receive's; only a message that waits for a receive is gathered.
+    let r = if waiting {
+        None
+    } else {
+        s.deliver_from(peer, Payload::Sges(w.sges), invalidate)
     };
-    let r = if waiting { None } else { s.deliver(peer, &m) };
     match r {
-        Some(r) => {
-            s.send_scratch = m.data;
-            match r {
-                Ok(()) => s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode),
-                Err(()) => fail(s, WcStatus::RemInvReqErr),
-            }
-        }
+        Some(Ok(())) => s.complete_send(qpn, w.wr_id, w.signaled, WcStatus::Success, opcode),
+        Some(Err(())) => fail(s, WcStatus::RemInvReqErr),
         None if rnr_retry >= 7 => {
             // Receiver Not Ready, retried forever: the message waits for a receive.
+            let m = Pending {
+                from_qpn: qpn,
+                wr_id: w.wr_id,
+                signaled: w.signaled,
+                data: gather(w.sges),
+                invalidate,
+                remote: None,
+            };
             if let Some(q) = s.qps.get_mut(&qpn) {
                 q.deferred += 1;
             }

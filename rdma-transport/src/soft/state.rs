@@ -166,8 +166,6 @@ pub(crate) struct State {
     pub(super) reuse_qpns: std::collections::VecDeque<u32>,
     /// Registrations still to refuse ([`Fabric::fail_registrations`]).
     pub(super) fail_registrations: u32,
-    /// The bytes of the SEND being delivered on the in-process wire (kept, not reallocated).
-    pub(super) send_scratch: Vec<u8>,
     /// Seeded faults injected, by kind.
     pub(super) injected: super::Injected,
     /// Async events read from the fabric's devices ([`super::Device::next_numbered_event`]).
