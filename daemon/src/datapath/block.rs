@@ -117,13 +117,13 @@ fn queue_op(
 }
 
 impl DataPath {
-    /// Starts the block operations of `io` for request slot `i` (queued now, submitted at
-    /// the end of the turn).
-    pub(super) fn submit_block(&mut self, i: usize, io: IoRequest, now: Instant) {
+    /// Starts the block operations of request slot `i`'s command (its `Work::Io`, left in
+    /// place: a 128-byte request is not moved out and back) (queued now, submitted at the
+    /// end of the turn).
+    pub(super) fn submit_block(&mut self, i: usize, now: Instant) {
         let Some(r) = self.reqs[i].as_mut() else {
             return;
         };
-        r.work = Work::Io(io);
         r.state = State::Executing;
         r.ops_left = 0;
         r.next_op = 0;

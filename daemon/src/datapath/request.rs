@@ -372,6 +372,7 @@ impl DataPath {
             | State::Executing
             | State::NeedSend
             | State::Completing => {}
+            State::Ready if matches!(r.work, Work::Io(_)) => self.submit_block(i, now),
             State::Ready => match std::mem::replace(&mut r.work, Work::Respond) {
                 Work::Core(cmd) => {
                     let buf = r.buf.take();
@@ -387,8 +388,12 @@ impl DataPath {
                     };
                     self.begin(i, a, &mut gone, now);
                 }
-                Work::Io(io) => self.submit_block(i, io, now),
                 Work::Respond => self.wait_send(i),
+                // Not here: started in place above.
+                Work::Io(io) => {
+                    r.work = Work::Io(io);
+                    self.submit_block(i, now);
+                }
             },
         }
     }
