@@ -98,6 +98,12 @@ impl Conns {
         self.slots.get(i as usize)?.as_ref()
     }
 
+    /// The connection of QP `qpn` and its index, by its map.
+    pub(super) fn get_mut_at(&mut self, qpn: &u32) -> Option<(u32, &mut Conn)> {
+        let i = *self.by_qpn.get(qpn)?;
+        Some((i, self.slots.get_mut(i as usize)?.as_mut()?))
+    }
+
     /// The index of QP `qpn`'s connection, or [`NO_CONN`].
     pub(super) fn index_of(&self, qpn: u32) -> u32 {
         self.by_qpn.get(&qpn).copied().unwrap_or(NO_CONN)

@@ -603,7 +603,7 @@ impl DataPath {
             let Some(w) = self.incoming.pop(lane) else {
                 break;
             };
-            self.start_command(w.qpn, w.wr, w.len, Some(w.class), now);
+            self.start_command((w.qpn, None), w.wr, w.len, Some(w.class), now);
             worked = true;
         }
         let mut n = 0;

@@ -18,7 +18,7 @@ impl DataPath {
             }
             return;
         }
-        let Some(conn) = self.conns.get_mut(&c.qp_num) else {
+        let Some((ci, conn)) = self.conns.get_mut_at(&c.qp_num) else {
             self.srq.completed(c.wr_id, now);
             self.counters.late_receives.fetch_add(1, Ordering::Relaxed);
             return;
@@ -44,7 +44,7 @@ impl DataPath {
         // this one is matters only once its capsule is copied out; else its SGL is read where
         // it landed.
         if self.incoming.len() == 0 && self.admits_any(admin) {
-            return self.start_command(c.qp_num, c.wr_id, c.byte_len, None, now);
+            return self.start_command((c.qp_num, Some(ci)), c.wr_id, c.byte_len, None, now);
         }
         let class = self.peek_class(c.wr_id, c.byte_len);
         let lane = Lane::of(admin, class);
@@ -63,7 +63,7 @@ impl DataPath {
                 .push(lane, c.qp_num, c.wr_id, c.byte_len, class);
             return;
         }
-        self.start_command(c.qp_num, c.wr_id, c.byte_len, Some(class), now);
+        self.start_command((c.qp_num, Some(ci)), c.wr_id, c.byte_len, Some(class), now);
     }
 
     /// The class of the command in receive `wr` (`len` bytes), from its SGL read where it
@@ -82,9 +82,10 @@ impl DataPath {
     /// command when `None`: both pools had room), and lets the core decide what it means,
     /// reading the capsule where it landed in the receive (nothing is copied). The receive
     /// goes back to the SRQ once the core has seen it, unless an in-capsule write keeps it.
+    /// `conn` is the command's QP and, when known, its connection's index.
     pub(super) fn start_command(
         &mut self,
-        qpn: u32,
+        (qpn, ci): (u32, Option<u32>),
         wr: u64,
         len: u32,
         class: Option<Class>,
@@ -122,7 +123,7 @@ impl DataPath {
             icd,
             recv: Some(wr),
         };
-        if let Some(i) = self.take_slot(qpn, Some(class)) {
+        if let Some(i) = self.take_slot((qpn, ci), Some(class)) {
             let ci = self.reqs[i].as_ref().map_or(NO_CONN, |r| r.conn);
             if let Some(conn) = self.conns.at(ci, qpn) {
                 let a = conn.queue.handle_parts(sqe, arrived.icd, now);
@@ -139,9 +140,13 @@ impl DataPath {
         }
     }
 
-    /// Takes a free request slot for a command of `qpn` (its generation moves on), with a
-    /// buffer of `class` kept for it.
-    pub(super) fn take_slot(&mut self, qpn: u32, class: Option<Class>) -> Option<usize> {
+    /// Takes a free request slot for a command of `qpn` (its connection's index, when known,
+    /// beside it; the slot's generation moves on), with a buffer of `class` kept for it.
+    pub(super) fn take_slot(
+        &mut self,
+        (qpn, ci): (u32, Option<u32>),
+        class: Option<Class>,
+    ) -> Option<usize> {
         // A free slot is empty; knowing it lets the request be built in place (no drop of an
         // old value, no copy of a 300-byte request per command). One in use is not free: it
         // leaves the list.
@@ -155,7 +160,7 @@ impl DataPath {
         if let Some(c) = class {
             self.kept[c as usize] += 1;
         }
-        let conn = self.conns.index_of(qpn);
+        let conn = ci.unwrap_or_else(|| self.conns.index_of(qpn));
         let generation = self.generations[i];
         let ns_changes = self.ns_changes;
         self.reqs[i] = Some(Req {
@@ -203,7 +208,7 @@ impl DataPath {
         let cqes = conn.queue.poll_events();
         let n = cqes.len();
         for (k, cqe) in cqes.into_iter().enumerate() {
-            let Some(i) = self.take_slot(qpn, None) else {
+            let Some(i) = self.take_slot((qpn, None), None) else {
                 // Slots for every AER were checked for above: only a slot list that is
                 // wrong (logged) gets here.
                 slog::error!(self.log, "no request slot for an event's completion: the host's AERs are lost";
