@@ -323,9 +323,9 @@ impl DataPath {
             return;
         };
         let (qpn, ci) = (r.qpn, r.conn);
-        let Work::Io(io) = std::mem::replace(&mut r.work, Work::Respond) else {
+        if !matches!(r.work, Work::Io(_)) {
             return;
-        };
+        }
         // The write from its receive is done: the receive goes back before the response.
         if let Some((wr, _)) = r.recv.take() {
             self.give_back(wr);
@@ -340,9 +340,13 @@ impl DataPath {
             .failed
             .take()
             .map_or(Ok(0), |e| Err(crate::serve::block_failure(&e)));
-        let cqe = conn.queue.io_done(&io, result);
+        // Read where it lies in the slot (a 128-byte request is not moved out).
+        let Work::Io(io) = &r.work else {
+            return;
+        };
+        let cqe = conn.queue.io_done(io, result);
         let ok = cqe.status().is_success();
-        r.cqe = cqe;
+        let read = matches!(io.op, IoOp::Read { .. });
         match (ok, &io.op) {
             (true, IoOp::Read { len, .. }) => {
                 bump(&self.counters.read_bytes, u64::from(*len));
@@ -352,17 +356,22 @@ impl DataPath {
             }
             _ => {}
         }
+        // The core reuses the operation's lists (DSM ranges) for the next one; any other
+        // request is dropped where it lies.
+        let dsm = matches!(&r.work, Work::Io(io) if matches!(io.op, IoOp::Deallocate { .. }));
+        if !dsm {
+            r.work = Work::Respond;
+        } else if let Work::Io(io) = std::mem::replace(&mut r.work, Work::Respond) {
+            conn.queue.give_back_op(io.op);
+        }
+        r.cqe = cqe;
         // Only a successful read sends data; any other buffer goes back now.
-        if !(ok && matches!(io.op, IoOp::Read { .. })) {
+        if !(ok && read) {
             r.buf = None;
             r.zeros = false;
             r.data_len = 0;
         }
         r.state = State::NeedSend;
-        // The core reuses the operation's lists (DSM ranges) for the next one.
-        if let Some(conn) = self.conns.at(ci, qpn) {
-            conn.queue.give_back_op(io.op);
-        }
         self.wait_send(i);
     }
 }

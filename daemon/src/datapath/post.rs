@@ -331,8 +331,9 @@ impl DataPath {
             }
             return;
         }
-        // Every other send WR is signaled: one completion each, counted out of its QP's.
-        if let Some(conn) = self.conns.get_mut(&qpn) {
+        // Every other send WR is signaled: one completion each, counted out of its QP's
+        // (found by the request's index while live).
+        if let Some(conn) = self.conns.at(ci, qpn) {
             release(&mut conn.signaled_out, 1);
             conn.sq_progress = conn.sq_progress.wrapping_add(1);
         } else if let Some(d) = self.draining.get_mut(&qpn) {
