@@ -10,6 +10,24 @@ use std::sync::Arc;
 use crate::mem::DmaRegion;
 use crate::BlockError;
 
+/// The memory available for new allocations without swapping (`MemAvailable` of
+/// /proc/meminfo), and with `huge` the free huge pages too, in bytes; `None` where it cannot be
+/// read.
+fn memory_available(huge: bool) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    };
+    let mut bytes = field("MemAvailable:")?.checked_mul(1024)?;
+    if huge {
+        let pages = field("HugePages_Free:").unwrap_or(0);
+        let page_kib = field("Hugepagesize:").unwrap_or(0);
+        bytes = bytes.saturating_add(pages.saturating_mul(page_kib).saturating_mul(1024));
+    }
+    Some(bytes)
+}
+
 /// What stores a device's data ([`Device::identity`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StoreIdentity {
@@ -350,6 +368,19 @@ impl Device {
             Kind::Malloc => {
                 let info = ram(Kind::Malloc)?;
                 let len = usize::try_from(spec.size).map_err(|_| bad("size too large".into()))?;
+                // Its memory is populated as it is mapped: more than the machine has free
+                // would have the kernel's OOM killer end a process (likely this one) instead.
+                if let Some(free) = memory_available(spec.huge_pages) {
+                    if spec.size > free {
+                        return Err(io::Error::new(
+                            io::ErrorKind::OutOfMemory,
+                            format!(
+                                "a RAM namespace of {} bytes does not fit in the {free} bytes of memory available",
+                                spec.size
+                            ),
+                        ));
+                    }
+                }
                 let region = DmaRegion::new(len, spec.huge_pages)?;
                 Ok(Arc::new(Device {
                     size: info.size.into(),
@@ -736,6 +767,27 @@ fn sysfs_queue_value(meta: &std::fs::Metadata, name: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    /// A RAM namespace larger than the memory available is refused before anything is
+    /// mapped (its pages are populated as they are mapped: past what is free, the OOM killer
+    /// would end a process instead), with the sizes in the message. Here twice the machine's
+    /// memory, which the kernel would refuse too, with ENOMEM alone.
+    #[test]
+    fn a_ram_device_larger_than_the_memory_available_is_refused() {
+        let total_kib: u64 = std::fs::read_to_string("/proc/meminfo")
+            .unwrap()
+            .lines()
+            .find(|l| l.starts_with("MemTotal:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap();
+        let mut spec = super::DeviceSpec::new(super::Kind::Malloc);
+        spec.size = total_kib * 1024 * 2;
+        let e = super::Device::open(&spec).expect_err("opened");
+        assert_eq!(e.kind(), std::io::ErrorKind::OutOfMemory, "{e}");
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        spec.size = 1 << 20;
+        assert!(super::Device::open(&spec).is_ok());
+    }
+
     use super::deallocate_blocks;
 
     #[test]
