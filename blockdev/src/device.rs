@@ -10,24 +10,6 @@ use std::sync::Arc;
 use crate::mem::DmaRegion;
 use crate::BlockError;
 
-/// The memory available for new allocations without swapping (`MemAvailable` of
-/// /proc/meminfo), and with `huge` the free huge pages too, in bytes; `None` where it cannot be
-/// read.
-fn memory_available(huge: bool) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |name: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(name))?;
-        line.split_whitespace().nth(1)?.parse().ok()
-    };
-    let mut bytes = field("MemAvailable:")?.checked_mul(1024)?;
-    if huge {
-        let pages = field("HugePages_Free:").unwrap_or(0);
-        let page_kib = field("Hugepagesize:").unwrap_or(0);
-        bytes = bytes.saturating_add(pages.saturating_mul(page_kib).saturating_mul(1024));
-    }
-    Some(bytes)
-}
-
 /// What stores a device's data ([`Device::identity`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StoreIdentity {
@@ -370,7 +352,7 @@ impl Device {
                 let len = usize::try_from(spec.size).map_err(|_| bad("size too large".into()))?;
                 // Its memory is populated as it is mapped: more than the machine has free
                 // would have the kernel's OOM killer end a process (likely this one) instead.
-                if let Some(free) = memory_available(spec.huge_pages) {
+                if let Some(free) = crate::mem::memory_available(spec.huge_pages) {
                     if spec.size > free {
                         return Err(io::Error::new(
                             io::ErrorKind::OutOfMemory,

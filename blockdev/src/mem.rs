@@ -13,6 +13,24 @@ use std::rc::Rc;
 /// block size nvmfd supports.
 pub const DMA_ALIGN: usize = 4096;
 
+/// The memory available for new allocations without swapping (`MemAvailable` of
+/// /proc/meminfo), and with `huge` the free huge pages too, in bytes; `None` where it cannot be
+/// read.
+pub(crate) fn memory_available(huge: bool) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    };
+    let mut bytes = field("MemAvailable:")?.checked_mul(1024)?;
+    if huge {
+        let pages = field("HugePages_Free:").unwrap_or(0);
+        let page_kib = field("Hugepagesize:").unwrap_or(0);
+        bytes = bytes.saturating_add(pages.saturating_mul(page_kib).saturating_mul(1024));
+    }
+    Some(bytes)
+}
+
 /// One mmap'd, page-aligned, zero-filled region.
 #[derive(Debug)]
 pub struct DmaRegion {

@@ -567,12 +567,8 @@ fn stopping_the_daemon_tears_down_every_qp_through_the_drain() {
     );
 }
 
-/// A host at the CM level only (its own fabric on `ip`): its QP made and its connect request
-/// for an admin queue sent to `addr`, nothing more.
-fn bare_connect(
-    f: &Fabric,
-    addr: SocketAddr,
-) -> (
+/// A host's connection made by hand: its CM ID and channel, and what its QP uses.
+type BareConnection = (
     nvmfd_rdma::soft::cm::CmId,
     nvmfd_rdma::soft::cm::CmChannel,
     (
@@ -580,7 +576,11 @@ fn bare_connect(
         nvmfd_rdma::soft::Cq,
         nvmfd_rdma::soft::Pd,
     ),
-) {
+);
+
+/// A host at the CM level only (its own fabric on `ip`): its QP made and its connect request
+/// for an admin queue sent to `addr`, nothing more.
+fn bare_connect(f: &Fabric, addr: SocketAddr) -> BareConnection {
     let ch = nvmfd_rdma::soft::cm::CmChannel::new(f).unwrap();
     let mut id = ch.resolve(addr, std::time::Duration::from_secs(3)).unwrap();
     let dev = id.device().unwrap();
@@ -600,6 +600,17 @@ fn bare_connect(
     req[6..8].copy_from_slice(&31u16.to_le_bytes());
     id.connect(&req).unwrap();
     (id, ch, (srq, cq, pd))
+}
+
+/// `bare_connect`, once the connection is established (no Fabrics Connect follows).
+fn established_bare(f: &Fabric, addr: SocketAddr) -> BareConnection {
+    let (id, ch, qp_on) = bare_connect(f, addr);
+    nvmfd_tests::wait_for("ESTABLISHED", || match ch.next_event() {
+        Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. }) => Some(()),
+        Some(other) => panic!("{other:?}"),
+        None => None,
+    });
+    (id, ch, qp_on)
 }
 
 /// A long `stall_timeout` (an idle reactor slept a quarter of it) does not delay the
@@ -623,12 +634,7 @@ fn a_long_stall_timeout_does_not_delay_the_connect_timeout() {
     let addr = listener(&d);
     let f = Fabric::networked();
     f.add_device("127.0.0.11".parse().unwrap()).unwrap();
-    let (id, ch, qp_on) = bare_connect(&f, addr);
-    nvmfd_tests::wait_for("ESTABLISHED", || match ch.next_event() {
-        Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. }) => Some(()),
-        Some(other) => panic!("{other:?}"),
-        None => None,
-    });
+    let (id, ch, qp_on) = established_bare(&f, addr);
     nvmfd_tests::wait_for(
         "the connection without a Fabrics Connect to be ended",
         || {
@@ -676,12 +682,7 @@ fn connects_that_fail_before_the_fabrics_connect_are_released_and_counted() {
         "connects_failed_rejected_total",
     );
     // Established, and no Fabrics Connect follows.
-    let (id, ch, qp_on) = bare_connect(&f, addr);
-    nvmfd_tests::wait_for("ESTABLISHED", || match ch.next_event() {
-        Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. }) => Some(()),
-        Some(other) => panic!("{other:?}"),
-        None => None,
-    });
+    let (id, ch, qp_on) = established_bare(&f, addr);
     let s = released(
         "the connection without a Fabrics Connect to be ended",
         "connects_failed_no_connect_total",

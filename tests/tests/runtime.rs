@@ -711,16 +711,7 @@ fn hosts_connect_and_keep_alives_expire_while_a_long_change_waits() {
     let silent = Host::connect_with_kato("127.0.0.47", addr, A, 0x47, 1000);
     let silent_cntlid = silent.admin.cntlid;
     std::thread::scope(|scope| {
-        let resize = scope.spawn(|| {
-            d.request(
-                &serde_json::json!({"request": "resize_namespace", "subsystem": A,
-                    "nsid": 1, "size": "4MiB"})
-                .to_string(),
-            )
-        });
-        wait_for("the resize to wait at the gate", || {
-            gate.path().join("resize-waiting").exists().then_some(())
-        });
+        let resize = resize_held_at_gate(scope, &d, gate.path());
         // A new host, while the change waits.
         let (tx, rx) = std::sync::mpsc::channel();
         scope.spawn(move || {
@@ -981,16 +972,7 @@ fn a_refused_change_leaves_edits_made_meanwhile_in_the_file() {
         serde_json::json!({"request": "debug_fail_resize", "subsystem": A, "nsid": 1}),
     );
     std::thread::scope(|scope| {
-        let resize = scope.spawn(|| {
-            d.request(
-                &serde_json::json!({"request": "resize_namespace", "subsystem": A,
-                    "nsid": 1, "size": "4MiB"})
-                .to_string(),
-            )
-        });
-        wait_for("the resize to wait at the gate", || {
-            gate.path().join("resize-waiting").exists().then_some(())
-        });
+        let resize = resize_held_at_gate(scope, &d, gate.path());
         let edited = std::fs::read_to_string(&path).unwrap() + "\n# the operator's note\n";
         std::fs::write(&path, &edited).unwrap();
         std::fs::write(gate.path().join("resize-go"), b"").unwrap();
@@ -1093,6 +1075,27 @@ fn two_namespaces_on_one_file_by_other_paths_are_refused() {
         3,
         "{status}"
     );
+}
+
+/// Resizes namespace 1 of subsystem A to 4 MiB on a thread of `scope`, and returns once the
+/// resize waits at the test gate `gate` (its answer comes on the handle once `resize-go` is
+/// there).
+fn resize_held_at_gate<'s>(
+    scope: &'s std::thread::Scope<'s, '_>,
+    d: &'s Daemon,
+    gate: &std::path::Path,
+) -> std::thread::ScopedJoinHandle<'s, serde_json::Value> {
+    let resize = scope.spawn(|| {
+        d.request(
+            &serde_json::json!({"request": "resize_namespace", "subsystem": A,
+                "nsid": 1, "size": "4MiB"})
+            .to_string(),
+        )
+    });
+    wait_for("the resize to wait at the gate", || {
+        gate.join("resize-waiting").exists().then_some(())
+    });
+    resize
 }
 
 /// Adds file namespace `nsid` (4 MiB) to subsystem A.

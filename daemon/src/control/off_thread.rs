@@ -133,7 +133,7 @@ impl Daemon {
         let mut seen = progress.map(|p| p());
         // A stop asked for meanwhile waits for the change to end (a resize cut off half-way
         // is worse); the service manager is told, and given more time while it goes on.
-        let mut stop_extended: Option<Instant> = None;
+        let (mut stop_told, mut extended_at): (bool, Option<Instant>) = (false, None);
         loop {
             let now = Instant::now();
             let slice = deadline.map_or(tick, |d| tick.min(d.saturating_duration_since(now)));
@@ -155,18 +155,16 @@ impl Daemon {
                         self.check_heartbeats(Instant::now());
                     }
                     if self.term.load(std::sync::atomic::Ordering::Relaxed) {
-                        if stop_extended.is_none() {
+                        if !stop_told {
+                            stop_told = true;
                             info!(self.log, "stopping once the change under way ends");
                             self.notifier
                                 .stopping("stopping once the change under way ends");
                         }
                         // While it moves (a hung one is left to the stop timeout).
-                        if alive && stop_extended.is_none_or(|at| at.elapsed() >= STOP_EXTEND_EVERY)
-                        {
+                        if alive && extended_at.is_none_or(|at| at.elapsed() >= STOP_EXTEND_EVERY) {
                             self.notifier.extend_timeout(STOP_EXTEND_BY);
-                            stop_extended = Some(Instant::now());
-                        } else if stop_extended.is_none() {
-                            stop_extended = Some(Instant::now());
+                            extended_at = Some(Instant::now());
                         }
                     }
                     self.serve_meanwhile(Instant::now());
