@@ -387,8 +387,9 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
             // Namespace Attribute Notices.
             id.oaes = U32::new(1 << 8);
             // A host that enables Advanced Command Retry waits this long before retrying a
-            // retryable status (CRD 1).
+            // retryable status (CRD 1), and Namespace Not Ready (CRD 2).
             id.crdt[0] = U16::new(RETRY_DELAY_100MS);
+            id.crdt[1] = U16::new(NOT_READY_RETRY_DELAY_100MS);
         }
         None => {
             wire::put_str(&mut id.sn, "nvmfd-discovery", b' ');
@@ -622,6 +623,12 @@ pub(crate) fn discovery_log(q: &Queue, ctrl: &Controller) -> Vec<u8> {
 /// retries a command up to `nvme_core.max_retries` (5) times: some 5 s in all, instead of at
 /// once.
 pub const RETRY_DELAY_100MS: u16 = 10;
+
+/// The Command Retry Delay Time 2 reported (CRDT2, in 100 ms), which a Namespace Not Ready
+/// status names: a namespace waits longer than a busy queue does, for an RBD image to open
+/// again (its retries back off up to 30 s) or a shrink to be published (10 s at most). Five
+/// retries of 6 s give a host 30 s before it fails the I/O, where CRDT1 would give it 5.
+pub const NOT_READY_RETRY_DELAY_100MS: u16 = 60;
 
 /// Size of the Host Behavior Support structure.
 const HOST_BEHAVIOR_LEN: u32 = 512;

@@ -223,7 +223,7 @@ pub fn block_error_status(e: &BlockFailure, op: &IoOp) -> Status {
         // published the core answers LBA Out of Range itself; if it is undone, the retry
         // is served. (LBA Out of Range has Do Not Retry: a filesystem could give up a disk
         // whose blocks are all still there.)
-        BlockFailure::OutOfRange => Status::retryable(0, 0x82),
+        BlockFailure::OutOfRange => status::NAMESPACE_NOT_READY,
         BlockFailure::ReadOnly => status::NAMESPACE_WRITE_PROTECTED,
         BlockFailure::Unsupported => status::INVALID_OPCODE,
         BlockFailure::NoSpace => status::CAPACITY_EXCEEDED,
@@ -231,7 +231,7 @@ pub fn block_error_status(e: &BlockFailure, op: &IoOp) -> Status {
         BlockFailure::QueueFull => Status::retryable(0, 0x06),
         BlockFailure::UnknownDevice => status::INVALID_NAMESPACE,
         // Namespace Not Ready without Do Not Retry: the host retries later.
-        BlockFailure::Unavailable => Status::retryable(0, 0x82),
+        BlockFailure::Unavailable => status::NAMESPACE_NOT_READY,
         BlockFailure::Io => {
             if read {
                 status::UNRECOVERED_READ_ERROR
@@ -269,13 +269,13 @@ mod tests {
         };
         for (failure, want) in [
             (BlockFailure::Misaligned, status::INVALID_FIELD),
-            (BlockFailure::OutOfRange, Status::retryable(0, 0x82)),
+            (BlockFailure::OutOfRange, status::NAMESPACE_NOT_READY),
             (BlockFailure::ReadOnly, status::NAMESPACE_WRITE_PROTECTED),
             (BlockFailure::Unsupported, status::INVALID_OPCODE),
             (BlockFailure::NoSpace, status::CAPACITY_EXCEEDED),
             (BlockFailure::QueueFull, Status::retryable(0, 0x06)),
             (BlockFailure::UnknownDevice, status::INVALID_NAMESPACE),
-            (BlockFailure::Unavailable, Status::retryable(0, 0x82)),
+            (BlockFailure::Unavailable, status::NAMESPACE_NOT_READY),
         ] {
             for op in [&read, &write, &zeroes, &dealloc, &IoOp::Flush] {
                 assert_eq!(block_error_status(&failure, op), want, "{failure:?} {op:?}");

@@ -17,7 +17,7 @@ pub mod rdma_cm;
 mod target;
 pub mod wire;
 
-pub use admin::{AER_LIMIT, RETRY_DELAY_100MS};
+pub use admin::{AER_LIMIT, NOT_READY_RETRY_DELAY_100MS, RETRY_DELAY_100MS};
 pub use block::{BlockFailure, NamespaceInfo};
 pub use io::{block_error_status, DsmLimits, DSM_MAX_RANGES};
 pub use queue::{

@@ -696,12 +696,12 @@ impl Queue {
 
     /// A completion for `cmd` made now: its SQ Head is the head now, not when `cmd` arrived
     /// (commands complete out of order; a later completion never reports an older head).
-    /// A retryable status carries Command Retry Delay 1 where the host enabled Advanced
-    /// Command Retry.
+    /// A retryable status carries a Command Retry Delay where the host enabled Advanced
+    /// Command Retry (see [`retry_delay`]).
     fn cqe_now(&self, cmd: &Command, qid: u16, st: Status, dw0: u32) -> Cqe {
         let retry_later = !st.is_success() && !st.dnr();
         let st = match &self.ctrl {
-            Some(c) if retry_later && c.lock().acre => st.with_crd(1),
+            Some(c) if retry_later && c.lock().acre => st.with_crd(retry_delay(st)),
             _ => st,
         };
         let mut c = cqe(cmd, qid, st, dw0);
@@ -784,6 +784,16 @@ pub(crate) fn refresh_ready(ctrl: &Controller, st: &CtrlState) {
 }
 
 /// The Fabrics command type of `cmd` (a Fabrics command: opcode 7Fh).
+/// The Command Retry Delay a retryable status carries: CRDT2 for Namespace Not Ready (see
+/// [`admin::NOT_READY_RETRY_DELAY_100MS`]), CRDT1 for the others.
+fn retry_delay(st: Status) -> u8 {
+    if st.same_code(status::NAMESPACE_NOT_READY) {
+        2
+    } else {
+        1
+    }
+}
+
 fn cmd_fctype(cmd: &Command) -> u8 {
     cmd.sqe.nsid.get().to_le_bytes()[0]
 }

@@ -296,6 +296,8 @@ pub mod status {
     pub const DATA_TRANSFER_ERROR: Status = Status::new(0, 0x04);
     /// Generic: Internal Error.
     pub const INTERNAL_ERROR: Status = Status::new(0, 0x06);
+    /// Generic: Namespace Not Ready, without Do Not Retry (the host retries later).
+    pub const NAMESPACE_NOT_READY: Status = Status::retryable(0, 0x82);
     /// Generic: Command Abort Requested.
     pub const ABORT_REQUESTED: Status = Status::new(0, 0x07);
     /// Generic: Command Aborted due to SQ Deletion.

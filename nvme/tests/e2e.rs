@@ -1298,8 +1298,9 @@ fn a_completion_reports_the_sq_head_when_it_is_made() {
 }
 
 /// A host that enables Advanced Command Retry (Host Behavior Support, data in the command)
-/// gets Command Retry Delay 1 on a retryable status, and waits CRDT1 (reported) before it
-/// retries; one that does not, gets none (the Linux host retries at once then).
+/// gets a Command Retry Delay on a retryable status: CRDT1 for a busy queue, the longer
+/// CRDT2 for Namespace Not Ready (an RBD image opening again outlasts five retries of CRDT1);
+/// one that does not, gets none (the Linux host retries at once then).
 #[test]
 fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
     let w = world();
@@ -1307,6 +1308,9 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
     let id = a.identify_controller().unwrap();
     assert_eq!(id.crdt[0].get(), RETRY_DELAY_100MS);
     assert!(id.crdt[0].get() > 0);
+    assert_eq!(id.crdt[1].get(), NOT_READY_RETRY_DELAY_100MS);
+    // Five retries outlast an RBD image's longest wait between opens (30 s).
+    assert!(u32::from(id.crdt[1].get()) * 100 * 5 >= 30_000);
     let features = |a: &mut AdminQueue<Loopback>, set: Option<u8>| {
         let opcode = if set.is_some() {
             wire::admin_opcode::SET_FEATURES
@@ -1332,31 +1336,36 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
         buf[0]
     };
     let now = ios[0].transport().now;
-    let not_ready = |ios: &mut Vec<IoQueue<Loopback>>| {
+    let failed = |ios: &mut Vec<IoQueue<Loopback>>, why: BlockFailure| {
         let q = ios[0].transport().queue_mut();
         let s = nvmfd_nvme::host::rw_sqe(wire::io_opcode::FLUSH, 1, 0, 0, false);
         let Action::Io(req) = q.handle(s.as_bytes(), now) else {
             panic!("expected a block operation");
         };
-        let st = q.io_done(&req, Err(BlockFailure::Unavailable)).status();
+        q.io_done(&req, Err(why)).status()
+    };
+    let not_ready = |ios: &mut Vec<IoQueue<Loopback>>| {
+        let st = failed(ios, BlockFailure::Unavailable);
+        assert!(st.same_code(wire::status::NAMESPACE_NOT_READY), "{st:?}");
         assert!(!st.dnr(), "{st:?}");
         st.crd()
     };
     assert_eq!(features(&mut a, None), 0, "off until the host enables it");
     assert_eq!(not_ready(&mut ios), 0);
+    assert_eq!(failed(&mut ios, BlockFailure::QueueFull).crd(), 0);
     assert_eq!(features(&mut a, Some(1)), 1);
     assert_eq!(features(&mut a, None), 1);
-    assert_eq!(not_ready(&mut ios), 1, "CRDT1");
-    // A status that must not be retried carries no delay.
-    let q = ios[0].transport().queue_mut();
-    let s = nvmfd_nvme::host::rw_sqe(wire::io_opcode::FLUSH, 1, 0, 0, false);
-    let Action::Io(req) = q.handle(s.as_bytes(), now) else {
-        panic!("expected a block operation");
-    };
+    assert_eq!(not_ready(&mut ios), 2, "CRDT2");
     assert_eq!(
-        q.io_done(&req, Err(BlockFailure::ReadOnly)).status().crd(),
-        0
+        failed(&mut ios, BlockFailure::OutOfRange).crd(),
+        2,
+        "a shrink not yet published is Namespace Not Ready too"
     );
+    let busy = failed(&mut ios, BlockFailure::QueueFull);
+    assert!(!busy.dnr(), "{busy:?}");
+    assert_eq!(busy.crd(), 1, "CRDT1");
+    // A status that must not be retried carries no delay.
+    assert_eq!(failed(&mut ios, BlockFailure::ReadOnly).crd(), 0);
     features(&mut a, Some(0));
     assert_eq!(not_ready(&mut ios), 0);
 }
