@@ -21,6 +21,14 @@ pub(crate) fn handle(
     now: Instant,
 ) -> Action {
     let sqe = cmd.sqe;
+    if matches!(
+        sqe.opcode,
+        op::KEEP_ALIVE | op::ASYNC_EVENT_REQUEST | op::ABORT
+    ) {
+        if let Err(st) = q.no_data(&sqe) {
+            return q.respond(&cmd, st, 0);
+        }
+    }
     match sqe.opcode {
         op::KEEP_ALIVE => {
             ctrl.lock().last_keep_alive = now;
@@ -213,55 +221,20 @@ fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
     })
 }
 
-/// Responds with `data` pushed to the host buffer that the command's SGL describes.
+/// Responds with `data` pushed to the host buffer that the command's SGL describes. A
+/// buffer shorter than `data` is refused with Data SGL Length Invalid, as the kernel target
+/// refuses a transfer length other than the structure's (`nvmet_check_transfer_len`): a
+/// host must not take a truncated structure for the whole. A longer one is taken (SGLS bit
+/// 18), its first `data.len()` bytes written.
 fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd: &[u8]) -> Action {
     let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
-    match q.data_ref(&cmd.sqe, 0, false, icd) {
-        Ok(DataRef::Keyed {
-            addr,
-            len: _,
-            key,
-            invalidate,
-        }) => {
-            // The host buffer may be shorter than the structure: send what fits.
-            let (sgl_len, _) = keyed_len(&cmd.sqe);
-            let dest = DataRef::Keyed {
-                addr,
-                len: sgl_len.min(len),
-                key,
-                invalidate,
-            };
-            Action::Respond {
-                cqe: crate::queue::cqe(cmd, q.qid_or_zero(), Status::SUCCESS, 0),
-                data: Some((data, dest)),
-            }
-        }
-        Ok(DataRef::KeyedList { offset, count, .. }) => Action::Respond {
+    match q.data_ref(&cmd.sqe, len, false, icd) {
+        Ok(dest @ (DataRef::Keyed { .. } | DataRef::KeyedList { .. })) => Action::Respond {
             cqe: crate::queue::cqe(cmd, q.qid_or_zero(), Status::SUCCESS, 0),
-            data: Some((
-                data,
-                DataRef::KeyedList {
-                    offset,
-                    count,
-                    // The host's pieces may be shorter than the structure: send what fits.
-                    len: crate::queue::keyed_segments(icd, offset, count)
-                        .map(|(_, l, _)| l)
-                        .fold(0u32, u32::saturating_add)
-                        .min(len),
-                },
-            )),
+            data: Some((data, dest)),
         },
         Ok(_) => q.respond(cmd, status::SGL_DESCRIPTOR_TYPE_INVALID, 0),
         Err(st) => q.respond(cmd, st, 0),
-    }
-}
-
-fn keyed_len(sqe: &wire::Sqe) -> (u32, bool) {
-    match sqe.dptr.decode() {
-        wire::Sgl::Keyed {
-            len, invalidate, ..
-        } => (len, invalidate),
-        _ => (0, false),
     }
 }
 
@@ -499,7 +472,7 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     }
     // The transfer is checked before the page is read: reading the Changed Namespace List
     // clears it, and a read the host never gets must not.
-    match q.data_ref(&cmd.sqe, 0, false, icd) {
+    match q.data_ref(&cmd.sqe, u32::try_from(len).unwrap_or(u32::MAX), false, icd) {
         Ok(DataRef::Keyed { .. } | DataRef::KeyedList { .. }) => {}
         Ok(_) => return q.respond(&cmd, status::SGL_DESCRIPTOR_TYPE_INVALID, 0),
         Err(st) => return q.respond(&cmd, st, 0),
@@ -531,9 +504,12 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
             page.clear();
             page.extend_from_slice(list.as_bytes());
             if !rae {
-                // Read and not retained: the list starts over, the next change raises an
-                // event again, and an event for this list not yet reported is not reported.
-                st.changed_nsids.clear();
+                // Read and not retained: the next change raises an event again, and an
+                // event for this list not yet reported is not reported. The list starts
+                // over once read to its end: a host reading it in pieces gets every piece.
+                if offset.saturating_add(len) >= list.as_bytes().len() as u64 {
+                    st.changed_nsids.clear();
+                }
                 st.ns_event_masked = false;
                 st.pending_events
                     .retain(|&e| e != crate::target::NS_ATTR_CHANGED_EVENT);
@@ -666,6 +642,10 @@ fn set_features(
             Err(st) => q.respond(&cmd, st, 0),
         };
     }
+    // The other features nvmfd takes have no data.
+    if let Err(st) = q.no_data(&cmd.sqe) {
+        return q.respond(&cmd, st, 0);
+    }
     let mut st = ctrl.lock();
     match fid {
         feature::NUMBER_OF_QUEUES if ctrl.subsystem.is_some() => {
@@ -736,6 +716,13 @@ fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     let cdw10 = cmd.sqe.cdw10.get();
     let fid = (cdw10 & 0xFF) as u8;
     let sel = (cdw10 >> 8) & 0x7;
+    // Only Host Behavior Support's current value has data.
+    let with_data = fid == feature::HOST_BEHAVIOR_SUPPORT && ctrl.subsystem.is_some() && sel != 3;
+    if !with_data {
+        if let Err(st) = q.no_data(&cmd.sqe) {
+            return q.respond(&cmd, st, 0);
+        }
+    }
     if sel == 3 {
         // Supported capabilities: nothing is saveable or namespace specific; changeable (bit
         // 2) as Set Features takes it: not the write cache (turning it off is refused) nor

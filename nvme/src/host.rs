@@ -81,13 +81,22 @@ fn check(cqe: Cqe) -> Result<Cqe, HostError> {
     }
 }
 
+/// A command without data: PSDT 01b (SGLs, as over every fabric) and a keyed SGL of no
+/// length; a transport that moves data for it writes its own SGL.
 fn sqe(opcode: u8, cid: u16) -> Sqe {
     Sqe {
         opcode,
         flags: 1 << 6, // PSDT: SGL
         cid: U16::new(cid),
+        dptr: wire::SglDesc::keyed(0, 0, 0, false),
         ..wire::zeroed()
     }
+}
+
+/// A command `opcode` without data (command identifier 0): PSDT 01b and a keyed SGL of no
+/// length, as every fabric's host sends one; set an SGL where it moves data.
+pub fn command(opcode: u8) -> Sqe {
+    sqe(opcode, 0)
 }
 
 /// A command on `nlb` blocks (at least 1) at `slba` of namespace `nsid`: Read, Write (with

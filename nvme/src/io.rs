@@ -118,15 +118,21 @@ pub(crate) fn handle(q: &mut Queue, cmd: Command, icd: &[u8]) -> Action {
                 data: Some(data),
             })
         }
-        op::FLUSH => Action::Io(IoRequest {
-            cmd,
-            nsid,
-            op: IoOp::Flush,
-            data: None,
-        }),
+        op::FLUSH => match q.no_data(&sqe) {
+            Ok(()) => Action::Io(IoRequest {
+                cmd,
+                nsid,
+                op: IoOp::Flush,
+                data: None,
+            }),
+            Err(st) => q.respond(&cmd, st, 0),
+        },
         op::WRITE_ZEROES => {
             if !info.write_zeroes {
                 return q.respond(&cmd, status::INVALID_OPCODE, 0);
+            }
+            if let Err(st) = q.no_data(&sqe) {
+                return q.respond(&cmd, st, 0);
             }
             if !in_range {
                 return q.respond(&cmd, status::LBA_OUT_OF_RANGE, 0);

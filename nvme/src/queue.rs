@@ -481,7 +481,9 @@ impl Queue {
         if icd_len > self.in_capsule_limit {
             return self.respond(&cmd, status::DATA_SGL_LENGTH_INVALID, 0);
         }
-        if sqe.fuse() != 0 {
+        // No fused commands; and over fabrics every command's PSDT is 01b (SGLs, a
+        // contiguous metadata buffer), as the kernel target requires of each.
+        if sqe.fuse() != 0 || sqe.psdt() != 1 {
             return self.respond(&cmd, status::INVALID_FIELD, 0);
         }
         // Every command the controller processes restarts its keep-alive timer (TBKAS),
@@ -510,6 +512,20 @@ impl Queue {
         }
     }
 
+    /// A command that moves no data (Keep Alive, Flush, Property Get, ...): its SGL must
+    /// describe none (the Linux host sends a keyed data block of length 0), as the kernel
+    /// target checks (`nvmet_check_transfer_len(req, 0)`): Data SGL Length Invalid for a
+    /// descriptor of data, SGL Descriptor Type Invalid for one of no type nvmfd takes.
+    pub(crate) fn no_data(&self, sqe: &Sqe) -> Result<(), Status> {
+        match sqe.dptr.decode() {
+            Sgl::Keyed { len: 0, .. } | Sgl::InCapsule { len: 0, .. } => Ok(()),
+            Sgl::Keyed { .. } | Sgl::InCapsule { .. } | Sgl::LastSegment { .. } => {
+                Err(status::DATA_SGL_LENGTH_INVALID)
+            }
+            Sgl::Unsupported { .. } => Err(status::SGL_DESCRIPTOR_TYPE_INVALID),
+        }
+    }
+
     /// Where a command's data is, checked against the direction and the capsule: the SGL of
     /// a command that moves `len` bytes (`host_to_target` for writes).
     pub(crate) fn data_ref(
@@ -520,7 +536,7 @@ impl Queue {
         icd: &[u8],
     ) -> Result<DataRef, Status> {
         let icd_len = u32::try_from(icd.len()).unwrap_or(u32::MAX);
-        if sqe.psdt() != 1 && sqe.psdt() != 2 {
+        if sqe.psdt() != 1 {
             return Err(status::INVALID_FIELD);
         }
         match sqe.dptr.decode() {
@@ -617,6 +633,9 @@ impl Queue {
                 };
                 if self.qid != Some(0) {
                     return self.respond(&cmd, status::INVALID_OPCODE, 0);
+                }
+                if let Err(st) = self.no_data(&cmd.sqe) {
+                    return self.respond(&cmd, st, 0);
                 }
                 admin::property(self, &ctrl, cmd, fctype == wire::fctype::PROPERTY_SET, now)
             }

@@ -307,8 +307,14 @@ fn connect_checks_host_subsystem_and_parameters() {
     assert!(other_host.is_err());
     let beyond = IoQueue::connect(w.link(3, 127), &host(1), SUB, a.cntlid, 3, 127);
     assert_eq!(dw0_of(beyond), 42, "qid 3 of 2 granted");
+    // A queue ID the controller has: Command Sequence Error (the specification; the kernel
+    // target answers so), not Invalid Parameters.
     let twice = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127);
-    assert_eq!(dw0_of(twice), 42, "qid 1 is taken");
+    let st = status_of(twice);
+    assert!(
+        st.same_code(status::COMMAND_SEQUENCE_ERROR),
+        "qid 1 is taken: {st:?}"
+    );
     let wrong_ctrl = IoQueue::connect(w.link(1, 127), &host(1), SUB, 0x7777, 1, 127);
     assert_eq!(dw0_of(wrong_ctrl), 1 << 16 | 16);
 }
@@ -521,7 +527,7 @@ fn identify_reports_what_the_linux_host_checks() {
     assert!(status_of(a.identify_namespace(0)).same_code(status::INVALID_NAMESPACE));
     // I/O to an inactive NSID is still refused.
     assert!(status_of(a.namespace_ids(9)).same_code(status::INVALID_NAMESPACE));
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::admin_opcode::IDENTIFY;
     s.cdw10 = U32::new(0x55);
     let mut buf = vec![0u8; 4096];
@@ -619,7 +625,7 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
     assert!(status_of(io.write_zeroes(3, 0, 2)).same_code(status::NAMESPACE_WRITE_PROTECTED));
     // Hand-made commands: wrong SGL kinds and lengths, PRPs, unknown opcodes.
     let rw = |opcode: u8, dptr: SglDesc, flags: u8| {
-        let mut s: Sqe = wire::zeroed();
+        let mut s: Sqe = nvmfd_nvme::host::command(0);
         s.opcode = opcode;
         s.flags = flags;
         s.nsid = U32::new(1);
@@ -703,8 +709,47 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
         "not the SGL's first bytes"
     );
     let l = io.transport();
+    // Over fabrics every command's PSDT is 01b: PRPs (00b), a metadata SGL (10b) and the
+    // reserved 11b are Invalid Field, for commands with data and without (as the kernel
+    // target answers).
+    for flags in [0x00, 0x80, 0xC0] {
+        let (addr, key) = l.register_host_memory(vec![0u8; 1024]);
+        let st = send(l, rw(2, SglDesc::keyed(addr, 1024, key, false), flags), &[]);
+        assert!(
+            st.same_code(status::INVALID_FIELD),
+            "read, flags {flags:#x}: {st:?}"
+        );
+        let st = send(l, rw(0, SglDesc::keyed(0, 0, 0, false), flags), &[]);
+        assert!(
+            st.same_code(status::INVALID_FIELD),
+            "flush, flags {flags:#x}: {st:?}"
+        );
+    }
+    // A command without data whose SGL describes some: Data SGL Length Invalid.
+    let (addr, key) = l.register_host_memory(vec![0u8; 1024]);
+    for (what, opcode) in [("flush", 0x00), ("write zeroes", 0x08)] {
+        let st = send(
+            l,
+            rw(opcode, SglDesc::keyed(addr, 1024, key, false), 0x40),
+            &[],
+        );
+        assert!(
+            st.same_code(status::DATA_SGL_LENGTH_INVALID),
+            "{what}: {st:?}"
+        );
+        let st = send(
+            l,
+            rw(opcode, SglDesc::in_capsule(0, 512), 0x40),
+            &[0u8; 512],
+        );
+        assert!(
+            st.same_code(status::DATA_SGL_LENGTH_INVALID),
+            "{what}, in capsule: {st:?}"
+        );
+        assert!(send(l, rw(opcode, SglDesc::keyed(0, 0, 0, false), 0x40), &[]).is_success());
+    }
     // A connect on a connected queue is a sequence error; the queue still works.
-    let mut again: Sqe = wire::zeroed();
+    let mut again: Sqe = nvmfd_nvme::host::command(0);
     again.opcode = 0x7F;
     again.flags = 0x40;
     again.nsid = U32::new(u32::from(wire::fctype::CONNECT));
@@ -713,13 +758,116 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
     io.read(1, 0, 1, &mut back).unwrap();
 }
 
+/// An admin command whose host buffer is shorter than what it returns (Identify's 4096
+/// bytes, a log page's NUMD, Host Behavior Support's 512) is refused with Data SGL Length
+/// Invalid, as the kernel target refuses it, rather than answered in part with success; a
+/// short Changed Namespace List read clears nothing. Admin commands without data refuse an
+/// SGL that describes some.
+#[test]
+fn admin_commands_refuse_a_host_buffer_shorter_than_their_data() {
+    let w = world();
+    let (mut a, _ios) = w.controller(1);
+    let send = |l: &mut Loopback, s: Sqe| l.send_capsule(s.as_bytes()).unwrap().unwrap().status();
+    let with = |opcode: u8, cdw10: u32, dptr: SglDesc| {
+        let mut s = nvmfd_nvme::host::command(opcode);
+        s.cid = U16::new(0x33);
+        s.cdw10 = U32::new(cdw10);
+        s.dptr = dptr;
+        s
+    };
+    let l = a.transport();
+    for len in [0u32, 8, 4095] {
+        let (addr, key) = l.register_host_memory(vec![0xEEu8; 4096]);
+        let st = send(
+            l,
+            with(
+                wire::admin_opcode::IDENTIFY,
+                1,
+                SglDesc::keyed(addr, len, key, false),
+            ),
+        );
+        assert!(
+            st.same_code(status::DATA_SGL_LENGTH_INVALID),
+            "Identify into {len} bytes: {st:?}"
+        );
+    }
+    // A buffer as long as the structure, or longer (SGLS bit 18), is served.
+    let (addr, key) = l.register_host_memory(vec![0u8; 8192]);
+    assert!(send(
+        l,
+        with(
+            wire::admin_opcode::IDENTIFY,
+            1,
+            SglDesc::keyed(addr, 8192, key, false)
+        )
+    )
+    .is_success());
+    let (addr, key) = l.register_host_memory(vec![0u8; 512]);
+    let st = send(
+        l,
+        with(
+            wire::admin_opcode::GET_FEATURES,
+            u32::from(wire::feature::HOST_BEHAVIOR_SUPPORT),
+            SglDesc::keyed(addr, 256, key, false),
+        ),
+    );
+    assert!(
+        st.same_code(status::DATA_SGL_LENGTH_INVALID),
+        "Host Behavior Support into 256 bytes: {st:?}"
+    );
+    // Keep Alive and an Asynchronous Event Request with data described: refused.
+    for opcode in [
+        wire::admin_opcode::KEEP_ALIVE,
+        wire::admin_opcode::ASYNC_EVENT_REQUEST,
+    ] {
+        let (addr, key) = l.register_host_memory(vec![0u8; 512]);
+        let st = send(l, with(opcode, 0, SglDesc::keyed(addr, 512, key, false)));
+        assert!(
+            st.same_code(status::DATA_SGL_LENGTH_INVALID),
+            "opcode {opcode:#x}: {st:?}"
+        );
+    }
+    // The Changed Namespace List (4096 bytes, NUMD 1023) read into 4 bytes: refused, and the
+    // list is still there for a read that fits.
+    w.target.namespace_changed(SUB, 2);
+    let log = |numd: u32| u32::from(wire::log_page::CHANGED_NAMESPACES) | numd << 16;
+    let (addr, key) = l.register_host_memory(vec![0u8; 4]);
+    let st = send(
+        l,
+        with(
+            wire::admin_opcode::GET_LOG_PAGE,
+            log(1023),
+            SglDesc::keyed(addr, 4, key, false),
+        ),
+    );
+    assert!(st.same_code(status::DATA_SGL_LENGTH_INVALID), "{st:?}");
+    // Read in two pieces: the first leaves the list for the second; reading it to its end
+    // clears it.
+    w.target.namespace_changed(SUB, 3);
+    let first = a
+        .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4)
+        .unwrap();
+    assert_eq!(first, 2u32.to_le_bytes());
+    let rest = a
+        .get_log_page(wire::log_page::CHANGED_NAMESPACES, 4, 4092)
+        .unwrap();
+    assert_eq!(&rest[..8], &[3, 0, 0, 0, 0, 0, 0, 0]);
+    let after = a
+        .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4096)
+        .unwrap();
+    assert!(
+        after.iter().all(|&b| b == 0),
+        "read to its end, the list starts over"
+    );
+}
+
 #[test]
 fn a_list_of_keyed_descriptors_in_the_capsule_moves_data_in_pieces_and_bad_lists_are_refused() {
     let w = world();
     let (_a, mut ios) = w.controller(1);
     let io = &mut ios[0];
     let rw = |opcode: u8, dptr: SglDesc, blocks: u32| {
-        let mut s: Sqe = wire::zeroed();
+        let mut s: Sqe = nvmfd_nvme::host::command(0);
         s.opcode = opcode;
         s.flags = 0x40;
         s.nsid = U32::new(1);
@@ -830,7 +978,7 @@ fn a_bad_key_or_a_short_capsule_closes_the_connection() {
     let (_a, mut ios) = w.controller(2);
     let l = ios[0].transport();
     let (addr, key) = l.register_host_memory(vec![0u8; 1024]);
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = 2;
     s.flags = 0x40;
     s.nsid = U32::new(1);
@@ -861,7 +1009,7 @@ fn a_bad_key_or_a_short_capsule_closes_the_connection() {
 fn commands_before_connect_or_enable_are_sequence_errors() {
     let w = world();
     let mut l = w.link(0, 31);
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::admin_opcode::KEEP_ALIVE;
     let c = l.send_capsule(s.as_bytes()).unwrap().unwrap();
     assert!(c.status().same_code(status::COMMAND_SEQUENCE_ERROR));
@@ -1015,7 +1163,7 @@ fn features_negotiate_queues_keep_alive_and_events() {
         status_of(a.set_feature(wire::feature::NUMBER_OF_QUEUES, 0xFFFF))
             .same_code(status::INVALID_FIELD)
     );
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::admin_opcode::SET_FEATURES;
     s.cdw10 = U32::new(u32::from(wire::feature::ASYNC_EVENT_CONFIG) | 1 << 31);
     assert!(status_of(a.raw(s, DataDir::None)).same_code(status::FEATURE_NOT_SAVEABLE));
@@ -1037,7 +1185,7 @@ fn async_events_are_held_until_a_namespace_changes() {
         .unwrap();
     let l = a.transport();
     let aer = |cid: u16| {
-        let mut s: Sqe = wire::zeroed();
+        let mut s: Sqe = nvmfd_nvme::host::command(0);
         s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
         s.cid = U16::new(cid);
         s
@@ -1083,7 +1231,7 @@ fn the_changed_namespace_list_is_ordered_and_cleared_only_by_a_read() {
         .get_log_page(wire::log_page::CHANGED_NAMESPACES, 0, 4096)
         .unwrap();
     assert_eq!(&log[..12], &[1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
     s.cid = U16::new(300);
     let l = a.transport();
@@ -1106,7 +1254,7 @@ fn a_changed_namespace_list_read_that_fails_on_its_transfer_leaves_the_list() {
     let w = world();
     let (mut a, _ios) = w.controller(1);
     w.target.namespace_changed(SUB, 2);
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::admin_opcode::GET_LOG_PAGE;
     s.cid = U16::new(400);
     s.cdw10 = U32::new(u32::from(wire::log_page::CHANGED_NAMESPACES) | (1023 << 16));
@@ -1130,7 +1278,7 @@ fn a_changed_namespace_list_read_that_fails_on_its_transfer_leaves_the_list() {
 fn aers_held_across_a_reset_complete_at_the_next_event() {
     let w = world();
     let (mut a, ios) = w.controller(1);
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
     s.cid = U16::new(100);
     assert!(
@@ -1158,7 +1306,7 @@ fn a_completion_after_a_data_fetch_reports_the_head_of_its_time() {
     let (_a, mut ios) = w.controller(1);
     let l = ios[0].transport();
     let (addr, key) = l.register_host_memory(vec![0u8; 16]);
-    let mut dsm: Sqe = wire::zeroed();
+    let mut dsm: Sqe = nvmfd_nvme::host::command(0);
     dsm.opcode = wire::io_opcode::DATASET_MANAGEMENT;
     dsm.flags = 0x40;
     dsm.cid = U16::new(0x51);
@@ -1170,7 +1318,7 @@ fn a_completion_after_a_data_fetch_reports_the_head_of_its_time() {
         panic!("the ranges are fetched");
     };
     // A later command completes meanwhile, with a later head.
-    let mut flush: Sqe = wire::zeroed();
+    let mut flush: Sqe = nvmfd_nvme::host::command(0);
     flush.opcode = wire::io_opcode::FLUSH;
     flush.flags = 0x40;
     flush.cid = U16::new(0x52);
@@ -1197,7 +1345,7 @@ fn a_shutdown_flush_ending_after_a_reset_leaves_the_enabled_controller_alone() {
     a.enable().unwrap();
     a.set_queue_count(1).unwrap();
     let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
-    let mut shn: Sqe = wire::zeroed();
+    let mut shn: Sqe = nvmfd_nvme::host::command(0);
     shn.opcode = wire::admin_opcode::FABRICS;
     shn.cid = U16::new(0x61);
     let b = shn.as_mut_bytes();
@@ -1317,7 +1465,7 @@ fn advanced_command_retry_gives_retryable_statuses_a_retry_delay() {
         } else {
             wire::admin_opcode::GET_FEATURES
         };
-        let mut s: Sqe = wire::zeroed();
+        let mut s: Sqe = nvmfd_nvme::host::command(0);
         s.opcode = opcode;
         s.flags = 1 << 6; // PSDT: SGL
         s.cdw10 = U32::new(u32::from(wire::feature::HOST_BEHAVIOR_SUPPORT));
@@ -1906,7 +2054,7 @@ fn smart_log_sums_every_queue_and_keeps_the_counts_of_queues_gone() {
 /// (at least 16 per range): the rest of the buffer holds ranges past the end of the
 /// namespace, which fail the command if the target reads them.
 fn dsm(ranges: &[(u64, u32)], buf_len: usize) -> (Sqe, Vec<u8>) {
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::io_opcode::DATASET_MANAGEMENT;
     s.flags = 0x40;
     s.nsid = U32::new(1);
@@ -2068,7 +2216,7 @@ fn the_nvm_identify_controller_reports_the_dataset_management_limits() {
     let id = a.identify_controller_nvm().unwrap();
     assert_eq!((id.dmrl, id.dmrsl.get(), id.dmsl.get()), (0, 0, 0));
     // Another command set, or a discovery controller: Invalid Field.
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::admin_opcode::IDENTIFY;
     s.cdw10 = U32::new(u32::from(wire::cns::IO_COMMAND_SET_CONTROLLER));
     s.cdw11 = U32::new(2 << 24); // zoned namespaces
@@ -2162,7 +2310,7 @@ fn in_capsule_data_described_past_the_receive_is_an_sgl_offset_invalid() {
     // On an I/O queue: a write described past the receive, as much as it holds arriving.
     let (_a, mut ios) = w.controller(1);
     let l = ios[0].transport();
-    let mut s: Sqe = wire::zeroed();
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
     s.opcode = wire::io_opcode::WRITE;
     s.flags = 0x40;
     s.nsid = U32::new(1);

@@ -190,8 +190,13 @@ impl Queue {
             if slot < granted && st.io_queues_lost.get(slot).copied().unwrap_or(false) {
                 return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY_RETRY, 0);
             }
-            if slot >= granted || st.io_queues.get(slot).copied().unwrap_or(false) {
+            if slot >= granted {
                 return invalid(self, false, 42);
+            }
+            // A queue ID the controller already has: Command Sequence Error, as the
+            // specification says and the kernel target answers.
+            if st.io_queues.get(slot).copied().unwrap_or(false) {
+                return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
             }
             if st.io_queues.len() <= slot {
                 st.io_queues.resize(slot + 1, false);
