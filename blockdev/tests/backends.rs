@@ -475,10 +475,53 @@ per_backend!(a_failed_sync_fails_every_later_flush_of_a_file);
 /// ETIMEDOUT from a network block device), not only EIO: any of them makes every later
 /// Flush fail, and the Flush is answered as lost data, never as one to retry (ETIMEDOUT was
 /// Namespace Not Ready, and the retry's sync succeeded, the lost data forgotten).
-fn a_sync_failing_with_any_writeback_errno_fails_every_later_flush(mut f: Fixture) {
+fn a_sync_failing_with_any_writeback_errno_fails_every_later_flush(f: Fixture) {
+    a_sync_failing_with(f, libc::ETIMEDOUT);
+}
+per_backend!(a_sync_failing_with_any_writeback_errno_fails_every_later_flush);
+
+/// Linux hands a writeback error's report to the sync that asks whatever that sync returns:
+/// an fdatasync failing with ENOMEM (writing pages back), EINTR or EAGAIN, or EROFS (a file
+/// system that aborted), has taken it. Such a Flush was answered Namespace Not Ready (or
+/// Write Protected), the device not marked, and the host's retry succeeded: the lost data
+/// forgotten.
+fn a_sync_failing_with_enomem_fails_every_later_flush(f: Fixture) {
+    a_sync_failing_with(f, libc::ENOMEM);
+}
+per_backend!(a_sync_failing_with_enomem_fails_every_later_flush);
+
+fn a_sync_failing_with_eintr_fails_every_later_flush(f: Fixture) {
+    a_sync_failing_with(f, libc::EINTR);
+}
+per_backend!(a_sync_failing_with_eintr_fails_every_later_flush);
+
+fn a_sync_failing_with_erofs_fails_every_later_flush(f: Fixture) {
+    a_sync_failing_with(f, libc::EROFS);
+}
+per_backend!(a_sync_failing_with_erofs_fails_every_later_flush);
+
+/// A sync that never ran (io_uring could not start it) took no report: that Flush fails,
+/// and the next one succeeds.
+fn a_sync_that_never_ran_leaves_later_flushes_alone(mut f: Fixture) {
+    f.write(0, &pattern(4, 4096), false);
+    f.device.fail_sync(0, libc::ECANCELED);
+    f.engine.flush(f.dev, 1).unwrap();
+    let c = f.run();
+    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
+    if file {
+        assert_eq!(c[0].result, Err(BlockError::Io(libc::ECANCELED)));
+    }
+    f.engine.flush(f.dev, 2).unwrap();
+    let c = f.run();
+    assert_eq!(c[0].result, Ok(0), "a later Flush");
+    assert!(!f.device.sync_failed());
+}
+per_backend!(a_sync_that_never_ran_leaves_later_flushes_alone);
+
+fn a_sync_failing_with(mut f: Fixture, errno: i32) {
     let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
     f.write(0, &pattern(4, 4096), false);
-    f.device.fail_sync(0, libc::ETIMEDOUT);
+    f.device.fail_sync(0, errno);
     f.engine.flush(f.dev, 1).unwrap();
     let c = f.run();
     let failed = f.flush_after_a_failed_sync();
@@ -486,9 +529,8 @@ fn a_sync_failing_with_any_writeback_errno_fails_every_later_flush(mut f: Fixtur
     f.engine.flush(f.dev, 2).unwrap();
     let c = f.run();
     assert_eq!(c[0].result, failed, "a later Flush");
-    assert_eq!(f.device.sync_failed(), file);
+    assert_eq!(f.device.sync_failed(), file, "errno {errno}");
 }
-per_backend!(a_sync_failing_with_any_writeback_errno_fails_every_later_flush);
 
 /// Two Flushes in flight together on one engine: Linux gives a writeback error's report to
 /// the first sync that asks, and the other may complete first, successfully. It waits for

@@ -122,36 +122,43 @@ impl Device {
         }
         if synced {
             if let Some(errno) = self.take_injected_failure() {
-                *result = Err(BlockError::Io(errno));
+                *result = Err(BlockError::from_errno(errno));
             }
             let report = match result {
                 Ok(_) => false,
-                // Refusals of the call itself (a FUA write refused before any I/O: a
-                // read-only block device's EPERM, an immutable file's), never a writeback's
-                // error.
-                Err(BlockError::Io(e)) => ![
-                    libc::EBADF,
-                    libc::EINVAL,
-                    libc::ECANCELED,
-                    libc::EAGAIN,
-                    libc::EINTR,
-                    libc::ENOMEM,
-                    libc::EPERM,
-                    libc::ETXTBSY,
-                    libc::EFBIG,
-                    libc::EFAULT,
-                ]
-                .contains(e),
-                Err(BlockError::NoSpace) => !(op == OpKind::WriteFua && self.info.direct),
-                Err(_) => false,
+                // A FUA write's refusals of the call itself (a read-only block device's
+                // EPERM, an immutable file's, an interrupted or would-block write) come
+                // before any I/O, never from a writeback; its own ENOSPC under direct I/O
+                // is its own failure.
+                Err(e) if op == OpKind::WriteFua => match e {
+                    BlockError::Io(e) => ![
+                        libc::EBADF,
+                        libc::EINVAL,
+                        libc::ECANCELED,
+                        libc::EAGAIN,
+                        libc::EINTR,
+                        libc::EPERM,
+                        libc::ETXTBSY,
+                        libc::EFBIG,
+                        libc::EFAULT,
+                    ]
+                    .contains(e),
+                    BlockError::NoSpace => !self.info.direct,
+                    _ => false,
+                },
+                // A sync's own failure (a Flush's fdatasync, a FUA zeroing's): Linux hands
+                // the writeback error's report to the sync that asks whatever that sync
+                // returns, so an ENOMEM from writing pages back, or EROFS from a file
+                // system that aborted, hides an EIO; only a call that never ran (refused
+                // for its descriptor, or never started by io_uring) took nothing.
+                Err(BlockError::Io(e)) => ![libc::EBADF, libc::EINVAL, libc::ECANCELED].contains(e),
+                Err(_) => true,
             };
             if report {
                 self.note_sync_failure();
-                if let Err(BlockError::Io(e)) = result {
-                    if *e != libc::EIO {
-                        // Answered as lost data, not as a device to retry later.
-                        *result = Err(BlockError::Io(libc::EIO));
-                    }
+                // Answered as lost data, not as a device to retry later nor as a refusal.
+                if !matches!(result, Err(BlockError::Io(libc::EIO) | BlockError::NoSpace)) {
+                    *result = Err(BlockError::Io(libc::EIO));
                 }
             }
         }
