@@ -848,6 +848,17 @@ impl Drop for Engine {
             // kernel.
             for s in self.slots.iter_mut() {
                 if let Some(slot) = s.take() {
+                    // A sync whose end is never seen may have taken a writeback error's
+                    // report: every later Flush of its device fails. Its number ends here,
+                    // or the Flushes of the device on every engine would wait for it.
+                    if let Some(n) = slot.sync {
+                        if let Some(a) =
+                            self.devices.get(slot.dev as usize).and_then(Option::as_ref)
+                        {
+                            a.dev.note_sync_failure();
+                            a.dev.sync_end(n);
+                        }
+                    }
                     std::mem::forget(slot.buf);
                 }
             }

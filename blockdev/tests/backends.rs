@@ -601,6 +601,32 @@ fn a_flush_on_another_engine_beside_one_taking_a_writeback_error_fails_too(mut f
 }
 per_backend!(a_flush_on_another_engine_beside_one_taking_a_writeback_error_fails_too);
 
+/// An engine dropped when its ring fails (its drain cannot wait) with a Flush in flight
+/// never sees that sync end: it may have taken a writeback error's report, so every later
+/// Flush of the device fails; and it no longer counts as in flight, where every later Flush
+/// of the device, on every engine, waited for it for ever.
+fn a_flush_lost_with_a_failed_engine_fails_later_flushes_instead_of_holding_them(mut f: Fixture) {
+    f.write(0, &pattern(9, 4096), false);
+    let mut other = Engine::new(8, 1, std::slice::from_ref(&f.pool)).unwrap();
+    let d = other.attach(&f.device).unwrap();
+    other.flush(d, 2).unwrap();
+    other.fail_next_wait(libc::EIO);
+    drop(other);
+    f.engine.flush(f.dev, 1).unwrap();
+    let mut mine = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while mine.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the Flush waited for a sync that will never be seen to end"
+        );
+        f.engine.wait(0).unwrap();
+        f.engine.reap(|c| mine.push(c));
+    }
+    assert_eq!(mine[0].result, f.flush_after_a_failed_sync());
+}
+per_backend!(a_flush_lost_with_a_failed_engine_fails_later_flushes_instead_of_holding_them);
+
 /// A Flush waits only for the syncs begun before it ended: with FUA writes always in flight
 /// (a database writing O_DSYNC), it still completes (it waited for a moment when none was,
 /// which may never come).
