@@ -311,6 +311,11 @@ pub(crate) struct Image {
     /// each handle's header-update callback (on librbd's thread) stores it, so the reactors
     /// read it without asking librbd, which would refresh the header there first.
     seen_size: Arc<AtomicU64>,
+    /// The image's size as this handle last saw it (its own header-update callback, its own
+    /// resizes): what librbd cuts this handle's writes at. Another handle's resize or
+    /// callback does not move it, so a handle that missed a growth (a header notification
+    /// that timed out) is not taken to have seen it.
+    own_size: Arc<AtomicU64>,
     /// This handle's header-update watch: librbd's handle and the callback's context.
     watch: Option<(u64, *mut Watch)>,
     /// Progress reports of this handle's resizes so far (`resize_progress`): a shrink
@@ -318,10 +323,12 @@ pub(crate) struct Image {
     progress: AtomicU64,
 }
 
-/// What a header-update callback needs: the handle it asks, and where it stores the size.
+/// What a header-update callback needs: the handle it asks, and where it stores the size
+/// (the image's, shared by its handles, and the handle's own).
 struct Watch {
     handle: ffi::rbd_image_t,
     size: Arc<AtomicU64>,
+    own: Arc<AtomicU64>,
 }
 
 /// A header-update callback: the image changed (a resize, a snapshot, a setting), so the
@@ -337,6 +344,7 @@ unsafe extern "C" fn header_updated(arg: *mut c_void) {
     let mut size = 0u64;
     // SAFETY: the handle is open while its watch is registered (unwatched before closing).
     if unsafe { lib().rbd.rbd_get_size(w.handle, &mut size) } == 0 {
+        w.own.store(size, Ordering::Release);
         w.size.store(size, Ordering::Release);
     }
 }
@@ -441,12 +449,14 @@ fn open_handle(
         read_only,
         spares: Mutex::new(Vec::new()),
         seen_size: Arc::clone(seen_size),
+        own_size: Arc::new(AtomicU64::new(u64::MAX)),
         watch: None,
         progress: AtomicU64::new(0),
     };
     let w = Box::into_raw(Box::new(Watch {
         handle,
         size: Arc::clone(seen_size),
+        own: Arc::clone(&image.own_size),
     }));
     let mut h = 0u64;
     // SAFETY: an open handle; `w` lives until the watch is unregistered (`Closing`), and
@@ -462,6 +472,16 @@ fn open_handle(
         return Err(rc);
     }
     image.watch = Some((h, w));
+    // Read after the watch is set: a callback since stored a size as new or newer.
+    let mut size = 0u64;
+    // SAFETY: an open handle; `size` receives the value.
+    let rc = unsafe { lib().rbd.rbd_get_size(handle, &mut size) };
+    if rc < 0 {
+        return Err(rc);
+    }
+    let _ = image
+        .own_size
+        .compare_exchange(u64::MAX, size, Ordering::AcqRel, Ordering::Acquire);
     Ok(image)
 }
 
@@ -589,6 +609,15 @@ impl Image {
         self.seen_size.load(Ordering::Acquire)
     }
 
+    /// The size a write of this handle is whole within: the smaller of the image's size as
+    /// its handles last saw it and as this handle did. librbd cuts a write at the handle's
+    /// own idea of the image's end and answers it success; a handle that missed a growth
+    /// nvmfd made through another handle (its header notification timed out) still cuts
+    /// there, where the image's size alone would call the write whole.
+    pub(crate) fn write_limit(&self) -> u64 {
+        self.seen_size().min(self.own_size.load(Ordering::Acquire))
+    }
+
     /// Resizes the image to `size` bytes, counting librbd's progress reports meanwhile
     /// ([`Image::progress`]).
     pub(crate) fn resize(&self, size: u64) -> io::Result<()> {
@@ -606,6 +635,7 @@ impl Image {
         if rc < 0 {
             return Err(err("rbd_resize", rc));
         }
+        self.own_size.store(size, Ordering::Release);
         self.seen_size.store(size, Ordering::Release);
         Ok(())
     }

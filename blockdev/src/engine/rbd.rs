@@ -130,8 +130,9 @@ impl Engine {
             // short at the image's end: an image shrunk behind nvmfd's back. A short read's
             // tail would be whatever the buffer held, so it fails. A write cut short says
             // nothing of it, so a write is complete only if the image, as its handles' header
-            // callbacks last saw it, still reaches its end (not `rbd_get_size`: after a header
-            // change, a snapshot say, it refreshes the header on this reactor first).
+            // callbacks last saw it and as this handle did (`Image::write_limit`), still
+            // reaches its end (not `rbd_get_size`: after a header change, a snapshot say, it
+            // refreshes the header on this reactor first, waiting on the cluster).
             let short = |done: u32| {
                 Err(BlockError::ShortTransfer {
                     expected: s.len,
@@ -143,7 +144,7 @@ impl Engine {
                 let image = self.devices[s.dev as usize]
                     .as_ref()
                     .and_then(|a| a.rbd.as_ref());
-                match image.map(Image::seen_size) {
+                match image.map(Image::write_limit) {
                     Some(size) if size < end => {
                         short(u32::try_from(size.saturating_sub(s.offset)).unwrap_or(0))
                     }
