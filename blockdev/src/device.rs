@@ -350,20 +350,37 @@ impl Device {
             Kind::Malloc => {
                 let info = ram(Kind::Malloc)?;
                 let len = usize::try_from(spec.size).map_err(|_| bad("size too large".into()))?;
-                // Its memory is populated as it is mapped: more than the machine has free
-                // would have the kernel's OOM killer end a process (likely this one) instead.
-                if let Some(free) = crate::mem::memory_available(spec.huge_pages) {
-                    if spec.size > free {
-                        return Err(io::Error::new(
-                            io::ErrorKind::OutOfMemory,
-                            format!(
-                                "a RAM namespace of {} bytes does not fit in the {free} bytes of memory available",
-                                spec.size
-                            ),
-                        ));
+                // Huge pages are reserved as they are mapped: too few free, and nothing is.
+                let huge = if spec.huge_pages {
+                    DmaRegion::huge(len)?
+                } else {
+                    None
+                };
+                let region = match huge {
+                    Some(r) => r,
+                    None => {
+                        // Normal pages are populated as they are mapped: more than the
+                        // machine has available (the huge page pool is not) would have the
+                        // kernel's OOM killer end a process (likely this one) instead.
+                        if let Some(free) = crate::mem::memory_available() {
+                            if spec.size > free {
+                                let pages = if spec.huge_pages {
+                                    " (too few free 2 MiB huge pages for it)"
+                                } else {
+                                    ""
+                                };
+                                return Err(io::Error::new(
+                                    io::ErrorKind::OutOfMemory,
+                                    format!(
+                                        "a RAM namespace of {} bytes does not fit in the {free} bytes of memory available{pages}",
+                                        spec.size
+                                    ),
+                                ));
+                            }
+                        }
+                        DmaRegion::new(len, false)?
                     }
-                }
-                let region = DmaRegion::new(len, spec.huge_pages)?;
+                };
                 Ok(Arc::new(Device {
                     size: info.size.into(),
                     info,
@@ -766,7 +783,18 @@ mod tests {
         let e = super::Device::open(&spec).expect_err("opened");
         assert_eq!(e.kind(), std::io::ErrorKind::OutOfMemory, "{e}");
         assert!(e.to_string().contains("does not fit"), "{e}");
+        // With huge pages asked for and too few free, normal pages are checked against the
+        // memory available alone (the free huge pages once counted too).
+        spec.huge_pages = true;
+        let e = super::Device::open(&spec).expect_err("opened");
+        assert_eq!(e.kind(), std::io::ErrorKind::OutOfMemory, "{e}");
+        assert!(
+            e.to_string().contains("too few free 2 MiB huge pages"),
+            "{e}"
+        );
         spec.size = 1 << 20;
+        assert!(super::Device::open(&spec).is_ok());
+        spec.huge_pages = false;
         assert!(super::Device::open(&spec).is_ok());
     }
 

@@ -14,21 +14,13 @@ use std::rc::Rc;
 pub const DMA_ALIGN: usize = 4096;
 
 /// The memory available for new allocations without swapping (`MemAvailable` of
-/// /proc/meminfo), and with `huge` the free huge pages too, in bytes; `None` where it cannot be
+/// /proc/meminfo: normal pages, not the huge page pool), in bytes; `None` where it cannot be
 /// read.
-pub(crate) fn memory_available(huge: bool) -> Option<u64> {
+pub(crate) fn memory_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |name: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(name))?;
-        line.split_whitespace().nth(1)?.parse().ok()
-    };
-    let mut bytes = field("MemAvailable:")?.checked_mul(1024)?;
-    if huge {
-        let pages = field("HugePages_Free:").unwrap_or(0);
-        let page_kib = field("Hugepagesize:").unwrap_or(0);
-        bytes = bytes.saturating_add(pages.saturating_mul(page_kib).saturating_mul(1024));
-    }
-    Some(bytes)
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// One mmap'd, page-aligned, zero-filled region.
@@ -43,6 +35,21 @@ impl DmaRegion {
     /// Maps `len` bytes (rounded up to a page). With `huge`, 2 MiB huge pages are tried first
     /// and normal pages used when none are available; [`DmaRegion::is_huge`] tells which.
     pub fn new(len: usize, huge: bool) -> io::Result<DmaRegion> {
+        if huge {
+            if let Some(r) = DmaRegion::huge(len)? {
+                return Ok(r);
+            }
+        }
+        DmaRegion::map(len, false)?.ok_or_else(io::Error::last_os_error)
+    }
+
+    /// Maps `len` bytes (rounded up to 2 MiB) of 2 MiB huge pages, whatever the system's
+    /// default huge page size; `None` when too few are free (nothing is mapped then).
+    pub fn huge(len: usize) -> io::Result<Option<DmaRegion>> {
+        DmaRegion::map(len, true)
+    }
+
+    fn map(len: usize, huge: bool) -> io::Result<Option<DmaRegion>> {
         if len == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -66,24 +73,20 @@ impl DmaRegion {
             };
             (p != libc::MAP_FAILED).then_some(p)
         };
-        if huge {
-            let huge_len = len.div_ceil(2 << 20) * (2 << 20);
-            if let Some(p) = attempt(base | libc::MAP_HUGETLB, huge_len) {
-                return Ok(DmaRegion {
-                    ptr: NonNull::new(p.cast()).ok_or_else(io::Error::last_os_error)?,
-                    len: huge_len,
-                    huge: true,
-                });
-            }
-        }
-        match attempt(base, len) {
-            Some(p) => Ok(DmaRegion {
-                ptr: NonNull::new(p.cast()).ok_or_else(io::Error::last_os_error)?,
-                len,
-                huge: false,
-            }),
-            None => Err(io::Error::last_os_error()),
-        }
+        // The page size named (MAP_HUGE_2MB), not the default: with 1 GiB default pages the
+        // kernel would round the mapping up to 1 GiB, and unmapping the 2 MiB multiple asked
+        // for would fail, the region leaked.
+        let (flags, len) = if huge {
+            (
+                base | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
+                len.div_ceil(2 << 20) * (2 << 20),
+            )
+        } else {
+            (base, len)
+        };
+        Ok(attempt(flags, len)
+            .and_then(|p| NonNull::new(p.cast()))
+            .map(|ptr| DmaRegion { ptr, len, huge }))
     }
 
     /// Start of the region.
