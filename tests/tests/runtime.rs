@@ -1184,6 +1184,58 @@ fn a_shutdown_completes_only_once_a_namespace_removed_meanwhile_is_synced() {
     });
 }
 
+/// A change published the subsystem without a removed namespace before counting its device
+/// as released: a shutdown in between flushed the namespaces left, found no release in
+/// flight and reported SHST complete, the removed namespace's writes not yet synced. Held
+/// here once published (the reactors not yet told), the shutdown reads "processing" until
+/// the device is synced.
+#[test]
+fn a_shutdown_right_after_a_namespace_is_unpublished_waits_for_its_sync() {
+    let gate = tempfile::tempdir().unwrap();
+    let (d, addr) = start_hooked(Some(gate.path()));
+    add_file_namespace(&d, 2);
+    let mut a = Host::connect("127.0.0.53", addr, A, 0x53);
+    a.write_read(2, 8, 0x53);
+    drop_io_queue(&d, &mut a);
+    std::fs::write(gate.path().join("published-hold"), b"").unwrap();
+    std::thread::scope(|scope| {
+        let removal = scope.spawn(|| {
+            d.request(
+                &serde_json::json!({"request": "remove_namespace", "subsystem": A, "nsid": 2})
+                    .to_string(),
+            )
+        });
+        wait_for("the removal to wait once published", || {
+            gate.path().join("published-waiting").exists().then_some(())
+        });
+        let csts = shut_down(&mut a);
+        assert_eq!(csts & (1 << 1), 0, "CFS: {csts:#x}");
+        assert_eq!(
+            (csts >> 2) & 0x3,
+            1,
+            "SHST before the removed namespace was synced: {csts:#x}"
+        );
+        std::fs::write(gate.path().join("published-go"), b"").unwrap();
+        std::fs::write(gate.path().join("release-go"), b"").unwrap();
+        let answer = removal.join().unwrap();
+        assert_eq!(answer["ok"], true, "{answer}");
+    });
+    wait_for("SHST complete once the sync has ended", || {
+        let csts = a
+            .admin
+            .property_get(nvmfd_nvme::wire::property::CSTS, false)
+            .unwrap();
+        ((csts >> 2) & 0x3 == 2).then_some(())
+    });
+    assert!(
+        log_lines(&d, "namespace's device synced")
+            .iter()
+            .any(|l| l["nsid"] == 2 && l["when"] == "let go"),
+        "{}",
+        d.log()
+    );
+}
+
 /// A removed namespace's device whose sync fails: writes its host completed there may be
 /// lost. That was a log line alone: the host's shutdown completed, `status` showed nothing
 /// and the daemon exited 0. Now the shutdown of a controller that was there fails (CFS),

@@ -476,15 +476,27 @@ impl Daemon {
             ));
             self.devices.insert((nqn, nsid), dev);
         }
+        // The devices of namespaces going are counted as released before the subsystems
+        // are published without them: a shutdown whose flush no longer finds them waits for
+        // their sync (`Target::release_begins`).
+        let mut going: Vec<(u64, String, u32)> = Vec::new();
         for nqn in &plan.subsystems_removed {
-            if let Ok((gone, ended)) = target.remove_subsystem(nqn) {
+            if let Some(s) = target.subsystem(nqn) {
+                going.extend(s.namespaces.iter().map(|n| (s.id, nqn.clone(), n.nsid)));
+            }
+        }
+        for (nqn, nsid) in &plan.namespaces_removed {
+            going.push((ids.get(nqn).copied().unwrap_or(0), nqn.clone(), *nsid));
+        }
+        for (sub, nqn, nsid) in &going {
+            self.release(*sub, nqn, *nsid);
+        }
+        for nqn in &plan.subsystems_removed {
+            if let Ok((_, ended)) = target.remove_subsystem(nqn) {
                 what.push(format!(
                     "subsystem {nqn} removed ({} controllers ended)",
                     ended.len()
                 ));
-                for n in &gone.namespaces {
-                    self.let_go(gone.id, nqn, n.nsid);
-                }
             }
         }
         for s in &plan.subsystems_added {
@@ -507,9 +519,16 @@ impl Daemon {
             }
         }
         let old_cfg = std::mem::replace(&mut self.cfg, new);
+        // Tests: published, the reactors not yet told.
+        if let Some(g) = self.test_gate() {
+            super::off_thread::wait_at_gate_if_held(&g, "published");
+        }
+        // Every reactor lets the devices go once their operations in flight have completed.
+        for (sub, _, nsid) in &going {
+            let (sub, nsid) = (*sub, *nsid);
+            self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
+        }
         for (nqn, nsid) in &plan.namespaces_removed {
-            let id = ids.get(nqn).copied().unwrap_or(0);
-            self.let_go(id, nqn, *nsid);
             what.push(format!("namespace {nsid} of {nqn} removed"));
         }
         for (nqn, nsid, _) in &plan.resizes {
@@ -566,13 +585,12 @@ impl Daemon {
             .collect()
     }
 
-    /// Namespace `nsid` of subsystem `nqn` (ID `sub`) is no longer served: every reactor
-    /// lets its device go once its operations in flight have completed.
-    /// Its device is synced once they have (`sync_released_devices`).
-    fn let_go(&mut self, sub: u64, nqn: &str, nsid: u32) {
+    /// Namespace `nsid` of subsystem `nqn` (ID `sub`) is to be served no longer: its device
+    /// is counted as released, before its subsystem is published without it and before any
+    /// reactor is told to let it go (a shutdown's flush that no longer finds it waits for
+    /// its sync), and is synced once the reactors have let it go (`sync_released_devices`).
+    fn release(&mut self, sub: u64, nqn: &str, nsid: u32) {
         if let Some(dev) = self.devices.remove(&(nqn.to_owned(), nsid)) {
-            // Before any reactor lets it go: a shutdown's flush that no longer finds it
-            // waits for its sync.
             if let Some(t) = &self.target {
                 t.release_begins(sub);
             }
@@ -583,7 +601,6 @@ impl Daemon {
                 dev,
             });
         }
-        self.tell_reactors(|| ReactorCmd::DetachNamespace { sub, nsid });
     }
 
     /// Attaches `dev` on every reactor, waiting for each; on a failure, detaches it again.

@@ -192,6 +192,14 @@ impl Daemon {
     }
 }
 
+/// [`wait_at_gate`] where a test asked for it (`{name}-hold` in the gate's directory): a
+/// gate on the way of every change, which other tests pass.
+pub(super) fn wait_at_gate_if_held(dir: &std::path::Path, name: &str) {
+    if dir.join(format!("{name}-hold")).exists() {
+        wait_at_gate(dir, name);
+    }
+}
+
 pub(super) fn wait_at_gate(dir: &std::path::Path, name: &str) {
     let _ = std::fs::write(dir.join(format!("{name}-waiting")), b"");
     let go = dir.join(format!("{name}-go"));
