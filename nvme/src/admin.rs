@@ -120,6 +120,19 @@ pub(crate) fn property(
     let enable = value & 1 == 1;
     let shn = (value >> 14) & 0x3;
     st.cc = value;
+    if enable && !was_enabled && st.resetting {
+        // Enabled again before the reset ended (RDY still reads 1: I/O queues of before it
+        // may still write): the host broke the reset's handshake. Its new queues could take
+        // the IDs of old ones still writing; the controller fails (CFS) instead, and the
+        // host's next reset waits for them as it should.
+        if ctrl.io_queues_alive.load(Ordering::Acquire) == 0 {
+            st.resetting = false;
+        } else {
+            st.csts = 1 << 1;
+            refresh_ready(ctrl, &st);
+            return q.respond(&cmd, Status::SUCCESS, 0);
+        }
+    }
     if enable && !was_enabled {
         // IOSQES 64 bytes, IOCQES 16 bytes, 4 KiB pages, NVM command set.
         let iosqes = (value >> 16) & 0xF;
@@ -146,9 +159,16 @@ pub(crate) fn property(
         // they complete at the next event, and dropping them would leave commands the host
         // waits for unanswered (and held against its queue's flow control).
         st.resetting = true;
-        refresh_ready(ctrl, &st);
+        // The epoch first: a command of an I/O queue on another reactor between the two
+        // then finds its queue ended (and disconnects), not a controller merely not ready
+        // (Command Sequence Error, Do Not Retry).
         ctrl.new_epoch();
-        return q.respond(&cmd, Status::SUCCESS, 0);
+        refresh_ready(ctrl, &st);
+        // Disabled and shut down in one write: the shutdown follows the reset (as the
+        // kernel target handles both), rather than being dropped.
+        if shn == 0 {
+            return q.respond(&cmd, Status::SUCCESS, 0);
+        }
     }
     refresh_ready(ctrl, &st);
     if shn != 0 && (st.csts >> 2) & 0x3 == 0 {

@@ -802,7 +802,6 @@ pub(crate) fn refresh_ready(ctrl: &Controller, st: &CtrlState) {
     ctrl.ready.store(ready, Ordering::Release);
 }
 
-/// The Fabrics command type of `cmd` (a Fabrics command: opcode 7Fh).
 /// The Command Retry Delay a retryable status carries: CRDT2 for Namespace Not Ready (see
 /// [`admin::NOT_READY_RETRY_DELAY_100MS`]), CRDT1 for the others.
 fn retry_delay(st: Status) -> u8 {
@@ -813,6 +812,7 @@ fn retry_delay(st: Status) -> u8 {
     }
 }
 
+/// The Fabrics command type of `cmd` (a Fabrics command: opcode 7Fh).
 fn cmd_fctype(cmd: &Command) -> u8 {
     cmd.sqe.nsid.get().to_le_bytes()[0]
 }

@@ -1366,6 +1366,55 @@ fn a_shutdown_flush_ending_after_a_reset_leaves_the_enabled_controller_alone() {
     IoQueue::connect(w.link(1, 31), &host(1), SUB, a.cntlid, 1, 31).unwrap();
 }
 
+/// A host that disables its controller and asks for a shutdown in one write (EN 1 to 0
+/// and SHN normal): the shutdown follows the reset, flushed and reported complete, as the
+/// kernel target handles both. It was dropped: SHST stayed 00b, no flush ran.
+#[test]
+fn a_shutdown_asked_with_the_reset_in_one_write_is_made() {
+    let w = world();
+    let mut a = w.admin(&host(1), SUB).unwrap();
+    a.enable().unwrap();
+    let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
+    a.property_set(wire::property::CC, (cc & !1) | 1 << 14)
+        .unwrap();
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(csts & 1, 0, "not ready: CSTS {csts:#x}");
+    assert_eq!((csts >> 2) & 0x3, 2, "SHST complete: CSTS {csts:#x}");
+    assert_eq!(csts & (1 << 1), 0, "no CFS: CSTS {csts:#x}");
+    // Enabled again (SHN cleared), it serves.
+    a.property_set(wire::property::CC, 0).unwrap();
+    a.enable().unwrap();
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(csts & 0xF, 1, "ready: CSTS {csts:#x}");
+}
+
+/// A host that enables its controller again before the reset's RDY reads 0 (an I/O queue
+/// of before the reset still there): its new queues could take the IDs of old ones still
+/// writing, and the reset, never seen to end, fenced the host's other controllers for the
+/// association's life. The controller fails (CFS); a reset that waits for RDY 0 serves.
+#[test]
+fn an_enable_before_the_reset_ended_fails_the_controller() {
+    let w = world();
+    let (mut a, ios) = w.controller(1);
+    a.property_set(wire::property::CC, 0).unwrap();
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(
+        csts & 1,
+        1,
+        "RDY reads 1 while an I/O queue of before is left: {csts:#x}"
+    );
+    a.enable().unwrap_err();
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(csts & (1 << 1), 1 << 1, "CFS: CSTS {csts:#x}");
+    drop(ios);
+    a.property_set(wire::property::CC, 0).unwrap();
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(csts & 0x3, 0, "reset ended: CSTS {csts:#x}");
+    a.enable().unwrap();
+    a.set_queue_count(1).unwrap();
+    IoQueue::connect(w.link(1, 31), &host(1), SUB, a.cntlid, 1, 31).unwrap();
+}
+
 /// Set Features Number of Queues is optional: without it, the I/O queues Get Features
 /// reports are allocated (they were refused, Connect Invalid Parameters at QID), and what
 /// was allocated stays across a reset (it was cleared, and the queues refused again).
@@ -1392,9 +1441,9 @@ fn io_queues_connect_without_set_features_and_after_a_reset() {
     assert_eq!(dw0_of(beyond), 42, "qid 3 of 2 allocated");
 }
 
-/// A shutdown waiting for its I/O queues, then a reset and an enable before they are gone:
-/// the shutdown is over with the reset. Its flush must not run when the old queues go, nor
-/// report SHST complete on the controller enabled again, whose new I/O queues must connect.
+/// A shutdown waiting for its I/O queues, then a reset before they are gone: the shutdown
+/// is over with the reset. Its flush must not run when the old queues go, nor report SHST
+/// complete on the controller enabled again, whose new I/O queues must connect.
 #[test]
 fn a_reset_ends_a_shutdown_still_waiting_for_its_io_queues() {
     let w = world();
@@ -1402,8 +1451,10 @@ fn a_reset_ends_a_shutdown_still_waiting_for_its_io_queues() {
     let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
     a.property_set(wire::property::CC, cc | 1 << 14).unwrap();
     a.property_set(wire::property::CC, 0).unwrap();
-    a.enable().unwrap();
     drop(ios);
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(csts & 0xF, 0, "reset ended, no shutdown: CSTS {csts:#x}");
+    a.enable().unwrap();
     let csts = a.property_get(wire::property::CSTS, false).unwrap();
     assert_eq!(
         csts >> 2 & 3,
