@@ -77,8 +77,9 @@ fn queue_op(
                 bump(&counters.writes_from_receive, 1);
                 // SAFETY: `from..from + len` lies in the receive the request keeps off the
                 // SRQ until this write's completion is reaped (`finish_io`, `end_req` give it
-                // back only then, and the SRQ is not rebuilt while a receive is kept); the
-                // engine is dropped before the SRQ.
+                // back only then; an SRQ rebuilt meanwhile is kept, its memory registered, in
+                // `retired_srqs` until its kept receives are given back); the engine is
+                // dropped before the SRQs.
                 let r = unsafe { engine.write_from(dev, *offset, from, *len, *fua, tag) };
                 (r, one)
             }

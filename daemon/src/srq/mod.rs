@@ -32,14 +32,18 @@ const PAGE_U32: u32 = 4096;
 pub const MAX_ICD_PAGES: usize = 4;
 /// A receive's work request ID: chunk index above this many bits, slot below.
 const SLOT_BITS: u32 = 24;
-/// Most receives posted in one chain (the ibverbs provider's limit per call).
 /// How long after a failed registration of a spare chunk the next one is asked for.
 const REGISTER_RETRY: Duration = Duration::from_secs(1);
+/// Most receives posted in one chain (the ibverbs provider's limit per call).
 const CHAIN: usize = 32;
 /// Above the chunk index, the SRQ's generation: a receive of an SRQ since rebuilt (held by an
 /// in-capsule write, or completing late) is told apart from the new one's. A rebuild takes
 /// the next generation no retired SRQ still has (`rebuild`).
 const GEN_SHIFT: u32 = 40;
+/// Chunk indexes fit between the slot and the generation: at most this many chunks, which
+/// the growth step is made large enough for (an index past it would be read back as
+/// another chunk of another generation).
+const MAX_CHUNKS: u32 = 1 << (GEN_SHIFT - SLOT_BITS);
 const GEN_BITS: u32 = 16;
 const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
 /// Receive work request IDs are below this.
@@ -108,7 +112,7 @@ pub struct ElasticSrq {
     registered: u32,
     /// Receives the connected queues can consume at once (their depths), when covering them.
     committed: u32,
-    /// Rebuilds so far, modulo 16: part of every receive's work request ID.
+    /// Rebuilds so far, modulo 2^16: part of every receive's work request ID.
     generation: u64,
     registrar: Registrar,
     spare_tx: mpsc::Sender<Result<Mr, VerbsError>>,
@@ -150,6 +154,12 @@ fn chunk_len(slots: u32, icd_pages: usize) -> usize {
     (slots * 64).next_multiple_of(PAGE) + slots * icd_pages * PAGE
 }
 
+/// The smallest growth step for an SRQ of at most `max` receives: its chunks (the initial
+/// one and steps up to `max`) then number at most [`MAX_CHUNKS`].
+fn min_chunk(max: u32) -> u32 {
+    max.div_ceil(MAX_CHUNKS - 1).max(1)
+}
+
 impl ElasticSrq {
     /// Creates the SRQ on `pd` (deep enough for `max`), posts the first chunk, arms the limit
     /// and asks the registrar for a spare.
@@ -167,7 +177,7 @@ impl ElasticSrq {
         let cfg = SrqConfig {
             max,
             initial: cfg.initial.clamp(1, max),
-            chunk: cfg.chunk.clamp(1, max),
+            chunk: cfg.chunk.clamp(min_chunk(max), max),
             ..cfg
         };
         ElasticSrq::build(pd, cfg, icd_pages, registrar, counters, now, 0)
@@ -282,6 +292,8 @@ impl ElasticSrq {
                 self.chunks.len() - 1
             }
         };
+        // The initial chunk and growth steps of `min_chunk` or more within `max` stay below.
+        debug_assert!(idx < MAX_CHUNKS as usize, "chunk index {idx}");
         self.chunks[idx] = Some(Chunk {
             mr,
             slots,
@@ -726,6 +738,35 @@ impl ElasticSrq {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An SRQ allowed more receives than 65,536 growth steps hold (a device with a deep SRQ,
+    /// `srq_grow_chunk = 1`) had chunk indexes spill into the generation's bits: a receive
+    /// of chunk 65,536 + k was read back as chunk k of another generation. The growth step is
+    /// raised until every chunk's index fits, and the largest one's work request ID reads
+    /// back as itself.
+    #[test]
+    fn every_chunk_index_fits_in_a_receives_work_request_id() {
+        for max in [1u32, 8, 65_535, 65_536, 65_537, 1 << 20, (1 << 24) - 1] {
+            let chunk = min_chunk(max);
+            // The initial chunk (at least one receive) and the growth steps within `max`.
+            let chunks = 1 + (max - 1) / chunk;
+            assert!(
+                chunks <= MAX_CHUNKS,
+                "max {max}: {chunks} chunks of {chunk}"
+            );
+        }
+        assert_eq!(min_chunk(64), 1, "a small SRQ keeps the step asked for");
+        let generation = 1u64;
+        let (idx, slot) = (MAX_CHUNKS as usize - 1, 5u32);
+        let wr_id = (generation << GEN_SHIFT) | ((idx as u64) << SLOT_BITS) | u64::from(slot);
+        assert!(wr_id < WR_ID_END);
+        assert_eq!((wr_id >> GEN_SHIFT) & GEN_MASK, generation);
+        assert_eq!(
+            ((wr_id & ((1 << GEN_SHIFT) - 1)) >> SLOT_BITS) as usize,
+            idx,
+            "the chunk index reads back whole"
+        );
+    }
 
     /// An SRQ of 8 receives in chunks of 8, up to 64, watermark 2, on a soft device of
     /// `fabric`.
