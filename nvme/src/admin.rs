@@ -501,6 +501,12 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     match (lid, ctrl.subsystem.is_some()) {
         (log_page::DISCOVERY, false) => page = discovery_log(q, ctrl),
         (log_page::ERROR, _) => page.resize(64, 0),
+        // Controller-wide only (LPA bit 0 clear): an NSID other than 0 or FFFFFFFFh asks for
+        // one namespace's figures, which nvmfd does not keep: Invalid Field, as the
+        // specification says, rather than the controller's figures as the namespace's.
+        (log_page::SMART, true) if !matches!(cmd.sqe.nsid.get(), 0 | u32::MAX) => {
+            return q.respond(&cmd, status::INVALID_FIELD, 0)
+        }
         (log_page::SMART, true) => page.extend_from_slice(smart_log(ctrl).as_bytes()),
         (log_page::FIRMWARE_SLOT, true) => {
             page.resize(512, 0);

@@ -2078,6 +2078,19 @@ fn smart_log_counts_io() {
         s.same_code(status::INVALID_FIELD),
         "offset not dword aligned"
     );
+    // The log is controller-wide (LPA bit 0 clear): one namespace's is Invalid Field (it was
+    // the controller's figures, as if the namespace's); NSID FFFFFFFFh is the controller's.
+    let smart_of = |a: &mut AdminQueue<Loopback>, nsid: u32| {
+        let mut s = nvmfd_nvme::host::command(wire::admin_opcode::GET_LOG_PAGE);
+        s.nsid = U32::new(nsid);
+        s.cdw10 = U32::new(u32::from(wire::log_page::SMART) | (512 / 4 - 1) << 16);
+        let mut buf = vec![0u8; 512];
+        a.raw(s, DataDir::FromTarget(&mut buf)).map(|_| buf)
+    };
+    let s = status_of(smart_of(&mut a, 1));
+    assert!(s.same_code(status::INVALID_FIELD), "{s:?}");
+    let all: wire::SmartLog = wire::read(&smart_of(&mut a, u32::MAX).unwrap()).unwrap();
+    assert_eq!(all.host_writes.get(), 3);
 }
 
 #[test]
