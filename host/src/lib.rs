@@ -212,7 +212,7 @@ impl RdmaQueue {
                     )));
                 }
                 if c.opcode == WcOpcode::Recv {
-                    let got = self.response(c.wr_id)?;
+                    let got = self.response(c.wr_id, c.byte_len)?;
                     self.others.push(got);
                 } else {
                     sent = true;
@@ -225,8 +225,15 @@ impl RdmaQueue {
         }
     }
 
-    /// The response in receive `wr_id`, which goes back to the SRQ.
-    fn response(&mut self, wr_id: u64) -> Result<Cqe, HostError> {
+    /// The response in receive `wr_id` (`len` bytes arrived), which goes back to the SRQ.
+    fn response(&mut self, wr_id: u64, len: u32) -> Result<Cqe, HostError> {
+        // A response is a whole 16-byte completion: a shorter SEND leaves the last
+        // response's bytes in the buffer, which would read as another command's.
+        if len != 16 {
+            return Err(HostError::Protocol(format!(
+                "a response of {len} bytes (a completion is 16)"
+            )));
+        }
         let slot = usize::try_from(wr_id).unwrap_or(0);
         let mut b = [0u8; 16];
         self.resp.read(slot * 16, &mut b);
@@ -414,7 +421,7 @@ impl HostTransport for RdmaQueue {
                     )));
                 }
                 if c.opcode == WcOpcode::Recv {
-                    let got = self.response(c.wr_id)?;
+                    let got = self.response(c.wr_id, c.byte_len)?;
                     if got.cid.get() == cid {
                         cqe = Some(got);
                     } else {

@@ -341,6 +341,14 @@ impl PipelinedQueue {
                 return Err(format!("a completion for slot {slot}, which is not one"));
             }
             if c.opcode == WcOpcode::Recv {
+                // A response is a whole 16-byte completion: a shorter SEND leaves the last
+                // response's bytes in the buffer, which would complete the wrong command.
+                if c.byte_len != 16 {
+                    return Err(format!(
+                        "a response of {} bytes (a completion is 16)",
+                        c.byte_len
+                    ));
+                }
                 let mut b = [0u8; 16];
                 self.resp.read(slot * 16, &mut b);
                 self.srq

@@ -216,11 +216,32 @@ fn bench_writes_through_a_target_that_takes_no_data_in_its_capsules() {
     }
 }
 
+/// `nvmf verify` wrote up to 128 KiB on a queue of 64 entries whatever the target took:
+/// against a target of 64 KiB transfers or 32-entry queues (both valid settings) it failed.
+/// It keeps within both now, and says so of a namespace that is not active.
+#[test]
+fn verify_keeps_within_the_targets_transfer_and_queue_size() {
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "[[listener]]".into(),
+            "[transport]\nmax_io_size = \"64KiB\"\nmax_queue_depth = 32\n\n[[listener]]".into(),
+        )],
+        ..Options::default()
+    });
+    let a = addr(&d);
+    let (ok, out, err) = nvmf(&["verify", "--addr", &a, "--nqn", SUB]);
+    assert!(ok, "{err}{out}");
+    assert!(out.contains("to 64 KiB"), "{out}");
+    let (ok, _, err) = nvmf(&["verify", "--addr", &a, "--nqn", SUB, "--nsid", "9"]);
+    assert!(!ok, "an inactive namespace verified");
+    assert!(err.contains("namespace 9 is not active in"), "{err}");
+}
+
 #[test]
 fn bench_errors_are_clear_and_exit_non_zero() {
     let d = Daemon::start(Options::default());
     let a = addr(&d);
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 8] = [
         // Within NN (transport.max_nsid) but not configured: inactive.
         (&["--nsid", "9"], "namespace 9 is not active in"),
         // Past NN: Identify fails with Invalid Namespace.
@@ -233,6 +254,12 @@ fn bench_errors_are_clear_and_exit_non_zero() {
             "above the target's maximum transfer (131072 bytes)",
         ),
         (&["-o", "64m"], "above the target's maximum transfer"),
+        // nvmfd's default max_queue_depth is 128 (CAP.MQES 127): said so, not a refused
+        // connection.
+        (
+            &["-q", "256"],
+            "the queue depth (-q 256) is above the target's largest queue (128 entries)",
+        ),
         (
             &["--nqn", "nqn.2024-01.io.nvmfd.test:none"],
             "(no such subsystem there)",
@@ -248,6 +275,13 @@ fn bench_errors_are_clear_and_exit_non_zero() {
         assert!(!ok, "{extra:?} succeeded");
         assert!(err.contains(want), "{extra:?}: `{want}` not in: {err}");
     }
+    // No time to measure: refused (it was divided by a nanosecond, or printed 0 IOPS).
+    let (ok, _, err) = nvmf(&["bench", "--addr", &a, "--nqn", SUB, "-t", "0"]);
+    assert!(!ok, "-t 0 succeeded");
+    assert!(
+        err.contains("-t: the measured time must be above 0"),
+        "{err}"
+    );
     // Nobody listens there.
     let (ok, _, err) = nvmf(&["bench", "--addr", "127.0.0.1:9", "--nqn", SUB, "-t", "0.2"]);
     assert!(!ok);

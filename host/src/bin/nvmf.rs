@@ -58,8 +58,9 @@ enum Command {
         #[arg(long)]
         nqn: String,
     },
-    /// Write patterns of every size from one block to the largest transfer, read them back and
-    /// compare (destroys the data where it writes: the first 16 MiB of the namespace).
+    /// Write patterns of sizes doubling from one block to the largest transfer (128 KiB at
+    /// most), read them back and compare (destroys the data where it writes: the first
+    /// 256 KiB of the namespace at most).
     Verify {
         /// Subsystem NQN.
         #[arg(long)]
@@ -219,6 +220,22 @@ fn io_size(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("`{s}` is not a size from 1 byte to 4 GiB"))
 }
 
+/// The most entries an I/O queue of the target may have (CAP.MQES + 1).
+fn max_queue_entries(a: &mut AdminQueue<RdmaQueue>) -> Result<u32, String> {
+    let cap = a
+        .property_get(wire::property::CAP, true)
+        .map_err(|e| format!("reading the target's capabilities: {e}"))?;
+    Ok((cap & 0xFFFF) as u32 + 1)
+}
+
+/// The target's largest transfer in bytes (MDTS, a power of two of 4 KiB pages; `None`: no
+/// limit).
+fn max_transfer(id: &wire::IdentifyController) -> Option<u64> {
+    4096u64
+        .checked_shl(u32::from(id.mdts))
+        .filter(|_| id.mdts != 0)
+}
+
 fn seconds(what: &str, s: f64) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from_secs_f64(s)
         .map_err(|_| format!("{what}: {s} is not a duration in seconds"))
@@ -235,16 +252,25 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     let id = a.identify_controller().map_err(|e| e.to_string())?;
     let icd = in_capsule(&id);
     // MDTS: a power of two of 4 KiB pages (the minimum memory page size); 0 is no limit.
-    if let Some(mdts) = 4096u64
-        .checked_shl(u32::from(id.mdts))
-        .filter(|_| id.mdts != 0)
-    {
+    if let Some(mdts) = max_transfer(&id) {
         if u64::from(b.size) > mdts {
             return Err(format!(
                 "the I/O size ({} bytes) is above the target's maximum transfer ({mdts} bytes)",
                 b.size
             ));
         }
+    }
+    // A queue has at least two entries (SQSIZE 1).
+    let entries = max_queue_entries(&mut a)?;
+    if u32::from(b.depth.max(2)) > entries {
+        return Err(format!(
+            "the queue depth (-q {}) is above the target's largest queue ({entries} entries)",
+            b.depth
+        ));
+    }
+    let time = seconds("-t", b.time)?;
+    if time.is_zero() {
+        return Err("-t: the measured time must be above 0 seconds".into());
     }
     let granted = a.set_queue_count(b.queues).map_err(|e| e.to_string())?;
     if granted < b.queues {
@@ -270,7 +296,7 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
         read_pct: b.read_pct,
         queues: b.queues,
         threads: b.threads.unwrap_or(b.queues).max(1),
-        time: seconds("-t", b.time)?,
+        time,
         warmup: seconds("--warmup", b.warmup)?,
         verify: b.verify,
     };
@@ -388,12 +414,12 @@ fn run(cli: &Cli) -> Result<(), String> {
             let id = a.identify_controller().map_err(|e| e.to_string())?;
             let s = |b: &[u8]| wire::get_str(b).unwrap_or("?").to_owned();
             println!(
-                "controller {}  serial {}  model {}  firmware {}  MDTS {} KiB",
+                "controller {}  serial {}  model {}  firmware {}  largest transfer {}",
                 id.cntlid.get(),
                 s(&id.sn),
                 s(&id.mn),
                 s(&id.fr),
-                4u32 << id.mdts
+                max_transfer(&id).map_or("unlimited".to_owned(), |m| format!("{} KiB", m / 1024))
             );
             for nsid in a.active_namespaces(0).map_err(|e| e.to_string())? {
                 let ns = a.identify_namespace(nsid).map_err(|e| e.to_string())?;
@@ -401,7 +427,7 @@ fn run(cli: &Cli) -> Result<(), String> {
                 println!(
                     "namespace {nsid}: {} blocks of {bs} bytes ({} MiB){}",
                     ns.nsze.get(),
-                    (ns.nsze.get() * bs) >> 20,
+                    ns.nsze.get().saturating_mul(bs) >> 20,
                     if ns.nsattr & 1 == 1 {
                         ", read-only"
                     } else {
@@ -423,14 +449,30 @@ fn run(cli: &Cli) -> Result<(), String> {
         }
         Command::Verify { nqn, nsid } => {
             let mut a = admin(cli, nqn, &host)?;
-            let ns = a.identify_namespace(*nsid).map_err(|e| e.to_string())?;
+            let ns = a
+                .identify_namespace(*nsid)
+                .map_err(|e| format!("namespace {nsid} of {nqn}: {e}"))?;
+            if ns.nsze.get() == 0 {
+                return Err(format!("namespace {nsid} is not active in {nqn}"));
+            }
             let bs = block_size(&ns) as usize;
+            let id = a.identify_controller().map_err(|e| e.to_string())?;
+            // Writes of one block doubling up to 128 KiB, or the target's largest transfer.
+            let largest = max_transfer(&id).map_or(128 * 1024, |m| m.min(128 * 1024)) as usize;
+            if bs == 0 || bs > largest {
+                return Err(format!(
+                    "namespace {nsid}: a block size of {bs} bytes (the target transfers at most {largest})"
+                ));
+            }
+            // One command at a time: the smallest queue a target takes.
+            let sqsize = u16::try_from(max_queue_entries(&mut a)?.clamp(2, 64) - 1).unwrap_or(1);
             a.set_queue_count(1).map_err(|e| e.to_string())?;
-            let icd = in_capsule(&a.identify_controller().map_err(|e| e.to_string())?);
-            let mut io = IoQueue::connect(queue(cli, 1, 63, icd)?, &host, nqn, a.cntlid, 1, 63)
-                .map_err(|e| e.to_string())?;
+            let icd = in_capsule(&id);
+            let mut io =
+                IoQueue::connect(queue(cli, 1, sqsize, icd)?, &host, nqn, a.cntlid, 1, sqsize)
+                    .map_err(|e| e.to_string())?;
             let (mut len, mut lba, mut n) = (bs, 0u64, 0);
-            while len <= 128 * 1024 {
+            while len <= largest {
                 let data = nvmf_host::verify_pattern(lba, bs, len);
                 let nlb = u32::try_from(len / bs).map_err(|e| e.to_string())?;
                 io.write(*nsid, lba, nlb, &data, false)
@@ -446,7 +488,10 @@ fn run(cli: &Cli) -> Result<(), String> {
                 n += 1;
             }
             io.flush(*nsid).map_err(|e| e.to_string())?;
-            println!("verified: {n} writes read back intact, {bs} B to 128 KiB, namespace {nsid} of {nqn}");
+            println!(
+                "verified: {n} writes read back intact, {bs} B to {} KiB, namespace {nsid} of {nqn}",
+                largest / 1024
+            );
             let _ = a.shutdown();
         }
     }
