@@ -235,8 +235,10 @@ impl ReactorHandle {
 }
 
 /// Registers the work's wake-up fds with the reactor's poller (those already registered
-/// stay).
-fn watch(poll: &Poll, work: &dyn ReactorWork, log: &Logger) {
+/// stay). False when one cannot be: the reactor then polls without sleeping, and tries
+/// again (`UNWATCHED_RETRY`), for a completion on it would raise no event.
+fn watch(poll: &Poll, work: &dyn ReactorWork, log: &Logger, logged: &mut bool) -> bool {
+    let mut all = true;
     for fd in work.wake_fds() {
         let r = poll.registry().register(
             &mut mio::unix::SourceFd(&fd),
@@ -247,11 +249,24 @@ fn watch(poll: &Poll, work: &dyn ReactorWork, log: &Logger) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
             Err(e) => {
-                error!(log, "cannot watch a completion channel; polling only"; "error" => %e)
+                all = false;
+                if !std::mem::replace(logged, true) {
+                    error!(log, "cannot watch a completion channel; polling without sleeping until it can be"; "error" => %e);
+                }
             }
         }
     }
+    if all && std::mem::take(logged) {
+        info!(
+            log,
+            "completion channels watched again; the reactor sleeps when idle"
+        );
+    }
+    all
 }
+
+/// How often a reactor that could not watch a wake-up fd tries again.
+const UNWATCHED_RETRY: Duration = Duration::from_secs(1);
 
 /// Reactor threads let go while still building their work ([`ReactorHandle::abandon_if_not_running`]).
 static ABANDONED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -284,8 +299,13 @@ fn run(
 ) {
     info!(log, "reactor started");
     let _ = running.send(());
+    // A wake-up fd the poller does not watch, and when to try again.
+    let mut watch_failed = false;
+    let mut unwatched: Option<Instant> = None;
     if let Some(w) = &work {
-        watch(&poll, w.as_ref(), log);
+        if !watch(&poll, w.as_ref(), log, &mut watch_failed) {
+            unwatched = Some(Instant::now() + UNWATCHED_RETRY);
+        }
     }
     let c = &shared.counters;
     let mut events = Events::with_capacity(16);
@@ -317,9 +337,15 @@ fn run(
         }
         let since = *idle_since.get_or_insert(now);
         if let Some(w) = work.as_mut() {
-            if w.wake_fds_changed() {
-                watch(&poll, w.as_ref(), log);
+            let retry = unwatched.is_some_and(|at| now >= at);
+            if w.wake_fds_changed() || retry {
+                unwatched = (!watch(&poll, w.as_ref(), log, &mut watch_failed))
+                    .then(|| now + UNWATCHED_RETRY);
             }
+        }
+        // A completion on an fd not watched would raise no event: no sleep.
+        if unwatched.is_some() {
+            continue;
         }
         // Busy-poll for `idle_sleep_after` after the last work: a host that sends its next
         // command within microseconds finds the reactor awake, and an idle turn makes no
@@ -426,6 +452,68 @@ mod tests {
             1
         );
     }
+    /// Work whose wake-up fd the poller cannot watch (a regular file: epoll refuses it) and
+    /// whose completion comes from another thread once the reactor is idle: with the fd
+    /// unwatched, the reactor slept until `max_sleep` on it.
+    struct Unwatchable {
+        fd: std::fs::File,
+        ready: Arc<AtomicBool>,
+        served: Arc<AtomicBool>,
+    }
+
+    impl ReactorWork for Unwatchable {
+        fn poll(&mut self, _now: Instant) -> bool {
+            if self.ready.swap(false, Ordering::AcqRel) {
+                self.served.store(true, Ordering::Release);
+                return true;
+            }
+            false
+        }
+        fn wake_fds(&self) -> Vec<std::os::fd::RawFd> {
+            use std::os::fd::AsRawFd;
+            vec![self.fd.as_raw_fd()]
+        }
+        fn prepare_sleep(&mut self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_reactor_that_cannot_watch_a_wake_up_fd_polls_instead_of_sleeping_on_it() {
+        let ready = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(AtomicBool::new(false));
+        let file = tempfile::tempfile().unwrap();
+        let (r2, s2) = (Arc::clone(&ready), Arc::clone(&served));
+        let factory: WorkFactory = Box::new(move || {
+            Box::new(Unwatchable {
+                fd: file,
+                ready: r2,
+                served: s2,
+            })
+        });
+        let cfg = LoopConfig {
+            idle_sleep_after: Duration::from_millis(1),
+            max_sleep: Duration::from_secs(30),
+        };
+        let log = Logger::root(slog::Discard, o!());
+        let mut r = ReactorHandle::spawn(0, 0, cfg, &log, Some(factory)).unwrap();
+        // Idle well past `idle_sleep_after`: a reactor that sleeps is asleep by now.
+        std::thread::sleep(Duration::from_millis(50));
+        let start = Instant::now();
+        ready.store(true, Ordering::Release);
+        while !served.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
+            std::thread::yield_now();
+        }
+        let waited = start.elapsed();
+        r.shared.request_stop();
+        r.join();
+        assert!(
+            served.load(Ordering::Acquire),
+            "not served in {waited:?}: the reactor slept on an fd it does not watch"
+        );
+        assert_eq!(r.shared.counters.sleeps.load(Ordering::Relaxed), 0);
+    }
+
     /// Work whose first turn is long (200 ms, a rebuild, say), then idle: it counts the idle
     /// turns before the reactor first arms to sleep.
     struct LongTurnThenIdle {
