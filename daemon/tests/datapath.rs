@@ -88,6 +88,9 @@ struct Served {
     hold_cm: Arc<AtomicBool>,
     /// While set, the data path leaves block completions in its engine (a stalled disk).
     hold_block: Arc<AtomicBool>,
+    /// Namespaces (bit `nsid`) whose block completions the data path holds back (their disk
+    /// alone stalled).
+    hold_namespaces: Arc<std::sync::atomic::AtomicU64>,
     /// Work for the serving thread to do on its data path between two polls (what the
     /// reactor does on a command from the control thread).
     run: std::sync::mpsc::Sender<DataPathJob>,
@@ -210,6 +213,8 @@ fn serve_opts(
     let hcm = Arc::clone(&hold_cm);
     let hold_block = Arc::new(AtomicBool::new(false));
     let hb = Arc::clone(&hold_block);
+    let hold_namespaces = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let hn = Arc::clone(&hold_namespaces);
     let allocations = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let turns = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (f, s, p, he) = (
@@ -339,6 +344,7 @@ fn serve_opts(
                 }
             }
             dp.hold_block_completions(hb.load(Ordering::Relaxed));
+            dp.hold_block_completions_of(hn.load(Ordering::Relaxed));
             for job in jobs.try_iter() {
                 job(&mut dp);
             }
@@ -360,6 +366,7 @@ fn serve_opts(
         hold_events,
         hold_cm,
         hold_block,
+        hold_namespaces,
         run,
         allocations,
         turns,
@@ -430,6 +437,7 @@ fn serve_namespaces(
         hold_events: Arc::new(AtomicBool::new(false)),
         hold_cm: Arc::clone(&t.hold_cm),
         hold_block: Arc::new(AtomicBool::new(false)),
+        hold_namespaces: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         // Not served on this thread: jobs sent are dropped.
         run: std::sync::mpsc::channel().0,
         allocations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
@@ -1853,6 +1861,18 @@ impl Served {
     /// which the store happened before (the channel orders them), so that turn and every
     /// later one read the switch as set. The in-process target's control thread reads
     /// `hold_cm` between events and nothing reads the other switches there: it is only set.
+    /// Holds the block completions of the namespaces in `nsids` (bit `nsid`) from the
+    /// serving thread's next turn on, as [`Served::set_switch`] does.
+    fn hold_namespaces(&self, nsids: u64) {
+        self.hold_namespaces.store(nsids, Ordering::Relaxed);
+        if self.thread.is_none() {
+            return;
+        }
+        for _ in 0..2 {
+            self.on_data_path(|_| ());
+        }
+    }
+
     fn set_switch(&self, switch: &AtomicBool, on: bool) {
         switch.store(on, Ordering::Relaxed);
         if self.thread.is_none() {
@@ -2871,6 +2891,75 @@ fn a_late_completion_of_a_destroyed_qp_never_answers_a_new_qp_of_the_same_number
     assert_eq!(c.teardowns_qp_error.load(Relaxed), qp_errors);
     drop(new);
     drop(admin);
+}
+
+/// Two QPs of one number (the device reused it) destroyed with their drains timed out, each
+/// with a write at a stalled disk: their lingering queues were kept by QP number, so the
+/// second's queue stayed while the first's write was stuck, though its own had completed,
+/// and its controller's reset never ended (RDY read 1) for another association's disk.
+/// Each lingering queue goes with its own requests now.
+#[test]
+fn a_lingering_queue_goes_with_its_own_requests_not_with_another_of_its_qp_number() {
+    use nvmfd_nvme::wire::property;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4479, None, Arc::clone(&c));
+    let h = host();
+    let zeroes = |nsid, lba| {
+        nvmfd_nvme::host::rw_sqe(
+            nvmfd_nvme::wire::io_opcode::WRITE_ZEROES,
+            nsid,
+            lba,
+            1,
+            false,
+        )
+    };
+    // Controller 2 (another association), made first: its admin queue's QPs would take the
+    // slots the destroyed QPs free.
+    let mut admin2 = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin2.enable().unwrap();
+    assert_eq!(admin2.set_queue_count(1).unwrap(), 1);
+    // Controller 1: a write to namespace 2, whose disk stalls; its queue goes.
+    let (admin1, mut old, old_target_qpn, old_host_qpn) = controller_with_queue_1(&s);
+    s.hold_namespaces(1 << 2);
+    old.transport().post(zeroes(2, 9)).unwrap();
+    wait_until("the first write is at the disk", || {
+        c.requests_active.load(Relaxed) == 1
+    });
+    drop(old);
+    wait_until("the first drain times out", || {
+        c.drain_timeouts.load(Relaxed) == 1
+    });
+    // Controller 2's queue takes the destroyed QP's numbers, a write to namespace 1 stalls
+    // too, and its queue goes.
+    s.fabric.reuse_qp_numbers(&[old_host_qpn, old_target_qpn]);
+    let mut new = IoQueue::connect(queue(&s, 1, 31), &h, SUB, admin2.cntlid, 1, 31).unwrap();
+    assert!(s.fabric.srq_qps(s.srq_id).contains(&old_target_qpn));
+    s.hold_namespaces(1 << 2 | 1 << 1);
+    new.transport().post(zeroes(1, 9)).unwrap();
+    wait_until("both writes are at their disks", || {
+        c.requests_active.load(Relaxed) == 2
+    });
+    drop(new);
+    wait_until("the second drain times out", || {
+        c.drain_timeouts.load(Relaxed) == 2
+    });
+    // Namespace 1's disk comes back; namespace 2's stays stalled.
+    s.hold_namespaces(1 << 2);
+    wait_until("the second write is done", || {
+        c.requests_active.load(Relaxed) == 1
+    });
+    // Controller 2 has no queue left: its reset ends.
+    admin2.property_set(property::CC, 0).unwrap();
+    wait_until("controller 2's reset ends (RDY reads 0)", || {
+        admin2.property_get(property::CSTS, false).unwrap() & 1 == 0
+    });
+    s.hold_namespaces(0);
+    wait_until("the first write is done", || {
+        c.requests_active.load(Relaxed) == 0
+    });
+    drop(admin2);
+    drop(admin1);
 }
 
 /// Send completions of a QP destroyed when its drain timed out can still come (rxe leaves a

@@ -55,6 +55,16 @@ pub(super) struct Conns {
 
 /// No connection: the index of a request that has none (an AER's, or one whose QP is gone).
 pub(super) const NO_CONN: u32 = u32::MAX;
+/// Connection indexes from here up name no connection. The requests a QP destroyed with its
+/// drain timed out leaves at the backend carry its lingering queue's tag (`ORPHANS` up to
+/// `NO_CONN`): two destroyed QPs of one number (the device reused it) are told apart, and one
+/// request stuck at a backend holds its own queue alone.
+pub(super) const ORPHANS: u32 = u32::MAX - (1 << 16);
+
+/// Whether connection index `c` names a connection (not none, not a lingering queue's tag).
+pub(super) fn has_conn(c: u32) -> bool {
+    c < ORPHANS
+}
 
 impl Conns {
     /// Adds `c` under its QP number; returns its index.
@@ -565,7 +575,7 @@ impl DataPath {
         let mut executing = false;
         for i in 0..self.reqs.len() {
             executing |= self.reqs[i].as_ref().is_some_and(|r| {
-                r.qpn == qpn && r.conn != NO_CONN && matches!(r.state, State::Executing)
+                r.qpn == qpn && has_conn(r.conn) && matches!(r.state, State::Executing)
             });
             let ends = self.reqs[i].as_ref().is_some_and(|r| {
                 r.qpn == qpn
@@ -675,11 +685,8 @@ impl DataPath {
     pub(super) fn reap_drained(&mut self, now: Instant) {
         if !self.lingering.is_empty() {
             let reqs = &self.reqs;
-            self.lingering.retain(|&(qpn, _)| {
-                reqs.iter()
-                    .flatten()
-                    .any(|r| r.qpn == qpn && r.conn == NO_CONN)
-            });
+            self.lingering
+                .retain(|&(tag, _)| reqs.iter().flatten().any(|r| r.conn == tag));
         }
         if self.draining.is_empty() {
             return;
@@ -688,7 +695,7 @@ impl DataPath {
         let requests_of = |reqs: &[Option<Req>], qpn: u32| {
             reqs.iter()
                 .flatten()
-                .filter(|r| r.qpn == qpn && r.conn != NO_CONN)
+                .filter(|r| r.qpn == qpn && has_conn(r.conn))
                 .count()
         };
         // Each draining QP's requests, in one pass over the slots (a mass teardown, a host
@@ -696,7 +703,7 @@ impl DataPath {
         let mut live = std::mem::take(&mut self.scratch_counts);
         live.clear();
         for r in self.reqs.iter().flatten() {
-            if r.conn != NO_CONN && self.draining.contains_key(&r.qpn) {
+            if has_conn(r.conn) && self.draining.contains_key(&r.qpn) {
                 *live.entry(r.qpn).or_default() += 1;
             }
         }
@@ -750,14 +757,31 @@ impl DataPath {
                 // the same index, and a late completion must never answer on it (a command
                 // of the new host with the same ID would be completed, a read without its
                 // data).
-                for r in self.reqs.iter_mut().flatten().filter(|r| r.qpn == qpn) {
-                    r.conn = NO_CONN;
+                let tag = self.lingering_tag();
+                for r in self
+                    .reqs
+                    .iter_mut()
+                    .flatten()
+                    .filter(|r| r.qpn == qpn && has_conn(r.conn))
+                {
+                    r.conn = tag;
                 }
-                self.lingering.push((qpn, d.queue));
+                self.lingering.push((tag, d.queue));
             }
         }
         self.scratch_qpns = gone;
         self.scratch_counts = live;
+    }
+
+    /// A tag no lingering queue has (see [`ORPHANS`]).
+    fn lingering_tag(&mut self) -> u32 {
+        loop {
+            self.next_lingering = self.next_lingering.wrapping_add(1) % (NO_CONN - ORPHANS);
+            let tag = ORPHANS + self.next_lingering;
+            if !self.lingering.iter().any(|&(t, _)| t == tag) {
+                return tag;
+            }
+        }
     }
 
     /// Ends the requests of torn-down QP `qpn` that wait for nothing but its network (every

@@ -319,8 +319,10 @@ pub struct DataPath {
     /// QPs torn down, draining before they are destroyed.
     draining: HashMap<u32, Drain>,
     /// NVMe queues of QPs destroyed after their drain timed out, kept until their block
-    /// operations complete.
+    /// operations complete, by the tag their requests carry (see `conn::ORPHANS`).
     lingering: Vec<(u32, Queue)>,
+    /// The last lingering queue's tag, less `ORPHANS`.
+    next_lingering: u32,
     /// Times a poll of the CQ found it empty.
     cq_empty_polls: u64,
     /// Drains waiting only for a poll that finds the CQ empty: the CQ is polled until it is.
@@ -366,6 +368,9 @@ pub struct DataPath {
     send_invalidate: bool,
     /// Tests: block completions stay in the engine while set, as behind a disk that stalls.
     hold_block_completions: bool,
+    /// Tests: namespaces (bit `nsid`) whose block completions wait in `held_completions`.
+    hold_namespaces: u64,
+    held_completions: Vec<nvmfd_blockdev::Completion>,
     /// Tests: responses go without their data (a faulty target).
     omit_read_data: bool,
     /// Tests of hosts: writes are acknowledged without reaching the disk.
@@ -505,6 +510,7 @@ impl DataPath {
             cfg_max_qps: cfg.max_qps,
             draining: HashMap::default(),
             lingering: Vec::new(),
+            next_lingering: 0,
             cq_empty_polls: 0,
             settling: 0,
             srq_broken: false,
@@ -525,6 +531,8 @@ impl DataPath {
             wait_last_wqe: dev.sends_last_wqe(),
             send_invalidate: dev.supports_send_with_invalidate(),
             hold_block_completions: false,
+            hold_namespaces: 0,
+            held_completions: Vec::new(),
             omit_read_data: false,
             discard_writes: false,
             log: slog::Logger::root(slog::Discard, slog::o!()),
@@ -633,6 +641,9 @@ impl DataPath {
         let mut done = std::mem::take(&mut self.reaped);
         if !self.hold_block_completions {
             self.engine.reap(|c| done.push(c));
+        }
+        if self.hold_namespaces != 0 || !self.held_completions.is_empty() {
+            self.hold_completions_of_namespaces(&mut done);
         }
         worked |= n > 0 || !done.is_empty();
         for c in done.drain(..) {
@@ -758,6 +769,38 @@ impl DataPath {
     /// does not take their completions, as if the disk had stalled.
     pub fn hold_block_completions(&mut self, hold: bool) {
         self.hold_block_completions = hold;
+    }
+
+    /// Tests: the block completions of the namespaces in `nsids` (bit `nsid`, NSIDs below 64)
+    /// wait until their bit clears, as if their disk alone had stalled.
+    #[doc(hidden)]
+    pub fn hold_block_completions_of(&mut self, nsids: u64) {
+        self.hold_namespaces = nsids;
+    }
+
+    /// Tests: moves the completions of held namespaces out of `done` into
+    /// `held_completions`, and those no longer held back into it.
+    fn hold_completions_of_namespaces(&mut self, done: &mut Vec<nvmfd_blockdev::Completion>) {
+        let held = |reqs: &[Option<Req>], mask: u64, c: &nvmfd_blockdev::Completion| {
+            let i = (c.tag & post::SLOT_MASK) as usize;
+            reqs.get(i)
+                .and_then(Option::as_ref)
+                .and_then(|r| match &r.work {
+                    Work::Io(io) => Some(io.nsid),
+                    _ => None,
+                })
+                .is_some_and(|nsid| nsid < 64 && mask & (1 << nsid) != 0)
+        };
+        let mask = self.hold_namespaces;
+        done.append(&mut self.held_completions);
+        let mut k = 0;
+        while k < done.len() {
+            if held(&self.reqs, mask, &done[k]) {
+                self.held_completions.push(done.swap_remove(k));
+            } else {
+                k += 1;
+            }
+        }
     }
 
     /// Tests of hosts: while `omit` is set, responses are sent without the RDMA WRITEs of

@@ -318,7 +318,7 @@ impl DataPath {
         let Some(r) = self.reqs.get_mut(i).and_then(Option::as_mut).filter(|r| {
             u64::from(r.generation) & GEN_MASK == u64::from(generation)
                 && r.qpn == c.qp_num
-                && r.conn != NO_CONN
+                && has_conn(r.conn)
         }) else {
             return self.stale(c.qp_num, "send of no command in flight");
         };
