@@ -46,6 +46,7 @@ test_pkgs=(
   "ceph-mon|scripts/ceph-dev-cluster.sh runs the RBD tests' cluster: its monitor"
   "ceph-osd|scripts/ceph-dev-cluster.sh: its OSDs"
   "ceph-common|scripts/ceph-dev-cluster.sh: the ceph and rbd commands"
+  "python3|scripts/lab-rdma.sh, scripts/ceph-dev-cluster.sh and the bench scripts read JSON with it"
 )
 pkgs=("${build_pkgs[@]}")
 [ "$mode" = build ] || pkgs+=("${test_pkgs[@]}")

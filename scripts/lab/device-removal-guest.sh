@@ -4,6 +4,18 @@
 # the device (the kernel cannot finish removing it before), say why its listener is down,
 # listen again once the device is back, and serve the kernel host the data written before.
 set -uo pipefail
+# nvmfd stops cleanly (exit 0) within a minute, or the run fails.
+stop_nvmfd() {
+  kill -TERM "$1"
+  local t=0
+  while kill -0 "$1" 2>/dev/null && [ $t -lt 600 ]; do sleep 0.1; t=$((t + 1)); done
+  if kill -0 "$1" 2>/dev/null; then
+    echo "STEP FAILED: nvmfd still running 60 s after SIGTERM"; kill -KILL "$1"; exit 1
+  fi
+  wait "$1"; local rc=$?
+  echo "nvmfd exit status $rc"
+  [ $rc -eq 0 ] || { echo "STEP FAILED: nvmfd exit status $rc"; exit 1; }
+}
 BIN=$1
 NQN=nqn.2024-01.io.nvmfd:removal
 WORK=/tmp/nvmfd-removal
@@ -94,9 +106,7 @@ for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
 step fio --name=before --filename=/dev/nvme0n1 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
 step fio --name=after --filename=/dev/nvme0n1 --rw=randwrite --bs=4k --size=16M --offset=32M --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 step nvme disconnect -n $NQN
-kill -TERM $pid
-wait $pid
-echo "nvmfd exit status $?"
+stop_nvmfd $pid
 echo "--- nvmfd's log of the removal and the return"
 grep -E "device removed|removed device|device returned|still held|cannot let go|returned device" $WORK/nvmfd.log | sed 's/^/nvmfd: /'
 

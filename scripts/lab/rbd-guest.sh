@@ -4,6 +4,18 @@
 # exporting an RBD image of it, and the Linux kernel's NVMe/RDMA host writing through nvmfd
 # with fio verifying; an OSD killed while fio writes, then every block checked again.
 set -uo pipefail
+# nvmfd stops cleanly (exit 0) within a minute, or the run fails.
+stop_nvmfd() {
+  kill -TERM "$1"
+  local t=0
+  while kill -0 "$1" 2>/dev/null && [ $t -lt 600 ]; do sleep 0.1; t=$((t + 1)); done
+  if kill -0 "$1" 2>/dev/null; then
+    echo "STEP FAILED: nvmfd still running 60 s after SIGTERM"; kill -KILL "$1"; exit 1
+  fi
+  wait "$1"; local rc=$?
+  echo "nvmfd exit status $rc"
+  [ $rc -eq 0 ] || { echo "STEP FAILED: nvmfd exit status $rc"; exit 1; }
+}
 BIN=$1
 TOP=$(cd "$(dirname "$0")/../.." && pwd)
 NQN=nqn.2024-01.io.nvmfd:rbd
@@ -82,6 +94,6 @@ step ceph_cluster osd-start 1
 step $FIO --name=seq --rw=write --bs=64k --size=64M --offset=64M --iodepth=8 --verify_only=1
 step nvme disconnect -n $NQN
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock --json stats
-kill $pid; wait $pid
+stop_nvmfd $pid
 ceph_cluster stop
 echo "LAB RBD: ALL STEPS PASSED"
