@@ -568,6 +568,44 @@ fn nvmfctl_reload_with_the_config_file_says_whether_the_reload_was_taken() {
     assert_eq!(d.data("status")["state"], "running");
 }
 
+/// A reload of a file whose `[daemon]` section was edited was refused whole ("changes only
+/// with a restart"), and from then on every change was refused too: the file no longer
+/// matched what was loaded ("reload it first"), a loop only a restart or undoing the edit
+/// left. The rest of the file applies now, the reply says the section waits for a restart,
+/// and later changes are taken (the edit stays in the file for the restart).
+#[test]
+fn a_reload_applies_the_rest_of_the_file_when_daemon_settings_changed() {
+    let d = Daemon::start(Options::default());
+    let config = d.dir.path().join("nvmfd.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let edited = text
+        .replace("stall_timeout = \"300ms\"", "stall_timeout = \"400ms\"")
+        .replace(
+            "size = \"64MiB\"",
+            "size = \"64MiB\"\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"null\"\nsize = \"8MiB\"",
+        );
+    assert_ne!(edited, text);
+    std::fs::write(&config, &edited).unwrap();
+    let a = d.request(r#"{"request": "reload"}"#);
+    assert_eq!(a["ok"], true, "{a}");
+    let said = a.to_string();
+    assert!(said.contains("namespace 2"), "{said}");
+    assert!(
+        said.contains("the changes to [daemon] take effect at the next restart"),
+        "{said}"
+    );
+    // A later change is taken, and written back with the operator's edit kept.
+    let a = d.request(
+        &serde_json::json!({"request": "add_host", "subsystem": "nqn.2024-01.io.nvmfd.test:ram0",
+            "host": "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000077"})
+        .to_string(),
+    );
+    assert_eq!(a["ok"], true, "{a}");
+    let now = std::fs::read_to_string(&config).unwrap();
+    assert!(now.contains("stall_timeout = \"400ms\""), "{now}");
+    assert!(now.contains("000000000077"), "{now}");
+}
+
 #[test]
 fn nvmfctl_says_when_the_daemon_is_not_there() {
     let out = Command::new(bin("nvmfctl"))

@@ -58,12 +58,6 @@ impl Daemon {
     /// The difference between the configuration in force and `new`.
     fn plan(&self, new: &Config, resizes: Vec<Resize>) -> Result<Plan, String> {
         let old = &self.cfg;
-        if new.daemon != old.daemon {
-            return Err("the [daemon] section changes only with a restart".into());
-        }
-        if new.transport != old.transport {
-            return Err("the [transport] section changes only with a restart".into());
-        }
         let mut p = Plan {
             resizes,
             ..Plan::default()
@@ -215,6 +209,19 @@ impl Daemon {
         resizes: Vec<Resize>,
     ) -> Result<Vec<String>, String> {
         let target = self.target.clone().ok_or("the daemon is not serving yet")?;
+        // `[daemon]` and `[transport]` change only with a restart: edits there stay in the
+        // file for it, and the rest of the change applies (refusing the whole reload left
+        // every later change refused as "edited since it was loaded").
+        let mut new = new;
+        let mut at_restart = Vec::new();
+        if new.daemon != self.cfg.daemon {
+            at_restart.push("[daemon]");
+            new.daemon = self.cfg.daemon.clone();
+        }
+        if new.transport != self.cfg.transport {
+            at_restart.push("[transport]");
+            new.transport = self.cfg.transport.clone();
+        }
         let plan = self.plan(&new, resizes)?;
         // A listener the change removes takes no new connection while it waits.
         for &i in &plan.listeners_removed {
@@ -568,6 +575,12 @@ impl Daemon {
         // Held AERs complete with the events raised; ended controllers close now.
         self.tell_reactors(|| ReactorCmd::PollEvents);
         self.notifier.status(&self.status_line());
+        for section in at_restart {
+            warn!(self.log, "a section of the configuration changed that takes effect only at the next restart"; "section" => section);
+            what.push(format!(
+                "the changes to {section} take effect at the next restart"
+            ));
+        }
         if what.is_empty() {
             what.push("nothing changed".into());
         }
