@@ -273,7 +273,7 @@ impl ElasticSrq {
         if self.spare.is_none()
             && !self.spare_requested
             && self.retry_at.is_none()
-            && self.registered + self.cfg.chunk <= self.cfg.max
+            && self.registered < self.cfg.max
         {
             self.registrar.register(
                 &self.pd,
@@ -624,7 +624,10 @@ impl ElasticSrq {
             }
             return self.grown(now);
         }
-        if self.registered + self.cfg.chunk > self.cfg.max {
+        // The last step may be smaller than a chunk: up to `max` exactly (a step that did not
+        // fit whole was refused, and the SRQ stayed below `max` for good).
+        let room = self.cfg.max.saturating_sub(self.registered);
+        if room == 0 {
             self.want_grow = false;
             self.counters.srq_at_max.fetch_add(1, Ordering::Relaxed);
             // Not re-armed: at the maximum, each arming would fire again at once. The next
@@ -655,7 +658,8 @@ impl ElasticSrq {
                 }
             },
         };
-        if self.add_chunk(mr, self.cfg.chunk).is_err() {
+        // (A spare is registered whole; a last, smaller step uses the start of it.)
+        if self.add_chunk(mr, self.cfg.chunk.min(room)).is_err() {
             self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
         }
         self.request_spare();
@@ -837,6 +841,39 @@ mod tests {
             s.spare.is_some()
         });
         assert!(matches!(s.limit_reached(later), Change::Grew(24)));
+    }
+
+    /// A maximum that is not the initial size plus whole growth steps (the defaults' 256 and
+    /// 256 with `srq_max = 384`): the last step is smaller, up to the maximum exactly. The
+    /// SRQ refused to grow past the initial size there ("at srq_max").
+    #[test]
+    fn the_last_growth_step_stops_at_the_maximum_exactly() {
+        let fabric = nvmfd_rdma::soft::Fabric::new();
+        let t0 = Instant::now();
+        let dev = fabric.add_device([10, 0, 0, 9].into()).unwrap();
+        let pd = Pd::Soft(dev.alloc_pd().unwrap());
+        let cfg = SrqConfig {
+            initial: 8,
+            max: 12,
+            low_watermark: 2,
+            chunk: 8,
+            shrink_delay: Duration::from_secs(60),
+            cover_queues: false,
+        };
+        let mut s = ElasticSrq::new(
+            &pd,
+            1024,
+            cfg,
+            4096,
+            Registrar::spawn().unwrap(),
+            Arc::default(),
+            t0,
+        )
+        .unwrap();
+        tick_until(&mut s, t0, "the first spare", |s| s.spare.is_some());
+        assert!(matches!(s.limit_reached(t0), Change::Grew(12)));
+        assert_eq!((s.registered, s.posted), (12, 12));
+        assert!(matches!(s.limit_reached(t0), Change::CannotGrow));
     }
 
     /// Commands waiting for admission keep their receives off the SRQ, polled but not yet
