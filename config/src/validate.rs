@@ -169,6 +169,20 @@ pub(crate) fn warnings(cfg: &Config) -> Vec<Problem> {
             }
         }
     }
+    // The Linux host asks for a 5 s keep-alive timeout by default, and one above the
+    // maximum is refused at Connect.
+    let linux_default = std::time::Duration::from_secs(5);
+    if cfg.transport.keep_alive_timeout_max.0 < linux_default {
+        out.push(Problem {
+            path: KeyPath::default()
+                .key("transport")
+                .key("keep_alive_timeout_max"),
+            message: format!(
+                "{} is below the Linux host's default keep-alive timeout (5s): its connections are refused unless it asks for less (nvme connect --keep-alive-tmo)",
+                cfg.transport.keep_alive_timeout_max
+            ),
+        });
+    }
     out
 }
 
@@ -248,7 +262,19 @@ fn listeners(c: &mut Checker<'_>, cfg: &Config) {
         if l.port == 0 {
             c.fail(p.key("port"), "port 0 is not a port to listen on");
         }
-        if let Some(first) = seen.insert((l.address, l.port, l.provider), i) {
+        // A listening CM ID on a wildcard address is bound to no RDMA device (nvmfd builds a
+        // listener's data path on its device), and hosts would be told to connect there.
+        if l.address.is_unspecified() {
+            c.fail(
+                p.key("address"),
+                format!(
+                    "{} listens on no interface in particular: give the address of the interface of the RDMA device to serve on",
+                    l.address
+                ),
+            );
+        }
+        // An IPv4-mapped IPv6 address is the IPv4 address.
+        if let Some(first) = seen.insert((l.address.to_canonical(), l.port, l.provider), i) {
             c.fail(
                 p,
                 format!(
@@ -325,6 +351,16 @@ fn transport(c: &mut Checker<'_>, cfg: &Config) {
             format!(
                 "{} must be below srq_initial ({}), or the limit event fires at once",
                 t.srq_low_watermark, t.srq_initial
+            ),
+        );
+    }
+    // Receives for every queue's commands (`srq_cover_queues`) need room for one whole queue.
+    if t.srq_cover_queues && t.srq_max > 0 && t.srq_max < t.max_queue_depth {
+        c.fail(
+            p.key("srq_max"),
+            format!(
+                "{} is below max_queue_depth ({}): with srq_cover_queues one queue's commands could find the SRQ empty",
+                t.srq_max, t.max_queue_depth
             ),
         );
     }

@@ -157,6 +157,42 @@ error_case!(
     "invalid"
 );
 error_case!(
+    listener_on_no_interface,
+    "[[listener]]\naddress = \"0.0.0.0\"\nprovider = \"soft\"\n".into(),
+    "listener[0].address",
+    2,
+    1,
+    "listens on no interface in particular"
+);
+error_case!(
+    listener_on_no_ipv6_interface,
+    "[[listener]]\naddress = \"::\"\nprovider = \"soft\"\n".into(),
+    "listener[0].address",
+    2,
+    1,
+    "listens on no interface in particular"
+);
+error_case!(
+    listener_twice_as_ipv4_mapped,
+    "[[listener]]\naddress = \"10.0.0.1\"\nprovider = \"soft\"\n\
+     [[listener]]\naddress = \"::ffff:10.0.0.1\"\nprovider = \"soft\"\n"
+        .into(),
+    "listener[1]",
+    4,
+    1,
+    "duplicate listener"
+);
+error_case!(
+    srq_max_below_queue_depth,
+    with_listener(
+        "[transport]\nsrq_max = 16\nsrq_initial = 16\nsrq_low_watermark = 4\nsrq_grow_chunk = 16\n"
+    ),
+    "transport.srq_max",
+    5,
+    1,
+    "below max_queue_depth"
+);
+error_case!(
     missing_listener_address,
     "[[listener]]\nport = 4420\n".into(),
     "listener[0]",

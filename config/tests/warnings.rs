@@ -53,3 +53,26 @@ fn nqns_in_the_form_give_no_warning() {
     let cfg = Config::parse(&config("nqn.2024-01.com.example:a", GOOD_HOST), &facts()).unwrap();
     assert!(cfg.warnings().is_empty(), "{:?}", cfg.warnings());
 }
+
+/// A keep-alive maximum below the Linux host's default (5 s) refuses its connections unless
+/// it asks for less: accepted, with a warning naming the key.
+#[test]
+fn a_keep_alive_maximum_below_the_linux_hosts_default_is_warned_about() {
+    let text = format!(
+        "{}[transport]\nkeep_alive_timeout_max = \"2s\"\nkeep_alive_timeout_min = \"1s\"\n",
+        config("nqn.2024-01.com.example:a", GOOD_HOST)
+    );
+    let cfg = Config::parse(&text, &facts()).unwrap_or_else(|e| panic!("refused: {e}"));
+    let w = cfg.warnings();
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].starts_with("transport.keep_alive_timeout_max: "),
+        "{w:?}"
+    );
+    assert!(w[0].contains("Linux host's default"), "{w:?}");
+    let text = config("nqn.2024-01.com.example:a", GOOD_HOST);
+    assert!(Config::parse(&text, &facts())
+        .unwrap()
+        .warnings()
+        .is_empty());
+}
