@@ -565,6 +565,17 @@ fn nvmfctl_reload_with_the_config_file_says_whether_the_reload_was_taken() {
     let (ok, out) = reload();
     assert!(!ok, "a refused reload reported success: {out}");
     assert!(out.contains("bogus"), "{out}");
+    // Where, as `nvmfd --check-config` says it: the file, line and column.
+    let line = 1
+        + text
+            .lines()
+            .position(|l| l.contains("size = \"64MiB\""))
+            .unwrap()
+        + 1;
+    assert!(
+        out.contains(&format!("{}:{line}:", config.display())),
+        "no file:line in: {out}"
+    );
     assert_eq!(d.data("status")["state"], "running");
 }
 

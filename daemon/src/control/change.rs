@@ -130,13 +130,22 @@ impl Daemon {
         Ok(p)
     }
 
-    /// Validates configuration text as the file would be, with every error on a line of its
-    /// own (`key: message`).
-    fn validate(&self, text: &str) -> Result<Config, String> {
+    /// Validates configuration text as the file would be, errors joined by "; ": each
+    /// `key: message`, and for the file itself (`from_file`: a reload) with where it is
+    /// (`path:line:column: `key`: message`, as `nvmfd --check-config` prints it; a syntax
+    /// error has no key).
+    fn validate(&self, text: &str, from_file: bool) -> Result<Config, String> {
         Config::parse(text, &self.source.facts).map_err(|errs| {
             errs.0
                 .iter()
-                .map(|e| format!("{}: {}", e.key, e.message))
+                .map(|e| match &self.source.path {
+                    Some(path) if from_file => {
+                        let mut e = e.clone();
+                        e.file = Some(path.clone());
+                        e.to_string()
+                    }
+                    _ => format!("{}: {}", e.key, e.message),
+                })
                 .collect::<Vec<_>>()
                 .join("; ")
         })
@@ -171,7 +180,7 @@ impl Daemon {
             e.apply(&mut doc)?;
         }
         let text = doc.to_string();
-        let new = self.validate(&text)?;
+        let new = self.validate(&text, false)?;
         let done = self.apply(registry, new, text, true, resize.into_iter().collect());
         match &done {
             Ok(what) => {
@@ -194,7 +203,7 @@ impl Daemon {
             .ok_or("the daemon was started without a configuration file")?;
         let text = std::fs::read_to_string(&path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let new = self.validate(&text)?;
+        let new = self.validate(&text, true)?;
         self.apply(registry, new, text, false, Vec::new())
     }
 
