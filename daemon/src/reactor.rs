@@ -386,6 +386,26 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
 
+    /// A reactor running `factory`'s work that sleeps after 1 ms idle, for up to 30 s: a
+    /// lost wake-up shows as a wait of that long.
+    fn spawn_sleeping_long(factory: WorkFactory) -> ReactorHandle {
+        let cfg = LoopConfig {
+            idle_sleep_after: Duration::from_millis(1),
+            max_sleep: Duration::from_secs(30),
+        };
+        let log = Logger::root(slog::Discard, o!());
+        ReactorHandle::spawn(0, 0, cfg, &log, Some(factory)).unwrap()
+    }
+
+    /// Waits (10 s at most) until `served` is set; returns how long that took.
+    fn wait_served(served: &AtomicBool) -> Duration {
+        let start = Instant::now();
+        while !served.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
+            std::thread::yield_now();
+        }
+        start.elapsed()
+    }
+
     /// Work whose completion lands at the worst instant: after the reactor's last poll found
     /// nothing and just before it arms the wake-up sources, so no event will ever say so.
     struct LandsWhileArming {
@@ -426,18 +446,8 @@ mod tests {
                 served: s,
             })
         });
-        let cfg = LoopConfig {
-            idle_sleep_after: Duration::from_millis(1),
-            // A lost wake-up would wait this long.
-            max_sleep: Duration::from_secs(30),
-        };
-        let log = Logger::root(slog::Discard, o!());
-        let mut r = ReactorHandle::spawn(0, 0, cfg, &log, Some(factory)).unwrap();
-        let start = Instant::now();
-        while !served.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
-            std::thread::yield_now();
-        }
-        let waited = start.elapsed();
+        let mut r = spawn_sleeping_long(factory);
+        let waited = wait_served(&served);
         r.shared.request_stop();
         r.join();
         assert!(
@@ -491,20 +501,11 @@ mod tests {
                 served: s2,
             })
         });
-        let cfg = LoopConfig {
-            idle_sleep_after: Duration::from_millis(1),
-            max_sleep: Duration::from_secs(30),
-        };
-        let log = Logger::root(slog::Discard, o!());
-        let mut r = ReactorHandle::spawn(0, 0, cfg, &log, Some(factory)).unwrap();
+        let mut r = spawn_sleeping_long(factory);
         // Idle well past `idle_sleep_after`: a reactor that sleeps is asleep by now.
         std::thread::sleep(Duration::from_millis(50));
-        let start = Instant::now();
         ready.store(true, Ordering::Release);
-        while !served.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
-            std::thread::yield_now();
-        }
-        let waited = start.elapsed();
+        let waited = wait_served(&served);
         r.shared.request_stop();
         r.join();
         assert!(

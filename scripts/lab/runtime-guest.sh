@@ -6,18 +6,7 @@
 # Namespace List), with no reconnect and no fio error on the namespaces left alone. Then a
 # second listener on rxe0 is added, removed and added back while the first serves.
 set -uo pipefail
-# nvmfd stops cleanly (exit 0) within a minute, or the run fails.
-stop_nvmfd() {
-  kill -TERM "$1"
-  local t=0
-  while kill -0 "$1" 2>/dev/null && [ $t -lt 600 ]; do sleep 0.1; t=$((t + 1)); done
-  if kill -0 "$1" 2>/dev/null; then
-    echo "STEP FAILED: nvmfd still running 60 s after SIGTERM"; kill -KILL "$1"; exit 1
-  fi
-  wait "$1"; local rc=$?
-  echo "nvmfd exit status $rc"
-  [ $rc -eq 0 ] || { echo "STEP FAILED: nvmfd exit status $rc"; exit 1; }
-}
+. "$(dirname "$0")/guest-lib.sh"
 BIN=$1
 NQN=nqn.2024-01.io.nvmfd:runtime
 OTHER=nqn.2024-01.io.nvmfd:bystander

@@ -1134,6 +1134,25 @@ fn shut_down(a: &mut Host) -> u32 {
     nvmfd_nvme::wire::lo32(a.admin.property_get(property::CSTS, false).unwrap())
 }
 
+/// Host `a`'s shutdown reads SHST complete, and the log says namespace 2's device was
+/// synced when it was let go of.
+fn shutdown_completes_once_namespace_2_is_synced(d: &Daemon, a: &mut Host) {
+    wait_for("SHST complete once the sync has ended", || {
+        let csts = a
+            .admin
+            .property_get(nvmfd_nvme::wire::property::CSTS, false)
+            .unwrap();
+        ((csts >> 2) & 0x3 == 2).then_some(())
+    });
+    assert!(
+        log_lines(d, "namespace's device synced")
+            .iter()
+            .any(|l| l["nsid"] == 2 && l["when"] == "let go"),
+        "{}",
+        d.log()
+    );
+}
+
 /// A namespace removed while its host writes is synced once its last operation has
 /// completed, on a thread of its own; a shutdown of the host's controller reported SHST
 /// complete before that sync ended (the shutdown's flush no longer finds the namespace), so
@@ -1164,21 +1183,7 @@ fn a_shutdown_completes_only_once_a_namespace_removed_meanwhile_is_synced() {
         "SHST before the removed namespace's sync ended: {csts:#x}"
     );
     std::fs::write(gate.path().join("release-go"), b"").unwrap();
-    wait_for("SHST complete once the sync has ended", || {
-        let csts = a
-            .admin
-            .property_get(nvmfd_nvme::wire::property::CSTS, false)
-            .unwrap();
-        ((csts >> 2) & 0x3 == 2).then_some(())
-    });
-    let synced = log_lines(&d, "namespace's device synced");
-    assert!(
-        synced
-            .iter()
-            .any(|l| l["nsid"] == 2 && l["when"] == "let go"),
-        "{}",
-        d.log()
-    );
+    shutdown_completes_once_namespace_2_is_synced(&d, &mut a);
     wait_for("no sync of a device let go of in the status", || {
         (d.data("status")["releases_syncing"] == 0).then_some(())
     });
@@ -1220,20 +1225,7 @@ fn a_shutdown_right_after_a_namespace_is_unpublished_waits_for_its_sync() {
         let answer = removal.join().unwrap();
         assert_eq!(answer["ok"], true, "{answer}");
     });
-    wait_for("SHST complete once the sync has ended", || {
-        let csts = a
-            .admin
-            .property_get(nvmfd_nvme::wire::property::CSTS, false)
-            .unwrap();
-        ((csts >> 2) & 0x3 == 2).then_some(())
-    });
-    assert!(
-        log_lines(&d, "namespace's device synced")
-            .iter()
-            .any(|l| l["nsid"] == 2 && l["when"] == "let go"),
-        "{}",
-        d.log()
-    );
+    shutdown_completes_once_namespace_2_is_synced(&d, &mut a);
 }
 
 /// A removed namespace's device whose sync fails: writes its host completed there may be

@@ -8,7 +8,6 @@
 //! subsystems and listeners the change does not name are not touched.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::mpsc;
 
 use nvmfd_blockdev::Device as BlockDevice;
@@ -18,18 +17,7 @@ use super::*;
 use crate::serve::NamespaceStatus;
 
 /// How long a reactor has to attach a namespace's device before the change is given up.
-const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Where the configuration in force came from, and its text (what edits apply to).
-#[derive(Debug)]
-pub(super) struct Source {
-    /// The configuration file, written back after each change made by a request.
-    pub(super) path: Option<PathBuf>,
-    /// Its text as last read or written.
-    pub(super) text: String,
-    /// What validation checks the cores against.
-    pub(super) facts: nvmfd_config::SystemFacts,
-}
+pub(super) const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A namespace's size to change, beyond what the configuration says: `None` re-reads the
 /// backend's own size (a file or device grown outside nvmfd).
@@ -661,54 +649,6 @@ impl Daemon {
         }
     }
 
-    /// What a shrink waits on before it cuts a device: every reactor, for its writes past
-    /// the new end (`WriteFence::wait`).
-    fn write_fence(&self) -> WriteFence {
-        WriteFence {
-            reactors: self
-                .inboxes
-                .iter()
-                .zip(&self.reactors)
-                .map(|(tx, h)| (tx.clone(), Arc::clone(&h.shared)))
-                .collect(),
-        }
-    }
-
-    /// Writes the configuration file: a new file beside it, synced, renamed over it. Where the
-    /// configuration's path is a symlink, the file it names now is the one written (the link
-    /// stays); the new file keeps the old one's permissions, and its owner and group where
-    /// the daemon may set them.
-    fn write_config(&self, text: &str) -> Result<(), String> {
-        let Some(given) = &self.source.path else {
-            return Ok(());
-        };
-        let resolved = std::fs::canonicalize(given).unwrap_or_else(|_| given.clone());
-        let path = &resolved;
-        let tmp = path.with_extension("toml.new");
-        let write = || -> std::io::Result<()> {
-            use std::io::Write;
-            use std::os::unix::fs::MetadataExt;
-            let mut f = std::fs::File::create(&tmp)?;
-            if let Ok(meta) = std::fs::metadata(path) {
-                f.set_permissions(meta.permissions())?;
-                if let Err(e) = std::os::unix::fs::fchown(&f, Some(meta.uid()), Some(meta.gid())) {
-                    warn!(self.log, "the configuration file's owner and group could not be kept";
-                          "path" => %path.display(), "error" => %e);
-                }
-            }
-            f.write_all(text.as_bytes())?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)?;
-            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-            std::fs::File::open(dir.unwrap_or(std::path::Path::new(".")))?.sync_all()?;
-            Ok(())
-        };
-        write().map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            format!("cannot write the configuration to {}: {e}", path.display())
-        })
-    }
-
     /// The discovery log's ports: the listeners in force.
     fn refresh_ports(&self, target: &Target) {
         let ports = self
@@ -852,45 +792,3 @@ impl Daemon {
 
 /// A removed listener's `reason` (such slots are left out of `status` and `stats`).
 pub(super) const REMOVED: &str = "removed";
-
-/// The reactors a shrink waits on before it cuts its device (`Device::resize_fenced`).
-struct WriteFence {
-    reactors: Vec<(mpsc::Sender<ReactorCmd>, Arc<crate::reactor::ReactorShared>)>,
-}
-
-impl WriteFence {
-    /// Asks every reactor whether a write past `end` bytes of `dev` is left at its engines
-    /// and waits, up to `ATTACH_TIMEOUT`, until none is.
-    fn wait(&self, dev: &Arc<BlockDevice>, end: u64) -> std::io::Result<()> {
-        let (tx, rx) = mpsc::channel();
-        let mut asked = 0;
-        for (inbox, shared) in &self.reactors {
-            let cmd = ReactorCmd::FenceWrites {
-                dev: Arc::clone(dev),
-                end,
-                done: tx.clone(),
-            };
-            if inbox.send(cmd).is_ok() {
-                shared.wake();
-                asked += 1;
-            }
-        }
-        drop(tx);
-        let deadline = Instant::now() + ATTACH_TIMEOUT;
-        for _ in 0..asked {
-            if rx
-                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-                .is_err()
-            {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!(
-                        "writes past the new end were still in flight after {ATTACH_TIMEOUT:?}; \
-                         nothing was cut"
-                    ),
-                ));
-            }
-        }
-        Ok(())
-    }
-}

@@ -25,6 +25,8 @@ use nvmfd_rdma::any;
 use nvmfd_rdma::{AsyncEvent, CmEvent, DeviceRelease};
 
 mod change;
+mod fence;
+mod file;
 mod leaving;
 mod listeners;
 mod off_thread;
@@ -116,7 +118,7 @@ struct Daemon {
     next_reactor: usize,
     soft_fabric: Option<nvmfd_rdma::soft::Fabric>,
     /// The configuration file and its text.
-    source: change::Source,
+    source: file::Source,
     /// The devices of the namespaces served, by subsystem NQN and NSID.
     devices: std::collections::BTreeMap<(String, u32), Arc<nvmfd_blockdev::Device>>,
     /// Listener slots (a listener's index: its CM token, its reactors' data path); a removed
@@ -195,7 +197,7 @@ pub fn run(
         unserved: Vec::new(),
         next_reactor: 0,
         soft_fabric: None,
-        source: change::Source {
+        source: file::Source {
             text: match &path {
                 Some(p) => std::fs::read_to_string(p).map_err(DaemonError::Setup)?,
                 None => toml::to_string(&cfg).unwrap_or_default(),
