@@ -280,17 +280,26 @@ pub struct Device {
     /// Operations of every engine whose step syncs the device's file, in flight
     /// ([`Device::sync_begin`]): one of them may take a writeback error's report.
     pub(crate) syncs: std::sync::Mutex<SyncsInFlight>,
-    /// Test hook ([`Device::fail_next_sync`]): the next sync to complete fails.
-    pub(crate) inject_sync_failure: std::sync::atomic::AtomicBool,
-    /// Test hook ([`Device::fail_sync`]): syncs let through before the injected failure, and
-    /// its errno.
-    pub(crate) inject_sync_skip: std::sync::atomic::AtomicU32,
-    pub(crate) inject_sync_errno: std::sync::atomic::AtomicI32,
-    /// Test hook ([`Device::fail_next_cut`]): the next shrink's cut of the backend fails.
-    pub(crate) inject_cut_failure: std::sync::atomic::AtomicBool,
+    /// Failures tests inject.
+    pub(crate) faults: Faults,
     /// The size an RBD image's shrink failed to cut it to (`u64::MAX`: none): the image may
     /// be cut part-way, and the next resize of any kind completes that cut first.
     pub(crate) pending_cut: std::sync::atomic::AtomicU64,
+}
+
+/// Test hooks: failures injected into a device's operations.
+#[derive(Default)]
+pub(crate) struct Faults {
+    /// [`Device::fail_next_sync`]: the next sync to complete fails.
+    pub(crate) sync_failure: std::sync::atomic::AtomicBool,
+    /// [`Device::fail_sync`]: syncs let through before the injected failure, and its errno.
+    pub(crate) sync_skip: std::sync::atomic::AtomicU32,
+    pub(crate) sync_errno: std::sync::atomic::AtomicI32,
+    /// [`Device::fail_next_cut`]: the next shrink's cut of the backend fails.
+    pub(crate) cut_failure: std::sync::atomic::AtomicBool,
+    /// [`Device::fail_next_deallocates`]: how many deallocates to complete with EOPNOTSUPP,
+    /// as a driver that turned its write-zeroes off after the device was opened does.
+    pub(crate) deallocates_unsupported: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Device {
@@ -389,10 +398,7 @@ impl Device {
                     sync_failed: Default::default(),
                     sync_failure_reported: Default::default(),
                     syncs: Default::default(),
-                    inject_sync_failure: Default::default(),
-                    inject_sync_skip: Default::default(),
-                    inject_sync_errno: Default::default(),
-                    inject_cut_failure: Default::default(),
+                    faults: Default::default(),
                     pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
                 }))
             }
@@ -404,10 +410,7 @@ impl Device {
                 sync_failed: Default::default(),
                 sync_failure_reported: Default::default(),
                 syncs: Default::default(),
-                inject_sync_failure: Default::default(),
-                inject_sync_skip: Default::default(),
-                inject_sync_errno: Default::default(),
-                inject_cut_failure: Default::default(),
+                faults: Default::default(),
                 pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
             })),
             Kind::Rbd => open_rbd(spec),
@@ -521,8 +524,28 @@ impl Device {
     /// one. Other backends fail before they cut.
     #[doc(hidden)]
     pub fn fail_next_cut(&self) {
-        self.inject_cut_failure
+        self.faults
+            .cut_failure
             .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Test hook: the next `n` deallocates an engine submits on this file or block device
+    /// are refused with EOPNOTSUPP, the range untouched, as they are once a block device's
+    /// driver has turned its write-zeroes off.
+    #[doc(hidden)]
+    pub fn fail_next_deallocates(&self, n: u32) {
+        self.faults
+            .deallocates_unsupported
+            .store(n, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether this deallocate is to fail ([`Device::fail_next_deallocates`]).
+    pub(crate) fn take_injected_deallocate_failure(&self) -> bool {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        self.faults
+            .deallocates_unsupported
+            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+            .is_ok()
     }
 
     /// What the daemon should warn of when it serves this device: why buffered I/O is used
@@ -655,10 +678,7 @@ fn open_path(
         sync_failed: Default::default(),
         sync_failure_reported: Default::default(),
         syncs: Default::default(),
-        inject_sync_failure: Default::default(),
-        inject_sync_skip: Default::default(),
-        inject_sync_errno: Default::default(),
-        inject_cut_failure: Default::default(),
+        faults: Default::default(),
         pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
     }))
 }
@@ -702,10 +722,7 @@ fn open_rbd(spec: &DeviceSpec) -> io::Result<Arc<Device>> {
         sync_failed: Default::default(),
         sync_failure_reported: Default::default(),
         syncs: Default::default(),
-        inject_sync_failure: Default::default(),
-        inject_sync_skip: Default::default(),
-        inject_sync_errno: Default::default(),
-        inject_cut_failure: Default::default(),
+        faults: Default::default(),
         pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
     }))
 }

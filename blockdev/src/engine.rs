@@ -91,6 +91,11 @@ struct Slot {
     sync: Option<u64>,
 }
 
+/// A deallocate's `done`: its hole was refused, the range is being zeroed instead.
+const DEALLOCATE_AS_ZEROES: u32 = 1;
+/// A deallocate's `done`: refused by a test hook ([`Device::fail_next_deallocates`]).
+const DEALLOCATE_REFUSED: u32 = u32::MAX;
+
 /// The largest region io_uring registers as one fixed buffer.
 const MAX_FIXED_BUFFER: usize = 1 << 30;
 
@@ -512,6 +517,19 @@ impl Engine {
                     .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
                     .build()
             }
+            // A deallocate the device refused (in `reap`): the range is zeroed instead, as
+            // deallocated blocks read zeroes (DLFEAT).
+            OpKind::Deallocate if s.done == DEALLOCATE_AS_ZEROES => {
+                opcode::Fallocate::new(file, u64::from(s.len))
+                    .offset(s.offset)
+                    .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                    .build()
+            }
+            // Test hook: refused, the range untouched, as by a driver without write-zeroes.
+            OpKind::Deallocate if a.dev.take_injected_deallocate_failure() => {
+                s.done = DEALLOCATE_REFUSED;
+                opcode::Nop::new().build()
+            }
             OpKind::Deallocate => opcode::Fallocate::new(file, u64::from(s.len))
                 .offset(s.offset)
                 .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
@@ -692,10 +710,27 @@ impl Engine {
             let Ok(slot) = u32::try_from(cqe.user_data()) else {
                 continue;
             };
-            let res = cqe.result();
+            let mut res = cqe.result();
             let Some(s) = self.slots.get_mut(slot as usize).and_then(Option::as_mut) else {
                 continue;
             };
+            if s.op == OpKind::Deallocate && s.done != DEALLOCATE_AS_ZEROES {
+                if s.done == DEALLOCATE_REFUSED {
+                    res = -libc::EOPNOTSUPP;
+                }
+                // A block device whose driver turned its write-zeroes off after it was opened
+                // (SCSI's, after the device refused a WRITE SAME) refuses the hole: the
+                // range is zeroed (written with zeroes if need be) instead. A host was
+                // offered Deallocate and told deallocated blocks read zeroes.
+                let zeroes = self.devices[s.dev as usize]
+                    .as_ref()
+                    .is_some_and(|a| a.dev.info.write_zeroes);
+                if res == -libc::EOPNOTSUPP && zeroes {
+                    s.done = DEALLOCATE_AS_ZEROES;
+                    self.push_sqe(slot);
+                    continue;
+                }
+            }
             if res < 0 {
                 self.finish(slot, Err(BlockError::from_errno(-res)));
                 continue;

@@ -713,6 +713,45 @@ fn zeroes_and_deallocate_zero_only_their_range(mut f: Fixture) {
 }
 per_backend!(zeroes_and_deallocate_zero_only_their_range);
 
+/// A block device whose driver turned its write-zeroes off after it was opened (SCSI's,
+/// once the device refused a WRITE SAME) refuses a punched hole with EOPNOTSUPP: the
+/// deallocate zeroes the range instead (a host was told deallocated blocks read zeroes),
+/// where it was refused as an unsupported operation (Invalid Opcode) for an opcode the
+/// controller offers.
+fn a_deallocate_the_device_refuses_zeroes_its_range_instead(mut f: Fixture) {
+    let info = f.device.info();
+    if !info.deallocate || !matches!(info.kind, Kind::File | Kind::Bdev) {
+        eprintln!(
+            "{:?}: no deallocate through the kernel: nothing to refuse",
+            info.kind
+        );
+        return;
+    }
+    let bs = info.logical_block_size as usize;
+    let (base, len) = (1024 * 1024, 64 * 1024);
+    let data = pattern(4, len);
+    f.write(base, &data, false);
+    f.device.fail_next_deallocates(1);
+    f.engine
+        .deallocate(f.dev, base + 8192, 4 * bs as u64, 5)
+        .unwrap();
+    let c = f.run();
+    if !f.device.info().write_zeroes {
+        assert!(
+            matches!(c[0].result, Err(BlockError::Unsupported(_))),
+            "{:?}",
+            c[0]
+        );
+        return;
+    }
+    assert_eq!(c[0].result, Ok(0));
+    let mut want = data.clone();
+    want[8192..8192 + 4 * bs].fill(0);
+    let got = f.read(base, len);
+    f.expect(&got, &want, "refused deallocate");
+}
+per_backend!(a_deallocate_the_device_refuses_zeroes_its_range_instead);
+
 /// The most blocks one deallocate takes: a block device's write-zeroes limit (deallocate is a
 /// hole punched through write zeroes), no limit elsewhere.
 fn deallocate_limit_is_the_backends(f: Fixture) {

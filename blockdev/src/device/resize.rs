@@ -130,7 +130,8 @@ impl Device {
     /// Cuts the backend of a shrink from `before` to `n` bytes (the capacity stored already).
     fn cut(&self, n: u64, before: u64) -> io::Result<()> {
         if self
-            .inject_cut_failure
+            .faults
+            .cut_failure
             .swap(false, std::sync::atomic::Ordering::AcqRel)
         {
             #[cfg(feature = "rbd")]

@@ -171,13 +171,14 @@ impl Device {
     /// one to fail.
     fn take_injected_failure(&self) -> Option<i32> {
         use std::sync::atomic::Ordering::{AcqRel, Acquire};
-        (self.inject_sync_failure.load(Acquire)
+        (self.faults.sync_failure.load(Acquire)
             && self
-                .inject_sync_skip
+                .faults
+                .sync_skip
                 .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
                 .is_err()
-            && self.inject_sync_failure.swap(false, AcqRel))
-        .then(|| self.inject_sync_errno.load(Acquire))
+            && self.faults.sync_failure.swap(false, AcqRel))
+        .then(|| self.faults.sync_errno.load(Acquire))
     }
 
     /// A sync failed: every later Flush of the device fails too.
@@ -200,9 +201,9 @@ impl Device {
     #[doc(hidden)]
     pub fn fail_sync(&self, skip: u32, errno: i32) {
         use std::sync::atomic::Ordering::Release;
-        self.inject_sync_skip.store(skip, Release);
-        self.inject_sync_errno.store(errno, Release);
-        self.inject_sync_failure.store(true, Release);
+        self.faults.sync_skip.store(skip, Release);
+        self.faults.sync_errno.store(errno, Release);
+        self.faults.sync_failure.store(true, Release);
     }
 }
 
