@@ -478,6 +478,9 @@ impl Queue {
                 reason: "the controller has ended or was reset",
             };
         }
+        if let Some(gone) = self.subsystem_gone() {
+            return gone;
+        }
         if icd_len > self.in_capsule_limit {
             return self.respond(&cmd, status::DATA_SGL_LENGTH_INVALID, 0);
         }
@@ -651,11 +654,12 @@ impl Queue {
         if cmd.sqe.opcode == wire::admin_opcode::FABRICS {
             return self.connect(cmd, data, now);
         }
+        self.refresh_subsystem();
+        if let Some(gone) = self.subsystem_gone() {
+            return gone;
+        }
         match (&self.ctrl, self.qid) {
-            (Some(_), Some(q)) if q > 0 => {
-                self.refresh_subsystem();
-                io::data_arrived(self, cmd, data)
-            }
+            (Some(_), Some(q)) if q > 0 => io::data_arrived(self, cmd, data),
             (Some(ctrl), Some(0)) => {
                 let ctrl = Arc::clone(ctrl);
                 admin::data_arrived(self, &ctrl, cmd, data)
@@ -754,6 +758,18 @@ impl Queue {
             ));
         }
         out
+    }
+
+    /// An I/O controller's subsystem was removed (the target publishes it gone, then ends
+    /// its controllers): its queues close as the controller's end would close them, rather
+    /// than answer from no subsystem (an Identify Controller as the discovery controller's,
+    /// a write's data arriving as an invalid namespace).
+    fn subsystem_gone(&self) -> Option<Action> {
+        let io_controller = self.ctrl.as_ref().is_some_and(|c| c.subsystem.is_some());
+        (io_controller && self.subsystem.is_none()).then_some(Action::Disconnect {
+            cqe: None,
+            reason: "the subsystem was removed",
+        })
     }
 
     /// Whether the transport must close this queue now (its controller ended).

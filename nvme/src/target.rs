@@ -412,6 +412,8 @@ pub(crate) struct TargetInner {
     /// Tests: run when an I/O queue whose commands may be at a backend is lost, before it
     /// marks its queue ID lost.
     pub lost_hook: Hook,
+    /// Tests: run when a removed subsystem is published gone, before its controllers end.
+    pub removal_hook: Hook,
 }
 
 /// The devices of a subsystem let go of while it is served: a namespace removed, or its device
@@ -479,6 +481,7 @@ impl Target {
                 connect_hook: Hook::default(),
                 lost_hook: Hook::default(),
                 discovery_hook: Hook::default(),
+                removal_hook: Hook::default(),
             }),
         };
         for s in subsystems {
@@ -522,6 +525,14 @@ impl Target {
     #[doc(hidden)]
     pub fn set_discovery_hook(&self, hook: Option<ConnectHook>) {
         self.inner.discovery_hook.set(hook);
+    }
+
+    /// Tests of what a host sees while a subsystem is removed: `hook` runs once the target's
+    /// subsystems are published without it, before its controllers end, on the thread
+    /// removing it, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_removal_hook(&self, hook: Option<ConnectHook>) {
+        self.inner.removal_hook.set(hook);
     }
 
     pub(crate) fn run_discovery_hook(&self) {
@@ -668,6 +679,7 @@ impl Target {
         let gone = new.remove(pos);
         self.publish(&mut subs, new);
         drop(subs);
+        self.inner.removal_hook.run();
         let ended = self.end_where(EndReason::SubsystemRemoved, |c| {
             c.subsystem == Some(gone.id)
         });

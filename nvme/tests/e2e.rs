@@ -2054,6 +2054,40 @@ fn a_connect_served_while_its_subsystem_is_replaced_joins_the_new_one() {
     );
 }
 
+/// Between a removed subsystem's publication and its controllers' end (the two steps of a
+/// removal, which another thread's queue sees apart), a command of one of its controllers
+/// closes the queue as the end would: it was answered from no subsystem (Identify
+/// Controller as the discovery controller's, subsystem NQN and all).
+#[test]
+fn a_command_in_a_subsystem_removals_window_closes_its_queue() {
+    let w = world();
+    let (mut a, mut ios) = w.controller(1);
+    let (published_tx, published) = std::sync::mpsc::channel::<()>();
+    let (go, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    w.target.set_removal_hook(Some(Box::new(move || {
+        published_tx.send(()).unwrap();
+        go_rx.lock().unwrap().recv().unwrap();
+    })));
+    let target = w.target.clone();
+    let remover = std::thread::spawn(move || target.remove_subsystem(SUB).map(|_| ()));
+    published.recv().unwrap();
+    let identify = a.identify_controller();
+    let read = ios[0].read(1, 0, 8, &mut vec![0u8; 4096]);
+    go.send(()).unwrap();
+    remover.join().unwrap().unwrap();
+    w.target.set_removal_hook(None);
+    assert!(
+        matches!(identify, Err(HostError::Transport(_))),
+        "Identify Controller answered from no subsystem: {:?}",
+        identify.map(|id| wire::get_str(&id.subnqn).map(str::to_owned))
+    );
+    assert!(
+        matches!(read, Err(HostError::Transport(_))),
+        "a read answered from no subsystem: {read:?}"
+    );
+}
+
 #[test]
 fn smart_log_counts_io() {
     let w = world();
