@@ -130,8 +130,14 @@ pub fn nqn_form(nqn: &str) -> Result<(), String> {
     if domain == "org.nvmexpress" {
         if let Some(n) = name {
             if let Some(u) = n.strip_prefix("uuid:") {
-                if uuid::Uuid::try_parse(u).is_err() {
-                    return Err(format!("`{nqn}`: `{u}` is not a UUID"));
+                // The specification's form is the hyphenated one (8-4-4-4-12 hex digits);
+                // the parser takes others too (32 digits, braces, `urn:uuid:`).
+                let hyphenated = uuid::Uuid::try_parse(u)
+                    .is_ok_and(|x| x.hyphenated().to_string().eq_ignore_ascii_case(u));
+                if !hyphenated {
+                    return Err(format!(
+                        "`{nqn}`: `{u}` is not a UUID in its hyphenated form (8-4-4-4-12 hex digits)"
+                    ));
                 }
             }
         }

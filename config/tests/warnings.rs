@@ -30,6 +30,19 @@ fn a_subsystem_nqn_outside_the_form_is_accepted_with_a_warning_naming_the_key_an
             "nqn.2014-08.org.nvmexpress:uuid:not-a-uuid",
             "is not a UUID",
         ),
+        // The UUID parser's other forms: the specification's is the hyphenated one.
+        (
+            "nqn.2014-08.org.nvmexpress:uuid:6e766d6600004000800000000000000a",
+            "hyphenated form",
+        ),
+        (
+            "nqn.2014-08.org.nvmexpress:uuid:{6e766d66-0000-4000-8000-00000000000a}",
+            "hyphenated form",
+        ),
+        (
+            "nqn.2014-08.org.nvmexpress:uuid:urn:uuid:6e766d66-0000-4000-8000-00000000000a",
+            "hyphenated form",
+        ),
     ] {
         let cfg = Config::parse(&config(nqn, GOOD_HOST), &facts())
             .unwrap_or_else(|e| panic!("`{nqn}` refused: {e}"));
@@ -51,6 +64,10 @@ fn a_host_nqn_outside_the_form_is_accepted_with_a_warning() {
 #[test]
 fn nqns_in_the_form_give_no_warning() {
     let cfg = Config::parse(&config("nqn.2024-01.com.example:a", GOOD_HOST), &facts()).unwrap();
+    assert!(cfg.warnings().is_empty(), "{:?}", cfg.warnings());
+    // Hex digits of either case.
+    let upper = "nqn.2014-08.org.nvmexpress:uuid:6E766D66-0000-4000-8000-00000000000A";
+    let cfg = Config::parse(&config(upper, GOOD_HOST), &facts()).unwrap();
     assert!(cfg.warnings().is_empty(), "{:?}", cfg.warnings());
 }
 

@@ -6,6 +6,7 @@ use std::os::unix::net::UnixStream;
 use std::process::Command;
 use std::time::Duration;
 
+use nvmfd_nvme::wire;
 use nvmfd_tests::{bin, wait_for, Daemon, Options, WAIT};
 use serde_json::Value;
 
@@ -615,6 +616,52 @@ fn a_reload_applies_the_rest_of_the_file_when_daemon_settings_changed() {
     let now = std::fs::read_to_string(&config).unwrap();
     assert!(now.contains("stall_timeout = \"400ms\""), "{now}");
     assert!(now.contains("000000000077"), "{now}");
+}
+
+/// A subsystem's serial number and model are its identity to hosts (read once per
+/// controller; a host's paths to it must agree): a reload that changes them for a served
+/// subsystem keeps the old ones until the next restart, and says so. It applied them live,
+/// without a word. A subsystem the reload adds with an NQN outside the specification's form
+/// is warned about, as at start.
+#[test]
+fn a_reload_keeps_a_served_subsystems_identity_until_the_restart_and_warns_of_new_nqns() {
+    let d = Daemon::start(Options::default());
+    let sub = "nqn.2024-01.io.nvmfd.test:ram0";
+    let mut h = nvmfd_tests::host::Host::connect("127.0.0.56", d.soft_addr(), sub, 0x56);
+    let before = h.admin.identify_controller().unwrap();
+    let config = d.dir.path().join("nvmfd.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let edited = text.replace(
+        "allow_any_host = true\n",
+        "allow_any_host = true\nserial = \"NEW-SERIAL-1\"\nmodel = \"new model\"\n",
+    ) + "\n[[subsystem]]\nnqn = \"outside-the-form\"\nallow_any_host = true\n";
+    std::fs::write(&config, &edited).unwrap();
+    let a = d.request(r#"{"request": "reload"}"#);
+    assert_eq!(a["ok"], true, "{a}");
+    let said = a.to_string();
+    assert!(
+        said.contains(&format!(
+            "the changes to the serial number and model of {sub} take effect at the next restart"
+        )),
+        "{said}"
+    );
+    assert!(
+        said.contains("warning: subsystem[1].nqn: `outside-the-form` does not start with `nqn.`"),
+        "{said}"
+    );
+    let after = h.admin.identify_controller().unwrap();
+    assert_eq!(
+        (wire::get_str(&after.sn), wire::get_str(&after.mn)),
+        (wire::get_str(&before.sn), wire::get_str(&before.mn)),
+        "the served subsystem's identity changed under its host"
+    );
+    // The subsystem added is served (the reload was taken).
+    wait_for("the added subsystem in status", || {
+        d.data("status")
+            .to_string()
+            .contains("outside-the-form")
+            .then_some(())
+    });
 }
 
 #[test]

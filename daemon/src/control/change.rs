@@ -212,13 +212,34 @@ impl Daemon {
         let mut new = new;
         let mut at_restart = Vec::new();
         if new.daemon != self.cfg.daemon {
-            at_restart.push("[daemon]");
+            at_restart.push("[daemon]".to_owned());
             new.daemon = self.cfg.daemon.clone();
         }
         if new.transport != self.cfg.transport {
-            at_restart.push("[transport]");
+            at_restart.push("[transport]".to_owned());
             new.transport = self.cfg.transport.clone();
         }
+        // A subsystem's serial number and model are its identity to hosts, read once per
+        // controller (a host's paths to it must agree): a kept subsystem keeps them until the
+        // next restart, as the kernel target refuses to change them once a host has seen
+        // them. (A subsystem removed and added again takes the new ones.)
+        for s in &mut new.subsystems {
+            let Some(old) = self.cfg.subsystems.iter().find(|o| o.nqn == s.nqn) else {
+                continue;
+            };
+            if s.serial_number() != old.serial_number() || s.model != old.model {
+                at_restart.push(format!("the serial number and model of {}", s.nqn));
+                s.serial.clone_from(&old.serial);
+                s.model.clone_from(&old.model);
+            }
+        }
+        // NQNs outside the specification's form are accepted with a warning, as at start.
+        let warned: std::collections::HashSet<String> = self.cfg.warnings().into_iter().collect();
+        let warnings: Vec<String> = new
+            .warnings()
+            .into_iter()
+            .filter(|w| !warned.contains(w))
+            .collect();
         let plan = self.plan(&new, resizes)?;
         // A listener the change removes takes no new connection while it waits.
         for &i in &plan.listeners_removed {
@@ -573,10 +594,14 @@ impl Daemon {
         self.tell_reactors(|| ReactorCmd::PollEvents);
         self.notifier.status(&self.status_line());
         for section in at_restart {
-            warn!(self.log, "a section of the configuration changed that takes effect only at the next restart"; "section" => section);
+            warn!(self.log, "a part of the configuration changed that takes effect only at the next restart"; "part" => &section);
             what.push(format!(
                 "the changes to {section} take effect at the next restart"
             ));
+        }
+        for w in warnings {
+            warn!(self.log, "configuration: {}", w);
+            what.push(format!("warning: {w}"));
         }
         if what.is_empty() {
             what.push("nothing changed".into());
