@@ -300,6 +300,8 @@ pub(crate) struct Faults {
     /// [`Device::fail_next_deallocates`]: how many deallocates to complete with EOPNOTSUPP,
     /// as a driver that turned its write-zeroes off after the device was opened does.
     pub(crate) deallocates_unsupported: std::sync::atomic::AtomicU32,
+    /// [`Device::fail_next_attaches`]: how many attaches to an engine to refuse.
+    pub(crate) attach_failures: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Device {
@@ -537,6 +539,34 @@ impl Device {
         self.faults
             .deallocates_unsupported
             .store(n, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Test hook: the next `n` attaches of this device to an engine fail with EMFILE, as
+    /// registering its file in an engine's table does when the process is out of files.
+    #[doc(hidden)]
+    pub fn fail_next_attaches(&self, n: u32) {
+        self.faults
+            .attach_failures
+            .store(n, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether this attach is to fail ([`Device::fail_next_attaches`]).
+    pub(crate) fn take_injected_attach_failure(&self) -> bool {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        self.faults
+            .attach_failures
+            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Whether an engine attaches this device with a handle opened ahead for it (an RBD
+    /// image's: [`Device::prepare_handles`], [`Device::open_spare_handle`]).
+    pub fn needs_handle(&self) -> bool {
+        match &self.backing {
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(_) => true,
+            _ => false,
+        }
     }
 
     /// Whether this deallocate is to fail ([`Device::fail_next_deallocates`]).

@@ -194,6 +194,9 @@ impl Engine {
     fn attach_with(&mut self, dev: &Arc<Device>, wait: bool) -> io::Result<Option<DevId>> {
         #[cfg(not(feature = "rbd"))]
         let _ = wait;
+        if dev.take_injected_attach_failure() {
+            return Err(io::Error::from_raw_os_error(libc::EMFILE));
+        }
         let index = match self.devices.iter().position(Option::is_none) {
             Some(i) => i,
             None if self.devices.len() < self.max_devices as usize => {

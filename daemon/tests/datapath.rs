@@ -143,6 +143,8 @@ struct Opts {
     response_timeout: Duration,
     huge_pages: bool,
     max_qps: u32,
+    /// Attaches of namespace 2's device to an engine that fail (out of files).
+    attach_failures: u32,
 }
 
 impl Default for Opts {
@@ -152,6 +154,7 @@ impl Default for Opts {
             response_timeout: nvmfd::datapath::RESPONSE_TIMEOUT,
             huge_pages: false,
             max_qps: nvmfd::datapath::MAX_QPS,
+            attach_failures: 0,
         }
     }
 }
@@ -202,6 +205,7 @@ fn serve_opts(
         response_timeout,
         huge_pages,
         max_qps,
+        attach_failures,
     } = opts;
     let fabric = Fabric::new();
     fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
@@ -234,6 +238,7 @@ fn serve_opts(
             Device::open(&spec).unwrap()
         };
         let (d1, d2) = (mk(512), mk(4096));
+        d2.fail_next_attaches(attach_failures);
         let d3 = file.map(|path| {
             let mut spec = DeviceSpec::new(Kind::File);
             spec.path = Some(path);
@@ -3541,6 +3546,49 @@ fn target_qp_of(s: &Served, io: &mut IoQueue<RdmaQueue>) -> u32 {
         .qpn()
         .and_then(|q| s.fabric.peer_of(q))
         .expect("the target's QP of the I/O queue")
+}
+
+/// A namespace whose device cannot be attached when the data path is built (the process out
+/// of files): the path serves the others, answers Namespace Not Ready for it (the host
+/// retries), and attaches it again after a wait. The whole data path was refused: its
+/// listener served nothing.
+#[test]
+fn a_namespace_that_cannot_be_attached_at_build_waits_and_the_others_are_served() {
+    let s = serve_opts(
+        4499,
+        None,
+        None,
+        Default::default(),
+        None,
+        Opts {
+            attach_failures: 1,
+            ..Opts::default()
+        },
+    );
+    let (_admin, mut ios) = controller(&s, 1);
+    // Namespace 1 (512-byte blocks) is served.
+    let data = pattern(1, 4096);
+    ios[0].write(1, 8, 8, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    ios[0].read(1, 8, 8, &mut back).unwrap();
+    assert!(back == data, "namespace 1 read back other data");
+    let mut buf = vec![0u8; 4096];
+    match ios[0].read(2, 0, 1, &mut buf) {
+        Err(nvmfd_nvme::host::HostError::Status { status, .. }) => assert!(
+            status.same_code(nvmfd_nvme::wire::status::NAMESPACE_NOT_READY) && !status.dnr(),
+            "{status:?}"
+        ),
+        other => panic!("namespace 2 before its attach: {other:?}"),
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ios[0].read(2, 0, 1, &mut buf).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "namespace 2 was never attached again"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    write_verified(&mut ios[0], 2, 3);
 }
 
 /// A controller of a new host, trying again (every 10 ms) until one is served or `within`

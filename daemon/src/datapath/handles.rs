@@ -4,7 +4,8 @@
 //! when the path is built (or attached) waits here while a thread of its own opens one. Its
 //! commands meanwhile complete with Namespace Not Ready, which hosts retry; the path's other
 //! namespaces are served. A failed open is tried again after a wait that doubles from 1 s to
-//! 30 s.
+//! 30 s. A namespace of any kind whose attach failed when the path was built (the process
+//! out of files, say) waits here the same way, attached again after such a wait.
 
 use std::sync::mpsc;
 use std::time::Duration;
@@ -31,6 +32,8 @@ pub(super) struct Awaiting {
     /// attached whatever `next` says).
     attach_at: Instant,
     wait: Duration,
+    /// Why its first attach failed, when it did (logged once the data path has its log).
+    pub(super) failure: Option<String>,
 }
 
 impl Awaiting {
@@ -46,9 +49,33 @@ impl Awaiting {
             next: now,
             attach_at: now,
             wait: OPEN_RETRY_FIRST,
+            failure: None,
         };
         a.open(now);
         a
+    }
+
+    /// Attaches namespace `nsid` of subsystem `sub` again after its attach failed with
+    /// `failure` (out of files, say) when the data path was built: its commands answer
+    /// Namespace Not Ready meanwhile, and the path's other namespaces are served.
+    pub(super) fn after_failure(
+        sub: u64,
+        nsid: u32,
+        dev: &Arc<BlockDevice>,
+        now: Instant,
+        failure: String,
+    ) -> Awaiting {
+        Awaiting {
+            sub,
+            nsid,
+            since: 0,
+            dev: Arc::clone(dev),
+            opening: None,
+            next: now,
+            attach_at: now + OPEN_RETRY_FIRST,
+            wait: OPEN_RETRY_FIRST * 2,
+            failure: Some(failure),
+        }
     }
 
     /// Opens a handle on a thread of its own (counted, so that the daemon waits for it
@@ -117,13 +144,14 @@ impl DataPath {
                     a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
                 }
             }
-            if a.dev.handles_ready() > 0 && now >= a.attach_at {
+            let needs_handle = a.dev.needs_handle();
+            if (!needs_handle || a.dev.handles_ready() > 0) && now >= a.attach_at {
                 let (sub, nsid, since, dev) = (a.sub, a.nsid, a.since, Arc::clone(&a.dev));
                 match self.engine.attach_ready(&dev) {
                     Ok(Some(id)) => {
                         self.awaiting.swap_remove(k);
                         self.devs.insert((sub, nsid), (id, since));
-                        slog::info!(self.log, "namespace attached: its handle is open";
+                        slog::info!(self.log, "namespace attached";
                             "subsystem" => sub, "nsid" => nsid);
                         // The entry moved into `k` is looked at next.
                         continue;
@@ -133,13 +161,17 @@ impl DataPath {
                     Err(e) => {
                         let a = &mut self.awaiting[k];
                         a.attach_at = now + a.wait;
-                        slog::warn!(self.log, "cannot attach a namespace's image; trying again later";
+                        slog::warn!(self.log, "cannot attach a namespace's device; trying again later";
                             "subsystem" => sub, "nsid" => nsid, "error" => %e,
                             "retry_in" => ?a.wait);
                         a.wait = (a.wait * 2).min(OPEN_RETRY_MAX);
                     }
                 }
-            } else if a.opening.is_none() && a.dev.handles_ready() == 0 && now >= a.next {
+            } else if needs_handle
+                && a.opening.is_none()
+                && a.dev.handles_ready() == 0
+                && now >= a.next
+            {
                 a.open(now);
                 if a.opening.is_none() {
                     slog::warn!(self.log, "cannot start a thread to open a handle on a namespace's image; trying again later";

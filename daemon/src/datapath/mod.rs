@@ -539,8 +539,18 @@ impl DataPath {
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         let now = Instant::now();
+        // One namespace's device refused (the engine's file table, the process out of
+        // files) is attached again later: the path serves the others meanwhile.
         for (sub, nsid, d) in namespaces {
-            dp.attach_or_await(*sub, *nsid, d, 0, now)?;
+            if let Err(e) = dp.attach_or_await(*sub, *nsid, d, 0, now) {
+                dp.awaiting.push(handles::Awaiting::after_failure(
+                    *sub,
+                    *nsid,
+                    d,
+                    now,
+                    e.to_string(),
+                ));
+            }
         }
         // Its levels are right from the start (a namespace waiting for a handle, say).
         dp.gauges();
@@ -551,8 +561,16 @@ impl DataPath {
     pub fn set_log(&mut self, log: slog::Logger) {
         self.log = log;
         for a in &self.awaiting {
-            slog::info!(self.log, "namespace waits for a handle on its image, opened off the reactor; its commands meanwhile answer Namespace Not Ready";
-                "subsystem" => a.sub, "nsid" => a.nsid);
+            match &a.failure {
+                Some(e) => {
+                    slog::warn!(self.log, "cannot attach a namespace's device; its commands answer Namespace Not Ready until it is, tried again after 1 s";
+                        "subsystem" => a.sub, "nsid" => a.nsid, "error" => e)
+                }
+                None => {
+                    slog::info!(self.log, "namespace waits for a handle on its image, opened off the reactor; its commands meanwhile answer Namespace Not Ready";
+                        "subsystem" => a.sub, "nsid" => a.nsid)
+                }
+            }
         }
         if self.max_qps < self.cfg_max_qps {
             slog::warn!(self.log, "the device's CQs are smaller than this data path asks for: it serves fewer QPs at once";
