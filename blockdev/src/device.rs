@@ -631,6 +631,9 @@ fn open_path(
         }
         _ => {}
     }
+    if is_bdev {
+        in_use_check(path, spec.read_only, opener, &mut fallback_reason)?;
+    }
     let fd = file.as_raw_fd();
     let (size, lbs, pbs, write_zeroes, deallocate, deallocate_max_blocks) = if is_bdev {
         let mut size: u64 = 0;
@@ -711,6 +714,42 @@ fn open_path(
         faults: Default::default(),
         pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
     }))
+}
+
+/// A block device the system uses (a file system mounted on it; a member of an MD, LVM or
+/// device-mapper device) or another program opened exclusively refuses an exclusive open
+/// (O_EXCL without O_CREAT, which Linux defines for block devices alone) with EBUSY: a host
+/// writing to it would corrupt that user's data, and its reads would see data changing under
+/// them. Refused for writing; served read-only with a warning. The exclusive open is closed
+/// at once: nvmfd's own opens are shared, so that a namespace and a device being replaced
+/// may hold the device together.
+fn in_use_check(
+    path: &Path,
+    read_only: bool,
+    opener: &dyn Fn(&Path, &OpenOptions) -> io::Result<File>,
+    warning: &mut Option<String>,
+) -> io::Result<()> {
+    let mut o = OpenOptions::new();
+    o.read(true).custom_flags(libc::O_EXCL);
+    match opener(path, &o) {
+        Ok(_) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            let what = "is in use by the system (a mounted file system, or part of an MD, LVM or device-mapper device) or opened exclusively by another program";
+            if read_only {
+                *warning = Some(format!("{what}: hosts may read data changing under them"));
+                return Ok(());
+            }
+            Err(io::Error::new(
+                io::ErrorKind::ResourceBusy,
+                format!(
+                    "{}: {what}: hosts writing to it would corrupt its user's data; release it first (or serve it with read_only = true)",
+                    path.display()
+                ),
+            ))
+        }
+        // Not something this check can tell (the shared open succeeded): serve it.
+        Err(_) => Ok(()),
+    }
 }
 
 #[cfg(feature = "rbd")]

@@ -752,6 +752,46 @@ fn a_deallocate_the_device_refuses_zeroes_its_range_instead(mut f: Fixture) {
 }
 per_backend!(a_deallocate_the_device_refuses_zeroes_its_range_instead);
 
+/// A block device the system uses (mounted, an MD or LVM member) or another program opened
+/// exclusively: opening it for writing is refused with the reason (hosts would corrupt its
+/// user's data); read-only it is served with a warning. It was opened and served.
+fn a_block_device_in_use_is_refused_for_writing(f: Fixture) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let info = f.device.info();
+    if info.kind != Kind::Bdev {
+        eprintln!("{:?}: not a block device: nothing to hold", info.kind);
+        return;
+    }
+    let path = info.path.clone().unwrap();
+    let mut spec = DeviceSpec::new(Kind::Bdev);
+    spec.path = Some(path.clone());
+    // As a mount holds it.
+    let held = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(&path)
+        .unwrap();
+    let e = Device::open(&spec).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::ResourceBusy, "{e}");
+    let said = e.to_string();
+    assert!(
+        said.contains(&path.display().to_string()) && said.contains("in use by the system"),
+        "{said}"
+    );
+    spec.read_only = true;
+    let d = Device::open(&spec).unwrap();
+    assert!(
+        d.warning().is_some_and(|w| w.contains("in use")),
+        "{:?}",
+        d.warning()
+    );
+    drop(held);
+    spec.read_only = false;
+    let d = Device::open(&spec).unwrap();
+    assert!(d.warning().is_none(), "{:?}", d.warning());
+}
+per_backend!(a_block_device_in_use_is_refused_for_writing);
+
 /// The most blocks one deallocate takes: a block device's write-zeroes limit (deallocate is a
 /// hole punched through write zeroes), no limit elsewhere.
 fn deallocate_limit_is_the_backends(f: Fixture) {
