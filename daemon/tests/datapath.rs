@@ -3522,6 +3522,30 @@ fn a_failed_cq_is_replaced_by_a_new_data_path_that_serves() {
     write_verified(&mut ios[0], 4, 6);
 }
 
+/// A CQ whose poll fails without an error event (a provider that cannot parse a CQE: mlx5's
+/// CQ_POLL_ERR) is lost as a CQ error's is: the data path is replaced and a new host is
+/// served. The failed poll read as an empty CQ: nothing completed again, every host hung.
+#[test]
+fn a_cq_whose_poll_fails_is_replaced_by_a_new_data_path() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = fault_reactor(4439, &c);
+    let (_old_admin, mut old) = controller(&s, 1);
+    write_verified(&mut old[0], 2, 2);
+    let target_qp = target_qp_of(&s, &mut old[0]);
+    assert!(s.fabric.fail_cq_polls(target_qp));
+    let mut back = vec![0u8; 4096];
+    assert!(old[0].read(2, 2, 1, &mut back).is_err());
+    let (_admin, mut ios) = served_within(&s, Duration::from_secs(30));
+    let data = write_verified(&mut ios[0], 3, 5);
+    ios[0].read(2, 5, 1, &mut back).unwrap();
+    assert!(back == data, "read back differs");
+    // Its drains could not read the CQ empty: they ended by their timeout.
+    wait_until("the old data path's drains ended", || {
+        c.qps_draining.load(Relaxed) == 0 && c.drain_timeouts.load(Relaxed) >= 1
+    });
+}
+
 /// A reactor thread serving on port `port` into counters `c`, with an SRQ that starts small
 /// and a short sleep, for the tests that fail what a data path is built on.
 fn fault_reactor(port: u16, c: &Arc<nvmfd::stats::DataPathCounters>) -> Served {

@@ -503,11 +503,7 @@ impl DataPath {
             }
             AsyncEvent::CqErr(id) if self.cq.id() == id => {
                 c.device_events.fetch_add(1, Ordering::Relaxed);
-                slog::error!(self.log, "CQ error: every QP on it is torn down and the data path is replaced";
-                    "cq" => id, "qps" => self.conns.len());
-                self.cq_broken = true;
-                self.stop_awaiting();
-                self.teardown_all(Cause::Device, now);
+                self.cq_failed("CQ error event", now);
             }
             AsyncEvent::DeviceFatal => {
                 c.device_events.fetch_add(1, Ordering::Relaxed);
@@ -658,6 +654,20 @@ impl DataPath {
         self.teardown_all(Cause::Shutdown, now);
     }
 
+    /// The CQ failed (an error event, or a poll that failed): every QP on it is torn down
+    /// and the data path is replaced; its completions are lost, so the drains end by their
+    /// timeout.
+    pub(super) fn cq_failed(&mut self, why: &str, now: Instant) {
+        if self.cq_broken {
+            return;
+        }
+        slog::error!(self.log, "CQ failed: every QP on it is torn down and the data path is replaced";
+            "cq" => self.cq.id(), "why" => why, "qps" => self.conns.len());
+        self.cq_broken = true;
+        self.stop_awaiting();
+        self.teardown_all(Cause::Device, now);
+    }
+
     /// Whether the CQ failed: the data path serves nothing more and is to be replaced.
     pub fn cq_broken(&self) -> bool {
         self.cq_broken
@@ -710,6 +720,9 @@ impl DataPath {
         // The reused scratch vector: a turn with QPs draining allocates nothing either.
         let mut gone = std::mem::take(&mut self.scratch_qpns);
         let empty_polls = self.cq_empty_polls;
+        // A failed CQ is never read empty again (its polls fail): nothing more of it can be
+        // reaped, so a drain over (or timed out) ends at once.
+        let cq_lost = self.cq_broken;
         for (&qpn, d) in &mut self.draining {
             let quiet = live.get(&qpn).copied().unwrap_or(0) == 0
                 && d.flushed
@@ -721,7 +734,7 @@ impl DataPath {
                 d.quiet_at = Some(empty_polls);
                 self.settling += 1;
             }
-            if d.quiet_at.is_some_and(|at| empty_polls > at) {
+            if d.quiet_at.is_some_and(|at| empty_polls > at || cq_lost) {
                 gone.push(qpn);
             }
         }

@@ -638,7 +638,15 @@ impl DataPath {
         // One batch a turn; while a drain waits for the CQ to be empty, until it is. The batch
         // lives in the data path: nothing is zeroed per turn.
         for _ in 0..64 {
-            let got = self.cq.poll(&mut self.wc).unwrap_or(0);
+            // A failed poll is not an empty CQ (drains end when the CQ reads empty): the CQ
+            // is lost, as with a CQ error event.
+            let got = match self.cq.poll(&mut self.wc) {
+                Ok(got) => got,
+                Err(e) => {
+                    self.cq_failed(&e.to_string(), now);
+                    break;
+                }
+            };
             let receives = self.wc[..got].iter().filter(|c| c.wr_id < REQ_BASE).count();
             self.srq
                 .consumed(u32::try_from(receives).unwrap_or(u32::MAX));

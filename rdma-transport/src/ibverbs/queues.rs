@@ -265,7 +265,12 @@ impl Cq {
         // open.
         let got = unsafe { ibv_poll_cq(self.cq.as_ptr(), n, raw.as_mut_ptr()) };
         if got < 0 {
-            return Err(VerbsError::os("poll_cq", -got));
+            // A negative count, not an errno (mlx5 returns CQ_POLL_ERR, -2, for a CQE it
+            // cannot parse).
+            return Err(VerbsError::Invalid {
+                op: "poll_cq",
+                why: "the provider failed to poll the CQ",
+            });
         }
         let got = usize::try_from(got).unwrap_or(0).min(POLL_BATCH);
         for (o, w) in out.iter_mut().zip(&raw[..got]) {

@@ -314,6 +314,24 @@ impl Fabric {
         true
     }
 
+    /// Makes every later poll of the CQ QP `qpn` receives on fail, with no async event (as a
+    /// provider's poll fails on a CQE it cannot parse: mlx5's CQ_POLL_ERR). False when there
+    /// is no such QP or its CQ failed already.
+    pub fn fail_cq_polls(&self, qpn: u32) -> bool {
+        let mut s = self.lock();
+        let Some(cq) = s.qps.get(&qpn).map(|q| q.recv_cq) else {
+            return false;
+        };
+        match s.cqs.get_mut(&cq) {
+            Some(c) if !c.overflowed => {
+                c.overflowed = true;
+                c.publish();
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Removes a device as a hot-unplug would: `DeviceFatal`, every QP on it goes to ERR, CM
     /// IDs on it (its connections and, as with rdma_cm, the IDs listening on it) see
     /// `DeviceRemoval`, and nothing new can be created or listened on it until
