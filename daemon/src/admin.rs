@@ -252,6 +252,9 @@ pub enum Fault {
     RemoveDevice,
     /// The device comes back (`PORT_ACTIVE`).
     RestoreDevice,
+    /// The device's address moves to another port, as a bond's failover moves it: its CM
+    /// IDs (connections and listening IDs) see `ADDR_CHANGE`; the device stays.
+    AddrChange,
     /// Seeded random faults on the listener's fabric from now on, replacing those in force
     /// (all rates 0: none). The answer, as for every fault, counts those injected so far.
     Seeded(SeededFaults),

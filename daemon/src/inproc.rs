@@ -292,6 +292,8 @@ fn command(ev: any::cm::CmEvent, limits: &Limits) -> Option<ReactorCmd> {
             token: id,
             why: ConnectFailure::ConnectError,
         },
+        // A connection's address moved (a listening ID's is not handled here).
+        CmEvent::AddrChange { id } => ReactorCmd::Disconnected { token: id },
         _ => return None,
     })
 }

@@ -462,6 +462,10 @@ pub struct ListenerStats {
     pub device_removals_total: u64,
     /// Times it served again after its device returned.
     pub returns_total: u64,
+    /// Times its address moved to another port (`RDMA_CM_EVENT_ADDR_CHANGE`, a bond's
+    /// failover), after which it listened again.
+    #[serde(default)]
+    pub address_changes_total: u64,
 }
 
 /// One reactor's data path in `stats`.

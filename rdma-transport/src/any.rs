@@ -324,6 +324,7 @@ pub mod cm {
             E::DeviceRemoval { id } => E::DeviceRemoval { id },
             E::Unreachable { id } => E::Unreachable { id },
             E::ConnectError { id } => E::ConnectError { id },
+            E::AddrChange { id } => E::AddrChange { id },
         }
     }
 

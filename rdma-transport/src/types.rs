@@ -414,6 +414,13 @@ pub enum CmEvent<Id> {
         /// Which connection.
         id: usize,
     },
+    /// The ID's address now belongs to another hardware address (`RDMA_CM_EVENT_ADDR_CHANGE`:
+    /// a bond's failover to another port): a listening ID must listen again (binding anew),
+    /// a connection is over.
+    AddrChange {
+        /// Which ID (a connection's, or the listening ID's token).
+        id: usize,
+    },
 }
 
 /// SRQ attributes.

@@ -758,6 +758,49 @@ fn write_verified(io: &mut IoQueue<RdmaQueue>, lba: u64, seed: u64, len: usize) 
     data
 }
 
+/// A bond's failover moves a listener's address to another port: rdma_cm reports
+/// RDMA_CM_EVENT_ADDR_CHANGE on its listening ID and on its connections. The connections end
+/// (as the kernel target ends its queues), and the listener listens again at once, bound
+/// where the address is now (as the kernel target repairs its port); a host connects anew and
+/// reads what it wrote. The event was dropped: the listening ID stayed bound to the old port,
+/// and after a real failover no host could connect until the daemon restarted.
+#[test]
+fn a_listener_whose_address_moved_listens_again_and_its_connections_end() {
+    let d = Daemon::start(Options {
+        test_hooks: true,
+        ..Options::default()
+    });
+    let a0 = listener(&d);
+    let h = host();
+    let (_f, mut admin, mut io) = connect_host("127.0.0.57", a0, &h);
+    let data = write_verified(&mut io, 100, 7, 8192);
+    let v = d.request(r#"{"request":"debug_fault","fault":"addr_change","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    nvmfd_tests::wait_for("the old connections to end", || {
+        admin.keep_alive().is_err().then_some(())
+    });
+    let stats = nvmfd_tests::wait_for("listener 0 to listen again", || {
+        let s = d.data("stats");
+        (s["listeners"][0]["serving"] == true && s["listeners"][0]["address_changes_total"] == 1)
+            .then_some(s)
+    });
+    assert_eq!(stats["listeners"][0]["device_removals_total"], 0, "{stats}");
+    let (_f2, _admin2, mut io2) = connect_host("127.0.0.58", a0, &h);
+    let mut back = vec![0u8; data.len()];
+    io2.read(1, 100, (data.len() / 512) as u32, &mut back)
+        .unwrap();
+    assert!(
+        back == data,
+        "data written before the address moved differs"
+    );
+    write_verified(&mut io2, 200, 8, 4096);
+    let log = d.log();
+    assert!(
+        log.contains("listener's address moved to another port"),
+        "{log}"
+    );
+}
+
 #[test]
 fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_serves() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

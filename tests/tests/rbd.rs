@@ -1049,11 +1049,7 @@ fn a_listener_added_while_the_cluster_does_not_answer_serves_its_other_namespace
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    assert!(
-        d.log().contains("namespace attached"),
-        "{}",
-        d.log()
-    );
+    assert!(d.log().contains("namespace attached"), "{}", d.log());
     assert_eq!(
         nvmfd_tests::dp_sum(&d.data("stats"), "namespaces_awaiting"),
         0

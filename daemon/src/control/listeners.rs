@@ -27,6 +27,8 @@ pub(super) struct Listening {
     pub(super) relisten_error: Option<String>,
     pub(super) device_removals: u64,
     pub(super) returns: u64,
+    /// Times its address moved to another port (`RDMA_CM_EVENT_ADDR_CHANGE`).
+    pub(super) address_changes: u64,
     /// Its connection requests wait for the control loop, not served while a change waits
     /// (`serve_meanwhile`): a listener whose reactors have no data path on it yet (added,
     /// or its device back, and RBD handles being opened for it), or one the change removes.
@@ -46,6 +48,10 @@ pub(super) struct Retiring {
     pub(super) overdue: bool,
     /// Letting go of the device failed (logged once).
     pub(super) failed: bool,
+    /// Retired because its address moved to another port (`RDMA_CM_EVENT_ADDR_CHANGE`), not
+    /// because the device went: the device stays, so the ID goes as soon as nothing made on
+    /// the device is left, and the listener listens again (binding where the address is now).
+    pub(super) moved: bool,
 }
 
 /// How long the control thread waits for RBD handles opened ahead of new data paths; opens
@@ -62,6 +68,8 @@ pub(super) struct DeferredRemoval {
     cause: &'static str,
     /// The connection whose CM ID reported it.
     disconnected: Option<usize>,
+    /// An address change on a listening ID, not a removal: see `Retiring::moved`.
+    moved: bool,
 }
 
 impl Daemon {
@@ -418,6 +426,7 @@ impl Daemon {
                             "RDMA_CM_EVENT_DEVICE_REMOVAL on a connection"
                         },
                         disconnected: (!listening).then_some(token),
+                        moved: false,
                     };
                     if meanwhile {
                         // Its listeners take no new connection on the dying device until
@@ -431,6 +440,34 @@ impl Daemon {
                 }
                 CmEvent::Disconnected { id } => {
                     self.tell_reactors(|| ReactorCmd::Disconnected { token: id });
+                }
+                // A bond's failover moved an address to another port. A connection on it is
+                // over (as the kernel target disconnects its queue). The listening ID is
+                // bound where the address was: it listens again (the kernel target repairs
+                // its port the same way), after everything made on the device through it is
+                // torn down, as for a removal, the device staying.
+                CmEvent::AddrChange { id: token } => {
+                    let c = self.cm.get(i);
+                    let listening = c
+                        .and_then(|c| c.id.as_ref())
+                        .is_some_and(|l| l.token() == token);
+                    if !listening {
+                        self.tell_reactors(|| ReactorCmd::Disconnected { token });
+                        continue;
+                    }
+                    let removal = DeferredRemoval {
+                        device: c.and_then(|c| c.device.clone()),
+                        cause: "RDMA_CM_EVENT_ADDR_CHANGE on the listening ID",
+                        disconnected: None,
+                        moved: true,
+                    };
+                    if meanwhile {
+                        let fd = removal.device.as_ref().map(any::Device::async_fd);
+                        self.hold_listeners_on(fd);
+                        self.deferred_removals.push(removal);
+                    } else {
+                        self.handle_removal(registry, removal);
+                    }
                 }
                 // An accepted connection that failed before it was established: the reactor
                 // that took it tears it down (its QP, CM ID and SRQ reservation go) and counts
@@ -457,7 +494,7 @@ impl Daemon {
     /// the connection whose CM ID reported it (if not the listening ID's) is told gone.
     fn handle_removal(&mut self, registry: &Registry, r: DeferredRemoval) {
         if let Some(dev) = r.device {
-            self.device_removed(registry, dev.async_fd(), r.cause);
+            self.device_removed(registry, dev.async_fd(), r.cause, r.moved);
         }
         if let Some(token) = r.disconnected {
             self.tell_reactors(|| ReactorCmd::Disconnected { token });
@@ -517,6 +554,7 @@ impl Daemon {
                     device,
                     cause: "IBV_EVENT_DEVICE_FATAL",
                     disconnected: None,
+                    moved: false,
                 });
             }
         }
@@ -534,7 +572,7 @@ impl Daemon {
                 .and_then(Option::as_ref)
                 .map(any::Device::async_fd);
             if let Some(fd) = fd {
-                self.device_removed(registry, fd, "IBV_EVENT_DEVICE_FATAL");
+                self.device_removed(registry, fd, "IBV_EVENT_DEVICE_FATAL", false);
             }
         }
     }
@@ -580,12 +618,14 @@ impl Daemon {
     /// (their listening IDs are kept until nothing made on the device is left, then let go of
     /// it), every reactor tears its data path there down, its async fd is no longer watched,
     /// and the listeners try to listen again every `RELISTEN_INTERVAL`. A second report of the
-    /// same removal finds nothing left to do.
+    /// same removal finds nothing left to do. `moved`: not removed, a listening ID's address
+    /// moved to another port (`Retiring::moved`).
     pub(super) fn device_removed(
         &mut self,
         registry: &Registry,
         fd: std::os::fd::RawFd,
         cause: &str,
+        moved: bool,
     ) {
         // Events already queued (LAST_WQE of the QPs the removal failed) reach the reactors
         // ahead of the removal.
@@ -619,16 +659,28 @@ impl Daemon {
                     since: now,
                     overdue: false,
                     failed: false,
+                    moved,
                 });
             }
-            c.relisten_at = Some(now + RELISTEN_INTERVAL);
             c.relisten_error = None;
-            c.device_removals += 1;
+            if moved {
+                c.relisten_at = Some(now);
+                c.address_changes += 1;
+            } else {
+                c.relisten_at = Some(now + RELISTEN_INTERVAL);
+                c.device_removals += 1;
+            }
             if let Some(st) = self.listeners.get_mut(i) {
                 st.serving = false;
-                st.reason = Some(DEVICE_REMOVED.to_owned());
-                warn!(self.log, "device removed: the listener stops serving and everything on the device is torn down; it listens again when the device returns";
-                      "listener" => i, "address" => &st.address, "port" => st.port, "cause" => cause);
+                if moved {
+                    st.reason = Some(ADDRESS_MOVED.to_owned());
+                    warn!(self.log, "listener's address moved to another port: the listener stops serving, everything on its device is torn down, and it listens again where the address is now";
+                          "listener" => i, "address" => &st.address, "port" => st.port, "cause" => cause);
+                } else {
+                    st.reason = Some(DEVICE_REMOVED.to_owned());
+                    warn!(self.log, "device removed: the listener stops serving and everything on the device is torn down; it listens again when the device returns";
+                          "listener" => i, "address" => &st.address, "port" => st.port, "cause" => cause);
+                }
             }
             self.tell_reactors(|| ReactorCmd::RemoveDevice { listener: i });
             any = true;
@@ -681,6 +733,13 @@ impl Daemon {
             Ok(DeviceRelease::Released) => {
                 self.cm[i].retiring = None;
                 info!(self.log, "removed device released: nothing nvmfd made on it is left (QPs, CQs, SRQs, memory regions, PDs, CM IDs) and its verbs context is closed, so the kernel can finish removing it";
+                      "listener" => i, "after" => ?waited);
+            }
+            // An address that moved: the device stays, and the listener listens again once
+            // nothing made on the device through its old ID is left.
+            Ok(DeviceRelease::Present) if r.moved => {
+                self.cm[i].retiring = None;
+                info!(self.log, "nothing made on the device through the old listening ID is left: it goes, and the listener listens again where its address is now";
                       "listener" => i, "after" => ?waited);
             }
             Ok(DeviceRelease::Present) if waited >= RELEASE_TIMEOUT => {
@@ -754,6 +813,7 @@ impl Daemon {
             .ok_or_else(|| format!("listener {i} has no soft device (it never listened)"))?;
         match fault {
             Fault::RemoveDevice => fabric.remove_device(&dev),
+            Fault::AddrChange => fabric.change_address(&dev),
             Fault::RestoreDevice => fabric
                 .restore_device(&dev)
                 .map_err(|e| format!("listener {i}'s device cannot come back yet: {e}"))?,

@@ -58,6 +58,10 @@ pub const RELEASE_TIMEOUT: Duration =
 /// A listener's `reason` in `status` while its device is away.
 pub const DEVICE_REMOVED: &str = "device removed, waiting for it to return";
 
+/// A listener's `reason` in `status` while it listens again after its address moved to
+/// another port (`RDMA_CM_EVENT_ADDR_CHANGE`: a bond's failover).
+pub const ADDRESS_MOVED: &str = "address moved to another port, listening again";
+
 /// Environment variable that enables test-only admin requests (`debug_stall_reactor`,
 /// `debug_fault`).
 pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";

@@ -244,6 +244,7 @@ impl Daemon {
                     serving: st.serving && self.listener_status(i).serving,
                     device_removals_total: c.device_removals,
                     returns_total: c.returns,
+                    address_changes_total: c.address_changes,
                 })
                 .collect(),
             admin: admin.clone(),

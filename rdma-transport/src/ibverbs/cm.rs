@@ -425,6 +425,9 @@ impl CmChannel {
             rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR => {
                 Some(CmEvent::ConnectError { id: token(id) })
             }
+            rdma_cm_event_type::RDMA_CM_EVENT_ADDR_CHANGE => {
+                Some(CmEvent::AddrChange { id: token(id) })
+            }
             _ => None,
         };
         // SAFETY: acked once, after its data was copied.

@@ -358,6 +358,26 @@ impl Fabric {
         s.cm.device_removed(&qpns, &listening);
     }
 
+    /// The device's address moves to another hardware address, as a bond's failover to
+    /// another port moves it: the IDs on the device (its connections, and the IDs listening
+    /// on it) see `AddrChange`. The device itself stays (a bond over ports of one device).
+    pub fn change_address(&self, dev: &Device) {
+        let mut s = self.lock();
+        let id = dev.inner.id;
+        let qpns: Vec<u32> = s
+            .qps
+            .iter()
+            .filter(|(_, q)| q.dev == id)
+            .map(|(n, _)| *n)
+            .collect();
+        let listening: Vec<u32> =
+            s.cm.listening_ids()
+                .filter(|(addr, _)| s.device_id_for(addr.ip()) == Some(id))
+                .map(|(_, l)| l)
+                .collect();
+        s.cm.address_changed(&qpns, &listening);
+    }
+
     /// Brings a removed device back (its port turns active again). As with a device that
     /// has no disassociate support (rxe, siw), whose removal waits until every user let go,
     /// it is refused (EBUSY) while objects made on it (PDs, MRs, CQs, SRQs, QPs) or IDs

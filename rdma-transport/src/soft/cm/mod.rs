@@ -81,6 +81,9 @@ enum Ev {
     DeviceRemoval {
         token: usize,
     },
+    AddrChange {
+        token: usize,
+    },
 }
 
 /// Where a connection's CM exchange stands (the IB CM's states, as rdma_cm runs them).
@@ -320,6 +323,7 @@ impl CmChannel {
                 CmEvent::ConnectError { id: token }
             }
             Ev::DeviceRemoval { token } => CmEvent::DeviceRemoval { id: token },
+            Ev::AddrChange { token } => CmEvent::AddrChange { id: token },
         })
     }
 }

@@ -100,6 +100,20 @@ impl CmState {
         }
     }
 
+    /// IDs whose QP is on a device whose address moved to another hardware address, and the
+    /// IDs listening on it (`listening`), see `AddrChange`.
+    pub(crate) fn address_changed(&mut self, qpns: &[u32], listening: &[u32]) {
+        let hit: Vec<(u32, usize)> = self
+            .ids
+            .iter()
+            .filter(|(id, i)| i.qp.is_some_and(|q| qpns.contains(&q)) || listening.contains(id))
+            .map(|(_, i)| (i.channel, i.token))
+            .collect();
+        for (chan, token) in hit {
+            self.push(chan, Ev::AddrChange { token });
+        }
+    }
+
     pub(super) fn push(&mut self, channel: u32, ev: Ev) {
         if let Some(c) = self.channels.get_mut(&channel) {
             c.events.push_back(ev);
