@@ -57,6 +57,8 @@ step "changes while serving: the Linux kernel host sees a namespace added, resiz
 scripts/lab-runtime.sh
 step "device removal on real verbs: rxe0 deleted under nvmfd and added back, in the VM lab"
 scripts/lab-device-removal.sh
+step "a bond's failover on real verbs: the listener's address moves to another rxe device, in the VM lab"
+scripts/lab-addr-change.sh
 step "the Linux kernel host through nvmfd to Ceph RBD on rxe0, an OSD killed under fio, in the VM lab"
 scripts/lab-rbd.sh
 passed=$(grep -Eo '[0-9]+ passed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
