@@ -684,9 +684,10 @@ fn open_path(
     let mut file = file;
     if direct {
         if let Err(e) = probe_direct(&file, lbs) {
-            fallback_reason = Some(format!(
-                "O_DIRECT I/O of {lbs}-byte blocks is refused ({e}): using buffered I/O"
-            ));
+            add_warning(
+                &mut fallback_reason,
+                format!("O_DIRECT I/O of {lbs}-byte blocks is refused ({e}): using buffered I/O"),
+            );
             direct = false;
             file = opener(path, &options(false)).map_err(|e| ctx("cannot reopen", e))?;
         }
@@ -716,6 +717,17 @@ fn open_path(
     }))
 }
 
+/// Adds `more` to what the daemon warns of for a device.
+fn add_warning(w: &mut Option<String>, more: String) {
+    match w {
+        Some(w) => {
+            w.push_str("; ");
+            w.push_str(&more);
+        }
+        None => *w = Some(more),
+    }
+}
+
 /// A block device the system uses (a file system mounted on it; a member of an MD, LVM or
 /// device-mapper device) or another program opened exclusively refuses an exclusive open
 /// (O_EXCL without O_CREAT, which Linux defines for block devices alone) with EBUSY: a host
@@ -729,6 +741,11 @@ fn in_use_check(
     opener: &dyn Fn(&Path, &OpenOptions) -> io::Result<File>,
     warning: &mut Option<String>,
 ) -> io::Result<()> {
+    // One claim at a time: the kernel lets one exclusive claim hold a disk and its
+    // partitions, so two namespaces' probes at once (a disk and one of its partitions, opened
+    // on threads of their own) would refuse each other.
+    static PROBING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = PROBING.lock().unwrap_or_else(|e| e.into_inner());
     let mut o = OpenOptions::new();
     o.read(true).custom_flags(libc::O_EXCL);
     match opener(path, &o) {
@@ -736,7 +753,10 @@ fn in_use_check(
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
             let what = "is in use by the system (a mounted file system, or part of an MD, LVM or device-mapper device) or opened exclusively by another program";
             if read_only {
-                *warning = Some(format!("{what}: hosts may read data changing under them"));
+                add_warning(
+                    warning,
+                    format!("{what}: hosts may read data changing under them"),
+                );
                 return Ok(());
             }
             Err(io::Error::new(

@@ -145,6 +145,8 @@ struct Opts {
     max_qps: u32,
     /// Attaches of namespace 2's device to an engine that fail (out of files).
     attach_failures: u32,
+    /// The file namespace (3): its first attach fails, and its next sync.
+    file_faults: bool,
 }
 
 impl Default for Opts {
@@ -155,6 +157,7 @@ impl Default for Opts {
             huge_pages: false,
             max_qps: nvmfd::datapath::MAX_QPS,
             attach_failures: 0,
+            file_faults: false,
         }
     }
 }
@@ -206,6 +209,7 @@ fn serve_opts(
         huge_pages,
         max_qps,
         attach_failures,
+        file_faults,
     } = opts;
     let fabric = Fabric::new();
     fabric.add_device("10.0.0.1".parse().unwrap()).unwrap();
@@ -243,7 +247,12 @@ fn serve_opts(
             let mut spec = DeviceSpec::new(Kind::File);
             spec.path = Some(path);
             spec.block_size = 4096;
-            Device::open(&spec).unwrap()
+            let d = Device::open(&spec).unwrap();
+            if file_faults {
+                d.fail_next_attaches(1);
+                d.fail_next_sync();
+            }
+            d
         });
         let ns = |nsid, d: &Arc<Device>| Namespace {
             nsid,
@@ -3613,6 +3622,44 @@ fn a_namespace_that_cannot_be_attached_at_build_waits_and_the_others_are_served(
         std::thread::sleep(Duration::from_millis(50));
     }
     write_verified(&mut ios[0], 2, 3);
+}
+
+/// A shutdown reaches a file namespace whose attach failed when the data path was built (it
+/// waits to be attached again): other data paths may have written into its page cache, so it
+/// is synced off the reactor and the shutdown completes only once it is; a sync that fails
+/// fails the shutdown (CFS). Its flush was skipped, as an RBD image's (no cache) is: SHST
+/// read complete with nothing made durable.
+#[test]
+fn a_shutdown_syncs_a_file_namespace_that_waits_to_be_attached() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ns3");
+    std::fs::write(&path, vec![0u8; 4 << 20]).unwrap();
+    let s = serve_opts(
+        4438,
+        None,
+        None,
+        Default::default(),
+        Some(path),
+        Opts {
+            file_faults: true,
+            ..Opts::default()
+        },
+    );
+    let (mut admin, ios) = controller(&s, 1);
+    let cc = admin.property_get(0x14, false).unwrap() as u32;
+    admin
+        .property_set(0x14, (cc & !(0x3 << 14)) | (1 << 14))
+        .unwrap();
+    let mut csts = 0;
+    wait_until("the shutdown to end", || {
+        csts = admin.property_get(0x1C, false).unwrap() as u32;
+        csts & 0x2 != 0 || (csts >> 2) & 0x3 == 2
+    });
+    assert!(
+        csts & 0x2 != 0 && (csts >> 2) & 0x3 != 2,
+        "CSTS {csts:#x}: the shutdown completed though namespace 3 was not synced"
+    );
+    drop(ios);
 }
 
 /// A controller of a new host, trying again (every 10 ms) until one is served or `within`

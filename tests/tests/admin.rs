@@ -662,6 +662,17 @@ fn a_reload_keeps_a_served_subsystems_identity_until_the_restart_and_warns_of_ne
             .contains("outside-the-form")
             .then_some(())
     });
+    // A subsystem added before it moves its key's index: it is not warned of again.
+    let text = std::fs::read_to_string(&config).unwrap();
+    let edited = text.replacen(
+        "[[subsystem]]",
+        "[[subsystem]]\nnqn = \"nqn.2024-01.io.nvmfd.test:first\"\nallow_any_host = true\n\n[[subsystem]]",
+        1,
+    );
+    std::fs::write(&config, &edited).unwrap();
+    let a = d.request(r#"{"request": "reload"}"#);
+    assert_eq!(a["ok"], true, "{a}");
+    assert!(!a.to_string().contains("warning"), "warned again: {a}");
 }
 
 #[test]

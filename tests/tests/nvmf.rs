@@ -772,6 +772,19 @@ fn a_listener_whose_address_moved_listens_again_and_its_connections_end() {
     });
     let a0 = listener(&d);
     let h = host();
+    // A removal and a return first: the move after it is not another return.
+    let v = d.request(r#"{"request":"debug_fault","fault":"remove_device","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    nvmfd_tests::wait_for("the removed device to be released", || {
+        d.log()
+            .contains("removed device released: nothing nvmfd made on it is left")
+            .then_some(())
+    });
+    let v = d.request(r#"{"request":"debug_fault","fault":"restore_device","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    nvmfd_tests::wait_for("listener 0 to serve again", || {
+        (d.data("status")["listeners"][0]["serving"] == true).then_some(())
+    });
     let (_f, mut admin, mut io) = connect_host("127.0.0.57", a0, &h);
     let data = write_verified(&mut io, 100, 7, 8192);
     let v = d.request(r#"{"request":"debug_fault","fault":"addr_change","listener":0}"#);
@@ -784,7 +797,11 @@ fn a_listener_whose_address_moved_listens_again_and_its_connections_end() {
         (s["listeners"][0]["serving"] == true && s["listeners"][0]["address_changes_total"] == 1)
             .then_some(s)
     });
-    assert_eq!(stats["listeners"][0]["device_removals_total"], 0, "{stats}");
+    assert_eq!(stats["listeners"][0]["device_removals_total"], 1, "{stats}");
+    assert_eq!(
+        stats["listeners"][0]["returns_total"], 1,
+        "the move counted as a return: {stats}"
+    );
     let (_f2, _admin2, mut io2) = connect_host("127.0.0.58", a0, &h);
     let mut back = vec![0u8; data.len()];
     io2.read(1, 100, (data.len() / 512) as u32, &mut back)

@@ -233,12 +233,16 @@ impl Daemon {
                 s.model.clone_from(&old.model);
             }
         }
-        // NQNs outside the specification's form are accepted with a warning, as at start.
-        let warned: std::collections::HashSet<String> = self.cfg.warnings().into_iter().collect();
+        // NQNs outside the specification's form are accepted with a warning, as at start:
+        // those not warned of before, by what they say (their key's index moves when a
+        // subsystem is added or removed before them).
+        let said = |w: &String| w.split_once(": ").map_or(w.clone(), |(_, m)| m.to_owned());
+        let warned: std::collections::HashSet<String> =
+            self.cfg.warnings().iter().map(said).collect();
         let warnings: Vec<String> = new
             .warnings()
             .into_iter()
-            .filter(|w| !warned.contains(w))
+            .filter(|w| !warned.contains(&said(w)))
             .collect();
         let plan = self.plan(&new, resizes)?;
         // A listener the change removes takes no new connection while it waits.

@@ -29,6 +29,9 @@ pub(super) struct Listening {
     pub(super) returns: u64,
     /// Times its address moved to another port (`RDMA_CM_EVENT_ADDR_CHANGE`).
     pub(super) address_changes: u64,
+    /// It stopped serving because its device went (not because its address moved): the
+    /// next time it listens is a return (`returns`).
+    pub(super) removed: bool,
     /// Its connection requests wait for the control loop, not served while a change waits
     /// (`serve_meanwhile`): a listener whose reactors have no data path on it yet (added,
     /// or its device back, and RBD handles being opened for it), or one the change removes.
@@ -663,6 +666,7 @@ impl Daemon {
                 });
             }
             c.relisten_error = None;
+            c.removed = !moved;
             if moved {
                 c.relisten_at = Some(now);
                 c.address_changes += 1;
@@ -767,8 +771,9 @@ impl Daemon {
         let Some(c) = self.cm.get_mut(i) else { return };
         c.relisten_at = None;
         c.relisten_error = None;
-        // A device that returns, or (never removed) a listener that could not listen at start.
-        let returned = c.device_removals > 0;
+        // A device that returns; or a listener whose address moved, or that could not listen
+        // at start.
+        let returned = std::mem::take(&mut c.removed);
         c.returns += u64::from(returned);
         let Some(dev) = c.device.clone() else { return };
         if let Some(st) = self.listeners.get_mut(i) {

@@ -176,10 +176,17 @@ impl DataPath {
             let Some(dev) = dev else {
                 // A namespace removed since the shutdown's flush began is synced when its
                 // device is let go of, and the shutdown completes only once it is
-                // (`Target::release_begins`). One waiting for a handle on its image has no
-                // cache to flush (librbd's is off), whatever other data paths wrote to it.
+                // (`Target::release_begins`). One waiting here is synced off the reactor the
+                // same way (`sync_awaiting`).
                 if let IoOp::FlushAll { .. } = io.op {
+                    let ns_changes = r.ns_changes;
                     r.next_op += 1;
+                    handles::sync_awaiting(
+                        (&self.awaiting, &self.target, &self.log),
+                        sub,
+                        nsid,
+                        ns_changes,
+                    );
                     continue;
                 }
                 // Only the namespace the command was checked against: not one added since

@@ -194,3 +194,38 @@ impl DataPath {
         self.awaiting.len()
     }
 }
+
+/// A shutdown's flush reaches namespace `nsid` of subsystem `sub`, which waits here. An
+/// RBD image has no cache to flush (librbd's is off), whatever other data paths wrote to
+/// it. A file or block device whose attach failed may have one that other data paths
+/// wrote into: it is synced off the reactor and counted as a device being let go of
+/// (`Target::release_begins`), so that the shutdown completes only once it is synced, and
+/// fails (CFS) if the sync fails or cannot start.
+pub(super) fn sync_awaiting(
+    (awaiting, target, log): (&[Awaiting], &Target, &slog::Logger),
+    sub: u64,
+    nsid: u32,
+    ns_changes: u64,
+) {
+    let Some(a) = awaiting
+        .iter()
+        .find(|a| (a.sub, a.nsid) == (sub, nsid) && a.since <= ns_changes)
+    else {
+        return;
+    };
+    if a.dev.needs_handle() {
+        return;
+    }
+    let dev = Arc::clone(&a.dev);
+    let ends = target.clone();
+    target.release_begins(sub);
+    let started = crate::control::spawn_counted(move || {
+        let durable = dev.sync().is_ok();
+        ends.release_ends(sub, durable);
+    });
+    if let Err(e) = started {
+        slog::error!(log, "cannot sync a namespace that waits to be attached: the shutdown fails";
+            "subsystem" => sub, "nsid" => nsid, "error" => e);
+        target.release_ends(sub, false);
+    }
+}
