@@ -30,7 +30,9 @@ mod file;
 mod leaving;
 mod listeners;
 mod off_thread;
+mod removal;
 mod reopen;
+mod restart;
 mod status;
 
 use listeners::*;

@@ -1,6 +1,6 @@
-//! Namespaces attached without waiting on their store: the reactor never opens an RBD image
-//! itself (`rbd_open` waits on the cluster, for its timeouts when the cluster does not
-//! answer). A data path takes a handle opened ahead for it; a namespace that has none ready
+//! Namespaces attached and detached while the data path serves, and attached without waiting
+//! on their store: the reactor never opens an RBD image itself (`rbd_open` waits on the
+//! cluster, for its timeouts when the cluster does not answer). A data path takes a handle opened ahead for it; a namespace that has none ready
 //! when the path is built (or attached) waits here while a thread of its own opens one. Its
 //! commands meanwhile complete with Namespace Not Ready, which hosts retry; the path's other
 //! namespaces are served. A failed open is tried again after a wait that doubles from 1 s to
@@ -90,6 +90,42 @@ impl Awaiting {
 }
 
 impl DataPath {
+    /// Serves namespace `nsid` of subsystem `sub` from `dev` (a namespace added while the
+    /// daemon serves): attached to the engine before the target publishes it, so a command
+    /// for it finds its device (or, for an RBD image with no handle opened ahead ready, waits
+    /// for one and answers Namespace Not Ready meanwhile: `handles.rs`).
+    pub fn attach_namespace(
+        &mut self,
+        sub: u64,
+        nsid: u32,
+        dev: &Arc<BlockDevice>,
+    ) -> std::io::Result<()> {
+        self.ns_changes += 1;
+        self.attach_or_await(sub, nsid, dev, self.ns_changes, Instant::now())
+    }
+
+    /// Stops serving namespace `nsid` of subsystem `sub` (removed from the target before):
+    /// its operations in flight complete and answer their commands; the device is detached
+    /// from the engine once the last has. A command that reaches the disk after this fails
+    /// with Invalid Namespace.
+    pub fn detach_namespace(&mut self, sub: u64, nsid: u32) {
+        self.awaiting.retain(|a| (a.sub, a.nsid) != (sub, nsid));
+        if let Some((old, _)) = self.devs.remove(&(sub, nsid)) {
+            self.detaching.push(old);
+        }
+    }
+
+    /// Whether a read or write past `end` bytes of `dev` is queued or in flight at this data
+    /// path's engine (a shrink of `dev` waits for none: [`nvmfd_blockdev::Engine::io_past`]).
+    pub fn io_past(&self, dev: &Arc<BlockDevice>, end: u64) -> bool {
+        self.engine.io_past(dev, end)
+    }
+
+    /// Devices of removed namespaces still waiting for their operations to complete.
+    pub fn namespaces_detaching(&self) -> usize {
+        self.detaching.len()
+    }
+
     /// Attaches namespace `nsid` of subsystem `sub` on the engine without waiting on its
     /// store; one with no handle ready waits in `awaiting`. `since`: the namespace changes
     /// counted when it was attached (commands checked before then do not use it).

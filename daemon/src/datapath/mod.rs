@@ -83,6 +83,7 @@ pub fn raise_file_limit() -> std::io::Result<u64> {
 mod block;
 mod class;
 mod conn;
+mod conns;
 mod handles;
 mod hooks;
 mod post;
@@ -91,6 +92,7 @@ mod request;
 mod waiting;
 
 use conn::*;
+use conns::*;
 use post::*;
 use request::*;
 use waiting::{Lane, Waiting};
@@ -722,42 +724,6 @@ impl DataPath {
         }
         self.gauges();
         worked
-    }
-
-    /// Serves namespace `nsid` of subsystem `sub` from `dev` (a namespace added while the
-    /// daemon serves): attached to the engine before the target publishes it, so a command
-    /// for it finds its device (or, for an RBD image with no handle opened ahead ready, waits
-    /// for one and answers Namespace Not Ready meanwhile: `handles.rs`).
-    pub fn attach_namespace(
-        &mut self,
-        sub: u64,
-        nsid: u32,
-        dev: &Arc<BlockDevice>,
-    ) -> std::io::Result<()> {
-        self.ns_changes += 1;
-        self.attach_or_await(sub, nsid, dev, self.ns_changes, Instant::now())
-    }
-
-    /// Stops serving namespace `nsid` of subsystem `sub` (removed from the target before):
-    /// its operations in flight complete and answer their commands; the device is detached
-    /// from the engine once the last has. A command that reaches the disk after this fails
-    /// with Invalid Namespace.
-    pub fn detach_namespace(&mut self, sub: u64, nsid: u32) {
-        self.awaiting.retain(|a| (a.sub, a.nsid) != (sub, nsid));
-        if let Some((old, _)) = self.devs.remove(&(sub, nsid)) {
-            self.detaching.push(old);
-        }
-    }
-
-    /// Whether a read or write past `end` bytes of `dev` is queued or in flight at this data
-    /// path's engine (a shrink of `dev` waits for none: [`nvmfd_blockdev::Engine::io_past`]).
-    pub fn io_past(&self, dev: &Arc<BlockDevice>, end: u64) -> bool {
-        self.engine.io_past(dev, end)
-    }
-
-    /// Devices of removed namespaces still waiting for their operations to complete.
-    pub fn namespaces_detaching(&self) -> usize {
-        self.detaching.len()
     }
 
     /// Stores the pools' levels for `stats` (relaxed stores, no syscall).

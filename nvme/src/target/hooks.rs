@@ -53,3 +53,54 @@ impl std::fmt::Debug for ChangeCount {
             .finish()
     }
 }
+
+/// Test hooks of the target: races made certain.
+impl super::Target {
+    /// Tests of controller IDs handed out again: the next admin Connect gets `cntlid` if no
+    /// controller in the map has it (the counter wraps after 65,519 Connects).
+    #[doc(hidden)]
+    pub fn set_next_cntlid(&self, cntlid: u16) {
+        // `alloc_cntlid` hands out `n % 0xFFEF + 1` for counter value `n`.
+        self.inner
+            .next_cntlid
+            .store(u32::from(cntlid.max(1)) - 1, Ordering::Relaxed);
+    }
+
+    /// Tests of a race with a lost I/O queue: `hook` runs when an I/O queue whose commands may
+    /// be at a backend is lost, before it marks its queue ID lost (a reset of its controller
+    /// meanwhile), on the thread that lost it, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_lost_hook(&self, hook: Option<ConnectHook>) {
+        self.inner.lost_hook.set(hook);
+    }
+
+    /// Tests of what happens while a Connect is served: `hook` runs once an admin queue's
+    /// Connect has passed its checks, before it makes its controller (its host's access
+    /// removed meanwhile), and once an I/O queue's Connect has taken its queue ID, before the
+    /// queue is bound (a reset of its controller meanwhile). It runs on the thread serving
+    /// the Connect, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_connect_hook(&self, hook: Option<ConnectHook>) {
+        self.inner.connect_hook.set(hook);
+    }
+
+    /// Tests of a change that lands while a discovery log is built: `hook` runs once the log
+    /// has taken the subsystems, before it takes the ports, on the thread serving the Get Log
+    /// Page, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_discovery_hook(&self, hook: Option<ConnectHook>) {
+        self.inner.discovery_hook.set(hook);
+    }
+
+    /// Tests of what a host sees while a subsystem is removed: `hook` runs once the target's
+    /// subsystems are published without it, before its controllers end, on the thread
+    /// removing it, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_removal_hook(&self, hook: Option<ConnectHook>) {
+        self.inner.removal_hook.set(hook);
+    }
+
+    pub(crate) fn run_discovery_hook(&self) {
+        self.inner.discovery_hook.run();
+    }
+}
