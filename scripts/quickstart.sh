@@ -15,6 +15,8 @@ scripts/install-deps.sh --build-only
 cargo build --release --bins --locked
 install -d /usr/local/bin
 install -m 0755 target/release/nvmfd target/release/nvmfctl target/release/nvmf /usr/local/bin/
-echo "quickstart: nvmfd, nvmfctl and nvmf installed in /usr/local/bin"
+# Where the systemd unit's Documentation= points.
+install -D -m 0644 -t /usr/local/share/doc/nvmfd README.md docs/*.md
+echo "quickstart: nvmfd, nvmfctl and nvmf installed in /usr/local/bin, their documentation in /usr/local/share/doc/nvmfd"
 [ -n "$run" ] || exit 0
 exec /usr/local/bin/nvmfd --config "${1:-config/examples/ram.toml}"
