@@ -2038,6 +2038,35 @@ mod soft_only {
             [(1, WcStatus::WrFlushErr), (2, WcStatus::RetryExcErr)]
         );
     }
+
+    /// As above, a request refused by the peer (a bad rkey) as it runs on the wire comes
+    /// after the SEND waiting for a receive that its failure flushes. Its error completion
+    /// came first.
+    #[test]
+    fn a_request_the_peer_refuses_completes_after_the_earlier_work_it_flushes() {
+        let w = world(5044, 1).unwrap();
+        w.hid[0]
+            .post_send(&[send(1, &[w.h.mr.sge(0, 64)], true)])
+            .unwrap();
+        w.hid[0]
+            .post_send(&[SendWr {
+                wr_id: 2,
+                op: SendOp::RdmaWrite {
+                    remote_addr: w.t.mr.addr(),
+                    rkey: w.t.mr.rkey() ^ 0x5a5a,
+                },
+                sges: &[w.h.mr.sge(0, 64)],
+                signaled: true,
+                inline: false,
+            }])
+            .unwrap();
+        let first = poll_one(&w.h.cq);
+        let second = poll_one(&w.h.cq);
+        assert_eq!(
+            [(first.wr_id, first.status), (second.wr_id, second.status)],
+            [(1, WcStatus::WrFlushErr), (2, WcStatus::RemAccessErr)]
+        );
+    }
 }
 
 /// Only the ibverbs provider: device handles taken from librdmacm's IDs hold an ID, which keeps

@@ -443,9 +443,11 @@ fn run_local(
     opcode: WcOpcode,
     (peer, rnr_retry): (Option<u32>, u8),
 ) {
+    // The QP's earlier work still out (a SEND waiting at the peer) is flushed first:
+    // completions come in posting order, as on a NIC.
     let fail = |s: &mut State, st: WcStatus| {
-        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
         s.qp_error(qpn);
+        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
     };
     let Some((peer, pdev, ppd, waiting)) = peer.and_then(|p| {
         s.qps
@@ -498,9 +500,11 @@ fn send_local(
     opcode: WcOpcode,
     (peer, rnr_retry, waiting): (u32, u8, bool),
 ) {
+    // The QP's earlier work still out (a SEND waiting at the peer) is flushed first:
+    // completions come in posting order, as on a NIC.
     let fail = |s: &mut State, st: WcStatus| {
-        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
         s.qp_error(qpn);
+        s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
     };
     let invalidate = match w.op {
         SendOp::SendWithInvalidate { rkey } => Some(rkey),
