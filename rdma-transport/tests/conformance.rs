@@ -1087,6 +1087,46 @@ mod soft_only {
         );
     }
 
+    /// A completion made but not polled still holds its send queue slot (and those of the
+    /// unsignaled run it retired), as on mlx5, which frees them in `poll_cq`: a post past
+    /// the queue's size fails until the completions are polled. They came free as the
+    /// completions were made, so a data path releasing its budget early passed here.
+    #[test]
+    fn send_queue_slots_come_free_when_their_completions_are_polled() {
+        let w = world(5045, 1).unwrap();
+        let sge = [w.t.mr.sge(0, 8)];
+        let write = |id, signaled| SendWr {
+            wr_id: id,
+            op: SendOp::RdmaWrite {
+                remote_addr: w.h.mr.addr(),
+                rkey: w.h.mr.rkey(),
+            },
+            sges: &sge,
+            signaled,
+            inline: false,
+        };
+        for i in 0..63 {
+            w.tid[0].post_send(&[write(100 + i, false)]).unwrap();
+        }
+        w.tid[0].post_send(&[write(163, true)]).unwrap();
+        let e = w.tid[0].post_send(&[write(200, true)]).unwrap_err();
+        assert_eq!(
+            e.errno(),
+            Some(libc::ENOMEM),
+            "the SQ (64) is full of WRs whose completion is not polled"
+        );
+        assert_eq!(poll_one(&w.t.cq).wr_id, 163);
+        for i in 0..64 {
+            w.tid[0].post_send(&[write(300 + i, true)]).unwrap();
+        }
+        let e = w.tid[0].post_send(&[write(400, true)]).unwrap_err();
+        assert_eq!(e.errno(), Some(libc::ENOMEM));
+        for i in 0..64 {
+            assert_eq!(poll_one(&w.t.cq).wr_id, 300 + i);
+        }
+        w.tid[0].post_send(&[write(500, true)]).unwrap();
+    }
+
     #[test]
     fn last_wqe_can_be_suppressed_as_on_rxe() {
         let w = world(5002, 1).unwrap();

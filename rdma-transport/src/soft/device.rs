@@ -336,6 +336,7 @@ impl Pd {
             peer: None,
             rnr_retry: 7,
             unsignaled_run: 0,
+            unpolled: 0,
             deferred: 0,
             inbound: VecDeque::new(),
             last_wqe_sent: false,

@@ -16,9 +16,9 @@ impl State {
             return;
         };
         let cq = q.send_cq;
-        // Errors always complete; a signaled success retires the unsignaled run before it.
+        // Errors always complete; a signaled success retires the unsignaled run before it
+        // (`push_wc`).
         if status != WcStatus::Success || signaled {
-            q.unsignaled_run = 0;
             self.push_wc(
                 cq,
                 Wc {

@@ -218,8 +218,8 @@ impl Fabric {
         s.holding.clear();
         let held = std::mem::take(&mut s.held);
         let n = held.len();
-        for (cq, wc) in held {
-            s.push_wc(cq, wc);
+        for (cq, wc, frees) in held {
+            s.deliver_wc(cq, wc, frees);
         }
         n
     }
@@ -229,10 +229,10 @@ impl Fabric {
     pub fn release_first_held_completions(&self, n: usize) -> usize {
         let mut s = self.lock();
         let n = n.min(s.held.len());
-        let first: Vec<(u32, Wc)> = s.held.drain(..n).collect();
+        let first: Vec<(u32, Wc, u32)> = s.held.drain(..n).collect();
         let holding = std::mem::take(&mut s.holding);
-        for (cq, wc) in first {
-            s.push_wc(cq, wc);
+        for (cq, wc, frees) in first {
+            s.deliver_wc(cq, wc, frees);
         }
         s.holding = holding;
         n
@@ -244,11 +244,11 @@ impl Fabric {
     pub fn release_held_completions_but_first(&self, keep: usize) -> usize {
         let mut s = self.lock();
         let keep = keep.min(s.held.len());
-        let rest: Vec<(u32, Wc)> = s.held.drain(keep..).collect();
+        let rest: Vec<(u32, Wc, u32)> = s.held.drain(keep..).collect();
         let holding = std::mem::take(&mut s.holding);
         let n = rest.len();
-        for (cq, wc) in rest {
-            s.push_wc(cq, wc);
+        for (cq, wc, frees) in rest {
+            s.deliver_wc(cq, wc, frees);
         }
         s.holding = holding;
         n

@@ -27,7 +27,8 @@ impl Cq {
         let _scope = ProviderScope::enter();
         let mut s = self.fabric.lock();
         s.release_delayed();
-        let c = s
+        let st = &mut *s;
+        let c = st
             .cqs
             .get_mut(&self.id)
             .ok_or(VerbsError::os("poll_cq", libc::EINVAL))?;
@@ -35,17 +36,20 @@ impl Cq {
             return Err(VerbsError::os("poll_cq", libc::EOVERFLOW));
         }
         let n = out.len().min(c.entries.len());
-        for (slot, wc) in out.iter_mut().zip(c.entries.drain(..n)) {
+        for (slot, (wc, frees)) in out.iter_mut().zip(c.entries.drain(..n)) {
             *slot = wc;
-        }
-        c.publish();
-        for wc in &out[..n] {
-            if wc.opcode == WcOpcode::RdmaRead {
-                if let Some(q) = s.qps.get_mut(&wc.qp_num) {
+            if wc.opcode == WcOpcode::Recv {
+                continue;
+            }
+            if let Some(q) = st.qps.get_mut(&wc.qp_num) {
+                if wc.opcode == WcOpcode::RdmaRead {
                     q.reads_out = q.reads_out.saturating_sub(1);
                 }
+                // Its send queue slots come free now that it is polled, as mlx5 frees them.
+                q.unpolled = q.unpolled.saturating_sub(frees);
             }
         }
+        c.publish();
         Ok(n)
     }
 
@@ -95,7 +99,7 @@ impl Drop for Cq {
                     q.recv_cq = 0;
                 }
             }
-            s.held.retain(|(cq, _)| *cq != id);
+            s.held.retain(|(cq, _, _)| *cq != id);
             s.forget_events(c.dev, |e| *e == AsyncEvent::CqErr(id));
         }
     }
@@ -267,8 +271,8 @@ impl Qp {
         if wrs.len() > crate::types::MAX_SEND_CHAIN {
             return Err(VerbsError::post("post_send", libc::EINVAL, 0));
         }
-        let room =
-            (q.caps.max_send_wr as usize).saturating_sub((q.unsignaled_run + q.deferred) as usize);
+        let room = (q.caps.max_send_wr as usize)
+            .saturating_sub((q.unsignaled_run + q.deferred + q.unpolled) as usize);
         let (max_sge, max_inline) = (q.caps.max_send_sge.max(1) as usize, q.caps.max_inline_data);
         let invalidate_ok = !s.faults.no_send_with_invalidate;
         let injected = s.injected_post_failure(self.qpn, wrs.len());

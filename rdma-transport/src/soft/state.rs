@@ -27,7 +27,8 @@ pub(super) struct CqState {
     pub(super) armed: bool,
     pub(super) dev: u32,
     pub(super) cap: usize,
-    pub(super) entries: VecDeque<Wc>,
+    /// Completions, each with the send queue slots it frees when polled (0 for a receive).
+    pub(super) entries: VecDeque<(Wc, u32)>,
     pub(super) overflowed: bool,
     pub(super) channel: Arc<EventFd>,
     /// What a poll would find, published for polls that take no lock: the number of
@@ -95,6 +96,10 @@ pub(crate) struct QpState_ {
     pub(super) rnr_retry: u8,
     /// Unsignaled WRs completed since the last signaled completion: they hold SQ slots.
     pub(super) unsignaled_run: u32,
+    /// Send WRs whose completion was made (with the unsignaled run it retired) and not yet
+    /// polled: they hold SQ slots until it is, as on mlx5 (which frees them in `poll_cq`).
+    pub(super) unpolled: u32,
+
     /// SENDs of this QP waiting at the peer for a receive.
     pub(super) deferred: u32,
     /// Messages for this QP waiting for a receive.
@@ -173,7 +178,7 @@ pub(crate) struct State {
     /// QPs whose send completions are held back ([`Fabric::hold_send_completions`]).
     pub(super) holding: std::collections::HashSet<u32>,
     /// The send completions held back, with their CQ, in the order they came.
-    pub(super) held: Vec<(u32, Wc)>,
+    pub(super) held: Vec<(u32, Wc, u32)>,
 }
 
 impl State {
@@ -325,13 +330,27 @@ impl State {
     }
 
     pub(super) fn push_wc(&mut self, cq: u32, wc: Wc) {
+        // A send completion frees its WR's slot, and those of the unsignaled run before it,
+        // once it is polled.
+        let mut frees = 0;
+        if wc.opcode != WcOpcode::Recv {
+            if let Some(q) = self.qps.get_mut(&wc.qp_num) {
+                frees = 1 + std::mem::take(&mut q.unsignaled_run);
+                q.unpolled += frees;
+            }
+        }
         if !self.holding.is_empty()
             && wc.opcode != WcOpcode::Recv
             && self.holding.contains(&wc.qp_num)
         {
-            self.held.push((cq, wc));
+            self.held.push((cq, wc, frees));
             return;
         }
+        self.deliver_wc(cq, wc, frees);
+    }
+
+    /// Writes completion `wc` (freeing `frees` send queue slots when polled) into CQ `cq`.
+    pub(super) fn deliver_wc(&mut self, cq: u32, wc: Wc, frees: u32) {
         let mut overflow_dev = None;
         if let Some(c) = self.cqs.get_mut(&cq) {
             if c.entries.len() >= c.cap {
@@ -341,7 +360,7 @@ impl State {
                     overflow_dev = Some(c.dev);
                 }
             } else {
-                c.entries.push_back(wc);
+                c.entries.push_back((wc, frees));
                 c.publish();
                 if c.armed {
                     // One notification per arming, as a completion channel gives.
@@ -514,7 +533,7 @@ impl State {
         let mut dropped = DestroyDrops::default();
         for cq in [send_cq, recv_cq] {
             if let Some(c) = self.cqs.get_mut(&cq) {
-                c.entries.retain(|w| {
+                c.entries.retain(|(w, _)| {
                     let ours = w.qp_num == qpn;
                     if ours && w.opcode == WcOpcode::Recv {
                         dropped.receives += 1;
