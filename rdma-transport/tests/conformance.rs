@@ -1127,6 +1127,58 @@ mod soft_only {
         w.tid[0].post_send(&[write(500, true)]).unwrap();
     }
 
+    /// A SEND waiting for a receive at the peer (RNR, retried) holds back the QP's later
+    /// work, as a responder discards what follows the NAK'd packet and the requester resends
+    /// from it (IB 9.7.5.2.8): a later RDMA WRITE neither lands nor completes before it, and
+    /// completions come in posting order once a receive is posted. The WRITE landed and
+    /// completed at once, past the waiting SEND.
+    #[test]
+    fn work_behind_a_send_waiting_for_a_receive_waits_with_it() {
+        let w = world(5046, 1).unwrap();
+        w.h.mr.write(0, &[0x5a; 64]);
+        w.t.mr.write(256, &[0; 64]);
+        let landed = |w: &World| {
+            let mut b = [0u8; 64];
+            w.t.mr.read(256, &mut b);
+            b
+        };
+        w.hid[0]
+            .post_send(&[send(1, &[w.h.mr.sge(0, 64)], true)])
+            .unwrap();
+        w.hid[0]
+            .post_send(&[SendWr {
+                wr_id: 2,
+                op: SendOp::RdmaWrite {
+                    remote_addr: w.t.mr.addr() + 256,
+                    rkey: w.t.mr.rkey(),
+                },
+                sges: &[w.h.mr.sge(0, 64)],
+                signaled: true,
+                inline: false,
+            }])
+            .unwrap();
+        let mut wc = [Wc::default(); 4];
+        assert_eq!(w.h.cq.poll(&mut wc).unwrap(), 0, "{:?}", &wc[..1]);
+        assert_eq!(
+            landed(&w),
+            [0; 64],
+            "the WRITE landed before the SEND ahead of it"
+        );
+        w.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 9,
+                sges: &[w.t.mr.sge(0, 128)],
+            }])
+            .unwrap();
+        let first = poll_one(&w.h.cq);
+        let second = poll_one(&w.h.cq);
+        assert_eq!(
+            [(first.wr_id, first.status), (second.wr_id, second.status)],
+            [(1, WcStatus::Success), (2, WcStatus::Success)]
+        );
+        assert_eq!(landed(&w), [0x5a; 64]);
+    }
+
     #[test]
     fn last_wqe_can_be_suppressed_as_on_rxe() {
         let w = world(5002, 1).unwrap();
@@ -2045,11 +2097,12 @@ mod soft_only {
         );
     }
 
-    /// A work request that fails as it is posted comes after the QP's earlier work, which
-    /// its failure flushes: completions come in posting order, as on a NIC (the SEND
-    /// waiting for a receive at the peer was flushed after the failed request).
+    /// A work request that fails comes after the QP's earlier work: completions come in
+    /// posting order, as on a NIC. Behind a SEND waiting for a receive at the peer, it waits
+    /// (`work_behind_a_send_waiting_for_a_receive_waits_with_it`), and fails once the SEND
+    /// has landed (it ran past the SEND, and its error came first).
     #[test]
-    fn a_failed_post_completes_after_the_earlier_work_it_flushes() {
+    fn a_failed_post_completes_after_the_earlier_work() {
         let w = world(5043, 1).unwrap();
         // No receive at the target: the host's SEND waits (RNR retry 7).
         w.hid[0]
@@ -2071,19 +2124,26 @@ mod soft_only {
                 inline: false,
             }])
             .unwrap();
+        let mut wc = [Wc::default(); 2];
+        assert_eq!(w.h.cq.poll(&mut wc).unwrap(), 0, "{wc:?}");
+        w.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 9,
+                sges: &[w.t.mr.sge(0, 128)],
+            }])
+            .unwrap();
         let first = poll_one(&w.h.cq);
         let second = poll_one(&w.h.cq);
         assert_eq!(
             [(first.wr_id, first.status), (second.wr_id, second.status)],
-            [(1, WcStatus::WrFlushErr), (2, WcStatus::RetryExcErr)]
+            [(1, WcStatus::Success), (2, WcStatus::RetryExcErr)]
         );
     }
 
     /// As above, a request refused by the peer (a bad rkey) as it runs on the wire comes
-    /// after the SEND waiting for a receive that its failure flushes. Its error completion
-    /// came first.
+    /// after the SEND it waited behind. Its error completion came first.
     #[test]
-    fn a_request_the_peer_refuses_completes_after_the_earlier_work_it_flushes() {
+    fn a_request_the_peer_refuses_completes_after_the_earlier_work() {
         let w = world(5044, 1).unwrap();
         w.hid[0]
             .post_send(&[send(1, &[w.h.mr.sge(0, 64)], true)])
@@ -2100,11 +2160,19 @@ mod soft_only {
                 inline: false,
             }])
             .unwrap();
+        let mut wc = [Wc::default(); 2];
+        assert_eq!(w.h.cq.poll(&mut wc).unwrap(), 0, "{wc:?}");
+        w.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 9,
+                sges: &[w.t.mr.sge(0, 128)],
+            }])
+            .unwrap();
         let first = poll_one(&w.h.cq);
         let second = poll_one(&w.h.cq);
         assert_eq!(
             [(first.wr_id, first.status), (second.wr_id, second.status)],
-            [(1, WcStatus::WrFlushErr), (2, WcStatus::RemAccessErr)]
+            [(1, WcStatus::Success), (2, WcStatus::RemAccessErr)]
         );
     }
 }

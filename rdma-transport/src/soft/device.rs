@@ -338,6 +338,7 @@ impl Pd {
             unsignaled_run: 0,
             unpolled: 0,
             deferred: 0,
+            rnr_blocked: 0,
             inbound: VecDeque::new(),
             last_wqe_sent: false,
             remote: None,

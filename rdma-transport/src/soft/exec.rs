@@ -159,6 +159,7 @@ impl State {
                     Some(r) => {
                         if let Some(src) = self.qps.get_mut(&m.from_qpn) {
                             src.deferred = src.deferred.saturating_sub(1);
+                            src.rnr_blocked = src.rnr_blocked.saturating_sub(1);
                         }
                         let st = if r.is_ok() {
                             WcStatus::Success
@@ -265,7 +266,8 @@ pub(super) struct Sender {
     pd: u32,
     peer: Option<u32>,
     rnr_retry: u8,
-    /// Work of the QP is held up by an injected delay (this one waits behind it).
+    /// Work of the QP is held up by an injected delay, or behind a SEND waiting at the peer
+    /// for a receive (this one waits behind it).
     held: bool,
     remote: Option<u32>,
 }
@@ -277,7 +279,7 @@ impl Sender {
             pd: q.pd,
             peer: q.peer,
             rnr_retry: q.rnr_retry,
-            held: !q.delayed.is_empty(),
+            held: !q.delayed.is_empty() || q.rnr_blocked > 0,
             remote: q.remote,
         }
     }
@@ -532,6 +534,7 @@ fn send_local(
             };
             if let Some(q) = s.qps.get_mut(&qpn) {
                 q.deferred += 1;
+                q.rnr_blocked += 1;
             }
             if let Some(p) = s.qps.get_mut(&peer) {
                 p.inbound.push_back(m);

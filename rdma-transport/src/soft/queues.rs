@@ -142,6 +142,8 @@ impl Srq {
             });
         }
         s.drain_inbound(self.id);
+        // Work held behind a SEND that has now landed goes on.
+        s.release_delayed();
         match stop {
             Some((posted, errno)) => Err(VerbsError::post("post_srq_recv", errno, posted)),
             None => Ok(()),

@@ -102,6 +102,10 @@ pub(crate) struct QpState_ {
 
     /// SENDs of this QP waiting at the peer for a receive.
     pub(super) deferred: u32,
+    /// Of those, the ones on the in-process wire (RNR, retried): the QP's later work waits
+    /// behind them in `delayed`, as a responder discards what follows a NAK'd packet and the
+    /// requester resends from it (IB 9.7.5.2.8): nothing after it lands or completes first.
+    pub(super) rnr_blocked: u32,
     /// Messages for this QP waiting for a receive.
     pub(super) inbound: VecDeque<Pending>,
     pub(super) last_wqe_sent: bool,
@@ -260,7 +264,12 @@ impl State {
             .collect();
         self.releasing = true;
         for qpn in qpns {
-            while let Some(d) = self.qps.get_mut(&qpn).and_then(|q| q.delayed.pop_front()) {
+            while let Some(d) = self
+                .qps
+                .get_mut(&qpn)
+                .filter(|q| q.rnr_blocked == 0)
+                .and_then(|q| q.delayed.pop_front())
+            {
                 if let Some(q) = self.qps.get_mut(&qpn) {
                     q.deferred = q.deferred.saturating_sub(1);
                 }
@@ -495,6 +504,7 @@ impl State {
         }
         if let Some(q) = self.qps.get_mut(&qpn) {
             q.deferred = 0;
+            q.rnr_blocked = 0;
         }
         // Messages from the peer waiting for our receives: the peer's SENDs fail.
         for m in inbound {
