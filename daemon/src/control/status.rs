@@ -130,6 +130,53 @@ pub struct Status {
 }
 
 impl Daemon {
+    /// Listener `i`'s status as hosts find it: one that a reactor could not set up a data
+    /// path for is not serving (that reactor refuses the connections handed to it).
+    pub(super) fn listener_status(&self, i: usize) -> ListenerStatus {
+        let mut st = self.listeners[i].clone();
+        if st.serving {
+            for (r, u) in self.unserved.iter().enumerate() {
+                if let Some(why) = u.lock().unwrap_or_else(|e| e.into_inner()).get(&i) {
+                    st.serving = false;
+                    st.reason = Some(format!(
+                        "reactor {r} could not set up a data path on its device: {why}"
+                    ));
+                    break;
+                }
+            }
+        }
+        st
+    }
+
+    pub(super) fn status_line(&self) -> String {
+        let namespaces: usize = self.cfg.subsystems.iter().map(|s| s.namespaces.len()).sum();
+        let live: Vec<usize> = (0..self.listeners.len())
+            .filter(|&i| self.listener_slots.get(i).is_some_and(Option::is_some))
+            .collect();
+        let serving = live
+            .iter()
+            .filter(|&&i| self.listener_status(i).serving)
+            .count();
+        let stalled = self
+            .heartbeats
+            .iter()
+            .zip(&self.reactors)
+            .filter(|(_, r)| r.shared.counters.stalled.load(Ordering::Relaxed))
+            .count();
+        let mut s = format!(
+            "{} subsystem(s), {} namespace(s); {}/{} listener(s) serving; {} reactor(s)",
+            self.cfg.subsystems.len(),
+            namespaces,
+            serving,
+            live.len(),
+            self.reactors.len()
+        );
+        if stalled > 0 {
+            s.push_str(&format!(", {stalled} STALLED"));
+        }
+        s
+    }
+
     /// Live controllers, for `nvmfctl controllers`.
     pub(super) fn controllers(&self) -> Vec<ControllerStatus> {
         let Some(t) = &self.target else {
