@@ -52,24 +52,6 @@ CFG
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
 for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
-ctl() { timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json "$@"; }
-step() {
-  echo "==> $*"
-  if [ "$(type -t "$1")" = function ]; then "$@"; else timeout 120 "$@"; fi || {
-    echo "STEP FAILED: $*"
-    echo "--- kernel log"; dmesg | tail -40 | sed 's/^/kernel: /'
-    echo "--- nvmfd status"; ctl status
-    echo "--- nvmfd log"; tail -40 $WORK/nvmfd.log
-    kill $pid; exit 1
-  }
-}
-serving_is() {
-  for i in $(seq 600); do
-    ctl status | tr -d ' \n' | grep -q "\"serving\":$1" && return 0
-    sleep 0.1
-  done
-  return 1
-}
 address_changes() {
   for i in $(seq 600); do
     local n

@@ -30,25 +30,6 @@ modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
 for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
-ctl() { timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json "$@"; }
-step() {
-  echo "==> $*"
-  if [ "$(type -t "$1")" = function ]; then "$@"; else timeout 120 "$@"; fi || {
-    echo "STEP FAILED: $*"
-    echo "--- kernel log"; dmesg | tail -40 | sed 's/^/kernel: /'
-    echo "--- nvmfd status"; ctl status
-    echo "--- nvmfd log"; tail -40 $WORK/nvmfd.log
-    kill $pid; exit 1
-  }
-}
-# Waits (bounded) until the listener's `serving` is $1.
-serving_is() {
-  for i in $(seq 600); do
-    ctl status | tr -d ' \n' | grep -q "\"serving\":$1" && return 0
-    sleep 0.1
-  done
-  return 1
-}
 # Deletes rxe0 without hanging the lab: the delete runs in the background and is waited for
 # (bounded) by polling. If it has not finished, nvmfd still holds something of the device: show
 # its log, status, open fds (uverbs and rdma_cm), its RDMA resources and the kernel log, and fail

@@ -12,3 +12,29 @@ stop_nvmfd() {
   echo "nvmfd exit status $rc"
   [ $rc -eq 0 ] || { echo "STEP FAILED: nvmfd exit status $rc"; exit 1; }
 }
+
+# The guests that serve one nvmfd ($BIN, its work folder $WORK, its pid $pid) and step
+# through the kernel host's commands.
+ctl() { timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json "$@"; }
+
+# Runs a step (a command bounded to 120 s, or a function); on failure shows the kernel log,
+# nvmfd's status and log, stops nvmfd and fails the run.
+step() {
+  echo "==> $*"
+  if [ "$(type -t "$1")" = function ]; then "$@"; else timeout 120 "$@"; fi || {
+    echo "STEP FAILED: $*"
+    echo "--- kernel log"; dmesg | tail -40 | sed 's/^/kernel: /'
+    echo "--- nvmfd status"; ctl status
+    echo "--- nvmfd log"; tail -40 $WORK/nvmfd.log
+    kill $pid; exit 1
+  }
+}
+
+# Waits (bounded) until the listener's `serving` is $1.
+serving_is() {
+  for i in $(seq 600); do
+    ctl status | tr -d ' \n' | grep -q "\"serving\":$1" && return 0
+    sleep 0.1
+  done
+  return 1
+}

@@ -431,15 +431,7 @@ impl Daemon {
                         disconnected: (!listening).then_some(token),
                         moved: false,
                     };
-                    if meanwhile {
-                        // Its listeners take no new connection on the dying device until
-                        // the removal is handled.
-                        let fd = removal.device.as_ref().map(any::Device::async_fd);
-                        self.hold_listeners_on(fd);
-                        self.deferred_removals.push(removal);
-                    } else {
-                        self.handle_removal(registry, removal);
-                    }
+                    self.removal_now_or_later(registry, removal, meanwhile);
                 }
                 CmEvent::Disconnected { id } => {
                     self.tell_reactors(|| ReactorCmd::Disconnected { token: id });
@@ -464,13 +456,7 @@ impl Daemon {
                         disconnected: None,
                         moved: true,
                     };
-                    if meanwhile {
-                        let fd = removal.device.as_ref().map(any::Device::async_fd);
-                        self.hold_listeners_on(fd);
-                        self.deferred_removals.push(removal);
-                    } else {
-                        self.handle_removal(registry, removal);
-                    }
+                    self.removal_now_or_later(registry, removal, meanwhile);
                 }
                 // An accepted connection that failed before it was established: the reactor
                 // that took it tears it down (its QP, CM ID and SRQ reservation go) and counts
@@ -490,6 +476,23 @@ impl Daemon {
                 }),
                 CmEvent::Established { .. } | CmEvent::TimewaitExit { .. } => {}
             }
+        }
+    }
+
+    /// Handles a removal (or an address move) now, or, while a change waits (`meanwhile`),
+    /// once it is done: its listeners take no new connection on the device until then.
+    fn removal_now_or_later(
+        &mut self,
+        registry: &Registry,
+        removal: DeferredRemoval,
+        meanwhile: bool,
+    ) {
+        if meanwhile {
+            let fd = removal.device.as_ref().map(any::Device::async_fd);
+            self.hold_listeners_on(fd);
+            self.deferred_removals.push(removal);
+        } else {
+            self.handle_removal(registry, removal);
         }
     }
 

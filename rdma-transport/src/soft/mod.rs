@@ -341,21 +341,11 @@ impl Fabric {
         let id = dev.inner.id;
         s.removed.insert(id);
         s.event(id, AsyncEvent::DeviceFatal);
-        let qpns: Vec<u32> = s
-            .qps
-            .iter()
-            .filter(|(_, q)| q.dev == id)
-            .map(|(n, _)| *n)
-            .collect();
+        let (qpns, listening) = s.ids_on(id);
         for q in &qpns {
             s.qp_error(*q);
         }
-        let listening: Vec<u32> =
-            s.cm.listening_ids()
-                .filter(|(addr, _)| s.device_id_for(addr.ip()) == Some(id))
-                .map(|(_, l)| l)
-                .collect();
-        s.cm.device_removed(&qpns, &listening);
+        s.cm.device_event(&qpns, &listening, |token| cm::Ev::DeviceRemoval { token });
     }
 
     /// The device's address moves to another hardware address, as a bond's failover to
@@ -363,19 +353,8 @@ impl Fabric {
     /// on it) see `AddrChange`. The device itself stays (a bond over ports of one device).
     pub fn change_address(&self, dev: &Device) {
         let mut s = self.lock();
-        let id = dev.inner.id;
-        let qpns: Vec<u32> = s
-            .qps
-            .iter()
-            .filter(|(_, q)| q.dev == id)
-            .map(|(n, _)| *n)
-            .collect();
-        let listening: Vec<u32> =
-            s.cm.listening_ids()
-                .filter(|(addr, _)| s.device_id_for(addr.ip()) == Some(id))
-                .map(|(_, l)| l)
-                .collect();
-        s.cm.address_changed(&qpns, &listening);
+        let (qpns, listening) = s.ids_on(dev.inner.id);
+        s.cm.device_event(&qpns, &listening, |token| cm::Ev::AddrChange { token });
     }
 
     /// Brings a removed device back (its port turns active again). As with a device that

@@ -187,6 +187,23 @@ pub(crate) struct State {
 
 impl State {
     /// The ID of the device with address `addr`, or else of the first device.
+    /// The QPs on device `dev`, and the IDs listening on it.
+    pub(super) fn ids_on(&self, dev: u32) -> (Vec<u32>, Vec<u32>) {
+        let qpns = self
+            .qps
+            .iter()
+            .filter(|(_, q)| q.dev == dev)
+            .map(|(n, _)| *n)
+            .collect();
+        let listening = self
+            .cm
+            .listening_ids()
+            .filter(|(addr, _)| self.device_id_for(addr.ip()) == Some(dev))
+            .map(|(_, l)| l)
+            .collect();
+        (qpns, listening)
+    }
+
     pub(super) fn device_id_for(&self, addr: std::net::IpAddr) -> Option<u32> {
         self.devs
             .iter()

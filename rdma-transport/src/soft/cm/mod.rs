@@ -47,7 +47,7 @@ static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(1);
 /// A connection manager event.
 pub type CmEvent = crate::types::CmEvent<CmId>;
 
-enum Ev {
+pub(crate) enum Ev {
     Request {
         id: u32,
         private_data: Vec<u8>,

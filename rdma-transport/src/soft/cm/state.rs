@@ -86,9 +86,14 @@ impl CmState {
         self.listeners.iter().map(|(a, l)| (*a, *l))
     }
 
-    /// IDs whose QP is on a removed device, and the IDs listening on it (`listening`), see
-    /// `DeviceRemoval`.
-    pub(crate) fn device_removed(&mut self, qpns: &[u32], listening: &[u32]) {
+    /// Tells the IDs whose QP is one of `qpns`, and the IDs `listening`, of what happened to
+    /// their device (`DeviceRemoval`, `AddrChange`: `event` makes it from an ID's token).
+    pub(crate) fn device_event(
+        &mut self,
+        qpns: &[u32],
+        listening: &[u32],
+        event: impl Fn(usize) -> Ev,
+    ) {
         let hit: Vec<(u32, usize)> = self
             .ids
             .iter()
@@ -96,21 +101,7 @@ impl CmState {
             .map(|(_, i)| (i.channel, i.token))
             .collect();
         for (chan, token) in hit {
-            self.push(chan, Ev::DeviceRemoval { token });
-        }
-    }
-
-    /// IDs whose QP is on a device whose address moved to another hardware address, and the
-    /// IDs listening on it (`listening`), see `AddrChange`.
-    pub(crate) fn address_changed(&mut self, qpns: &[u32], listening: &[u32]) {
-        let hit: Vec<(u32, usize)> = self
-            .ids
-            .iter()
-            .filter(|(id, i)| i.qp.is_some_and(|q| qpns.contains(&q)) || listening.contains(id))
-            .map(|(_, i)| (i.channel, i.token))
-            .collect();
-        for (chan, token) in hit {
-            self.push(chan, Ev::AddrChange { token });
+            self.push(chan, event(token));
         }
     }
 
