@@ -307,6 +307,16 @@ pub(crate) struct Faults {
     pub(crate) attach_failures: std::sync::atomic::AtomicU32,
 }
 
+impl Faults {
+    /// Takes one from a count of injected failures: whether there was one left.
+    pub(crate) fn take_one(count: &std::sync::atomic::AtomicU32) -> bool {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        count
+            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
+
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Device").field("info", &self.info).finish()
@@ -555,11 +565,7 @@ impl Device {
 
     /// Whether this attach is to fail ([`Device::fail_next_attaches`]).
     pub(crate) fn take_injected_attach_failure(&self) -> bool {
-        use std::sync::atomic::Ordering::{AcqRel, Acquire};
-        self.faults
-            .attach_failures
-            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
-            .is_ok()
+        Faults::take_one(&self.faults.attach_failures)
     }
 
     /// Whether an engine attaches this device with a handle opened ahead for it (an RBD
@@ -574,11 +580,7 @@ impl Device {
 
     /// Whether this deallocate is to fail ([`Device::fail_next_deallocates`]).
     pub(crate) fn take_injected_deallocate_failure(&self) -> bool {
-        use std::sync::atomic::Ordering::{AcqRel, Acquire};
-        self.faults
-            .deallocates_unsupported
-            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
-            .is_ok()
+        Faults::take_one(&self.faults.deallocates_unsupported)
     }
 
     /// What the daemon should warn of when it serves this device: why buffered I/O is used

@@ -3509,25 +3509,7 @@ fn a_queue_id_is_free_again_once_its_queue_is_torn_down_with_nothing_at_the_back
 /// host's Connect went unanswered until the daemon restarted.
 #[test]
 fn a_failed_cq_is_replaced_by_a_new_data_path_that_serves() {
-    use std::sync::atomic::Ordering::Relaxed;
-    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let s = fault_reactor(4446, &c);
-    let (_old_admin, mut old) = controller(&s, 1);
-    write_verified(&mut old[0], 2, 2);
-    let target_qp = target_qp_of(&s, &mut old[0]);
-    assert!(s.fabric.inject_cq_error(target_qp));
-    // The old queue's QP was torn down: its next command fails instead of being answered.
-    let mut back = vec![0u8; 4096];
-    assert!(old[0].read(2, 2, 1, &mut back).is_err());
-    let (_admin, mut ios) = served_within(&s, Duration::from_secs(30));
-    let data = write_verified(&mut ios[0], 3, 5);
-    ios[0].read(2, 5, 1, &mut back).unwrap();
-    assert!(back == data, "read back differs");
-    // The old data path's drains end by their timeout (their markers were lost with the CQ),
-    // and it goes; the new one serves on.
-    wait_until("the old data path's drains ended", || {
-        c.qps_draining.load(Relaxed) == 0 && c.drain_timeouts.load(Relaxed) >= 1
-    });
+    let (_s, _admin, mut ios) = cq_lost_and_replaced(4446, |f, qp| f.inject_cq_error(qp));
     write_verified(&mut ios[0], 4, 6);
 }
 
@@ -3536,23 +3518,34 @@ fn a_failed_cq_is_replaced_by_a_new_data_path_that_serves() {
 /// served. The failed poll read as an empty CQ: nothing completed again, every host hung.
 #[test]
 fn a_cq_whose_poll_fails_is_replaced_by_a_new_data_path() {
+    cq_lost_and_replaced(4439, |f, qp| f.fail_cq_polls(qp));
+}
+
+/// A host's I/O queue whose CQ at the target `lose` makes fail: the old queue's next command
+/// fails (its QP was torn down), a new host is served and reads back what it wrote, and the
+/// old data path's drains end by their timeout (their markers were lost with the CQ). The
+/// new host's controller (admin and I/O queues), and the reactor serving it, are returned.
+fn cq_lost_and_replaced(
+    port: u16,
+    lose: impl Fn(&Fabric, u32) -> bool,
+) -> (Served, AdminQueue<RdmaQueue>, Vec<IoQueue<RdmaQueue>>) {
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let s = fault_reactor(4439, &c);
+    let s = fault_reactor(port, &c);
     let (_old_admin, mut old) = controller(&s, 1);
     write_verified(&mut old[0], 2, 2);
     let target_qp = target_qp_of(&s, &mut old[0]);
-    assert!(s.fabric.fail_cq_polls(target_qp));
+    assert!(lose(&s.fabric, target_qp));
     let mut back = vec![0u8; 4096];
     assert!(old[0].read(2, 2, 1, &mut back).is_err());
-    let (_admin, mut ios) = served_within(&s, Duration::from_secs(30));
+    let (admin, mut ios) = served_within(&s, Duration::from_secs(30));
     let data = write_verified(&mut ios[0], 3, 5);
     ios[0].read(2, 5, 1, &mut back).unwrap();
     assert!(back == data, "read back differs");
-    // Its drains could not read the CQ empty: they ended by their timeout.
     wait_until("the old data path's drains ended", || {
         c.qps_draining.load(Relaxed) == 0 && c.drain_timeouts.load(Relaxed) >= 1
     });
+    (s, admin, ios)
 }
 
 /// A reactor thread serving on port `port` into counters `c`, with an SRQ that starts small

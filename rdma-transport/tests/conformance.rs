@@ -1066,16 +1066,7 @@ mod soft_only {
     fn unsignaled_requests_hold_sq_slots_until_a_signaled_one_completes() {
         let w = world(5001, 1).unwrap();
         let sge = [w.t.mr.sge(0, 8)];
-        let write = |id, signaled| SendWr {
-            wr_id: id,
-            op: SendOp::RdmaWrite {
-                remote_addr: w.h.mr.addr(),
-                rkey: w.h.mr.rkey(),
-            },
-            sges: &sge,
-            signaled,
-            inline: false,
-        };
+        let write = |id, signaled| write_to_host(&w, &sge, id, signaled);
         for i in 0..64 {
             w.tid[0].post_send(&[write(100 + i, false)]).unwrap();
         }
@@ -1095,16 +1086,7 @@ mod soft_only {
     fn send_queue_slots_come_free_when_their_completions_are_polled() {
         let w = world(5045, 1).unwrap();
         let sge = [w.t.mr.sge(0, 8)];
-        let write = |id, signaled| SendWr {
-            wr_id: id,
-            op: SendOp::RdmaWrite {
-                remote_addr: w.h.mr.addr(),
-                rkey: w.h.mr.rkey(),
-            },
-            sges: &sge,
-            signaled,
-            inline: false,
-        };
+        let write = |id, signaled| write_to_host(&w, &sge, id, signaled);
         for i in 0..63 {
             w.tid[0].post_send(&[write(100 + i, false)]).unwrap();
         }
@@ -1164,12 +1146,7 @@ mod soft_only {
             [0; 64],
             "the WRITE landed before the SEND ahead of it"
         );
-        w.t.srq
-            .post_recv(&[RecvWr {
-                wr_id: 9,
-                sges: &[w.t.mr.sge(0, 128)],
-            }])
-            .unwrap();
+        post_target_receive(&w);
         let first = poll_one(&w.h.cq);
         let second = poll_one(&w.h.cq);
         assert_eq!(
@@ -1190,6 +1167,30 @@ mod soft_only {
         assert!(!w.t.dev.sends_last_wqe(), "the device says what it does");
         w.tid[0].to_error().unwrap();
         assert_eq!(w.t.dev.next_event(), None);
+    }
+
+    /// An RDMA WRITE of `sge` from the target side to the start of the host's region.
+    fn write_to_host<'a>(w: &World, sge: &'a [Sge], id: u64, signaled: bool) -> SendWr<'a> {
+        SendWr {
+            wr_id: id,
+            op: SendOp::RdmaWrite {
+                remote_addr: w.h.mr.addr(),
+                rkey: w.h.mr.rkey(),
+            },
+            sges: sge,
+            signaled,
+            inline: false,
+        }
+    }
+
+    /// One receive (wr_id 9, 128 bytes) on the target's SRQ.
+    fn post_target_receive(w: &World) {
+        w.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 9,
+                sges: &[w.t.mr.sge(0, 128)],
+            }])
+            .unwrap();
     }
 
     /// `n` signaled RDMA WRITEs of 8 bytes from the target side, `first` the first wr_id.
@@ -2126,12 +2127,7 @@ mod soft_only {
             .unwrap();
         let mut wc = [Wc::default(); 2];
         assert_eq!(w.h.cq.poll(&mut wc).unwrap(), 0, "{wc:?}");
-        w.t.srq
-            .post_recv(&[RecvWr {
-                wr_id: 9,
-                sges: &[w.t.mr.sge(0, 128)],
-            }])
-            .unwrap();
+        post_target_receive(&w);
         let first = poll_one(&w.h.cq);
         let second = poll_one(&w.h.cq);
         assert_eq!(
@@ -2162,12 +2158,7 @@ mod soft_only {
             .unwrap();
         let mut wc = [Wc::default(); 2];
         assert_eq!(w.h.cq.poll(&mut wc).unwrap(), 0, "{wc:?}");
-        w.t.srq
-            .post_recv(&[RecvWr {
-                wr_id: 9,
-                sges: &[w.t.mr.sge(0, 128)],
-            }])
-            .unwrap();
+        post_target_receive(&w);
         let first = poll_one(&w.h.cq);
         let second = poll_one(&w.h.cq);
         assert_eq!(

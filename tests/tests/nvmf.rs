@@ -748,6 +748,21 @@ fn connect_host(
     (f, admin, io)
 }
 
+/// Once nothing nvmfd made on listener 0's removed soft device is left (the device, as rxe,
+/// could not come back otherwise), the device returns and the listener serves again.
+fn device_back_once_released(d: &Daemon) {
+    nvmfd_tests::wait_for("the removed device to be released", || {
+        d.log()
+            .contains("removed device released: nothing nvmfd made on it is left")
+            .then_some(())
+    });
+    let v = d.request(r#"{"request":"debug_fault","fault":"restore_device","listener":0}"#);
+    assert_eq!(v["ok"], true, "{v}");
+    nvmfd_tests::wait_for("listener 0 to serve again", || {
+        (d.data("status")["listeners"][0]["serving"] == true).then_some(())
+    });
+}
+
 /// Writes `len` bytes of pattern `seed` at `lba` and reads them back.
 fn write_verified(io: &mut IoQueue<RdmaQueue>, lba: u64, seed: u64, len: usize) -> Vec<u8> {
     let data = pattern(seed, len);
@@ -775,16 +790,7 @@ fn a_listener_whose_address_moved_listens_again_and_its_connections_end() {
     // A removal and a return first: the move after it is not another return.
     let v = d.request(r#"{"request":"debug_fault","fault":"remove_device","listener":0}"#);
     assert_eq!(v["ok"], true, "{v}");
-    nvmfd_tests::wait_for("the removed device to be released", || {
-        d.log()
-            .contains("removed device released: nothing nvmfd made on it is left")
-            .then_some(())
-    });
-    let v = d.request(r#"{"request":"debug_fault","fault":"restore_device","listener":0}"#);
-    assert_eq!(v["ok"], true, "{v}");
-    nvmfd_tests::wait_for("listener 0 to serve again", || {
-        (d.data("status")["listeners"][0]["serving"] == true).then_some(())
-    });
+    device_back_once_released(&d);
     let (_f, mut admin, mut io) = connect_host("127.0.0.57", a0, &h);
     let data = write_verified(&mut io, 100, 7, 8192);
     let v = d.request(r#"{"request":"debug_fault","fault":"addr_change","listener":0}"#);
@@ -976,18 +982,8 @@ fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_se
 
     // Nothing nvmfd made on the removed device is left (the soft device, as rxe, could not
     // come back otherwise).
-    nvmfd_tests::wait_for("the removed device to be released", || {
-        d.log()
-            .contains("removed device released: nothing nvmfd made on it is left")
-            .then_some(())
-    });
     // The device returns: the listener serves again.
-    let v = d.request(r#"{"request":"debug_fault","fault":"restore_device","listener":0}"#);
-    assert_eq!(v["ok"], true, "{v}");
-    nvmfd_tests::wait_for("listener 0 to serve again", || {
-        let s = d.data("status");
-        (s["listeners"][0]["serving"] == true).then_some(())
-    });
+    device_back_once_released(&d);
     // Host A connects anew: what it wrote before the fault reads back, and it writes more.
     let (_fa2, mut admin_a, mut io_a) = connect_host("127.0.0.14", a0, &host_a);
     for (lba, data) in &before {

@@ -172,11 +172,7 @@ impl Device {
     fn take_injected_failure(&self) -> Option<i32> {
         use std::sync::atomic::Ordering::{AcqRel, Acquire};
         (self.faults.sync_failure.load(Acquire)
-            && self
-                .faults
-                .sync_skip
-                .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
-                .is_err()
+            && !super::Faults::take_one(&self.faults.sync_skip)
             && self.faults.sync_failure.swap(false, AcqRel))
         .then(|| self.faults.sync_errno.load(Acquire))
     }
