@@ -31,7 +31,15 @@ pub(crate) fn handle(
     }
     match sqe.opcode {
         op::KEEP_ALIVE => {
-            ctrl.lock().last_keep_alive = now;
+            let mut st = ctrl.lock();
+            // With no keep-alive timer (KATO 0) there is nothing to keep alive: the kernel
+            // target answers the same.
+            if st.kato.is_zero() {
+                drop(st);
+                return q.respond(&cmd, status::KEEP_ALIVE_TIMEOUT_INVALID, 0);
+            }
+            st.last_keep_alive = now;
+            drop(st);
             q.respond(&cmd, Status::SUCCESS, 0)
         }
         op::IDENTIFY => identify(q, ctrl, cmd, icd),
@@ -253,7 +261,7 @@ fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd: &[u8]) -> Action {
             cqe: crate::queue::cqe(cmd, q.qid_or_zero(), Status::SUCCESS, 0),
             data: Some((data, dest)),
         },
-        Ok(_) => q.respond(cmd, status::SGL_DESCRIPTOR_TYPE_INVALID, 0),
+        Ok(_) => q.respond(cmd, status::INVALID_FIELD, 0),
         Err(st) => q.respond(cmd, st, 0),
     }
 }
@@ -494,7 +502,7 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     // clears it, and a read the host never gets must not.
     match q.data_ref(&cmd.sqe, u32::try_from(len).unwrap_or(u32::MAX), false, icd) {
         Ok(DataRef::Keyed { .. } | DataRef::KeyedList { .. }) => {}
-        Ok(_) => return q.respond(&cmd, status::SGL_DESCRIPTOR_TYPE_INVALID, 0),
+        Ok(_) => return q.respond(&cmd, status::INVALID_FIELD, 0),
         Err(st) => return q.respond(&cmd, st, 0),
     }
     let mut page = q.take_bytes(0);
@@ -599,7 +607,7 @@ pub(crate) fn discovery_log(q: &Queue, ctrl: &Controller) -> Vec<u8> {
             e.treq = 0x2; // secure channel not required
             e.portid = U16::new(p.id);
             e.cntlid = U16::new(0xFFFF);
-            e.asqsz = U16::new(32);
+            e.asqsz = U16::new(crate::queue::ADMIN_QUEUE_ENTRIES);
             wire::put_str(&mut e.trsvcid, &p.port.to_string(), b' ');
             wire::put_str(&mut e.subnqn, &s.nqn, 0);
             wire::put_str(&mut e.traddr, &p.addr.to_string(), b' ');

@@ -98,6 +98,10 @@ impl DataRef {
     }
 }
 
+/// Entries an admin queue may have (ASQSZ in the discovery log; NVMe-oF's minimum, and the
+/// kernel target's limit): an admin queue asking for more is refused.
+pub const ADMIN_QUEUE_ENTRIES: u16 = 32;
+
 /// Keyed data block descriptors one command may list (MSDBD in Identify Controller).
 pub const MAX_SGL_DESCRIPTORS: u32 = 16;
 

@@ -57,6 +57,10 @@ pub fn check_request(private_data: &[u8], limits: &Limits) -> Result<CmRequest, 
     if hsqsize == 0 || hsqsize >= limits.max_queue_depth {
         return Err(st::INVALID_HSQSIZE);
     }
+    // An admin queue: at most the discovery log's ASQSZ.
+    if qid == 0 && hsqsize >= crate::queue::ADMIN_QUEUE_ENTRIES {
+        return Err(st::INVALID_HSQSIZE);
+    }
     let hrqsize = r.hrqsize.get();
     if hrqsize == 0 || hrqsize > limits.max_queue_depth {
         return Err(st::INVALID_HRQSIZE);
@@ -156,6 +160,12 @@ mod tests {
             Err(st::INVALID_HSQSIZE),
             "128 entries is the limit"
         );
+        assert_eq!(
+            check_request(&req(0, 0, 33, 32), &l),
+            Err(st::INVALID_HSQSIZE),
+            "an admin queue has 32 entries at most (ASQSZ)"
+        );
+        assert_eq!(check_request(&req(0, 1, 33, 32), &l).unwrap().crqsize(), 33);
         assert_eq!(
             check_request(&req(0, 1, 0, 31), &l),
             Err(st::INVALID_HRQSIZE)

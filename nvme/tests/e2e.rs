@@ -290,6 +290,10 @@ fn connect_checks_host_subsystem_and_parameters() {
     assert_eq!(dw0_of(zero_sqsize), 44);
     let too_deep = AdminQueue::connect(w.link(0, 4096), &host(1), SUB, 4096, 0);
     assert_eq!(dw0_of(too_deep), 44);
+    // An admin queue has 32 entries at most (the discovery log's ASQSZ), as the kernel
+    // target has it: 33 is refused, though an I/O queue may have it.
+    let admin_33 = AdminQueue::connect(w.link(0, 32), &host(1), SUB, 32, 0);
+    assert_eq!(dw0_of(admin_33), 44);
     // A keep-alive timeout longer than the maximum: refused, not cut down, pointing at KATO.
     let max = u32::try_from(Limits::default().kato_max.as_millis()).unwrap();
     let long_kato = AdminQueue::connect(w.link(0, 31), &host(1), SUB, 31, max + 1);
@@ -642,8 +646,8 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
     let (addr, key) = l.register_host_memory(vec![0u8; 1024]);
     assert!(
         send(l, rw(2, SglDesc::in_capsule(0, 1024), 0x40), &[0u8; 1024])
-            .same_code(status::SGL_DESCRIPTOR_TYPE_INVALID),
-        "a read into the capsule"
+            .same_code(status::INVALID_FIELD),
+        "a read into the capsule: Invalid Field, as the kernel target answers"
     );
     let (addr, key) = {
         let _ = (addr, key);
@@ -1136,6 +1140,16 @@ fn features_negotiate_queues_keep_alive_and_events() {
     );
     a.set_feature(wire::feature::KEEP_ALIVE_TIMER, max).unwrap();
     assert_eq!(a.get_feature(wire::feature::KEEP_ALIVE_TIMER).unwrap(), max);
+    a.keep_alive().unwrap();
+    // No timer (KATO 0): a Keep Alive has nothing to keep alive and is refused, as the kernel
+    // target refuses it; a controller connected without one refuses it from the start.
+    a.set_feature(wire::feature::KEEP_ALIVE_TIMER, 0).unwrap();
+    assert!(status_of(a.keep_alive()).same_code(status::KEEP_ALIVE_TIMEOUT_INVALID));
+    a.set_feature(wire::feature::KEEP_ALIVE_TIMER, max).unwrap();
+    a.keep_alive().unwrap();
+    let mut no_timer = AdminQueue::connect(w.link(0, 31), &host(2), SUB, 31, 0).unwrap();
+    no_timer.enable().unwrap();
+    assert!(status_of(no_timer.keep_alive()).same_code(status::KEEP_ALIVE_TIMEOUT_INVALID));
     a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
         .unwrap();
     assert_eq!(

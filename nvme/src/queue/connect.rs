@@ -41,7 +41,10 @@ impl Queue {
                 return invalid(self, false, 44);
             }
         }
-        if sqsize == 0 || sqsize >= limits.max_queue_depth {
+        if sqsize == 0
+            || sqsize >= limits.max_queue_depth
+            || (qid == 0 && sqsize >= crate::queue::ADMIN_QUEUE_ENTRIES)
+        {
             return invalid(self, false, 44);
         }
         let Some(subnqn) = wire::get_nqn(&d.subnqn) else {

@@ -50,8 +50,10 @@ impl Queue {
                 })
             }
             Sgl::InCapsule { offset, len: l } => {
+                // Data for the host cannot go in the capsule: Invalid Field, as the kernel
+                // target answers (the descriptor's type is valid, the command's use is not).
                 if !host_to_target {
-                    return Err(status::SGL_DESCRIPTOR_TYPE_INVALID);
+                    return Err(status::INVALID_FIELD);
                 }
                 // Data described past what the queue's receive holds cannot be in the capsule:
                 // SGL Offset Invalid, as the kernel target answers (nvmet_rdma_map_sgl_inline).
