@@ -180,6 +180,9 @@ pub struct DataPathCounters {
     pub qp_events: AtomicU64,
     /// LAST_WQE_REACHED events.
     pub last_wqe_events: AtomicU64,
+    /// Connections the CM was told are established by their first command
+    /// (`IBV_EVENT_COMM_EST`: the host's RTU did not arrive).
+    pub comm_est_events: AtomicU64,
     /// Device, port, SRQ and CQ events.
     pub device_events: AtomicU64,
     /// QPs torn down and still draining.
@@ -255,6 +258,7 @@ impl DataPathCounters {
             drain_timeouts_total: g(&self.drain_timeouts),
             qp_events_total: g(&self.qp_events),
             last_wqe_events_total: g(&self.last_wqe_events),
+            comm_est_events_total: g(&self.comm_est_events),
             device_events_total: g(&self.device_events),
             qps_draining: g(&self.qps_draining),
             namespaces_awaiting: g(&self.namespaces_awaiting),
@@ -394,6 +398,7 @@ impl DataPathCounters {
             drain_timeouts,
             qp_events,
             last_wqe_events,
+            comm_est_events,
             device_events,
             qps_draining: _,
             namespaces_awaiting: _,
@@ -442,6 +447,7 @@ impl DataPathCounters {
         mv(drain_timeouts, &to.drain_timeouts);
         mv(qp_events, &to.qp_events);
         mv(last_wqe_events, &to.last_wqe_events);
+        mv(comm_est_events, &to.comm_est_events);
         mv(device_events, &to.device_events);
         mv(srq_rebuilds, &to.srq_rebuilds);
     }
@@ -574,6 +580,8 @@ pub struct DataPathStats {
     pub qp_events_total: u64,
     /// LAST_WQE_REACHED events.
     pub last_wqe_events_total: u64,
+    /// Connections established by their first command (COMM_EST: the host's RTU was lost).
+    pub comm_est_events_total: u64,
     /// Device, port, SRQ and CQ events.
     pub device_events_total: u64,
     /// QPs torn down and still draining.

@@ -594,7 +594,7 @@ fn a_log_page_longer_than_mdts_is_an_invalid_field_and_the_queue_goes_on() {
         Ok(page) => panic!("a {}-byte log page was sent", page.len()),
         Err(e) => panic!("{e:?}"),
     }
-    admin.keep_alive().unwrap();
+    admin.ping().unwrap();
     assert_eq!(
         admin
             .get_log_page(nvmfd_nvme::wire::log_page::SMART, 0, 512)
@@ -944,6 +944,30 @@ fn a_fatal_qp_with_commands_in_flight_is_torn_down_and_the_other_queue_keeps_ser
 }
 
 #[test]
+fn a_connection_whose_rtu_was_lost_is_established_by_its_first_command() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4511, None, Arc::clone(&c));
+    // The host's RTUs (and their resends) never reach the target: its CM waits for one while
+    // the QP, in RTS, takes the host's commands.
+    s.fabric.lose_rtus(2);
+    let (_admin, mut ios) = controller(&s, 1);
+    wait_until("both QPs' first commands raised COMM_EST", || {
+        c.comm_est_events.load(Relaxed) == 2
+    });
+    // The REP retries run out: had nvmfd not told the CM (rdma_notify), both connections
+    // would end UNREACHABLE here.
+    assert_eq!(
+        s.fabric.expire_rep_timeouts(),
+        0,
+        "an accepting ID still waited for its RTU"
+    );
+    write_verified(&mut ios[0], 7, 3);
+    assert_eq!(c.connections.load(Relaxed), 2);
+    assert_eq!(c.connects_failed_unreachable.load(Relaxed), 0);
+}
+
+#[test]
 fn without_last_wqe_a_drain_ends_at_its_bound_and_releases_everything() {
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
@@ -1226,7 +1250,7 @@ fn a_thousand_connect_disconnect_cycles_leak_no_memory_no_fds_and_no_pool_entrie
     let cycle = |n: u64| {
         let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
         admin.enable().unwrap();
-        admin.keep_alive().unwrap();
+        admin.ping().unwrap();
         admin.transport().disconnect();
         wait_until("the target tore the queue down", || {
             c.teardowns_disconnect.load(Relaxed) + c.teardowns_controller.load(Relaxed) >= n
@@ -1565,7 +1589,7 @@ fn a_thousand_connects_failing_at_each_step_release_everything_and_are_counted_b
     // The target still serves.
     let (mut admin, mut ios) = controller(&s, 1);
     write_verified(&mut ios[0], 1, 1);
-    admin.keep_alive().unwrap();
+    admin.ping().unwrap();
 }
 
 /// The same failed connects through a real reactor thread, which sleeps between them, and the
@@ -1952,7 +1976,7 @@ fn serving_io_allocates_nothing_on_the_reactor() {
         io.flush(2).unwrap();
         io.write_zeroes(2, 200, 4).unwrap();
         io.deallocate(2, &[(300, 4), (310, 2)]).unwrap();
-        admin.keep_alive().unwrap();
+        admin.ping().unwrap();
         admin.identify_controller().unwrap();
         admin.identify_namespace(2).unwrap();
         admin.get_log_page(0x02, 0, 512).unwrap();
@@ -3224,7 +3248,7 @@ fn commands_of_other_hosts_do_not_wait_behind_a_large_write_waiting_for_a_buffer
     let (tx, rx) = std::sync::mpsc::channel();
     let b = std::thread::spawn(move || {
         let r = admin_b
-            .keep_alive()
+            .ping()
             .and_then(|()| admin_b.identify_controller().map(|_| ()));
         let _ = tx.send(r.is_ok());
         admin_b
@@ -3323,7 +3347,7 @@ fn io_filling_every_request_slot_leaves_admin_commands_room() {
     let (tx, rx) = std::sync::mpsc::channel();
     let mut admin_b = admin_b;
     let b = std::thread::spawn(move || {
-        let _ = tx.send(admin_b.keep_alive().is_ok());
+        let _ = tx.send(admin_b.ping().is_ok());
         admin_b
     });
     let answered = rx.recv_timeout(Duration::from_secs(10));

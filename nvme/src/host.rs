@@ -345,6 +345,13 @@ impl<T: HostTransport> AdminQueue<T> {
         Ok(check(self.t.execute(s, DataDir::None)?)?.dw0.get())
     }
 
+    /// A round trip through the admin queue that changes nothing (Get Features, Keep Alive
+    /// Timer): a probe that works whatever the keep-alive timeout (Keep Alive itself is
+    /// refused without one).
+    pub fn ping(&mut self) -> Result<(), HostError> {
+        self.get_feature(wire::feature::KEEP_ALIVE_TIMER).map(drop)
+    }
+
     /// Keep Alive.
     pub fn keep_alive(&mut self) -> Result<(), HostError> {
         let s = sqe(admin_opcode::KEEP_ALIVE, self.next_cid());

@@ -446,6 +446,10 @@ pub mod cm {
         pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
             forward!(self, c => c.reject(private_data))
         }
+        /// Tells the CM that the connection carries messages (on `AsyncEvent::CommEst`).
+        pub fn notify_established(&self) -> Result<(), VerbsError> {
+            forward!(self, c => c.notify_established())
+        }
         /// Disconnects.
         pub fn disconnect(&self) -> Result<(), VerbsError> {
             forward!(self, c => c.disconnect())

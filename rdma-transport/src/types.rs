@@ -179,6 +179,9 @@ pub enum AsyncEvent {
     QpAccessErr(u32),
     /// An SRQ-attached QP in error will take no more receives from its SRQ.
     QpLastWqeReached(u32),
+    /// A message reached a QP whose connection the CM has not seen established (the
+    /// connecting side's RTU was lost): the CM is told with `CmId::notify_established`.
+    CommEst(u32),
     /// The SRQ fell below its armed limit (fires once per arming).
     SrqLimitReached(u32),
     /// The SRQ is broken.
@@ -200,7 +203,8 @@ impl AsyncEvent {
             AsyncEvent::QpFatal(q)
             | AsyncEvent::QpReqErr(q)
             | AsyncEvent::QpAccessErr(q)
-            | AsyncEvent::QpLastWqeReached(q) => Some(q),
+            | AsyncEvent::QpLastWqeReached(q)
+            | AsyncEvent::CommEst(q) => Some(q),
             _ => None,
         }
     }

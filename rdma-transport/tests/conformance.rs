@@ -1865,6 +1865,68 @@ mod soft_only {
         assert_eq!(q.s.qp_state(), Some(QpState::Rts));
     }
 
+    /// An RTU that never arrives (nor its resends): the accepting side, its QP in RTS, takes
+    /// the host's first message and its device raises COMM_EST; `rdma_notify` then
+    /// establishes it (EISCONN a second time). One not notified hears UNREACHABLE when its
+    /// REP's retries run out.
+    #[test]
+    fn a_lost_rtu_is_made_up_for_by_comm_est_and_rdma_notify() {
+        use nvmfd_rdma::soft::cm::CmEvent;
+        let env = SoftEnv::new().unwrap();
+        env.fabric.lose_rtus(1);
+        let p = on_soft::pending(&env, 5047);
+        p.s.accept(b"").unwrap();
+        assert!(matches!(
+            p.cch.next_event(),
+            Some(CmEvent::Established { .. })
+        ));
+        assert!(p.sch.next_event().is_none(), "the RTU was lost");
+        assert_eq!(p.s.qp_state(), Some(QpState::Rts));
+        assert_eq!(p.t.dev.next_event(), None);
+        let rsge = [p.t.mr.sge(0, 64)];
+        p.t.srq
+            .post_recv(&[RecvWr {
+                wr_id: 9,
+                sges: &rsge,
+            }])
+            .unwrap();
+        p.h.mr.write(0, b"first command");
+        p.c.post_send(&[send(1, &[p.h.mr.sge(0, 13)], true)])
+            .unwrap();
+        assert_eq!(on_soft::poll_one(&p.h.cq).status, WcStatus::Success);
+        assert_eq!(on_soft::poll_one(&p.t.cq).wr_id, 9);
+        let qpn = p.s.qpn().unwrap();
+        assert_eq!(p.t.dev.next_event(), Some(AsyncEvent::CommEst(qpn)));
+        assert!(
+            p.sch.next_event().is_none(),
+            "the CM waits until it is told"
+        );
+        p.s.notify_established().unwrap();
+        assert!(matches!(
+            p.sch.next_event(),
+            Some(CmEvent::Established { id, .. }) if id == p.s.token()
+        ));
+        assert_eq!(
+            p.s.notify_established().unwrap_err().errno(),
+            Some(libc::EISCONN)
+        );
+        assert_eq!(env.fabric.expire_rep_timeouts(), 0);
+        // Not told: the REP's retries run out.
+        env.fabric.lose_rtus(1);
+        let q = on_soft::pending(&env, 5048);
+        q.s.accept(b"").unwrap();
+        assert!(matches!(
+            q.cch.next_event(),
+            Some(CmEvent::Established { .. })
+        ));
+        assert!(q.sch.next_event().is_none());
+        assert_eq!(env.fabric.expire_rep_timeouts(), 1);
+        assert!(matches!(
+            q.sch.next_event(),
+            Some(CmEvent::Unreachable { id }) if id == q.s.token()
+        ));
+    }
+
     #[test]
     fn a_host_process_gone_during_the_exchange_is_rejected() {
         let env = SoftTcpEnv::new().unwrap();

@@ -79,7 +79,7 @@ impl Host {
     /// Waits for the completion of AER `cid` (keep-alives make the host poll); returns dw0.
     pub fn wait_aer(&mut self, cid: u16) -> u32 {
         wait_for("the asynchronous event", || {
-            self.admin.keep_alive().unwrap();
+            self.admin.ping().unwrap();
             let got = self.admin.transport().take_others();
             got.iter().find(|c| c.cid.get() == cid).map(|c| {
                 assert_eq!(c.status.get() >> 1, 0, "AER status");

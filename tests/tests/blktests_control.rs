@@ -156,10 +156,7 @@ fn setup_serves_one_namespace_to_the_host_asked_and_cleanup_takes_it_away() {
         let (ok, text) = nvmf(&d, OTHER_HOST, &["identify", "--nqn", SUB]);
         assert!(!ok, "round {round}: another host was admitted: {text}");
         bystander.write_read(1, 8 * round, 0x5A);
-        assert_eq!(
-            bystander.admin.keep_alive().map_err(|e| e.to_string()),
-            Ok(())
-        );
+        assert_eq!(bystander.admin.ping().map_err(|e| e.to_string()), Ok(()));
     }
     assert!(tmp.path().join("blktests-subsystem-1.img").exists());
 

@@ -796,7 +796,7 @@ fn a_listener_whose_address_moved_listens_again_and_its_connections_end() {
     let v = d.request(r#"{"request":"debug_fault","fault":"addr_change","listener":0}"#);
     assert_eq!(v["ok"], true, "{v}");
     nvmfd_tests::wait_for("the old connections to end", || {
-        admin.keep_alive().is_err().then_some(())
+        admin.ping().is_err().then_some(())
     });
     let stats = nvmfd_tests::wait_for("listener 0 to listen again", || {
         let s = d.data("stats");
@@ -918,7 +918,7 @@ fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_se
     // Host A's queues end: its host library sees the target go.
     let e = a_thread.join().unwrap();
     assert!(matches!(e, HostError::Transport(_)), "{e}");
-    let e = admin_a.keep_alive().unwrap_err();
+    let e = admin_a.ping().unwrap_err();
     assert!(matches!(e, HostError::Transport(_)), "{e}");
     let status = nvmfd_tests::wait_for("listener 0 to stop serving", || {
         let s = d.data("status");
@@ -1073,7 +1073,7 @@ fn a_reset_ends_the_io_queue_on_a_sleeping_reactor_at_once() {
     // Each woken by a command of its queue, then asleep again.
     let mut back = vec![0u8; 4096];
     io.read(1, 0, 8, &mut back).unwrap();
-    admin.keep_alive().unwrap();
+    admin.ping().unwrap();
     nvmfd_tests::wait_for("both reactors to go to sleep", || {
         let now = sleeps(&d);
         (now[0] > before[0] && now[1] > before[1]).then_some(())

@@ -380,6 +380,21 @@ impl DataPath {
                 // rdma_cm reports the connections a port loss breaks; nothing to do here.
                 c.device_events.fetch_add(1, Ordering::Relaxed);
             }
+            AsyncEvent::CommEst(q) => {
+                // A command came before the CM saw the host's RTU (lost): the CM is told, or
+                // it would wait for a REP retry to be answered, and end the connection
+                // (UNREACHABLE) if none is. As the kernel target and SPDK do.
+                if let Some(conn) = self.conns.get(&q) {
+                    c.comm_est_events.fetch_add(1, Ordering::Relaxed);
+                    match conn.id.notify_established() {
+                        Ok(()) => {
+                            slog::info!(self.log, "connection established by its first command (the host's RTU did not arrive)"; "qpn" => q)
+                        }
+                        // EISCONN: the RTU came after all.
+                        Err(e) => slog::debug!(self.log, "rdma_notify"; "qpn" => q, "error" => %e),
+                    }
+                }
+            }
             _ => {}
         }
         Change::None

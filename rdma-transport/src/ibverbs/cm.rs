@@ -646,6 +646,16 @@ impl CmId {
         })
     }
 
+    /// Tells the CM that the connection carries messages (`IBV_EVENT_COMM_EST` on its QP):
+    /// an accepting side whose RTU was lost is established now instead of when a REP
+    /// retry is answered, or never if every one is lost (`rdma_notify`).
+    pub fn notify_established(&self) -> Result<(), VerbsError> {
+        // SAFETY: live ID; the event is a plain enum value.
+        check("rdma_notify", unsafe {
+            rdma_notify(self.raw(), ibv_event_type::IBV_EVENT_COMM_EST)
+        })
+    }
+
     /// Disconnects (the QP goes to ERR; both sides get DISCONNECTED).
     pub fn disconnect(&self) -> Result<(), VerbsError> {
         // SAFETY: live ID.

@@ -422,6 +422,7 @@ impl Device {
                 3 => Some(AsyncEvent::QpAccessErr((*el.qp).qp_num)),
                 0 => Some(AsyncEvent::CqErr((*el.cq).handle)),
                 16 => Some(AsyncEvent::QpLastWqeReached((*el.qp).qp_num)),
+                4 => Some(AsyncEvent::CommEst((*el.qp).qp_num)),
                 15 => Some(AsyncEvent::SrqLimitReached((*el.srq).handle)),
                 14 => Some(AsyncEvent::SrqErr((*el.srq).handle)),
                 9 => Some(AsyncEvent::PortActive(

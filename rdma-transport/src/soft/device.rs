@@ -341,6 +341,7 @@ impl Pd {
             rnr_blocked: 0,
             inbound: VecDeque::new(),
             last_wqe_sent: false,
+            comm_est_pending: false,
             remote: None,
             remote_pending: std::collections::BTreeMap::new(),
             next_seq: 0,

@@ -120,6 +120,11 @@ impl State {
             invalidated_rkey: invalidate,
         };
         self.push_wc(recv_cq, wc);
+        if let Some(q) = self.qps.get_mut(&dst).filter(|q| q.comm_est_pending) {
+            // The first message of a connection whose accepting side missed the RTU.
+            q.comm_est_pending = false;
+            self.event(dev, AsyncEvent::CommEst(dst));
+        }
         Some(Ok(()))
     }
 

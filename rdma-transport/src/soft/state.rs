@@ -109,6 +109,9 @@ pub(crate) struct QpState_ {
     /// Messages for this QP waiting for a receive.
     pub(super) inbound: VecDeque<Pending>,
     pub(super) last_wqe_sent: bool,
+    /// The RTU of its accepting CM ID was lost (`Fabric::lose_rtus`): the first message it
+    /// takes raises `CommEst`.
+    pub(super) comm_est_pending: bool,
     /// The TCP link to the peer, when the peer is in another process.
     pub(super) remote: Option<u32>,
     /// By sequence number, which grows with each post: flushed in posting order.

@@ -12,6 +12,36 @@ impl Fabric {
     pub fn fail_establishments(&self, n: u32) {
         self.lock().cm.fail_establish = n;
     }
+
+    /// Loses the next `n` RTUs on their way to an accepting side, and every resend of them:
+    /// the accepting ID stays waiting for its RTU (its QP in RTS, as librdmacm's
+    /// `rdma_accept` leaves it, so the connection carries messages); the first message its
+    /// QP takes raises `AsyncEvent::CommEst`, and `CmId::notify_established` establishes it
+    /// as `rdma_notify` does. [`Fabric::expire_rep_timeouts`] runs the clock.
+    pub fn lose_rtus(&self, n: u32) {
+        self.lock().cm.lose_rtu = n;
+    }
+
+    /// The REP retries of every accepting ID still waiting for its RTU run out (the soft
+    /// fabric has no timers: a test says when): each hears `Unreachable`, the
+    /// `IB_CM_REP_ERROR` that rdma_cm reports as `RDMA_CM_EVENT_UNREACHABLE`. Returns how many.
+    pub fn expire_rep_timeouts(&self) -> usize {
+        let mut s = self.lock();
+        let mut expired = Vec::new();
+        for (&id, i) in s.cm.ids.iter_mut() {
+            if i.exchange == Exchange::RepSent {
+                i.exchange = Exchange::Idle;
+                expired.push((id, i.channel, i.token, i.qp));
+            }
+        }
+        for &(_, chan, token, qp) in &expired {
+            if let Some(q) = qp.and_then(|q| s.qps.get_mut(&q)) {
+                q.comm_est_pending = false;
+            }
+            s.cm.push(chan, Ev::Unreachable { token });
+        }
+        expired.len()
+    }
 }
 
 impl super::super::State {
@@ -138,7 +168,40 @@ impl super::super::State {
         }
     }
 
+    /// `rdma_notify(IBV_EVENT_COMM_EST)` on accepting ID `id`: established as if its RTU had
+    /// come (the IB CM's `cm_establish`); EISCONN if it is established already, EINVAL if it
+    /// is not waiting for an RTU.
+    pub(crate) fn cm_notify_established(&mut self, id: u32) -> Result<(), VerbsError> {
+        let Some(i) = self.cm.ids.get_mut(&id) else {
+            return Err(VerbsError::os("rdma_notify", libc::EINVAL));
+        };
+        if i.exchange != Exchange::RepSent {
+            let e = if i.connected {
+                libc::EISCONN
+            } else {
+                libc::EINVAL
+            };
+            return Err(VerbsError::os("rdma_notify", e));
+        }
+        i.exchange = Exchange::Idle;
+        i.connected = true;
+        let (chan, token, qp) = (i.channel, i.token, i.qp);
+        if let Some(q) = qp.and_then(|q| self.qps.get_mut(&q)) {
+            q.comm_est_pending = false;
+        }
+        self.cm.push(
+            chan,
+            Ev::Established {
+                id,
+                token,
+                private_data: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
     /// The RTU reached local accepting ID `id`: it is established (`Established`), or, while
+    /// `lose_rtus` holds, it is lost (the ID keeps waiting for it), or, while
     /// `fail_establishments` holds, its QP cannot be moved to RTS (`ConnectError`; taking the
     /// event moves the QP to ERR; the connection ends with a disconnect).
     pub(crate) fn cm_rtu(&mut self, id: u32) {
@@ -146,6 +209,13 @@ impl super::super::State {
             return;
         };
         if i.exchange != Exchange::RepSent {
+            return;
+        }
+        if self.cm.lose_rtu > 0 {
+            self.cm.lose_rtu -= 1;
+            if let Some(q) = i.qp.and_then(|q| self.qps.get_mut(&q)) {
+                q.comm_est_pending = true;
+            }
             return;
         }
         i.exchange = Exchange::Idle;

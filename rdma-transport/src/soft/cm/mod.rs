@@ -20,7 +20,11 @@
 //!   `IB_CM_REP_ERROR` that rdma_cm reports as `RDMA_CM_EVENT_UNREACHABLE` (at once here: the
 //!   soft fabric has no timers);
 //! - `Fabric::fail_establishments` makes the next RTUs fail to bring the accepting QP to RTS,
-//!   which librdmacm reports as `RDMA_CM_EVENT_CONNECT_ERROR` instead of ESTABLISHED.
+//!   which librdmacm reports as `RDMA_CM_EVENT_CONNECT_ERROR` instead of ESTABLISHED;
+//! - `Fabric::lose_rtus` loses the next RTUs (and their resends): the accepting QP, in RTS,
+//!   raises `CommEst` at its first message, and `CmId::notify_established` (`rdma_notify`)
+//!   establishes the ID; one not notified hears `Unreachable` when
+//!   `Fabric::expire_rep_timeouts` runs out its REP's retries.
 //!
 //! Taking a `Rejected` or `ConnectError` event moves the ID's QP to ERR, as librdmacm's
 //! `rdma_get_cm_event` does; `disconnect` moves the QP to ERR whatever the exchange's state, as
@@ -674,6 +678,12 @@ impl CmId {
         // The QP is destroyed (its sends waiting at the peer fail as a dead link's would);
         // `Drop` finds no state left to tell anyone about.
         self.qp.take();
+    }
+
+    /// `rdma_notify(IBV_EVENT_COMM_EST)`: an accepting ID still waiting for its RTU is
+    /// established (it hears `Established`); EISCONN if it is established already.
+    pub fn notify_established(&self) -> Result<(), VerbsError> {
+        self.fabric.lock().cm_notify_established(self.id)
     }
 
     /// Posts a chain of send work requests on the connection's QP.

@@ -39,6 +39,8 @@ pub(crate) struct CmState {
     pub(crate) acceptors: HashMap<u32, std::net::TcpListener>,
     /// RTUs still to fail (`Fabric::fail_establishments`).
     pub(super) fail_establish: u32,
+    /// RTUs still to lose (`Fabric::lose_rtus`).
+    pub(super) lose_rtu: u32,
 }
 
 impl CmState {
