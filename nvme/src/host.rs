@@ -423,6 +423,8 @@ pub struct IoQueue<T: HostTransport> {
     cid: u16,
     /// Queue ID.
     pub qid: u16,
+    /// The controller ID the target's Connect response carried.
+    pub cntlid: u16,
 }
 
 impl<T: HostTransport> IoQueue<T> {
@@ -467,7 +469,14 @@ impl<T: HostTransport> IoQueue<T> {
                     pause = (pause * 2).min(Duration::from_millis(100));
                 }
                 Err(e) => return Err(e),
-                Ok(_) => return Ok(IoQueue { t, cid: 1, qid }),
+                Ok(c) => {
+                    return Ok(IoQueue {
+                        t,
+                        cid: 1,
+                        qid,
+                        cntlid: u16::try_from(c.dw0.get() & 0xFFFF).unwrap_or(0),
+                    })
+                }
             }
         }
     }

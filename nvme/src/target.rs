@@ -408,6 +408,7 @@ pub(crate) struct TargetInner {
     /// Tests: run when a Connect has passed its checks: an admin queue's before it makes its
     /// controller, an I/O queue's once it has taken its queue ID, before it is bound.
     pub connect_hook: Hook,
+    pub io_connect_hook: Hook,
     /// Tests: run while a discovery log is built, once it has taken the subsystems.
     pub discovery_hook: Hook,
     /// Tests: run when an I/O queue whose commands may be at a backend is lost, before it
@@ -480,6 +481,7 @@ impl Target {
                 ctrl_changes: Arc::default(),
                 releases: Mutex::new(HashMap::new()),
                 connect_hook: Hook::default(),
+                io_connect_hook: Hook::default(),
                 lost_hook: Hook::default(),
                 discovery_hook: Hook::default(),
                 removal_hook: Hook::default(),

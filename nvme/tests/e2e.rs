@@ -283,6 +283,11 @@ fn connect_checks_host_subsystem_and_parameters() {
     assert!(w.admin(&host(1), RESTRICTED).is_ok());
     let refused = w.admin(&host(2), RESTRICTED);
     assert!(status_of(refused).same_code(status::CONNECT_INVALID_HOST));
+    assert_eq!(
+        dw0_of(w.admin(&host(2), RESTRICTED)),
+        1 << 16 | 512,
+        "IATTR and IPO: the host NQN, as the kernel target points"
+    );
     // Invalid Parameters says where: IATTR (bit 16) = in the data, IPO = byte offset.
     let unknown = w.admin(&host(1), "nqn.2024-01.io.nvmfd.test:nope");
     assert_eq!(dw0_of(unknown), 1 << 16 | 256);
@@ -1477,6 +1482,10 @@ fn a_reset_ends_a_shutdown_still_waiting_for_its_io_queues() {
     );
     assert_eq!(a.set_queue_count(1).unwrap(), 1);
     let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127).unwrap();
+    assert_eq!(
+        io.cntlid, a.cntlid,
+        "the I/O Connect answers its controller's ID"
+    );
     let mut buf = vec![0u8; 512];
     io.read(1, 0, 1, &mut buf).unwrap();
 }
@@ -1932,6 +1941,36 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
         Err(HostError::Transport(_))
     ));
     take_hook_admin();
+}
+
+/// A reset that lands after an I/O queue's Connect found its controller ready and before it
+/// took its queue ID: the Connect is refused. It took the ID in the reset's new epoch and
+/// joined the disabled controller, outliving the reset (and holding RDY at 1 for as long as
+/// the host kept it).
+#[test]
+fn an_io_queue_whose_connect_meets_a_reset_before_taking_its_id_is_refused() {
+    let w = world();
+    let (a, _) = w.controller(1);
+    let cntlid = a.cntlid;
+    w.target.set_io_connect_hook(Some(admin_hook(a, |a| {
+        a.property_set(wire::property::CC, 0).unwrap();
+    })));
+    let io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127);
+    w.target.set_io_connect_hook(None);
+    assert!(
+        status_of(io).same_code(status::COMMAND_SEQUENCE_ERROR),
+        "an I/O queue joined a controller its reset had disabled"
+    );
+    let mut a = take_hook_admin().unwrap();
+    assert_eq!(
+        a.property_get(wire::property::CSTS, false).unwrap() & 1,
+        0,
+        "the reset is over: no I/O queue of it is left"
+    );
+    a.enable().unwrap();
+    let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127).unwrap();
+    let mut buf = vec![0u8; 512];
+    io.read(1, 0, 1, &mut buf).unwrap();
 }
 
 /// An I/O queue whose Connect took its queue ID just before a shutdown (CC.SHN) with no I/O

@@ -5,6 +5,9 @@ use super::*;
 
 /// Byte offset of KATO in the Connect command (Connect Invalid Parameters points at it).
 const KATO_OFFSET: u32 = 48;
+/// Connect Invalid Host points at the host NQN in the Connect data (IATTR 1, IPO 512), as
+/// the kernel target answers.
+const HOSTNQN_IN_DATA: u32 = 1 << 16 | 512;
 
 impl Queue {
     pub(super) fn connect(&mut self, cmd: Command, data: &[u8], now: Instant) -> Action {
@@ -66,7 +69,7 @@ impl Queue {
         };
         if let Some(s) = &subsystem {
             if !s.allows(hostnqn) {
-                return self.respond(&cmd, status::CONNECT_INVALID_HOST, 0);
+                return self.respond(&cmd, status::CONNECT_INVALID_HOST, HOSTNQN_IN_DATA);
             }
         }
         let sub_id = subsystem.as_ref().map(|s| s.id);
@@ -104,7 +107,13 @@ impl Queue {
                 if !discovery {
                     match self.target.subsystem(subnqn) {
                         Some(s) if s.allows(hostnqn) => subsystem = Some(s),
-                        Some(_) => return self.respond(&cmd, status::CONNECT_INVALID_HOST, 0),
+                        Some(_) => {
+                            return self.respond(
+                                &cmd,
+                                status::CONNECT_INVALID_HOST,
+                                HOSTNQN_IN_DATA,
+                            )
+                        }
                         None => return invalid(self, true, 256),
                     }
                 }
@@ -175,10 +184,18 @@ impl Queue {
         if !ctrl.ready.load(Ordering::Acquire) {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
         }
+        self.target.inner.io_connect_hook.run();
         // The queue ID is taken and the epoch read under the lock a reset takes to clear the
         // queue IDs and move the epoch: a reset after this makes the queue disconnect.
         let epoch = {
             let mut st = ctrl.lock();
+            // Enabled and ready, checked again under the lock: a reset since the check above
+            // cleared the queue IDs and moved the epoch, and a queue taking its ID now would
+            // join the controller as the reset left it (disabled), outlive the reset and hold
+            // it (RDY reads 1 until every I/O queue of before it is gone).
+            if st.cc & 1 == 0 || st.csts & 1 == 0 {
+                return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
+            }
             // Shut down (SHST processing or complete): nothing connects until a reset.
             if (st.csts >> 2) & 0x3 != 0 {
                 return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
@@ -209,7 +226,8 @@ impl Queue {
         };
         self.run_connect_hook();
         let cmd = self.bind(ctrl, (subsystem, version), (qid, epoch), sqsize, cmd);
-        self.respond(&cmd, Status::SUCCESS, 0)
+        // The controller's ID, as for the admin queue (and as the kernel target answers).
+        self.respond(&cmd, Status::SUCCESS, u32::from(d.cntlid.get()))
     }
 
     /// Tests: runs the target's connect hook ([`Target::set_connect_hook`]), if one is set.

@@ -84,6 +84,14 @@ impl super::Target {
         self.inner.connect_hook.set(hook);
     }
 
+    /// Tests of a reset that lands while an I/O queue connects: `hook` runs once an I/O
+    /// queue's Connect has found its controller ready, before it takes its queue ID, on the
+    /// thread serving the Connect, until it is replaced or cleared.
+    #[doc(hidden)]
+    pub fn set_io_connect_hook(&self, hook: Option<ConnectHook>) {
+        self.inner.io_connect_hook.set(hook);
+    }
+
     /// Tests of a change that lands while a discovery log is built: `hook` runs once the log
     /// has taken the subsystems, before it takes the ports, on the thread serving the Get Log
     /// Page, until it is replaced or cleared.
