@@ -1077,6 +1077,32 @@ fn two_namespaces_on_one_file_by_other_paths_are_refused() {
     );
 }
 
+/// A subsystem renamed in one change (its NQN edited, its namespaces the same) is a
+/// subsystem removed and one added with the same files: taken. The store check counted the
+/// removed subsystem's namespaces as served and refused it as "one file".
+#[test]
+fn a_subsystem_renamed_in_one_reload_keeps_its_file_namespace() {
+    let (d, _addr) = start();
+    add_file_namespace(&d, 2);
+    let renamed = format!("{A}-renamed");
+    let text = config_text(&d).replace(&format!("\"{A}\""), &format!("\"{renamed}\""));
+    std::fs::write(d.dir.path().join("nvmfd.toml"), text).unwrap();
+    let done = change(&d, serde_json::json!({"request": "reload"}));
+    let changes = done["changes"].to_string();
+    assert!(
+        changes.contains(&format!("subsystem {A} removed")),
+        "{changes}"
+    );
+    let status = d.data("status");
+    let of_renamed = status["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|n| n["subsystem"] == renamed.as_str())
+        .count();
+    assert_eq!(of_renamed, 2, "{status}");
+}
+
 /// Resizes namespace 1 of subsystem A to 4 MiB on a thread of `scope`, and returns once the
 /// resize waits at the test gate `gate` (its answer comes on the handle once `resize-go` is
 /// there).

@@ -253,13 +253,15 @@ impl Daemon {
                 .and_then(|r| r.map_err(|e| e.to_string()))
                 .map_err(|e| format!("subsystem {nqn} namespace {}: {e}", ns.nsid))
                 .and_then(|dev| {
-                    // Not a store another namespace has (one this change removes aside).
+                    // Not a store another namespace has (one this change removes, alone or
+                    // with its subsystem, aside: a subsystem renamed keeps its files).
                     if let Some(id) = dev.identity() {
                         let served = self
                             .devices
                             .iter()
                             .filter(|((n, i), _)| {
                                 !plan.namespaces_removed.contains(&(n.clone(), *i))
+                                    && !plan.subsystems_removed.contains(n)
                             })
                             .map(|((n, i), d)| (n, *i, d));
                         let added = opened.iter().map(|(n, i, d)| (n, *i, d));
