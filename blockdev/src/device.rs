@@ -24,7 +24,7 @@ mod resize;
 mod sync;
 
 use open::{open_path, open_rbd};
-pub(crate) use sync::SyncsInFlight;
+pub(crate) use sync::Syncs;
 
 /// `_IOR(0x12, 114, size_t)`: a block device's size in bytes (not exported by `libc`).
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -282,7 +282,7 @@ pub struct Device {
     pub(crate) sync_failure_reported: std::sync::atomic::AtomicBool,
     /// Operations of every engine whose step syncs the device's file, in flight
     /// ([`Device::sync_begin`]): one of them may take a writeback error's report.
-    pub(crate) syncs: std::sync::Mutex<SyncsInFlight>,
+    pub(crate) syncs: Syncs,
     /// Failures tests inject.
     pub(crate) faults: Faults,
     /// The size an RBD image's shrink failed to cut it to (`u64::MAX`: none): the image may
@@ -305,6 +305,11 @@ pub(crate) struct Faults {
     pub(crate) deallocates_unsupported: std::sync::atomic::AtomicU32,
     /// [`Device::fail_next_attaches`]: how many attaches to an engine to refuse.
     pub(crate) attach_failures: std::sync::atomic::AtomicU32,
+    /// [`Device::race_next_flush`]: the next Flush to start begins another engine's sync
+    /// alongside (its number plus one here, 0 for none), which takes the writeback error's
+    /// report and ends once the Flush has been settled.
+    pub(crate) flush_race: std::sync::atomic::AtomicBool,
+    pub(crate) flush_race_sync: std::sync::atomic::AtomicU64,
 }
 
 impl Faults {

@@ -484,11 +484,15 @@ impl Engine {
         // Flush that succeeded waits for those (not for syncs begun after it ended, which
         // cannot have), then is settled again.
         if s.op == OpKind::Flush && result.is_ok() && s.sync.is_some() {
+            a.dev.flush_race_ends();
             if let Some(until) = a.dev.syncs_to_wait_for() {
                 a.parked.push((slot, c(result), until));
                 self.parked += 1;
                 return;
             }
+            // None left in flight, but one may have ended (its failure noted, as every sync
+            // is settled before it ends) since this Flush was settled above.
+            a.dev.settle_sync(OpKind::Flush, false, &mut result);
         }
         self.ready.push_back((slot, c(result)));
     }

@@ -471,6 +471,19 @@ fn a_failed_sync_fails_every_later_flush_of_a_file(mut f: Fixture) {
 }
 per_backend!(a_failed_sync_fails_every_later_flush_of_a_file);
 
+/// A Flush whose own sync succeeded while another engine's sync, begun with it, took the
+/// writeback error's report and ended between the Flush's settling and its look for syncs
+/// in flight: the Flush fails. It was answered success over the lost write.
+fn a_flush_racing_a_sync_that_takes_the_writeback_error_fails(mut f: Fixture) {
+    f.write(0, &pattern(4, 4096), false);
+    f.device.race_next_flush();
+    f.engine.flush(f.dev, 1).unwrap();
+    let c = f.run();
+    let expect = f.flush_after_a_failed_sync();
+    assert_eq!(c[0].result, expect);
+}
+per_backend!(a_flush_racing_a_sync_that_takes_the_writeback_error_fails);
+
 /// A writeback error is reported with the failed write's errno (ENODATA for a media error,
 /// ETIMEDOUT from a network block device), not only EIO: any of them makes every later
 /// Flush fail, and the Flush is answered as lost data, never as one to retry (ETIMEDOUT was

@@ -6,12 +6,26 @@ use std::io;
 use super::{Backing, Device};
 use crate::BlockError;
 
-/// The syncs of a device's file in flight on every engine, numbered in the order they began.
+/// The syncs of a device's file in flight on every engine (and [`Device::sync`]'s),
+/// numbered in the order they began; [`Device::sync`] waits on `ended` for those begun
+/// before it ended.
 #[derive(Debug, Default)]
-pub(crate) struct SyncsInFlight {
+pub(crate) struct Syncs {
+    in_flight: std::sync::Mutex<SyncsInFlight>,
+    ended: std::sync::Condvar,
+    /// [`Device::sync`]s waiting for others' syncs to end (tests look).
+    waiting: std::sync::atomic::AtomicU32,
+}
+
+#[derive(Debug, Default)]
+struct SyncsInFlight {
     next: u64,
     in_flight: std::collections::BTreeSet<u64>,
 }
+
+/// How long [`Device::sync`] waits for the syncs of other engines begun before it ended: a
+/// sync that takes longer is of a device that does not answer.
+const OTHERS_SYNCS_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Device {
     /// Makes every write completed on the device durable (`fdatasync` of a file or block
@@ -21,6 +35,9 @@ impl Device {
     pub fn sync(&self) -> io::Result<bool> {
         match &self.backing {
             Backing::File(f) if !self.info.read_only => {
+                // Numbered as an engine's sync: a Flush of an engine ending meanwhile waits
+                // for it (it may take a writeback error's report).
+                let n = self.sync_begin();
                 // Synced even after a failure: what was written since is made durable.
                 let synced = f
                     .sync_data()
@@ -30,7 +47,15 @@ impl Device {
                     });
                 if let Err(e) = synced {
                     self.note_sync_failure();
+                    self.sync_end(n);
                     return Err(e);
+                }
+                self.sync_end(n);
+                // Another engine's sync begun before this one ended (a FUA write on a
+                // reactor still serving the device) may have taken the report: its failure
+                // is noted before it ends.
+                if let Some(until) = self.syncs_to_wait_for() {
+                    self.wait_syncs_ended_before(until)?;
                 }
                 if self.sync_failed() {
                     return Err(io::Error::other(
@@ -48,6 +73,7 @@ impl Device {
     pub(crate) fn sync_begin(&self) -> u64 {
         let mut s = self
             .syncs
+            .in_flight
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let n = s.next;
@@ -61,9 +87,12 @@ impl Device {
     pub(crate) fn sync_end(&self, n: u64) {
         let mut s = self
             .syncs
+            .in_flight
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         s.in_flight.remove(&n);
+        drop(s);
+        self.syncs.ended.notify_all();
     }
 
     /// For a Flush that succeeded now: `Some(until)` when syncs begun before now are still
@@ -72,15 +101,53 @@ impl Device {
     pub(crate) fn syncs_to_wait_for(&self) -> Option<u64> {
         let s = self
             .syncs
+            .in_flight
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         (!s.in_flight.is_empty()).then_some(s.next)
+    }
+
+    /// Waits until every sync numbered below `until` has ended (at most
+    /// [`OTHERS_SYNCS_WAIT`]).
+    fn wait_syncs_ended_before(&self, until: u64) -> io::Result<()> {
+        use std::sync::atomic::Ordering::AcqRel;
+        let s = self
+            .syncs
+            .in_flight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.syncs.waiting.fetch_add(1, AcqRel);
+        let (s, timeout) = self
+            .syncs
+            .ended
+            .wait_timeout_while(s, OTHERS_SYNCS_WAIT, |s| {
+                s.in_flight.first().is_some_and(|&low| low < until)
+            })
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        drop(s);
+        self.syncs.waiting.fetch_sub(1, AcqRel);
+        if timeout.timed_out() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "a sync of the device on a reactor did not end: whether writes it covered are durable is unknown",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Test hook: how many [`Device::sync`]s wait for the syncs of engines to end.
+    #[doc(hidden)]
+    pub fn syncs_waiting(&self) -> u32 {
+        self.syncs
+            .waiting
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether every sync numbered below `until` has ended.
     pub(crate) fn syncs_ended_before(&self, until: u64) -> bool {
         let s = self
             .syncs
+            .in_flight
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         s.in_flight.first().is_none_or(|&low| low >= until)
@@ -183,6 +250,42 @@ impl Device {
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
+    /// Test hook: the next Flush an engine starts on this file or block device races
+    /// another engine's sync of the file (a FUA write on another reactor) begun with it: that
+    /// sync takes the report of a writeback error (the Flush's own fdatasync succeeds) and
+    /// ends after the Flush's result was settled, before the Flush looks for syncs still
+    /// in flight.
+    #[doc(hidden)]
+    pub fn race_next_flush(&self) {
+        self.faults
+            .flush_race
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// [`Device::race_next_flush`]: begins the racing sync as the Flush starts.
+    pub(crate) fn flush_race_begins(&self) {
+        use std::sync::atomic::Ordering::AcqRel;
+        if self.faults.flush_race.swap(false, AcqRel) {
+            let n = self.sync_begin();
+            self.faults
+                .flush_race_sync
+                .store(n + 1, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// [`Device::race_next_flush`]: the racing sync takes the error and ends (its failure
+    /// noted first, as an engine settles before it ends a sync).
+    pub(crate) fn flush_race_ends(&self) {
+        let n = self
+            .faults
+            .flush_race_sync
+            .swap(0, std::sync::atomic::Ordering::AcqRel);
+        if n != 0 {
+            self.note_sync_failure();
+            self.sync_end(n - 1);
+        }
+    }
+
     /// Test hook: the next sync an engine completes on this file or block device (a Flush;
     /// a FUA write on the buffered fallback) fails with EIO, as a writeback error reported
     /// once would.
@@ -228,6 +331,41 @@ mod tests {
             spec.size = 1 << 20;
             assert!(!Device::open(&spec).unwrap().sync().unwrap(), "{kind:?}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A device's sync while an engine's sync, begun before it ended, is in flight (a FUA
+    /// write on a reactor still serving it) waits for that one: it may have taken the
+    /// report of a writeback error. It answered at once that all was durable.
+    #[test]
+    fn a_device_sync_waits_for_an_engines_sync_that_may_take_the_error() {
+        let dir = std::env::temp_dir().join(format!("nvmfd-sync-race-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let mut spec = DeviceSpec::new(Kind::File);
+        spec.path = Some(path);
+        let d = std::sync::Arc::new(Device::open(&spec).unwrap());
+        let fua = d.sync_begin();
+        let syncing = {
+            let d = std::sync::Arc::clone(&d);
+            std::thread::spawn(move || d.sync())
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !syncing.is_finished() && d.syncs_waiting() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the sync neither ended nor waited"
+            );
+            std::thread::yield_now();
+        }
+        // The engine's sync took the report (noted), then ends.
+        d.note_sync_failure();
+        d.sync_end(fua);
+        assert!(
+            syncing.join().unwrap().is_err(),
+            "the device's sync said all was durable"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

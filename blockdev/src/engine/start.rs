@@ -19,6 +19,9 @@ impl Engine {
         };
         if syncs && s.sync.is_none() {
             s.sync = Some(a.dev.sync_begin());
+            if s.op == OpKind::Flush {
+                a.dev.flush_race_begins();
+            }
         }
         let offset = s.offset + u64::from(s.done);
         let remaining = s.len - s.done;
