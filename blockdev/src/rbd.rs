@@ -191,15 +191,8 @@ fn connect_new(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
     if rc < 0 {
         return Err(err(&format!("reading {}", conf.display()), rc));
     }
-    // What an acknowledged write means and what a deallocated range reads, whatever the file
-    // says: no write-back cache, and a discard of any size reads back as zeroes (by default
-    // librbd skips discards of less than an object's extent).
-    for (k, v) in [
-        (c"rbd_cache", c"false"),
-        (c"rbd_skip_partial_discard", c"false"),
-    ] {
-        conf_set(h, k, v)?;
-    }
+    // What an acknowledged write means, whatever the file says: no write-back cache.
+    conf_set(h, c"rbd_cache", c"false")?;
     // Give up on an unreachable cluster in seconds, at start and per operation, unless the
     // file sets these itself (Ceph's defaults: 300 s, and no timeout).
     for (k, ceph_default, v) in [
@@ -618,6 +611,11 @@ impl Image {
         self.seen_size().min(self.own_size.load(Ordering::Acquire))
     }
 
+    /// [`Engine::rbd_handle_sees_size`](crate::Engine::rbd_handle_sees_size).
+    pub(crate) fn set_own_size(&self, size: u64) {
+        self.own_size.store(size, Ordering::Release);
+    }
+
     /// Resizes the image to `size` bytes, counting librbd's progress reports meanwhile
     /// ([`Image::progress`]).
     pub(crate) fn resize(&self, size: u64) -> io::Result<()> {
@@ -697,7 +695,11 @@ impl Image {
                         .rbd_aio_write(h, off, len, buf.cast::<c_char>().cast_const(), c)
                 }
                 Op::Flush => lib().rbd.rbd_aio_flush(h, c),
-                Op::Discard => lib().rbd.rbd_aio_discard(h, off, len, c),
+                // A deallocate too: librbd discards what it can (whole objects removed or
+                // truncated) and zeroes the rest whatever the image's discard settings,
+                // which `rbd_aio_discard` follows, an image's own overriding the client's at
+                // each refresh (`rbd_skip_partial_discard`, `rbd_discard_granularity_bytes`):
+                // a deallocated block would read its old data, where hosts are told zeroes.
                 Op::WriteZeroes => lib().rbd.rbd_aio_write_zeroes(h, off, len, c, 0, 0),
             }
         };
@@ -743,6 +745,5 @@ pub(crate) enum Op {
     Read,
     Write,
     Flush,
-    Discard,
     WriteZeroes,
 }

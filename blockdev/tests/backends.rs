@@ -1202,6 +1202,56 @@ fn rbd_spec(conf: PathBuf, pool: &str, image: &str, create: bool) -> DeviceSpec 
     s
 }
 
+/// A handle that takes its image to end earlier than it does (one that missed a growth made
+/// through another handle: librbd cuts what it is asked at that end and answers success)
+/// answers a write, a zeroing and a deallocate reaching past that end as cut short, and
+/// those before it as done. The zeroing and the deallocate were answered done whatever the
+/// handle's end, the blocks past it left as they were.
+#[cfg(feature = "rbd")]
+#[test]
+fn an_rbd_handle_behind_a_growth_answers_what_reaches_past_its_end_as_cut_short() {
+    let _closed = RbdClosesAwaited;
+    let Some(mut f) = fixture("rbd", 512) else {
+        return;
+    };
+    let end = SIZE - 8192;
+    f.engine.rbd_handle_sees_size(f.dev, end);
+    let cut = |done| {
+        Err(BlockError::ShortTransfer {
+            expected: 16384,
+            done,
+        })
+    };
+    let b = f.buf(16384);
+    f.engine.write(f.dev, end - 8192, b, false, 1).unwrap();
+    f.engine
+        .write_zeroes(f.dev, end - 8192, 16384, false, 2)
+        .unwrap();
+    f.engine
+        .write_zeroes(f.dev, end - 8192, 16384, true, 3)
+        .unwrap();
+    f.engine.deallocate(f.dev, end - 8192, 16384, 4).unwrap();
+    let mut c = f.run();
+    c.sort_by_key(|c| c.tag);
+    let got: Vec<_> = c.iter().map(|c| (c.tag, c.result.clone())).collect();
+    assert_eq!(
+        got,
+        [
+            (1, cut(8192)),
+            (2, cut(8192)),
+            (3, cut(8192)),
+            (4, cut(8192))
+        ]
+    );
+    // Wholly before the handle's end: done.
+    f.engine
+        .write_zeroes(f.dev, end - 16384, 16384, false, 5)
+        .unwrap();
+    f.engine.deallocate(f.dev, end - 16384, 16384, 6).unwrap();
+    let c = f.run();
+    assert!(c.iter().all(|c| c.result == Ok(0)), "{c:?}");
+}
+
 /// A missing image, a missing pool and a cluster nobody answers for are refused at open, each
 /// with an error that names it.
 #[cfg(feature = "rbd")]

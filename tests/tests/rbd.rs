@@ -571,16 +571,67 @@ fn refused_for_its_configuration(setting: &[&str; 2], words: &str, fix: &[&str])
     assert_eq!(status["namespaces"][1]["serving"], true, "{status}");
 }
 
-/// nvmfd has librbd discard partial extents, so that a deallocated block reads back as
-/// zeroes, as hosts are told; an image's configuration that skips them would leave old data
-/// there. It is not served, and its status says why; without the setting it is.
+/// A deallocated block reads back as zeroes, as hosts are told, whatever the image's discard
+/// settings: one that skips partial discards (set before it is served, and again while it
+/// is: librbd applies an image's settings at each refresh of its header) is served and its
+/// blocks deallocated inside an object read zeroes. Such an image was refused, and one set
+/// so while served kept its old data where it was deallocated.
 #[test]
-fn an_image_whose_configuration_skips_partial_discards_is_not_served() {
-    refused_for_its_configuration(
-        &["rbd_skip_partial_discard", "true"],
-        "partial discards",
-        &["rm", "rbd_skip_partial_discard"],
-    );
+fn a_deallocated_block_reads_zeroes_whatever_the_images_discard_settings() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let image = ceph::image_name();
+    let spec = format!("rbd/{image}");
+    rbd(&conf, &["create", "--size", "16M", &spec]);
+    let skip = [
+        "config",
+        "image",
+        "set",
+        &spec,
+        "rbd_skip_partial_discard",
+        "true",
+    ];
+    rbd(&conf, &skip);
+    let d = image_as_namespace_2(&conf, &image);
+    let status = d.data("status");
+    assert_eq!(status["namespaces"][1]["serving"], true, "{status}");
+    let mut h = Host::connect(&d);
+    // 64 KiB in the middle of the first 4 MiB object; then the same with the settings made
+    // (again) while served, and a coarse granularity.
+    for (round, lba) in [(0u64, 2048u64), (1, 4096)] {
+        let data = pattern(20 + round, 64 * 1024);
+        h.io.write(2, lba, 128, &data, false).unwrap();
+        if round == 1 {
+            rbd(
+                &conf,
+                &["config", "image", "rm", &spec, "rbd_skip_partial_discard"],
+            );
+            rbd(&conf, &skip);
+            rbd(
+                &conf,
+                &[
+                    "config",
+                    "image",
+                    "set",
+                    &spec,
+                    "rbd_discard_granularity_bytes",
+                    "4194304",
+                ],
+            );
+        }
+        h.io.deallocate(2, &[(lba + 32, 64)]).unwrap();
+        let mut back = vec![0u8; data.len()];
+        h.io.read(2, lba, 128, &mut back).unwrap();
+        assert!(
+            back[..16384] == data[..16384] && back[48 * 1024..] == data[48 * 1024..],
+            "round {round}: blocks around the range changed"
+        );
+        assert!(
+            back[16384..48 * 1024].iter().all(|&b| b == 0),
+            "round {round}: a deallocated block kept its data"
+        );
+    }
+    h.close();
 }
 
 /// An image with the exclusive-lock feature (what a plain `rbd create` makes) is served, with

@@ -1,6 +1,7 @@
 //! What an image's handle is checked for when it opens: a configuration (the pool's or the
-//! image's) that turns a write-back cache on or skips partial discards, which nvmfd refuses;
-//! the exclusive-lock feature, which it warns of.
+//! image's) that turns a write-back cache on, which nvmfd refuses; the exclusive-lock
+//! feature, which it warns of. (Discard settings do not matter: a deallocate is a
+//! `rbd_aio_write_zeroes`, which zeroes what it cannot discard whatever they say.)
 
 use std::ffi::c_char;
 use std::io;
@@ -40,24 +41,6 @@ impl Image {
                          ...)): writes would be acknowledged before they are on the OSDs, and \
                          each reactor's handle would cache its own; remove the setting (rbd \
                          config image|pool rm ... rbd_cache) or set rbd_cache_max_dirty to 0",
-                        what(),
-                        where_set(*source)
-                    ),
-                ));
-            }
-        }
-        // nvmfd turns partial discards on for its connection, so that a deallocated range
-        // reads back as zeroes (DLFEAT); an override skips discards of less than the
-        // granularity, and a deallocated block would read its old data.
-        if let Some((_, v, source)) = get("rbd_skip_partial_discard") {
-            if v == "true" {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "{} skips partial discards (rbd_skip_partial_discard = true, set in {} \
-                         ...)): a deallocated block could read back its old data, where hosts \
-                         are told it reads zeroes; remove the setting (rbd config image|pool rm \
-                         ... rbd_skip_partial_discard)",
                         what(),
                         where_set(*source)
                     ),
