@@ -164,6 +164,10 @@ pub(crate) struct CtrlState {
     /// removed or reopened) are still being synced: SHST completes once they are
     /// ([`Target::release_begins`]).
     pub shutdown_awaits_releases: bool,
+    /// A shutdown's flush of every namespace is under way: the host waits for the command
+    /// that started it (a Property Set or Get on its admin queue) and sends nothing else,
+    /// so its keep-alive timer does not run out meanwhile, however long the flush takes.
+    pub shutdown_flushing: bool,
 }
 
 /// A controller, shared by its admin and I/O queues.
@@ -702,7 +706,7 @@ impl Target {
                 return true;
             }
             let mut st = c.lock();
-            if c.traffic.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            if c.traffic.swap(false, std::sync::atomic::Ordering::Relaxed) || st.shutdown_flushing {
                 st.last_keep_alive = now;
             }
             let expired =

@@ -1834,6 +1834,41 @@ fn shutdown_flushes_and_reports_complete() {
     );
 }
 
+/// A host waits for the command that started its shutdown's flush and sends nothing else
+/// (Linux has stopped its keep-alives): a flush longer than the keep-alive timeout does not
+/// end the controller under it. It did, and the command was never answered.
+#[test]
+fn a_long_shutdown_flush_does_not_expire_the_keep_alive_timer() {
+    let w = world();
+    let (mut a, ios) = w.controller(1);
+    drop(ios);
+    let kato = Duration::from_millis(5000);
+    let target = w.target.clone();
+    let ended = std::rc::Rc::new(std::cell::Cell::new(usize::MAX));
+    let seen = std::rc::Rc::clone(&ended);
+    a.transport().flush_all_hook = Some(Box::new(move || {
+        // The Property Set counts as traffic once; then two timeouts pass in the flush.
+        let t0 = Instant::now();
+        let first = target.expire_keep_alives(t0).len();
+        let later = target.expire_keep_alives(t0 + kato * 2).len();
+        seen.set(first + later);
+    }));
+    a.shutdown().unwrap();
+    assert_eq!(
+        ended.get(),
+        0,
+        "the controller expired while its shutdown flushed"
+    );
+    assert_eq!(
+        a.property_get(wire::property::CSTS, false).unwrap() >> 2 & 3,
+        2
+    );
+    // Once flushed, the timer runs again.
+    let t1 = Instant::now();
+    w.target.expire_keep_alives(t1);
+    assert_eq!(w.target.expire_keep_alives(t1 + kato * 2).len(), 1);
+}
+
 /// A shutdown whose flush fails is never reported complete: the host that asked for it gets an
 /// error, and CSTS says Controller Fatal Status with SHST not complete (what it wrote may not
 /// be durable).

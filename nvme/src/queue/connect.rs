@@ -151,6 +151,7 @@ impl Queue {
                     resetting: false,
                     shutdown_pending: false,
                     shutdown_awaits_releases: false,
+                    shutdown_flushing: false,
                 }),
                 dead: false.into(),
                 end_reason: std::sync::Mutex::new(None),

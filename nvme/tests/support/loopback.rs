@@ -145,6 +145,8 @@ pub struct Loopback {
     pub now: Instant,
     /// The block operations the target asked for, in order.
     pub ops: Vec<IoOp>,
+    /// Runs while a shutdown's flush of every namespace is under way, before it flushes.
+    pub flush_all_hook: Option<Box<dyn FnMut()>>,
 }
 
 impl std::fmt::Debug for Loopback {
@@ -175,6 +177,7 @@ impl Loopback {
             held: Vec::new(),
             now: Instant::now(),
             ops: Vec::new(),
+            flush_all_hook: None,
         }
     }
 
@@ -282,6 +285,9 @@ impl Loopback {
         };
         let (result, read) = match &req.op {
             IoOp::FlushAll { nsids, .. } => {
+                if let Some(hook) = self.flush_all_hook.as_mut() {
+                    hook();
+                }
                 let mut r = Ok(0);
                 for &n in nsids {
                     let (x, _) = self
