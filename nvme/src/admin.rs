@@ -398,6 +398,8 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
             wire::put_str(&mut id.mn, "nvmfd discovery", b' ');
             wire::put_str(&mut id.subnqn, crate::target::DISCOVERY_NQN, 0);
             id.cntrltype = 2;
+            // Discovery Log Page Change Notices.
+            id.oaes = U32::new(1 << 31);
         }
     }
     wire::put_str(&mut id.fr, firmware, b' ');
@@ -508,7 +510,17 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     }
     let mut page = q.take_bytes(0);
     match (lid, ctrl.subsystem.is_some()) {
-        (log_page::DISCOVERY, false) => page = discovery_log(q, ctrl),
+        (log_page::DISCOVERY, false) => {
+            if !rae {
+                // Read and not retained: the next change raises an event again, and one for
+                // this log not yet reported is not reported.
+                let mut st = ctrl.lock();
+                st.disc_event_masked = false;
+                st.pending_events
+                    .retain(|&e| e != crate::target::DISCOVERY_CHANGED_EVENT);
+            }
+            page = discovery_log(q, ctrl);
+        }
         (log_page::ERROR, _) => page.resize(64, 0),
         // Controller-wide only (LPA bit 0 clear): an NSID other than 0 or FFFFFFFFh asks for
         // one namespace's figures, which nvmfd does not keep: Invalid Field, as the
@@ -703,8 +715,7 @@ fn set_features(
         feature::ASYNC_EVENT_CONFIG => {
             // The SMART / Health critical warnings (bits 7:0, never raised) and the notices
             // OAES offers: Namespace Attribute Notices on an I/O controller; on a discovery
-            // controller, the Discovery Log Page Change notices SPDK hosts ask for (never
-            // raised either), as the kernel target accepts them.
+            // controller, Discovery Log Page Change notices.
             let offered = if ctrl.subsystem.is_some() {
                 0xFF | 1 << 8
             } else {

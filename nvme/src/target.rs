@@ -103,7 +103,7 @@ impl Default for Limits {
 }
 
 /// A transport address, for the discovery log.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Port {
     /// IP address.
     pub addr: IpAddr,
@@ -168,6 +168,9 @@ pub(crate) struct CtrlState {
     /// that started it (a Property Set or Get on its admin queue) and sends nothing else,
     /// so its keep-alive timer does not run out meanwhile, however long the flush takes.
     pub shutdown_flushing: bool,
+    /// A Discovery Log Page Change event was raised and the host has not read the log since
+    /// (without retaining it): no other is raised until it has.
+    pub disc_event_masked: bool,
 }
 
 /// A controller, shared by its admin and I/O queues.
@@ -546,8 +549,32 @@ impl Target {
 
     /// Replaces the ports reported in the discovery log.
     pub fn set_ports(&self, ports: Vec<Port>) {
-        *write(&self.inner.ports) = ports;
+        let changed = {
+            let mut p = write(&self.inner.ports);
+            let changed = *p != ports;
+            *p = ports;
+            changed
+        };
         self.inner.genctr.fetch_add(1, Ordering::Release);
+        if changed {
+            self.raise_discovery_changed();
+        }
+    }
+
+    /// The discovery log changed (a port, a subsystem, a subsystem's hosts): every
+    /// discovery controller that enabled the notice gets a Discovery Log Page Change event,
+    /// unless one is raised and the host has not read the log since.
+    fn raise_discovery_changed(&self) {
+        for c in self.ctrls().values() {
+            if c.subsystem.is_some() {
+                continue;
+            }
+            let mut st = c.lock();
+            if st.aec & (1 << 31) != 0 && !st.disc_event_masked {
+                st.disc_event_masked = true;
+                st.pending_events.push(DISCOVERY_CHANGED_EVENT);
+            }
+        }
     }
 
     fn publish(&self, subs: &mut Subsystems, new: Vec<Arc<Subsystem>>) {
@@ -580,6 +607,8 @@ impl Target {
         let mut new = subs.as_ref().clone();
         new.push(Arc::new(s));
         self.publish(&mut subs, new);
+        drop(subs);
+        self.raise_discovery_changed();
         Ok(id)
     }
 
@@ -601,6 +630,7 @@ impl Target {
         let ended = self.end_where(EndReason::SubsystemRemoved, |c| {
             c.subsystem == Some(gone.id)
         });
+        self.raise_discovery_changed();
         Ok((gone, ended))
     }
 
@@ -635,6 +665,10 @@ impl Target {
         drop(subs);
         for nsid in changed {
             self.raise_namespace_changed(s.id, nsid);
+        }
+        // Who may see it in the discovery log.
+        if s.allow_any_host != old.allow_any_host || s.hosts != old.hosts {
+            self.raise_discovery_changed();
         }
         Ok(self.end_where(EndReason::AccessRevoked, |c| {
             c.subsystem == Some(s.id) && !s.allows(&c.hostnqn)
@@ -764,6 +798,9 @@ pub(crate) const CHANGED_LIST_LEN: usize = 1024;
 
 /// Asynchronous event: type Notice (2), Namespace Attribute Changed (0), log page 04h.
 pub const NS_ATTR_CHANGED_EVENT: u32 = 0x0004_0002;
+
+/// Asynchronous event: type Notice (2), Discovery Log Page Change (F0h), log page 70h.
+pub const DISCOVERY_CHANGED_EVENT: u32 = 0x0070_F002;
 
 /// Whether two namespaces of one NSID look the same to a host.
 fn same_namespace(a: &Namespace, b: &Namespace) -> bool {

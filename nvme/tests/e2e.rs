@@ -240,6 +240,74 @@ fn a_subsystem_added_while_the_discovery_log_is_built_is_listed() {
     assert_eq!(got, vec![SUB.to_string(), LATE.to_string()]);
 }
 
+/// A discovery controller that enabled Discovery Log Page Change notices (what persistent
+/// discovery and SPDK hosts ask for) gets one when a subsystem is added or removed, the
+/// ports change or a subsystem's hosts do; one at a time until the host reads the log. The
+/// setting was taken and nothing was ever raised: a host waiting on its AER never learned
+/// of a new subsystem.
+#[test]
+fn a_discovery_controller_is_told_when_the_discovery_log_changes() {
+    const NEW: &str = "nqn.2024-01.io.nvmfd.test:new";
+    let w = world();
+    let mut d = w.admin(&host(2), DISCOVERY_NQN).unwrap();
+    d.enable().unwrap();
+    assert_eq!(d.identify_controller().unwrap().oaes.get(), 1 << 31);
+    d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 31)
+        .unwrap();
+    let aer = |cid: u16| {
+        let mut s: Sqe = nvmfd_nvme::host::command(0);
+        s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
+        s.cid = U16::new(cid);
+        s
+    };
+    let l = d.transport();
+    for cid in [100, 101] {
+        assert!(l.send_capsule(aer(cid).as_bytes()).unwrap().is_none());
+    }
+    let sub = |nqn: &str| Subsystem {
+        id: 0,
+        nqn: nqn.into(),
+        serial: "SN-TEST-0009".into(),
+        model: "nvmfd test".into(),
+        allow_any_host: true,
+        hosts: vec![],
+        namespaces: vec![],
+    };
+    w.target.add_subsystem(sub(NEW)).unwrap();
+    let ev = l.poll_events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (100, 0x0070_F002));
+    // Not again until the host has read the log.
+    w.target.remove_subsystem(NEW).unwrap();
+    assert!(
+        l.poll_events().is_empty(),
+        "raised again before the log was read"
+    );
+    let got: Vec<String> = d
+        .discover()
+        .unwrap()
+        .iter()
+        .map(|e| host_text(e).0)
+        .collect();
+    assert_eq!(got, vec![SUB.to_string()]);
+    // Read: the next change raises it; a change of the ports too.
+    let mut ports = w.target.ports();
+    ports.push(Port {
+        addr: "10.0.0.9".parse().unwrap(),
+        port: 4420,
+        id: 9,
+    });
+    w.target.set_ports(ports);
+    let ev = d.transport().poll_events();
+    assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (101, 0x0070_F002));
+    // An I/O controller hears nothing of it.
+    let (mut a, _ios) = w.controller(1);
+    assert!(
+        status_of(a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 31))
+            .same_code(status::INVALID_FIELD)
+    );
+}
+
 /// A discovery log longer than one transfer (MDTS, 128 KiB here) is read whole, in pieces.
 #[test]
 fn a_discovery_log_longer_than_one_transfer_is_read_whole() {

@@ -152,6 +152,7 @@ impl Queue {
                     shutdown_pending: false,
                     shutdown_awaits_releases: false,
                     shutdown_flushing: false,
+                    disc_event_masked: false,
                 }),
                 dead: false.into(),
                 end_reason: std::sync::Mutex::new(None),
