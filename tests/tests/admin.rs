@@ -580,6 +580,47 @@ fn nvmfctl_reload_with_the_config_file_says_whether_the_reload_was_taken() {
     assert_eq!(d.data("status")["state"], "running");
 }
 
+/// The systemd unit's reload after `daemon.admin_socket` was edited (it takes effect at the
+/// restart) with other changes: `nvmfctl --config FILE --pid PID` finds the socket the daemon
+/// listens on, and the rest of the file applies. It tried the file's new socket, failed to
+/// connect, and every later change was refused as the file held edits not loaded.
+#[test]
+fn nvmfctl_reload_finds_the_daemons_socket_after_the_file_moved_it() {
+    let d = Daemon::start(Options::default());
+    let config = d.dir.path().join("nvmfd.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let moved = d.dir.path().join("moved.sock");
+    let edited = text
+        .replace(
+            &format!("admin_socket = \"{}\"", d.socket.display()),
+            &format!("admin_socket = \"{}\"", moved.display()),
+        )
+        .replace(
+            "size = \"64MiB\"",
+            "size = \"64MiB\"\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"null\"\nsize = \"8MiB\"",
+        );
+    assert!(edited.contains("moved.sock") && edited.contains("nsid = 2"));
+    std::fs::write(&config, &edited).unwrap();
+    let out = Command::new(bin("nvmfctl"))
+        .arg("--config")
+        .arg(&config)
+        .arg("--pid")
+        .arg(d.child.id().to_string())
+        .arg("reload")
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("next restart"), "{said}");
+    let status = d.data("status");
+    assert_eq!(
+        status["namespaces"].as_array().unwrap().len(),
+        2,
+        "{status}"
+    );
+}
+
 /// A reload of a file whose `[daemon]` section was edited was refused whole ("changes only
 /// with a restart"), and from then on every change was refused too: the file no longer
 /// matched what was loaded ("reload it first"), a loop only a restart or undoing the edit

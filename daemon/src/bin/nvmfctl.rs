@@ -26,6 +26,13 @@ struct Cli {
     /// reload does; it wins over `--socket` and `NVMFD_SOCKET`.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
+    /// Talk to the daemon with this process ID on the admin socket it listens on (found in
+    /// /proc), as the systemd unit's reload passes `$MAINPID`: a `daemon.admin_socket`
+    /// edited since the daemon started takes effect at its restart, so the file's socket is
+    /// not yet where it listens. It wins over `--config` and `--socket`; when the process
+    /// listens on none (or /proc cannot be read) they are used.
+    #[arg(long, global = true)]
+    pid: Option<u32>,
     /// Print the daemon's JSON answer instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -345,6 +352,39 @@ fn socket_of(path: &std::path::Path) -> Result<PathBuf, String> {
     }
 }
 
+/// The Unix socket process `pid` listens on, from its descriptors and `/proc/net/unix`;
+/// `prefer` if it listens on several and that is one.
+fn socket_of_pid(pid: u32, prefer: Option<&std::path::Path>) -> Option<PathBuf> {
+    let inodes: std::collections::HashSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter_map(|l| {
+            l.to_str()?
+                .strip_prefix("socket:[")?
+                .strip_suffix(']')?
+                .parse()
+                .ok()
+        })
+        .collect();
+    // Num RefCount Protocol Flags Type St Inode Path; Flags 00010000: listening.
+    let table = std::fs::read_to_string("/proc/net/unix").ok()?;
+    let listening: Vec<PathBuf> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (flags, inode, path) = (f.get(3)?, f.get(6)?.parse::<u64>().ok()?, f.get(7)?);
+            (*flags == "00010000" && path.starts_with('/') && inodes.contains(&inode))
+                .then(|| PathBuf::from(path))
+        })
+        .collect();
+    match prefer {
+        Some(p) if listening.iter().any(|l| l == p) => Some(p.to_path_buf()),
+        _ => listening.into_iter().next(),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let req = match request_of(&cli.command) {
@@ -364,6 +404,10 @@ fn main() -> ExitCode {
         },
         None => cli.socket.clone(),
     };
+    let socket = cli
+        .pid
+        .and_then(|pid| socket_of_pid(pid, Some(&socket)))
+        .unwrap_or(socket);
     let mut data = match ctl::request(&socket, &req, Duration::from_secs(cli.timeout)) {
         Ok(d) => d,
         Err(e) => {
