@@ -580,6 +580,66 @@ fn nvmfctl_reload_with_the_config_file_says_whether_the_reload_was_taken() {
     assert_eq!(d.data("status")["state"], "running");
 }
 
+/// A socket opened to others (a group, for monitoring) lets them read, not change: a change
+/// opens files and devices as the daemon and exports them to hosts. Any peer could make any
+/// change, a namespace on /etc/shadow for one.
+#[test]
+fn only_root_changes_anything_through_the_admin_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = Daemon::start(Options::default());
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        return nvmfd_tests::skip("setpriv (util-linux) is missing");
+    }
+    for p in [d.dir.path(), d.socket.as_path()] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let as_nobody = |args: &[&str]| {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(bin("nvmfctl"))
+            .arg("--socket")
+            .arg(&d.socket)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = as_nobody(&["status"]);
+    assert!(ok, "{out}");
+    let (ok, out) = as_nobody(&["stats"]);
+    assert!(ok, "{out}");
+    for change in [
+        vec!["reload"],
+        vec![
+            "namespace",
+            "add",
+            "nqn.2024-01.io.nvmfd.test:ram0",
+            "--nsid",
+            "2",
+            "--backend",
+            "file",
+            "--path",
+            "/etc/shadow",
+            "--read-only",
+        ],
+    ] {
+        let (ok, out) = as_nobody(&change);
+        assert!(!ok, "{change:?} by uid 65534 was taken: {out}");
+        assert!(out.contains("changes need root"), "{out}");
+    }
+    assert_eq!(
+        d.data("status")["namespaces"].as_array().unwrap().len(),
+        1,
+        "nothing changed"
+    );
+    // Root still changes.
+    assert!(d.request(r#"{"request":"reload"}"#)["ok"] == true);
+}
+
 /// The systemd unit's reload after `daemon.admin_socket` was edited (it takes effect at the
 /// restart) with other changes: `nvmfctl --config FILE --pid PID` finds the socket the daemon
 /// listens on, and the rest of the file applies. It tried the file's new socket, failed to

@@ -647,6 +647,21 @@ impl Daemon {
             Ok(v) => Response::data(v),
             Err(e) => Response::error(format!("internal error: {e}")),
         };
+        // Only root (or the daemon's own user) changes anything: a change opens files and
+        // devices as the daemon, exports them to hosts and ends connections. Whoever else may
+        // connect (a group the socket is opened to, for monitoring) reads.
+        let reads = matches!(
+            req,
+            Request::Status {} | Request::Stats {} | Request::Config {} | Request::Controllers {}
+        );
+        if !reads && !may_change(uid) {
+            warn!(self.log, "admin request refused: changes need root"; "uid" => uid);
+            return Response::error(format!(
+                "changes need root or the daemon's user (the request came from uid {}): status, \
+                 stats, config and controllers are open to whoever may connect to the socket",
+                uid.map_or_else(|| "unknown".into(), |u| u.to_string())
+            ));
+        }
         // A change plans against the devices there are: removals seen while an earlier
         // change of this turn waited are handled first.
         self.handle_deferred_removals(registry);
@@ -779,4 +794,11 @@ impl Daemon {
             info!(self.log, "reactors stopped"; "count" => self.reactors.len());
         }
     }
+}
+
+/// Whether a peer of the admin socket with user ID `uid` may change things: root, or the
+/// user the daemon runs as.
+fn may_change(uid: Option<u32>) -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    uid.is_some_and(|u| u == 0 || u == unsafe { libc::geteuid() })
 }
