@@ -1077,6 +1077,28 @@ fn two_namespaces_on_one_file_by_other_paths_are_refused() {
     );
 }
 
+/// The configuration written back goes through a new file of its own beside it: a symlink
+/// planted at a name the daemon would use (it wrote `<file>.toml.new`, following links) does
+/// not make it overwrite what the link points at.
+#[test]
+fn writing_the_configuration_back_follows_no_planted_link() {
+    let (d, _addr) = start();
+    let victim = d.dir.path().join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    let config = d.dir.path().join("nvmfd.toml");
+    std::os::unix::fs::symlink(&victim, config.with_extension("toml.new")).unwrap();
+    add_file_namespace(&d, 2);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    assert!(config_text(&d).contains("nsid = 2"));
+    let left: Vec<_> = std::fs::read_dir(d.dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".nvmfd-config-"))
+        .collect();
+    assert!(left.is_empty(), "new files left behind: {left:?}");
+}
+
 /// A subsystem renamed in one change (its NQN edited, its namespaces the same) is a
 /// subsystem removed and one added with the same files: taken. The store check counted the
 /// removed subsystem's namespaces as served and refused it as "one file".

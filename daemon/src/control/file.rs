@@ -16,38 +16,44 @@ pub(super) struct Source {
 }
 
 impl Daemon {
-    /// Writes the configuration file: a new file beside it, synced, renamed over it. Where the
-    /// configuration's path is a symlink, the file it names now is the one written (the link
-    /// stays); the new file keeps the old one's permissions, and its owner and group where
-    /// the daemon may set them.
+    /// Writes the configuration file: a new file beside it (a name of its own, created
+    /// exclusively: nothing planted at a known name is followed), synced, renamed over it.
+    /// Where the configuration's path is a symlink, the file it names now is the one written
+    /// (the link stays); the new file keeps the old one's permissions, and its owner and
+    /// group where the daemon may set them.
     pub(super) fn write_config(&self, text: &str) -> Result<(), String> {
         let Some(given) = &self.source.path else {
             return Ok(());
         };
         let resolved = std::fs::canonicalize(given).unwrap_or_else(|_| given.clone());
         let path = &resolved;
-        let tmp = path.with_extension("toml.new");
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
         let write = || -> std::io::Result<()> {
             use std::io::Write;
             use std::os::unix::fs::MetadataExt;
-            let mut f = std::fs::File::create(&tmp)?;
+            let mut tmp = tempfile::Builder::new()
+                .prefix(".nvmfd-config-")
+                .suffix(".new")
+                .tempfile_in(dir)?;
             if let Ok(meta) = std::fs::metadata(path) {
-                f.set_permissions(meta.permissions())?;
-                if let Err(e) = std::os::unix::fs::fchown(&f, Some(meta.uid()), Some(meta.gid())) {
+                tmp.as_file().set_permissions(meta.permissions())?;
+                if let Err(e) =
+                    std::os::unix::fs::fchown(tmp.as_file(), Some(meta.uid()), Some(meta.gid()))
+                {
                     warn!(self.log, "the configuration file's owner and group could not be kept";
                           "path" => %path.display(), "error" => %e);
                 }
             }
-            f.write_all(text.as_bytes())?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)?;
-            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-            std::fs::File::open(dir.unwrap_or(std::path::Path::new(".")))?.sync_all()?;
+            tmp.write_all(text.as_bytes())?;
+            tmp.as_file().sync_all()?;
+            // On an error the new file is removed as `tmp` drops.
+            tmp.persist(path).map_err(|e| e.error)?;
+            std::fs::File::open(dir)?.sync_all()?;
             Ok(())
         };
-        write().map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            format!("cannot write the configuration to {}: {e}", path.display())
-        })
+        write().map_err(|e| format!("cannot write the configuration to {}: {e}", path.display()))
     }
 }
