@@ -172,6 +172,19 @@ pub enum Request {
     },
 }
 
+/// Whether a directory's entries are the daemon's to make and remove alone: owned by root or
+/// the daemon's user, and writable by nobody else (or sticky, as /tmp: others cannot remove
+/// or rename what they do not own).
+fn directory_is_safe(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let owner_ok = meta.uid() == 0 || meta.uid() == me;
+    let others_write = meta.mode() & 0o022 != 0;
+    let sticky = meta.mode() & 0o1000 != 0;
+    owner_ok && (!others_write || sticky)
+}
+
 /// The user ID of the process at the other end of `stream` (SO_PEERCRED).
 fn peer_uid(stream: &UnixStream) -> Option<u32> {
     use std::os::fd::AsRawFd;
@@ -332,6 +345,12 @@ pub enum AdminError {
     /// something other than a socket is at the path
     #[error("{0}: exists and is not a socket (left as it is; name another admin_socket)")]
     NotASocket(PathBuf),
+    /// the socket's directory is not the daemon's alone
+    #[error(
+        "{0}: its directory is owned by another user or writable by others (without the sticky bit): \
+         they could replace the socket or watch what is sent to it; name a directory of root's"
+    )]
+    UnsafeDirectory(PathBuf),
     /// creating, binding or setting up the socket failed
     #[error("{path}: {what}: {source}")]
     Io {
@@ -405,6 +424,11 @@ impl AdminServer {
                 std::fs::create_dir_all(dir).map_err(io("cannot create its directory"))?;
                 std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))
                     .map_err(io("cannot set its directory's mode"))?;
+            }
+            // Nobody else may replace what is in it (between the bind and the chmod, say).
+            let meta = std::fs::metadata(dir).map_err(io("cannot read its directory"))?;
+            if !directory_is_safe(&meta) {
+                return Err(AdminError::UnsafeDirectory(path.to_owned()));
             }
         }
         if let Ok(meta) = std::fs::symlink_metadata(path) {

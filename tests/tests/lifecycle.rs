@@ -139,6 +139,41 @@ fn an_admin_socket_path_naming_a_regular_file_is_refused_and_the_file_kept() {
     assert_eq!(std::fs::read(&file).unwrap(), b"not a socket");
 }
 
+/// An admin socket in a directory others may write (not sticky) or another user owns is
+/// refused at start: they could replace the socket between its bind and its chmod, or put
+/// their own in its place and read what nvmfctl sends. A sticky one (as /tmp) is taken.
+#[test]
+fn an_admin_socket_in_a_directory_others_may_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let open = dir.path().join("open");
+    let sticky = dir.path().join("sticky");
+    for (d, mode) in [(&open, 0o777), (&sticky, 0o1777)] {
+        std::fs::create_dir(d).unwrap();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let at = |d: &std::path::Path| Options {
+        replace: vec![(
+            "admin_socket = \"".into(),
+            format!(
+                "admin_socket = \"{}\"\n# was: ",
+                d.join("nvmfd.sock").display()
+            ),
+        )],
+        ..Options::default()
+    };
+    let mut d = Daemon::spawn(at(&open));
+    assert_eq!(d.wait_exit().code(), Some(1));
+    assert!(d.log().contains("writable by others"), "{}", d.log());
+    assert!(!open.join("nvmfd.sock").exists());
+    let mut d = Daemon::spawn(at(&sticky));
+    wait_for("the daemon in the sticky directory to answer", || {
+        sticky.join("nvmfd.sock").exists().then_some(())
+    });
+    d.signal(libc::SIGTERM);
+    assert_eq!(d.wait_exit().code(), Some(0), "{}", d.log());
+}
+
 #[test]
 fn a_second_daemon_on_the_same_socket_refuses_to_start() {
     let d = Daemon::start(Options::default());
