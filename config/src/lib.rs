@@ -47,16 +47,23 @@ pub enum LoadError {
 impl Config {
     /// Reads, parses and validates the configuration file at `path`.
     pub fn load(path: &Path, facts: &SystemFacts) -> Result<Config, LoadError> {
+        Config::load_text(path, facts).map(|(cfg, _)| cfg)
+    }
+
+    /// [`Config::load`], with the text read: what the configuration came from, for edits
+    /// made to it later (the file may have changed since, and must not be read again).
+    pub fn load_text(path: &Path, facts: &SystemFacts) -> Result<(Config, String), LoadError> {
         let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Config::parse(&text, facts).map_err(|mut e| {
+        let cfg = Config::parse(&text, facts).map_err(|mut e| {
             for err in &mut e.0 {
                 err.file = Some(path.to_owned());
             }
             LoadError::Invalid(e)
-        })
+        })?;
+        Ok((cfg, text))
     }
 
     /// Parses and validates configuration text.

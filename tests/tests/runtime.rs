@@ -1077,6 +1077,50 @@ fn two_namespaces_on_one_file_by_other_paths_are_refused() {
     );
 }
 
+/// The file edited between the daemon's reading it at start and its serving: a change made
+/// then is refused as for any edit not loaded (the configuration in force is the text read,
+/// which is no longer the file's). The file was read a second time at start, so the change
+/// went ahead against the old configuration with the text of the new one, taking every
+/// unrelated edit of it along.
+#[test]
+fn a_file_edited_while_the_daemon_starts_is_not_taken_along_by_a_change() {
+    let gate = tempfile::tempdir().unwrap();
+    std::fs::write(gate.path().join("loaded-hold"), b"").unwrap();
+    let port = test_port();
+    let d = Daemon::spawn(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port)),
+        test_hooks: true,
+        env: vec![("NVMFD_TEST_GATE".into(), gate.path().display().to_string())],
+        ..Options::default()
+    });
+    wait_for("the start to wait at the gate", || {
+        gate.path().join("loaded-waiting").exists().then_some(())
+    });
+    let text = config_text(&d);
+    let (a_start, b_start) = (
+        text.find("# subsystem A").unwrap(),
+        text.find("# subsystem B").unwrap(),
+    );
+    // Subsystem B dropped from the file meanwhile.
+    std::fs::write(d.dir.path().join("nvmfd.toml"), &text[..b_start]).unwrap();
+    assert!(a_start < b_start);
+    std::fs::write(gate.path().join("loaded-go"), b"").unwrap();
+    wait_for("the admin socket to answer", || {
+        d.try_request(r#"{"request":"status"}"#).ok()
+    });
+    let why = refused(
+        &d,
+        serde_json::json!({"request": "add_host", "subsystem": A, "host": host(0x31).nqn}),
+    );
+    assert!(why.contains("edited since it was loaded"), "{why}");
+    let status = d.data("status");
+    assert_eq!(
+        status["subsystems"].as_array().unwrap().len(),
+        2,
+        "{status}"
+    );
+}
+
 /// The configuration written back goes through a new file of its own beside it: a symlink
 /// planted at a name the daemon would use (it wrote `<file>.toml.new`, following links) does
 /// not make it overwrite what the link points at.

@@ -51,8 +51,8 @@ fn main() -> ExitCode {
             }
         };
     }
-    let cfg = match Config::load(&cli.config, &facts) {
-        Ok(cfg) => cfg,
+    let (cfg, text) = match Config::load_text(&cli.config, &facts) {
+        Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("nvmfd: {e}");
             return ExitCode::FAILURE;
@@ -75,7 +75,7 @@ fn main() -> ExitCode {
     // absolute path, whatever the working directory becomes. A symlink stays one (an operator
     // may point it at another file, then reload): it is resolved when the file is written.
     let path = std::path::absolute(&cli.config).unwrap_or_else(|_| cli.config.clone());
-    let result = control::run(cfg, Some(path), facts, log.clone());
+    let result = control::run(cfg, Some((path, text)), facts, log.clone());
     let code = match result {
         Ok(()) => {
             info!(log, "nvmfd stopped");

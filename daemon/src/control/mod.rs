@@ -153,10 +153,23 @@ struct Daemon {
 /// [`FORCED_EXIT_STATUS`].
 pub fn run(
     cfg: Config,
-    path: Option<std::path::PathBuf>,
+    source: Option<(std::path::PathBuf, String)>,
     facts: nvmfd_config::SystemFacts,
     log: Logger,
 ) -> Result<(), DaemonError> {
+    // `cfg` is what `source`'s text says: the text edits apply to is the one it was parsed
+    // from, not the file read again (it may have changed since).
+    let (path, text) = match source {
+        Some((path, text)) => (Some(path), text),
+        None => (None, toml::to_string(&cfg).unwrap_or_default()),
+    };
+    // Test hook: the start waits here (`loaded-hold` in the test gate's directory), the
+    // configuration read, while a test edits the file.
+    if std::env::var(TEST_HOOKS_ENV).is_ok_and(|v| v == "1") {
+        if let Some(dir) = std::env::var_os(off_thread::TEST_GATE_ENV) {
+            off_thread::wait_at_gate_if_held(std::path::Path::new(&dir), "loaded");
+        }
+    }
     // Signals first, so that a SIGTERM during start-up is a graceful stop, not a kill.
     let term = Arc::new(AtomicBool::new(false));
     for sig in [SIGTERM, SIGINT] {
@@ -203,14 +216,7 @@ pub fn run(
         unserved: Vec::new(),
         next_reactor: 0,
         soft_fabric: None,
-        source: file::Source {
-            text: match &path {
-                Some(p) => std::fs::read_to_string(p).map_err(DaemonError::Setup)?,
-                None => toml::to_string(&cfg).unwrap_or_default(),
-            },
-            path,
-            facts,
-        },
+        source: file::Source { text, path, facts },
         devices: std::collections::BTreeMap::new(),
         listener_slots: cfg.listeners.iter().cloned().map(Some).collect(),
         reopens: Vec::new(),
