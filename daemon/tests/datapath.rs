@@ -1046,6 +1046,92 @@ fn in_capsule_write_at_a_stalled_disk(
     writer
 }
 
+/// A QP whose drain timed out with an in-capsule write at a stalled disk keeps its receives
+/// reserved until the write is done: the receive the write holds is not there for the
+/// queues connected meanwhile. The reservation went back when the QP was destroyed, and the
+/// SRQ covered the new queues short by what the lingering writes held.
+#[test]
+fn a_drain_that_times_out_keeps_its_receives_reserved_until_its_writes_are_done() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 16,
+        max: 512,
+        low_watermark: 4,
+        chunk: 16,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let s = serve_full(4512, None, Some(srq), Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 1, 1);
+    // The admin queue and the I/O queue, 32 each.
+    assert_eq!(c.srq_receives_reserved.load(Relaxed), 64);
+    let victim = s.fabric.srq_qps(s.srq_id)[1];
+    let writer = in_capsule_write_at_a_stalled_disk(&s, &c, ios.pop().unwrap(), 97);
+    s.fabric.inject_qp_fatal(victim);
+    wait_until("the drain timed out on the write at the disk", || {
+        c.drain_timeouts.load(Relaxed) == 1 && c.qps_draining.load(Relaxed) == 0
+    });
+    assert_eq!(
+        c.srq_receives_reserved.load(Relaxed),
+        64,
+        "the lingering write's queue gave its receives back"
+    );
+    s.hold_block.store(false, Relaxed);
+    let (_io, r) = writer.join().unwrap();
+    assert!(r.is_err(), "the write's QP was torn down");
+    wait_until("the lingering queue's reservation goes back", || {
+        c.srq_receives_reserved.load(Relaxed) == 32 && c.block_ops_in_flight.load(Relaxed) == 0
+    });
+}
+
+/// The same across an SRQ rebuild: the lingering queue's reservation was in the replaced
+/// SRQ, and its end leaves the new SRQ's (its new connections') as they are.
+#[test]
+fn a_lingering_queue_of_a_replaced_srq_gives_back_nothing_of_the_new_ones_reservations() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        initial: 16,
+        max: 512,
+        low_watermark: 4,
+        chunk: 16,
+        shrink_delay: Duration::from_secs(60),
+        cover_queues: true,
+    };
+    let s = serve_full(4513, None, Some(srq), Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 1);
+    write_verified(&mut ios[0], 1, 1);
+    let writer = in_capsule_write_at_a_stalled_disk(&s, &c, ios.pop().unwrap(), 98);
+    s.fabric.inject_srq_error(s.srq_id);
+    wait_until("the SRQ is rebuilt", || c.srq_rebuilds.load(Relaxed) == 1);
+    drop(_admin);
+    // Another host on the new SRQ: its admin and I/O queues, 32 each.
+    let other = HostId {
+        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000cc".into(),
+        id: [0xcc; 16],
+    };
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &other, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let mut io2 = IoQueue::connect(queue(&s, 1, 31), &other, SUB, admin.cntlid, 1, 31).unwrap();
+    wait_until("the new host's queues reserved", || {
+        c.srq_receives_reserved.load(Relaxed) == 64
+    });
+    s.hold_block.store(false, Relaxed);
+    let _ = writer.join().unwrap();
+    wait_until("the stalled write is done", || {
+        c.block_ops_in_flight.load(Relaxed) == 0
+    });
+    write_verified(&mut io2, 5, 5);
+    assert_eq!(
+        c.srq_receives_reserved.load(Relaxed),
+        64,
+        "the lingering queue gave back the new host's reservation"
+    );
+}
+
 /// An SRQ error while an in-capsule write is at a stalled disk, written from its receive: the
 /// SRQ is rebuilt as soon as its QPs are gone, and hosts are served again, without waiting
 /// for the disk (connections were refused for as long as it took); the old SRQ's memory

@@ -15,8 +15,10 @@ pub(super) struct Conn {
     pub(super) listener: usize,
     pub(super) queue: Queue,
     pub(super) token: usize,
-    /// Receives reserved for it in the SRQ (its queue depth).
+    /// Receives reserved for it in the SRQ (its queue depth), and that SRQ's generation (a
+    /// reservation in an SRQ since replaced is not the new one's to give back).
     pub(super) depth: u32,
+    pub(super) srq_generation: u64,
     /// Send-queue entries it may use (one more is kept for the drain marker), and in use.
     pub(super) sq_budget: u32,
     pub(super) sq_used: u32,
@@ -52,6 +54,7 @@ pub(super) struct Drain {
     /// of it may still write.
     pub(super) queue: Queue,
     pub(super) depth: u32,
+    pub(super) srq_generation: u64,
     pub(super) since: Instant,
     pub(super) cause: Cause,
     /// `IBV_EVENT_QP_LAST_WQE_REACHED` arrived: no receive completion of it is still to come.
@@ -172,6 +175,7 @@ impl DataPath {
             queue,
             token,
             depth,
+            srq_generation: self.srq.generation(),
             sq_budget,
             sq_used: 0,
             read_budget,
@@ -482,6 +486,7 @@ impl DataPath {
                 id: c.id,
                 queue: c.queue,
                 depth: c.depth,
+                srq_generation: c.srq_generation,
                 since: now,
                 cause,
                 last_wqe: false,
@@ -577,8 +582,14 @@ impl DataPath {
     pub(super) fn reap_drained(&mut self, now: Instant) {
         if !self.lingering.is_empty() {
             let reqs = &self.reqs;
-            self.lingering
-                .retain(|&(tag, _)| reqs.iter().flatten().any(|r| r.conn == tag));
+            let srq = &mut self.srq;
+            self.lingering.retain(|l| {
+                let left = reqs.iter().flatten().any(|r| r.conn == l.tag);
+                if !left {
+                    unreserve(srq, l.depth, l.srq_generation);
+                }
+                left
+            });
         }
         if self.draining.is_empty() {
             return;
@@ -642,10 +653,16 @@ impl DataPath {
                 // Their completions will never come.
                 release_usize(&mut self.sends_in_flight, d.signaled_out as usize);
             }
-            self.srq.unreserve(d.depth);
+            // Only a timed-out drain can have requests left (those its end above kept): their
+            // receives stay reserved until they are done (an in-capsule write still holds
+            // its receive at the disk; given back now, the SRQ would not grow to cover the
+            // queues connected meanwhile, short by one receive for each).
+            let lingers = timed_out && requests_of(&self.reqs, qpn) > 0;
+            if !lingers {
+                unreserve(&mut self.srq, d.depth, d.srq_generation);
+            }
             drop(d.id);
-            // Only a timed-out drain can have requests left (those its end above kept).
-            if timed_out && requests_of(&self.reqs, qpn) > 0 {
+            if lingers {
                 // Block operations of it are still in flight: its queue stays counted by
                 // its controller until they complete. Its requests lose their connection:
                 // the device may give its QP number to a new QP, whose connection may take
@@ -661,7 +678,12 @@ impl DataPath {
                 {
                     r.conn = tag;
                 }
-                self.lingering.push((tag, d.queue));
+                self.lingering.push(Lingering {
+                    tag,
+                    _queue: d.queue,
+                    depth: d.depth,
+                    srq_generation: d.srq_generation,
+                });
             }
         }
         self.scratch_qpns = gone;
@@ -673,7 +695,7 @@ impl DataPath {
         loop {
             self.next_lingering = self.next_lingering.wrapping_add(1) % (NO_CONN - ORPHANS);
             let tag = ORPHANS + self.next_lingering;
-            if !self.lingering.iter().any(|&(t, _)| t == tag) {
+            if !self.lingering.iter().any(|l| l.tag == tag) {
                 return tag;
             }
         }
@@ -703,5 +725,24 @@ impl DataPath {
         self.wait_last_wqe = false;
         self.stop_awaiting();
         self.teardown_all(Cause::Device, now);
+    }
+}
+
+/// The NVMe queue of a QP destroyed after its drain timed out, kept until its block
+/// operations complete, by the tag its requests carry (see [`ORPHANS`]); its receives stay
+/// reserved in the SRQ until then.
+pub(super) struct Lingering {
+    pub(super) tag: u32,
+    /// Its controller counts it until it is dropped.
+    pub(super) _queue: Queue,
+    pub(super) depth: u32,
+    pub(super) srq_generation: u64,
+}
+
+/// Gives back `depth` receives reserved in the SRQ of generation `generation`: nothing if the
+/// SRQ was replaced since (the new one's reservations are its new connections').
+pub(super) fn unreserve(srq: &mut ElasticSrq, depth: u32, generation: u64) {
+    if srq.generation() == generation {
+        srq.unreserve(depth);
     }
 }

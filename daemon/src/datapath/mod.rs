@@ -323,7 +323,7 @@ pub struct DataPath {
     draining: HashMap<u32, Drain>,
     /// NVMe queues of QPs destroyed after their drain timed out, kept until their block
     /// operations complete, by the tag their requests carry (see `conn::ORPHANS`).
-    lingering: Vec<(u32, Queue)>,
+    lingering: Vec<conn::Lingering>,
     /// The last lingering queue's tag, less `ORPHANS`.
     next_lingering: u32,
     /// Times a poll of the CQ found it empty.
