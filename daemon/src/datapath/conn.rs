@@ -117,7 +117,13 @@ impl DataPath {
                 why: "the data path serves as many QPs as it can at once",
             });
         }
+        let was_capped = self.srq.coverage_capped();
         let change = match self.srq.reserve(depth, Instant::now()) {
+            Ok(c) if !was_capped && self.srq.coverage_capped() => {
+                slog::warn!(self.log, "the connected queues can have more commands outstanding than srq_max receives: the SRQ covers them only up to srq_max, and commands a stalled backend keeps waiting can hold every receive (other hosts then meet RNR NAKs); raise transport.srq_max";
+                    "reserved" => self.srq.reserved(), "connections" => self.conns.len() + 1);
+                c
+            }
             Ok(c) => c,
             Err(e) => {
                 self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);

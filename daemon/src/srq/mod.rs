@@ -572,6 +572,12 @@ impl ElasticSrq {
         Ok(Change::Grew(self.registered))
     }
 
+    /// Whether the connected queues' depths add up to more than `max`: the SRQ covers them
+    /// only up to `max`, so commands a stalled backend keeps waiting can hold every receive.
+    pub fn coverage_capped(&self) -> bool {
+        self.cfg.cover_queues && self.committed > self.cfg.max
+    }
+
     /// A queue of `depth` entries (given to `reserve`) is gone.
     pub fn unreserve(&mut self, depth: u32) {
         if self.cfg.cover_queues {

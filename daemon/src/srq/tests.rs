@@ -117,6 +117,23 @@ fn the_last_growth_step_stops_at_the_maximum_exactly() {
     assert!(matches!(s.limit_reached(t0), Change::CannotGrow));
 }
 
+/// Covering the queues stops at `max`: past it the SRQ holds `max` receives and says it is
+/// capped (the reactor warns), and no longer once queues go below it again.
+#[test]
+fn covering_the_queues_stops_at_the_maximum_and_says_so() {
+    let fabric = nvmfd_rdma::soft::Fabric::new();
+    let t0 = Instant::now();
+    let mut s = small_srq_up_to(&fabric, 24, Duration::from_secs(60), t0);
+    s.cfg.cover_queues = true;
+    s.reserve(16, t0).unwrap();
+    assert!(!s.coverage_capped());
+    s.reserve(16, t0).unwrap();
+    assert!(s.coverage_capped(), "32 reserved, 24 at most");
+    assert_eq!((s.registered, s.reserved()), (24, 32));
+    s.unreserve(16);
+    assert!(!s.coverage_capped());
+}
+
 /// Commands waiting for admission keep their receives off the SRQ, polled but not yet
 /// given back: under such a backlog the SRQ runs low though its count of receives posted
 /// does not drop, and the shrink decision must see the low, not that count (it drained a
