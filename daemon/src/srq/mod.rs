@@ -313,8 +313,8 @@ impl ElasticSrq {
     /// Posts the receives given back since the last call (each once, in chains of up to
     /// [`CHAIN`]: one provider call per chain, not per receive), skipping those posted
     /// meanwhile and those of a chunk that left. Once per loop turn, from `tick`. The first
-    /// error is returned after every chain was tried; a receive that could not be posted
-    /// stays out, as one whose post failed always did.
+    /// error is returned after every chain was tried; a receive that could not be posted is
+    /// tried again at the next call.
     pub fn flush(&mut self) {
         if self.post_pending().is_err() {
             self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
@@ -383,7 +383,20 @@ impl ElasticSrq {
             self.posted += u32::try_from(posted).unwrap_or(u32::MAX); // at most CHAIN
             bump(&self.counters.receives_posted, posted as u64);
         }
-        self.pending.clear();
+        if first_err.is_some() {
+            // Those a post refused stay for the next turn (as do the chains tried after it
+            // that did go in: now posted, they leave); a receive left out would be counted
+            // registered and never be there for a command.
+            let chunks = &self.chunks;
+            self.pending.retain(|&(idx, slot)| {
+                chunks
+                    .get(idx)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|c| !c.draining && c.is_posted.get(slot as usize) == Some(&false))
+            });
+        } else {
+            self.pending.clear();
+        }
         first_err.map_or(Ok(()), Err)
     }
 

@@ -117,6 +117,33 @@ fn the_last_growth_step_stops_at_the_maximum_exactly() {
     assert!(matches!(s.limit_reached(t0), Change::CannotGrow));
 }
 
+/// A post of receives the provider refuses part-way (out of memory for the moment): those it
+/// did not take are posted at the next flush. They were left out for good, counted as
+/// registered and never there for a command.
+#[test]
+fn receives_a_post_refused_are_posted_at_the_next_flush() {
+    let fabric = nvmfd_rdma::soft::Fabric::new();
+    let t0 = Instant::now();
+    let mut s = small_srq(&fabric, Duration::from_secs(60), t0);
+    assert_eq!((s.registered, s.posted), (8, 8));
+    // Four receives of chunk 0 completed (commands done) and given back.
+    s.consumed(4);
+    for slot in 0..4u64 {
+        s.completed((s.generation() << GEN_SHIFT) | slot, t0);
+    }
+    assert_eq!(s.posted, 4);
+    fabric.fail_next_srq_posts(1);
+    s.flush();
+    assert_eq!(s.posted, 5, "one went in, three were refused");
+    s.flush();
+    assert_eq!(
+        (s.registered, s.posted),
+        (8, 8),
+        "the refused ones are posted"
+    );
+    assert!(s.pending.is_empty());
+}
+
 /// Covering the queues stops at `max`: past it the SRQ holds `max` receives and says it is
 /// capped (the reactor warns), and no longer once queues go below it again.
 #[test]

@@ -286,6 +286,13 @@ impl Fabric {
         self.lock().qps.get(&qpn).and_then(|q| q.depths)
     }
 
+    /// The next `n` posts of receives to any SRQ fail part-way, as a provider out of memory
+    /// for the moment does: the first receive of each is posted, the rest are refused with
+    /// ENOMEM (the SRQ stays usable).
+    pub fn fail_next_srq_posts(&self, n: u32) {
+        self.lock().srq_post_failures = n;
+    }
+
     /// Breaks SRQ `srq`: `SrqErr`, every QP on it goes to ERR, and posting to it fails.
     pub fn inject_srq_error(&self, srq: u32) {
         self.lock().srq_error(srq);

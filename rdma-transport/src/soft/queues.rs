@@ -105,6 +105,13 @@ impl Drop for Cq {
     }
 }
 
+/// Takes one from a count of injected failures: whether there was one.
+fn s_fail(count: &mut u32) -> bool {
+    let fail = *count > 0;
+    *count = count.saturating_sub(1);
+    fail
+}
+
 /// A shared receive queue.
 #[derive(Debug)]
 pub struct Srq {
@@ -122,12 +129,18 @@ impl Srq {
         if s.broken_srqs.contains(&self.id) {
             return Err(VerbsError::post("post_srq_recv", libc::EIO, 0));
         }
+        let mut stop = None;
+        // An injected transient failure: the first receive is posted, the rest are not.
+        let fail_at = (s_fail(&mut s.srq_post_failures)).then_some(1.min(wrs.len()));
         let q =
             s.srqs
                 .get_mut(&self.id)
                 .ok_or(VerbsError::post("post_srq_recv", libc::EINVAL, 0))?;
-        let mut stop = None;
         for (i, w) in wrs.iter().enumerate() {
+            if fail_at == Some(i) {
+                stop = Some((i, libc::ENOMEM));
+                break;
+            }
             if w.sges.len() > q.max_sge as usize {
                 stop = Some((i, libc::EINVAL));
                 break;

@@ -165,6 +165,8 @@ pub(crate) struct State {
     pub(super) links: HashMap<u32, tcp::LinkState>,
     pub(super) removed: std::collections::HashSet<u32>,
     pub(super) broken_srqs: std::collections::HashSet<u32>,
+    /// Posts of receives still to fail part-way (`Fabric::fail_next_srq_posts`).
+    pub(super) srq_post_failures: u32,
     /// Posts that took a QP's outstanding RDMA READs past its read depth.
     pub(super) read_depth_exceeded: u64,
     /// Injected post failures: the next chain posted on QP (key) that is longer than the
