@@ -2853,7 +2853,7 @@ fn a_host_guessing_keys_cannot_read_or_write_the_targets_memory() {
                 op,
                 sges: &sge,
                 signaled: true,
-                inline: false,
+                inline: None,
             }])
             .expect("post");
             let cq = &h._qp_on.1;
@@ -3844,7 +3844,7 @@ fn a_drain_marker_posted_and_then_failed_is_counted_and_its_completion_ends_the_
 /// everything it held comes back.
 #[test]
 fn a_host_past_its_queue_size_is_torn_down_and_others_are_served() {
-    use nvmfd_rdma::{SendOp, SendWr, Sge, Wc, WcStatus};
+    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_counted(4489, None, Arc::clone(&c));
@@ -3861,18 +3861,13 @@ fn a_host_past_its_queue_size_is_torn_down_and_others_are_served() {
         let mut sqe = [0u8; 64];
         sqe[0] = 0x18;
         sqe[2..4].copy_from_slice(&cid.to_le_bytes());
-        let sge = [Sge {
-            addr: sqe.as_ptr() as u64,
-            length: 64,
-            lkey: 0,
-        }];
         if h.id
             .post_send(&[SendWr {
                 wr_id: u64::from(cid),
                 op: SendOp::Send,
-                sges: &sge,
+                sges: &[],
                 signaled: true,
-                inline: true,
+                inline: Some(&sqe),
             }])
             .is_err()
         {
@@ -3961,7 +3956,7 @@ fn a_command_left_unanswered_among_answered_ones_breaks_a_pipelined_queue() {
 /// counted and logged; other hosts are served on, and everything it held comes back.
 #[test]
 fn a_host_that_takes_none_of_its_responses_is_torn_down_after_the_response_timeout() {
-    use nvmfd_rdma::{SendOp, SendWr, Sge, Wc, WcStatus};
+    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_opts(
@@ -3984,17 +3979,12 @@ fn a_host_that_takes_none_of_its_responses_is_torn_down_after_the_response_timeo
         let mut sqe = [0u8; 64];
         sqe[0] = 0x18;
         sqe[2..4].copy_from_slice(&cid.to_le_bytes());
-        let sge = [Sge {
-            addr: sqe.as_ptr() as u64,
-            length: 64,
-            lkey: 0,
-        }];
         h.id.post_send(&[SendWr {
             wr_id: u64::from(cid),
             op: SendOp::Send,
-            sges: &sge,
+            sges: &[],
             signaled: true,
-            inline: true,
+            inline: Some(&sqe),
         }])
         .unwrap();
         wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);

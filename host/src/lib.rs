@@ -193,7 +193,7 @@ impl RdmaQueue {
                 op: SendOp::Send,
                 sges: &sge,
                 signaled: true,
-                inline: false,
+                inline: None,
             }])
             .map_err(transport)?;
         let end = Instant::now() + COMMAND_TIMEOUT;
@@ -402,7 +402,7 @@ impl HostTransport for RdmaQueue {
                 op: SendOp::Send,
                 sges: &capsule,
                 signaled: true,
-                inline: false,
+                inline: None,
             }])
             .map_err(transport)?;
         let end = Instant::now() + COMMAND_TIMEOUT;

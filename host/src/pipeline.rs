@@ -299,7 +299,7 @@ impl PipelinedQueue {
             op: SendOp::Send,
             sges: &sge,
             signaled: true,
-            inline: false,
+            inline: None,
         }]);
         if let Err(e) = posted {
             self.free.push(slot);

@@ -78,7 +78,7 @@ macro_rules! bench {
                     op: SendOp::Send,
                     sges: &sge,
                     signaled: i == 15,
-                    inline: false,
+                    inline: None,
                 })
                 .collect();
             let (mut sent, mut inflight) = (0u64, 0u32);
@@ -132,7 +132,7 @@ macro_rules! bench {
                         },
                         sges: &sge,
                         signaled: i == 15,
-                        inline: false,
+                        inline: None,
                     })
                     .collect();
                 let (mut done, mut inflight) = (0u64, 0u32);

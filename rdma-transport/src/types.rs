@@ -69,9 +69,10 @@ pub struct SendWr<'a> {
     pub sges: &'a [Sge],
     /// Generate a completion.
     pub signaled: bool,
-    /// Copy the data into the work request at post time (SEND/WRITE only; up to the QP's
-    /// `max_inline_data`); the SGEs' keys are not used.
-    pub inline: bool,
+    /// The message's data, copied into the work request at post time in place of `sges`
+    /// (SEND/WRITE only; up to the QP's `max_inline_data`; no memory region needed). Borrowed
+    /// for the call, so the provider reads only memory that is there.
+    pub inline: Option<&'a [u8]>,
 }
 
 /// A receive work request.

@@ -57,7 +57,7 @@ fn send(wr_id: u64, sges: &[Sge], signaled: bool) -> SendWr<'_> {
         op: SendOp::Send,
         sges,
         signaled,
-        inline: false,
+        inline: None,
     }
 }
 
@@ -229,7 +229,7 @@ macro_rules! suite {
                     },
                     sges: &[w.t.mr.sge(100, msg.len() as u32)],
                     signaled: false,
-                    inline: false,
+                    inline: None,
                 };
                 let wr2 = SendWr { wr_id: 2, ..wr };
                 let rd = SendWr {
@@ -240,7 +240,7 @@ macro_rules! suite {
                     },
                     sges: &[w.t.mr.sge(30000, msg.len() as u32)],
                     signaled: true,
-                    inline: false,
+                    inline: None,
                 };
                 w.tid[0].post_send(&[wr, wr2, rd]).unwrap();
                 let wc = poll_one(&w.t.cq);
@@ -269,7 +269,7 @@ macro_rules! suite {
                     },
                     sges: &sge,
                     signaled,
-                    inline: false,
+                    inline: None,
                 };
                 let n = nvmfd_rdma::MAX_SEND_CHAIN;
                 let chain: Vec<SendWr<'_>> = (0..=n).map(|k| write(k, k + 1 >= n)).collect();
@@ -297,7 +297,7 @@ macro_rules! suite {
                         },
                         sges: &[w.t.mr.sge(0, 16)],
                         signaled: true,
-                        inline: false,
+                        inline: None,
                     };
                     w.tid[0].post_send(&[wr]).unwrap();
                     let wc = poll_one(&w.t.cq);
@@ -323,35 +323,25 @@ macro_rules! suite {
                     }])
                     .unwrap();
                 let msg = vec![0x5au8; limit];
-                let sge = Sge {
-                    addr: msg.as_ptr() as u64,
-                    length: limit as u32,
-                    lkey: 0,
-                };
                 w.hid[0]
                     .post_send(&[SendWr {
                         wr_id: 1,
                         op: SendOp::Send,
-                        sges: &[sge],
+                        sges: &[],
                         signaled: true,
-                        inline: true,
+                        inline: Some(&msg),
                     }])
                     .unwrap();
                 assert_eq!(poll_one(&w.t.cq).byte_len, limit as u32);
                 assert_eq!(poll_one(&w.h.cq).status, WcStatus::Success);
                 let big = vec![0u8; limit + 1];
-                let sge = Sge {
-                    addr: big.as_ptr() as u64,
-                    length: big.len() as u32,
-                    lkey: 0,
-                };
                 let e = w.hid[0]
                     .post_send(&[SendWr {
                         wr_id: 2,
                         op: SendOp::Send,
-                        sges: &[sge],
+                        sges: &[],
                         signaled: true,
-                        inline: true,
+                        inline: Some(&big),
                     }])
                     .unwrap_err();
                 assert!(
@@ -475,11 +465,6 @@ macro_rules! suite {
                 let Some(w) = world(4435, 1) else { return };
                 let limit = w.tid[0].max_inline().unwrap() as usize;
                 let big = vec![9u8; limit + 1];
-                let big_sge = [Sge {
-                    addr: big.as_ptr() as u64,
-                    length: big.len() as u32,
-                    lkey: 0,
-                }];
                 let max_sge = w.t.dev.attr().unwrap().max_sge as usize;
                 let too_many: Vec<Sge> = (0..=max_sge).map(|_| w.t.mr.sge(0, 1)).collect();
                 w.t.mr.write(0, &[7u8; 64]);
@@ -492,15 +477,15 @@ macro_rules! suite {
                     },
                     sges,
                     signaled,
-                    inline: false,
+                    inline: None,
                 };
                 // Inline data one byte over the QP's limit, third of four.
                 let chain = [
                     write(0, false, &sge[..]),
                     write(1, true, &sge[..]),
                     SendWr {
-                        inline: true,
-                        ..write(2, true, &big_sge[..])
+                        inline: Some(&big),
+                        ..write(2, true, &[])
                     },
                     write(3, true, &sge[..]),
                 ];
@@ -1136,7 +1121,7 @@ mod soft_only {
                 },
                 sges: &[w.h.mr.sge(0, 64)],
                 signaled: true,
-                inline: false,
+                inline: None,
             }])
             .unwrap();
         let mut wc = [Wc::default(); 4];
@@ -1179,7 +1164,7 @@ mod soft_only {
             },
             sges: sge,
             signaled,
-            inline: false,
+            inline: None,
         }
     }
 
@@ -1204,7 +1189,7 @@ mod soft_only {
                 },
                 sges: sge,
                 signaled: true,
-                inline: false,
+                inline: None,
             })
             .collect()
     }
@@ -1319,7 +1304,7 @@ mod soft_only {
                 },
                 sges: &sge,
                 signaled: true,
-                inline: false,
+                inline: None,
             },
         ];
         let e = w.tid[0].post_send(&chain).unwrap_err();
@@ -1638,7 +1623,7 @@ mod soft_only {
                     },
                     sges: &sge,
                     signaled: true,
-                    inline: false,
+                    inline: None,
                 };
                 t.post_send(&[wr]).unwrap();
                 let wc = poll_one(&w.t.cq);
@@ -1667,20 +1652,15 @@ mod soft_only {
         for i in 1..=64u64 {
             // Inline: the value is captured at post time, as the wire has it.
             let v = i.to_le_bytes();
-            let sge = [Sge {
-                addr: v.as_ptr() as u64,
-                length: 8,
-                lkey: 0,
-            }];
             let wr = SendWr {
                 wr_id: i,
                 op: SendOp::RdmaWrite {
                     remote_addr: w.h.mr.addr(),
                     rkey: w.h.mr.rkey(),
                 },
-                sges: &sge,
+                sges: &[],
                 signaled: true,
-                inline: true,
+                inline: Some(&v),
             };
             w.tid[0].post_send(&[wr]).unwrap();
             if remote() != i {
@@ -1978,7 +1958,7 @@ mod soft_only {
             },
             sges: &[w.t.mr.sge(0, 16)],
             signaled: true,
-            inline: false,
+            inline: None,
         };
         w.tid[0].post_send(&[wr]).unwrap();
         assert_eq!(poll_one(&w.h.cq).invalidated_rkey, Some(host_buf.rkey()));
@@ -1992,7 +1972,7 @@ mod soft_only {
             },
             sges: &[w.t.mr.sge(0, 16)],
             signaled: true,
-            inline: false,
+            inline: None,
         };
         w.tid[0].post_send(&[wr]).unwrap();
         assert_eq!(
@@ -2029,7 +2009,7 @@ mod soft_only {
             },
             sges: &sge,
             signaled: true,
-            inline: false,
+            inline: None,
         };
         c.post_send(&[write(1), write(2), write(3)]).unwrap();
         assert_eq!(w.t.dev.next_event(), Some(AsyncEvent::CqErr(small.id())));
@@ -2113,7 +2093,7 @@ mod soft_only {
                 },
                 sges: &[w.t.mr.sge(4096, 512)],
                 signaled: true,
-                inline: false,
+                inline: None,
             };
             w.tid[0].post_send(&[rd]).unwrap();
             let wc = on_soft_tcp::poll_one(&w.t.cq);
@@ -2146,7 +2126,7 @@ mod soft_only {
                 op: SendOp::SendWithInvalidate { rkey: local.rkey() },
                 sges: &[w.h.mr.sge(0, 16)],
                 signaled: true,
-                inline: false,
+                inline: None,
             }])
             .unwrap();
         assert_eq!(poll_one(&w.h.cq).status, WcStatus::RemInvReqErr);
@@ -2184,7 +2164,7 @@ mod soft_only {
                 },
                 sges: &[w.h.mr.sge(0, 64)],
                 signaled: true,
-                inline: false,
+                inline: None,
             }])
             .unwrap();
         let mut wc = [Wc::default(); 2];
@@ -2215,7 +2195,7 @@ mod soft_only {
                 },
                 sges: &[w.h.mr.sge(0, 64)],
                 signaled: true,
-                inline: false,
+                inline: None,
             }])
             .unwrap();
         let mut wc = [Wc::default(); 2];

@@ -88,7 +88,7 @@ fn a_host_in_one_process_uses_rdma_on_a_peer_in_another() {
         },
         sges: &[mr.sge(0, 8192)],
         signaled: true,
-        inline: false,
+        inline: None,
     };
     c.post_send(&[wr]).unwrap();
     assert_eq!(poll_one().status, WcStatus::Success);
@@ -100,7 +100,7 @@ fn a_host_in_one_process_uses_rdma_on_a_peer_in_another() {
         },
         sges: &[mr.sge(16384, 8192)],
         signaled: true,
-        inline: false,
+        inline: None,
     };
     c.post_send(&[rd]).unwrap();
     let wc = poll_one();
@@ -121,7 +121,7 @@ fn a_host_in_one_process_uses_rdma_on_a_peer_in_another() {
         },
         sges: &[mr.sge(0, 64)],
         signaled: true,
-        inline: false,
+        inline: None,
     };
     // SEND, and the echo comes back into our receive.
     srq.post_recv(&[RecvWr {
@@ -135,7 +135,7 @@ fn a_host_in_one_process_uses_rdma_on_a_peer_in_another() {
         op: SendOp::Send,
         sges: &[mr.sge(40960, 21)],
         signaled: true,
-        inline: false,
+        inline: None,
     }])
     .unwrap();
     let mut got = [poll_one(), poll_one()];

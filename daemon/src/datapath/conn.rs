@@ -441,7 +441,7 @@ impl DataPath {
             op: SendOp::Send,
             sges: &[],
             signaled: true,
-            inline: false,
+            inline: None,
         }];
         // Refused, it never completes; posted and then failed (rxe's doorbell), it does.
         let flushed = c.id.post_send(&marker).is_err_and(|e| e.posted() == 0);

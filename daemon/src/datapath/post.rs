@@ -51,33 +51,21 @@ pub(super) fn post_staged(id: &CmId, staged: &[Staged]) -> Result<(), (usize, Ve
         op: SendOp::Send,
         sges: &[],
         signaled: false,
-        inline: false,
+        inline: None,
     };
     for (n, chunk) in staged.chunks(POST_BATCH).enumerate() {
-        let mut sges = [Sge::default(); POST_BATCH];
-        for (s, w) in sges.iter_mut().zip(chunk) {
-            *s = if w.inline {
-                Sge {
-                    addr: w.cqe.as_ptr() as u64,
-                    length: 16,
-                    lkey: 0,
-                }
-            } else {
-                w.sge
-            };
-        }
         let mut wrs: [SendWr<'_>; POST_BATCH] = [EMPTY; POST_BATCH];
-        for ((wr, w), s) in wrs.iter_mut().zip(chunk).zip(&sges) {
+        for (wr, w) in wrs.iter_mut().zip(chunk) {
             *wr = SendWr {
                 wr_id: w.wr_id,
                 op: w.op,
-                sges: if w.sge.length == 0 && !w.inline {
+                sges: if w.sge.length == 0 || w.inline {
                     &[]
                 } else {
-                    std::slice::from_ref(s)
+                    std::slice::from_ref(&w.sge)
                 },
                 signaled: w.signaled,
-                inline: w.inline,
+                inline: w.inline.then_some(&w.cqe[..]),
             };
         }
         // Those before the refused one were posted: they complete (or flush) as usual.

@@ -93,7 +93,7 @@ fn main() {
                         op: SendOp::Send,
                         sges: &echo,
                         signaled: true,
-                        inline: false,
+                        inline: None,
                     }])
                     .unwrap();
                 }

@@ -507,18 +507,35 @@ pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), Verbs
     }
     // SAFETY: plain data (unions of integers and pointers).
     let mut raw: [ibv_send_wr; SEND_BATCH] = unsafe { std::mem::zeroed() };
+    // Inline data's one SGE each (the key unused), here for the call.
+    let mut inline_sges = [Sge::default(); SEND_BATCH];
     let n = wrs.len();
+    for i in 0..n {
+        let w = &wrs[i];
+        if let Some(data) = w.inline {
+            inline_sges[i] = Sge {
+                addr: data.as_ptr() as u64,
+                length: u32::try_from(data.len()).unwrap_or(u32::MAX),
+                lkey: 0,
+            };
+        }
+    }
     for i in 0..n {
         let w = &wrs[i];
         let r = &mut raw[i];
         r.wr_id = w.wr_id;
-        r.sg_list = w.sges.as_ptr().cast_mut().cast();
-        r.num_sge = i32::try_from(w.sges.len()).unwrap_or(i32::MAX);
+        let sges: &[Sge] = if w.inline.is_some() {
+            std::slice::from_ref(&inline_sges[i])
+        } else {
+            w.sges
+        };
+        r.sg_list = sges.as_ptr().cast_mut().cast();
+        r.num_sge = i32::try_from(sges.len()).unwrap_or(i32::MAX);
         let mut flags = 0u32;
         if w.signaled {
             flags |= 2; // IBV_SEND_SIGNALED
         }
-        if w.inline {
+        if w.inline.is_some() {
             flags |= 8; // IBV_SEND_INLINE
         }
         r.send_flags = flags;
@@ -541,8 +558,9 @@ pub(crate) fn post_send(qp: *mut ibv_qp, wrs: &[SendWr<'_>]) -> Result<(), Verbs
     let base = link(&mut raw[..n], |w, next| w.next = next);
     let mut bad = ptr::null_mut();
     // SAFETY: a well-formed chain on the stack, linked through `base` with nothing written to
-    // `raw` since, whose SGE lists outlive the call (inline data is copied during it); live
-    // QP; post_send checked at open.
+    // `raw` since, whose SGE lists (the callers' and `inline_sges`) outlive the call; inline
+    // SGEs point into slices borrowed for the call, copied during it; live QP; post_send
+    // checked at open.
     let rc = unsafe { ibv_post_send(qp, base, &mut bad) };
     post_result("post_send", rc, first_not_posted(&raw[..n], bad), n)
 }

@@ -315,7 +315,7 @@ pub(super) fn execute_as(s: &mut State, qpn: u32, from: Sender, w: &SendWr<'_>, 
         s.complete_send(qpn, w.wr_id, w.signaled, st, opcode);
     };
     // The local side: gather (SEND/WRITE) needs readable regions, READ needs writable ones.
-    let local_ok = w.inline || {
+    let local_ok = w.inline.is_some() || {
         let need = if matches!(w.op, SendOp::RdmaRead { .. }) {
             Access::LOCAL_WRITE
         } else {
@@ -335,7 +335,7 @@ pub(super) fn execute_as(s: &mut State, qpn: u32, from: Sender, w: &SendWr<'_>, 
         && s.draw() < u64::from(s.faults.delay_per_million);
     s.injected.delays += u64::from(delay);
     if !s.releasing && (held || delay) {
-        let inline = w.inline.then(|| gather(w.sges));
+        let inline = w.inline.map(<[u8]>::to_vec);
         s.delayed_any
             .store(true, std::sync::atomic::Ordering::Release);
         if let Some(q) = s.qps.get_mut(&qpn) {

@@ -292,12 +292,12 @@ impl Qp {
         let invalidate_ok = !s.faults.no_send_with_invalidate;
         let injected = s.injected_post_failure(self.qpn, wrs.len());
         let refused = wrs.iter().enumerate().find_map(|(i, w)| {
-            let len: u64 = w.sges.iter().map(|s| u64::from(s.length)).sum();
             let errno = if i >= room {
                 libc::ENOMEM
             } else if w.sges.len() > max_sge
-                || (w.inline
-                    && (len > u64::from(max_inline) || matches!(w.op, SendOp::RdmaRead { .. })))
+                || w.inline.is_some_and(|d| {
+                    d.len() > max_inline as usize || matches!(w.op, SendOp::RdmaRead { .. })
+                })
                 || (!invalidate_ok && matches!(w.op, SendOp::SendWithInvalidate { .. }))
             {
                 libc::EINVAL
@@ -327,6 +327,24 @@ impl Qp {
                 SendOp::Send | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
                 SendOp::RdmaWrite { .. } => WcOpcode::RdmaWrite,
                 SendOp::RdmaRead { .. } => WcOpcode::RdmaRead,
+            };
+            // Inline data goes on as one SGE over the borrowed bytes, read during this call.
+            let inline_sge;
+            let normalized;
+            let w = match w.inline {
+                Some(d) => {
+                    inline_sge = [Sge {
+                        addr: d.as_ptr() as u64,
+                        length: u32::try_from(d.len()).unwrap_or(u32::MAX),
+                        lkey: 0,
+                    }];
+                    normalized = SendWr {
+                        sges: &inline_sge,
+                        ..*w
+                    };
+                    &normalized
+                }
+                None => w,
             };
             match s.qps.get(&self.qpn) {
                 Some(q) if !flush && q.state != QpState::Err => {

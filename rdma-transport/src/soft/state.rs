@@ -312,7 +312,7 @@ impl State {
                     op: d.op,
                     sges,
                     signaled: d.signaled,
-                    inline: d.inline.is_some(),
+                    inline: d.inline.as_deref(),
                 };
                 if self.qps.get(&qpn).is_some_and(|q| q.state == QpState::Err) {
                     self.complete_send(qpn, d.wr_id, d.signaled, WcStatus::WrFlushErr, d.opcode);
