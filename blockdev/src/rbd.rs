@@ -113,8 +113,9 @@ unsafe impl Sync for Cluster {}
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        // SAFETY: the handle was connected in `connect` and nothing uses it any more (every
-        // pool and image holds an `Arc` of it).
+        // SAFETY: the handle was made by `rados_create` (connected, or not if reading the
+        // configuration or connecting failed: shutting down an unconnected handle is
+        // allowed), and nothing uses it any more (every pool and image holds an `Arc` of it).
         unsafe { lib().rados.rados_shutdown(self.0) };
     }
 }

@@ -438,3 +438,37 @@ pub struct SrqAttr {
     /// Armed limit (0: not armed; reads 0 after the event fired, until re-armed).
     pub srq_limit: u32,
 }
+
+/// Zeroed memory a memory region owns, held by a raw pointer: the provider (or the NIC)
+/// reaches it through addresses taken when it was registered, and moving a `Box` would
+/// invalidate those under Rust's aliasing rules; a raw pointer does not.
+#[derive(Debug)]
+pub(crate) struct OwnedMem {
+    ptr: std::ptr::NonNull<[u8]>,
+}
+
+impl OwnedMem {
+    /// `len` zeroed bytes.
+    pub(crate) fn zeroed(len: usize) -> OwnedMem {
+        let raw = Box::into_raw(vec![0u8; len].into_boxed_slice());
+        OwnedMem {
+            // SAFETY: `Box::into_raw` never returns null.
+            ptr: unsafe { std::ptr::NonNull::new_unchecked(raw) },
+        }
+    }
+
+    /// The first byte: valid for reads and writes of the length asked for while this lives.
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr().cast()
+    }
+}
+
+impl Drop for OwnedMem {
+    fn drop(&mut self) {
+        // SAFETY: made by `Box::into_raw` in `zeroed` and given back once, here.
+        drop(unsafe { Box::from_raw(self.ptr.as_ptr()) });
+    }
+}
+
+// SAFETY: plain bytes owned by this value alone; the region's handle decides who writes.
+unsafe impl Send for OwnedMem {}

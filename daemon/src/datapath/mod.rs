@@ -242,7 +242,11 @@ pub struct DataPath {
     // over the pool goes before the pool's memory. The SRQ is dropped by hand (`Drop`),
     // only once the engine has drained: should the drain fail, operations may still read
     // receive memory, and the SRQ is leaked instead (the pool's buffers of such operations
-    // the engine leaks itself).
+    // the engine leaks itself). The connections (their QPs) go after the MRs, the pools and
+    // the SRQ's chunks: sound because deregistering an MR stops the device's access to it
+    // first (`ibv_dereg_mr`; the soft provider removes the key under its lock), so an RDMA
+    // operation or receive of a QP still there fails with a protection error instead of
+    // reaching freed memory.
     engine: Engine,
     srq: std::mem::ManuallyDrop<ElasticSrq>,
     /// SRQs replaced after an error whose receives in-capsule writes still write from

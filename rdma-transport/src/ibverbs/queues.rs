@@ -35,7 +35,7 @@ impl std::fmt::Debug for Pd {
 /// A registered memory region.
 pub struct Mr {
     pub(super) mr: NonNull<ibv_mr>,
-    pub(super) owned: Option<Box<[u8]>>,
+    pub(super) owned: Option<crate::types::OwnedMem>,
     pub(super) _pd: Arc<PdInner>,
 }
 
@@ -78,8 +78,8 @@ impl Pd {
     /// Allocates `len` zeroed bytes and registers them.
     pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
         // Page-aligned: a page-sized receive SGE then never straddles two pages.
-        let mut mem = vec![0u8; len + 4096].into_boxed_slice();
-        let off = mem.as_ptr().align_offset(4096);
+        let mem = crate::types::OwnedMem::zeroed(len + 4096);
+        let off = mem.as_mut_ptr().align_offset(4096);
         // SAFETY: `off` < 4096, so `off + len` is within the allocation.
         let ptr = unsafe { mem.as_mut_ptr().add(off) };
         // SAFETY: the memory is owned by the returned Mr, freed after deregistration.

@@ -205,8 +205,8 @@ pub struct Mr {
     pub(super) key: u32,
     pub(super) addr: u64,
     pub(super) len: usize,
-    /// Memory the region owns (boxed: its address never moves).
-    pub(super) owned: Option<Box<[u8]>>,
+    /// Memory the region owns (its address never moves).
+    pub(super) owned: Option<crate::types::OwnedMem>,
 }
 
 impl Pd {
@@ -255,8 +255,8 @@ impl Pd {
     /// Allocates `len` zeroed bytes and registers them.
     pub fn alloc_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
         // Page-aligned: a page-sized receive SGE then never straddles two pages.
-        let mut mem = vec![0u8; len + 4096].into_boxed_slice();
-        let off = mem.as_ptr().align_offset(4096);
+        let mem = crate::types::OwnedMem::zeroed(len + 4096);
+        let off = mem.as_mut_ptr().align_offset(4096);
         // SAFETY: `off` < 4096, so `off + len` is within the allocation.
         let ptr = unsafe { mem.as_mut_ptr().add(off) };
         // SAFETY: the memory is owned by the returned Mr and freed only after deregistration.
