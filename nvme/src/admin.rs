@@ -238,7 +238,7 @@ fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
         };
         return q.respond(&cmd, Status::SUCCESS, csts);
     }
-    ctrl.lock().shutdown_flushing = true;
+    ctrl.lock().shutdown_flushing = Some(Instant::now());
     Action::Io(IoRequest {
         cmd,
         nsid: 0,

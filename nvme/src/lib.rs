@@ -27,5 +27,5 @@ pub use queue::{
 pub use target::{
     ChangeCount, ChangeError, ChangeWaker, Controller, EndReason, Limits, Namespace, Port,
     QueueInfo, QueueStats, Releases, Subsystem, Subsystems, Target, DISCOVERY_CHANGED_EVENT,
-    DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION,
+    DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION, SHUTDOWN_FLUSH_KEEPS_ALIVE,
 };

@@ -578,7 +578,7 @@ impl Queue {
             let mut csts = 0;
             if let Some(ctrl) = &self.ctrl {
                 let mut st = ctrl.lock();
-                st.shutdown_flushing = false;
+                st.shutdown_flushing = None;
                 st.csts = if ctrl.epoch.load(Ordering::Acquire) != epoch {
                     // Reset (and maybe enabled again) while it flushed: that shutdown is over.
                     st.csts

@@ -164,10 +164,12 @@ pub(crate) struct CtrlState {
     /// removed or reopened) are still being synced: SHST completes once they are
     /// ([`Target::release_begins`]).
     pub shutdown_awaits_releases: bool,
-    /// A shutdown's flush of every namespace is under way: the host waits for the command
-    /// that started it (a Property Set or Get on its admin queue) and sends nothing else,
-    /// so its keep-alive timer does not run out meanwhile, however long the flush takes.
-    pub shutdown_flushing: bool,
+    /// A shutdown's flush of every namespace is under way, since then: the host waits for
+    /// the command that started it (a Property Set or Get on its admin queue) and sends
+    /// nothing else, so its keep-alive timer does not run out meanwhile, for up to
+    /// [`SHUTDOWN_FLUSH_KEEPS_ALIVE`] (a flush that hangs does not keep a host that went
+    /// away for ever).
+    pub shutdown_flushing: Option<Instant>,
     /// A Discovery Log Page Change event was raised and the host has not read the log since
     /// (without retaining it): no other is raised until it has.
     pub disc_event_masked: bool,
@@ -740,7 +742,10 @@ impl Target {
                 return true;
             }
             let mut st = c.lock();
-            if c.traffic.swap(false, std::sync::atomic::Ordering::Relaxed) || st.shutdown_flushing {
+            let flushing = st
+                .shutdown_flushing
+                .is_some_and(|t0| now.saturating_duration_since(t0) < SHUTDOWN_FLUSH_KEEPS_ALIVE);
+            if c.traffic.swap(false, std::sync::atomic::Ordering::Relaxed) || flushing {
                 st.last_keep_alive = now;
             }
             let expired =
@@ -795,6 +800,9 @@ impl Target {
 
 /// The Changed Namespace List's entries (log page 04h).
 pub(crate) const CHANGED_LIST_LEN: usize = 1024;
+
+/// How long a shutdown's flush keeps its controller's keep-alive timer from running out.
+pub const SHUTDOWN_FLUSH_KEEPS_ALIVE: Duration = Duration::from_secs(120);
 
 /// Asynchronous event: type Notice (2), Namespace Attribute Changed (0), log page 04h.
 pub const NS_ATTR_CHANGED_EVENT: u32 = 0x0004_0002;

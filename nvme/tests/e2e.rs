@@ -1935,6 +1935,25 @@ fn a_long_shutdown_flush_does_not_expire_the_keep_alive_timer() {
     let t1 = Instant::now();
     w.target.expire_keep_alives(t1);
     assert_eq!(w.target.expire_keep_alives(t1 + kato * 2).len(), 1);
+    // A flush that never ends keeps it for a while only: a host gone meanwhile goes too.
+    let (mut b, ios) = w.controller(1);
+    drop(ios);
+    let target = w.target.clone();
+    let late = std::rc::Rc::new(std::cell::Cell::new(0));
+    let seen = std::rc::Rc::clone(&late);
+    b.transport().flush_all_hook = Some(Box::new(move || {
+        let t0 = Instant::now();
+        target.expire_keep_alives(t0);
+        let within = target
+            .expire_keep_alives(t0 + SHUTDOWN_FLUSH_KEEPS_ALIVE / 2)
+            .len();
+        let past = target
+            .expire_keep_alives(t0 + SHUTDOWN_FLUSH_KEEPS_ALIVE + kato * 2)
+            .len();
+        seen.set(within * 10 + past);
+    }));
+    let _ = b.shutdown();
+    assert_eq!(late.get(), 1, "kept alive within the bound, ended past it");
 }
 
 /// A shutdown whose flush fails is never reported complete: the host that asked for it gets an

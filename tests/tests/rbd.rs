@@ -666,6 +666,49 @@ fn an_image_with_exclusive_lock_is_served_with_a_warning() {
     h.close();
 }
 
+/// `systemctl reload` (`nvmfctl --pid`) after `daemon.admin_socket` was edited, with librados
+/// in the daemon listening on a socket of its own (ceph.conf's `admin socket`): the daemon's
+/// admin socket is found among the two by asking each for its process ID. The first
+/// listening socket in /proc was taken, which could be librados', and a reload went to it.
+#[test]
+fn nvmfctl_pid_finds_the_daemons_socket_beside_librados_admin_socket() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let asok = dir.path().join("client.asok");
+    let mut text = std::fs::read_to_string(&conf).unwrap();
+    text.push_str(&format!("\n[client]\nadmin socket = {}\n", asok.display()));
+    let conf2 = dir.path().join("ceph.conf");
+    std::fs::write(&conf2, text).unwrap();
+    let image = ceph::image_name();
+    let d = rbd_daemon(conf2.to_str().unwrap(), &image, NEW_IMAGE);
+    nvmfd_tests::wait_for("librados' admin socket", || asok.exists().then_some(()));
+    let config = d.dir.path().join("nvmfd.toml");
+    let edited = std::fs::read_to_string(&config).unwrap().replace(
+        &d.socket.display().to_string(),
+        &d.dir.path().join("moved.sock").display().to_string(),
+    );
+    std::fs::write(&config, edited).unwrap();
+    for _ in 0..4 {
+        let out = std::process::Command::new(nvmfd_tests::bin("nvmfctl"))
+            .arg("--config")
+            .arg(&config)
+            .arg("--pid")
+            .arg(d.child.id().to_string())
+            .arg("--json")
+            .arg("status")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{said}");
+        assert!(
+            said.contains("\"namespaces\""),
+            "not nvmfd's answer: {said}"
+        );
+    }
+}
+
 #[test]
 fn a_second_daemon_on_the_image_reads_what_the_first_wrote() {
     let _c = shared();

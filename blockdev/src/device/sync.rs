@@ -91,8 +91,16 @@ impl Device {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         s.in_flight.remove(&n);
+        // A waiter counts itself under this lock before it waits: read under it, the count
+        // misses none, and a FUA write or Flush makes no wake-up call when nobody waits.
+        let waiters = self
+            .syncs
+            .waiting
+            .load(std::sync::atomic::Ordering::Acquire);
         drop(s);
-        self.syncs.ended.notify_all();
+        if waiters > 0 {
+            self.syncs.ended.notify_all();
+        }
     }
 
     /// For a Flush that succeeded now: `Some(until)` when syncs begun before now are still

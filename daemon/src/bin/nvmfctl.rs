@@ -27,10 +27,11 @@ struct Cli {
     #[arg(long, global = true)]
     config: Option<PathBuf>,
     /// Talk to the daemon with this process ID on the admin socket it listens on (found in
-    /// /proc), as the systemd unit's reload passes `$MAINPID`: a `daemon.admin_socket`
-    /// edited since the daemon started takes effect at its restart, so the file's socket is
-    /// not yet where it listens. It wins over `--config` and `--socket`; when the process
-    /// listens on none (or /proc cannot be read) they are used.
+    /// /proc, and asked for its process ID), as the systemd unit's reload passes `$MAINPID`:
+    /// a `daemon.admin_socket` edited since the daemon started takes effect at its restart,
+    /// so the file's socket is not yet where it listens. It wins over the socket of
+    /// `--config` (whose file must still be readable) and `--socket`; when none is found (or
+    /// /proc cannot be read) they are used.
     #[arg(long, global = true)]
     pid: Option<u32>,
     /// Print the daemon's JSON answer instead of tables.
@@ -352,8 +353,10 @@ fn socket_of(path: &std::path::Path) -> Result<PathBuf, String> {
     }
 }
 
-/// The Unix socket process `pid` listens on, from its descriptors and `/proc/net/unix`;
-/// `prefer` if it listens on several and that is one.
+/// The admin socket process `pid` listens on: of the Unix sockets it listens on (its
+/// descriptors and `/proc/net/unix`), `prefer` first, the one whose `status` answers with
+/// that process ID (a library in the daemon, librados with an `admin socket` in ceph.conf,
+/// may listen on one of its own).
 fn socket_of_pid(pid: u32, prefer: Option<&std::path::Path>) -> Option<PathBuf> {
     let inodes: std::collections::HashSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .ok()?
@@ -367,22 +370,29 @@ fn socket_of_pid(pid: u32, prefer: Option<&std::path::Path>) -> Option<PathBuf> 
                 .ok()
         })
         .collect();
-    // Num RefCount Protocol Flags Type St Inode Path; Flags 00010000: listening.
+    // Num RefCount Protocol Flags Type St Inode Path (the path last, and it may hold
+    // spaces); Flags 00010000: listening.
     let table = std::fs::read_to_string("/proc/net/unix").ok()?;
-    let listening: Vec<PathBuf> = table
+    let mut listening: Vec<PathBuf> = table
         .lines()
         .skip(1)
         .filter_map(|line| {
             let f: Vec<&str> = line.split_whitespace().collect();
-            let (flags, inode, path) = (f.get(3)?, f.get(6)?.parse::<u64>().ok()?, f.get(7)?);
-            (*flags == "00010000" && path.starts_with('/') && inodes.contains(&inode))
-                .then(|| PathBuf::from(path))
+            let (flags, inode) = (f.get(3)?, f.get(6)?.parse::<u64>().ok()?);
+            let path = &line[line.find(" /")? + 1..];
+            (*flags == "00010000" && inodes.contains(&inode)).then(|| PathBuf::from(path))
         })
         .collect();
-    match prefer {
-        Some(p) if listening.iter().any(|l| l == p) => Some(p.to_path_buf()),
-        _ => listening.into_iter().next(),
+    if let Some(p) = prefer {
+        if let Some(i) = listening.iter().position(|l| l == p) {
+            let first = listening.remove(i);
+            listening.insert(0, first);
+        }
     }
+    listening.into_iter().find(|socket| {
+        ctl::request(socket, &Request::Status {}, Duration::from_secs(5))
+            .is_ok_and(|status| status["pid"].as_u64() == Some(u64::from(pid)))
+    })
 }
 
 fn main() -> ExitCode {

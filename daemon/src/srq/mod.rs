@@ -328,7 +328,7 @@ impl ElasticSrq {
             let end = (at + CHAIN).min(self.pending.len());
             self.chain_ids.clear();
             for &(idx, slot) in &self.pending[at..end] {
-                let Some(c) = self.chunks.get(idx).and_then(Option::as_ref) else {
+                let Some(c) = self.chunks.get_mut(idx).and_then(Option::as_mut) else {
                     continue;
                 };
                 let s = slot as usize;
@@ -336,6 +336,10 @@ impl ElasticSrq {
                 if c.draining || c.is_posted.get(s).copied().unwrap_or(true) {
                     continue;
                 }
+                // Claimed for this chain now, so that a second entry of the receive in the
+                // list (one kept after a refused post, then a chunk's undrain) is not posted
+                // twice; given back below if the post refuses it.
+                c.is_posted[s] = true;
                 let n = self.chain_ids.len();
                 let sges = &mut self.chain_sges[n];
                 sges[0] = c.mr.sge(s * 64, 64);
@@ -374,10 +378,13 @@ impl ElasticSrq {
                     k
                 }
             };
-            for &(idx, slot) in &self.chain_ids[..posted] {
+            for (k, &(idx, slot)) in self.chain_ids.iter().enumerate() {
                 if let Some(c) = self.chunks[idx].as_mut() {
-                    c.is_posted[slot as usize] = true;
-                    c.posted += 1;
+                    if k < posted {
+                        c.posted += 1;
+                    } else {
+                        c.is_posted[slot as usize] = false;
+                    }
                 }
             }
             self.posted += u32::try_from(posted).unwrap_or(u32::MAX); // at most CHAIN

@@ -151,7 +151,7 @@ impl Queue {
                     resetting: false,
                     shutdown_pending: false,
                     shutdown_awaits_releases: false,
-                    shutdown_flushing: false,
+                    shutdown_flushing: None,
                     disc_event_masked: false,
                 }),
                 dead: false.into(),
