@@ -346,6 +346,19 @@ pub mod cm {
                 Self::Verbs(c) => c.listen(addr, backlog).map(CmId::Verbs),
             }
         }
+        /// An ID bound to local address `addr` (port 0) and its device, not listening, that
+        /// a device handle may hold in place of a listening ID that is to go (`Device::hold_id`);
+        /// `None` on the soft provider, whose handles hold no ID.
+        pub fn bind_holder(&self, addr: SocketAddr) -> Option<Result<CmId, VerbsError>> {
+            match self {
+                Self::Soft(_) => {
+                    let _ = addr;
+                    None
+                }
+                #[cfg(feature = "ibverbs")]
+                Self::Verbs(c) => Some(c.bind(addr).map(CmId::Verbs)),
+            }
+        }
         /// Resolves `addr` and a route to it.
         pub fn resolve(&self, addr: SocketAddr, timeout: Duration) -> Result<CmId, VerbsError> {
             match self {

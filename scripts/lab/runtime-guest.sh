@@ -150,6 +150,19 @@ step ctl listener remove "$RDMA_IP" --port 4421
 same_controllers() { [ "$(ls -d /sys/class/nvme/nvme* | wc -l)" -eq "$ctrls_before" ]; }
 step same_controllers
 
+# 5. The only listener of the device removed under its hosts and added back at once: its port
+#    is free (an ID bound to the address, not listening, holds the device while the data paths
+#    drain; the listening ID held it, and adding the listener back failed "Address already in
+#    use" until they had drained). The hosts reconnect through it. (A soft listener meanwhile:
+#    a configuration keeps at least one.)
+step ctl listener add 127.0.0.1 --port 4430 --provider soft
+step ctl listener remove "$RDMA_IP" --port 4420
+step ctl listener add "$RDMA_IP" --port 4420 --provider ibverbs
+step nvme discover -t rdma -a "$RDMA_IP" -s 4420
+reconnected() { [ "$(cat /sys/class/nvme/nvme*/state | grep -c live)" -eq "$ctrls_before" ]; }
+step wait_for reconnected
+step ctl listener remove 127.0.0.1 --port 4430
+
 step nvme disconnect -n $NQN
 step nvme disconnect -n $OTHER
 stop_nvmfd $pid

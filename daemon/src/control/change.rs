@@ -770,7 +770,7 @@ impl Daemon {
             return;
         };
         let Some(l) = slot.take() else { return };
-        self.let_go_of_listening_id(i);
+        self.let_go_of_listening_id(i, l.address);
         if let Some(c) = self.cm.get_mut(i) {
             c.id = None;
             c.device = None;

@@ -253,21 +253,49 @@ impl Daemon {
     /// Listener `i` goes: what was made on its device must not keep its listening ID, or the
     /// ID would keep listening (and its port taken) while the data path lives on for another
     /// listener of the device. The device watched for async events, on which the reactors'
-    /// data paths were made, holds another listener's ID of that device instead.
-    pub(super) fn let_go_of_listening_id(&mut self, i: usize) {
+    /// data paths were made, holds another listener's ID of that device instead, or, with
+    /// none, an ID bound to the listener's address and not listening (ibverbs).
+    pub(super) fn let_go_of_listening_id(&mut self, i: usize, addr: std::net::IpAddr) {
         let Some(dev) = self.cm.get(i).and_then(|c| c.device.clone()) else {
             return;
         };
         let fd = dev.async_fd();
         // Another listener's own listening ID (not the one its device holds: that may be
         // this listener's, taken when it was added).
-        let other = self
+        let other_listener = self
             .cm
             .iter()
             .enumerate()
             .filter(|&(j, c)| j != i && c.device.as_ref().is_some_and(|d| d.async_fd() == fd))
-            .find_map(|(_, c)| c.id.as_ref());
-        let Some(other) = other else { return };
+            .find_map(|(j, c)| c.id.is_some().then_some(j));
+        // The only listener of its device: an ID bound to its address and not listening
+        // holds the device instead, until the device is let go of, so that the port is free
+        // at once (adding the listener back failed with "Address already in use" until its
+        // data paths had drained). A wildcard listener keeps its ID as before.
+        let holder = || {
+            if addr.is_unspecified() {
+                return None;
+            }
+            let ch = self.cm.get(i)?.channel.as_ref()?;
+            match ch.bind_holder(std::net::SocketAddr::new(addr, 0))? {
+                Ok(id) => Some(id),
+                Err(e) => {
+                    warn!(self.log, "no ID to hold a removed listener's device: its port stays taken until the device is let go of"; "error" => %e);
+                    None
+                }
+            }
+        };
+        let held;
+        let other = match other_listener.and_then(|j| self.cm[j].id.as_ref()) {
+            Some(id) => id,
+            None => match holder() {
+                Some(id) => {
+                    held = id;
+                    &held
+                }
+                None => return,
+            },
+        };
         for d in self
             .async_devs
             .iter()

@@ -272,6 +272,19 @@ impl CmChannel {
         Ok(id)
     }
 
+    /// An ID bound to local address `addr` (port 0: any) and so to its device, not listening:
+    /// it holds the device's context for handles made through a listening ID that is to go,
+    /// without holding the listener's port.
+    pub fn bind(&self, addr: SocketAddr) -> Result<CmId, VerbsError> {
+        let id = self.create_id()?;
+        let (mut ss, _) = sockaddr(addr);
+        // SAFETY: live ID, a valid sockaddr.
+        check("rdma_bind_addr", unsafe {
+            rdma_bind_addr(id.raw(), (&mut ss as *mut libc::sockaddr_storage).cast())
+        })?;
+        Ok(id)
+    }
+
     /// Resolves `addr` and a route to it (waiting up to `timeout`), on a private channel so
     /// that other connections' events are not consumed, then moves the ID to this channel.
     pub fn resolve(&self, addr: SocketAddr, timeout: Duration) -> Result<CmId, VerbsError> {
