@@ -1046,13 +1046,16 @@ fn in_capsule_write_at_a_stalled_disk(
     writer
 }
 
-/// A QP whose drain timed out with an in-capsule write at a stalled disk keeps its receives
-/// reserved until the write is done: the receive the write holds is not there for the
-/// queues connected meanwhile. The reservation went back when the QP was destroyed, and the
-/// SRQ covered the new queues short by what the lingering writes held.
-#[test]
-fn a_drain_that_times_out_keeps_its_receives_reserved_until_its_writes_are_done() {
-    use std::sync::atomic::Ordering::Relaxed;
+/// A target whose SRQ covers the connected queues (16 receives to start, up to 512), and a
+/// controller of `host()` with one I/O queue that has written a block.
+fn covered_controller(
+    port: u16,
+) -> (
+    Arc<nvmfd::stats::DataPathCounters>,
+    Served,
+    AdminQueue<RdmaQueue>,
+    Vec<IoQueue<RdmaQueue>>,
+) {
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let srq = SrqConfig {
         initial: 16,
@@ -1062,9 +1065,35 @@ fn a_drain_that_times_out_keeps_its_receives_reserved_until_its_writes_are_done(
         shrink_delay: Duration::from_secs(60),
         cover_queues: true,
     };
-    let s = serve_full(4512, None, Some(srq), Arc::clone(&c));
-    let (_admin, mut ios) = controller(&s, 1);
+    let s = serve_full(port, None, Some(srq), Arc::clone(&c));
+    let (admin, mut ios) = controller(&s, 1);
     write_verified(&mut ios[0], 1, 1);
+    (c, s, admin, ios)
+}
+
+/// A controller of another host (host ID `byte` repeated) with one I/O queue of 32 entries.
+fn other_host_controller(s: &Served, byte: u8) -> (AdminQueue<RdmaQueue>, IoQueue<RdmaQueue>) {
+    let other = HostId {
+        nqn: format!(
+            "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000{byte:02x}"
+        ),
+        id: [byte; 16],
+    };
+    let mut admin = AdminQueue::connect(queue(s, 0, 31), &other, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    admin.set_queue_count(1).unwrap();
+    let io = IoQueue::connect(queue(s, 1, 31), &other, SUB, admin.cntlid, 1, 31).unwrap();
+    (admin, io)
+}
+
+/// A QP whose drain timed out with an in-capsule write at a stalled disk keeps its receives
+/// reserved until the write is done: the receive the write holds is not there for the
+/// queues connected meanwhile. The reservation went back when the QP was destroyed, and the
+/// SRQ covered the new queues short by what the lingering writes held.
+#[test]
+fn a_drain_that_times_out_keeps_its_receives_reserved_until_its_writes_are_done() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (c, s, _admin, mut ios) = covered_controller(4512);
     // The admin queue and the I/O queue, 32 each.
     assert_eq!(c.srq_receives_reserved.load(Relaxed), 64);
     let victim = s.fabric.srq_qps(s.srq_id)[1];
@@ -1091,31 +1120,13 @@ fn a_drain_that_times_out_keeps_its_receives_reserved_until_its_writes_are_done(
 #[test]
 fn a_lingering_queue_of_a_replaced_srq_gives_back_nothing_of_the_new_ones_reservations() {
     use std::sync::atomic::Ordering::Relaxed;
-    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let srq = SrqConfig {
-        initial: 16,
-        max: 512,
-        low_watermark: 4,
-        chunk: 16,
-        shrink_delay: Duration::from_secs(60),
-        cover_queues: true,
-    };
-    let s = serve_full(4513, None, Some(srq), Arc::clone(&c));
-    let (_admin, mut ios) = controller(&s, 1);
-    write_verified(&mut ios[0], 1, 1);
+    let (c, s, _admin, mut ios) = covered_controller(4513);
     let writer = in_capsule_write_at_a_stalled_disk(&s, &c, ios.pop().unwrap(), 98);
     s.fabric.inject_srq_error(s.srq_id);
     wait_until("the SRQ is rebuilt", || c.srq_rebuilds.load(Relaxed) == 1);
     drop(_admin);
     // Another host on the new SRQ: its admin and I/O queues, 32 each.
-    let other = HostId {
-        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000cc".into(),
-        id: [0xcc; 16],
-    };
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &other, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    admin.set_queue_count(1).unwrap();
-    let mut io2 = IoQueue::connect(queue(&s, 1, 31), &other, SUB, admin.cntlid, 1, 31).unwrap();
+    let (_other_admin, mut io2) = other_host_controller(&s, 0xcc);
     wait_until("the new host's queues reserved", || {
         c.srq_receives_reserved.load(Relaxed) == 64
     });
@@ -1154,14 +1165,7 @@ fn an_srq_error_with_an_in_capsule_write_at_a_stalled_disk_is_rebuilt_without_wa
         "the disk gave the write back"
     );
     // Another host (this one's next association waits for its write: Controller Busy).
-    let other = HostId {
-        nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb".into(),
-        id: [0xbb; 16],
-    };
-    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &other, SUB, 31, 0).unwrap();
-    admin.enable().unwrap();
-    admin.set_queue_count(1).unwrap();
-    let mut io2 = IoQueue::connect(queue(&s, 1, 31), &other, SUB, admin.cntlid, 1, 31).unwrap();
+    let (mut admin, mut io2) = other_host_controller(&s, 0xbb);
     admin.identify_controller().unwrap();
     assert_eq!(
         c.block_ops_in_flight.load(Relaxed),

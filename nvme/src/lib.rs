@@ -25,7 +25,7 @@ pub use queue::{
     MAX_SGL_DESCRIPTORS, SQE_SIZE,
 };
 pub use target::{
-    ChangeCount, ChangeError, ChangeWaker, Controller, EndReason, Limits, Namespace, Port,
-    QueueInfo, QueueStats, Releases, Subsystem, Subsystems, Target, DISCOVERY_CHANGED_EVENT,
+    ChangeCount, ChangeError, ChangeWaker, ConnectHook, Controller, EndReason, Limits, Namespace,
+    Port, QueueInfo, QueueStats, Releases, Subsystem, Subsystems, Target, DISCOVERY_CHANGED_EVENT,
     DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION, SHUTDOWN_FLUSH_KEEPS_ALIVE,
 };

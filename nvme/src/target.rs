@@ -12,7 +12,7 @@ use crate::block::NamespaceInfo;
 mod hooks;
 mod releases;
 pub(crate) use hooks::Hook;
-pub use hooks::{ChangeCount, ChangeWaker};
+pub use hooks::{ChangeCount, ChangeWaker, ConnectHook};
 
 /// The discovery subsystem's NQN.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";

@@ -207,6 +207,19 @@ fn discovery_lists_what_the_host_may_reach() {
     }
 }
 
+/// A subsystem any host may connect to, with no namespace.
+fn empty_subsystem(nqn: &str, serial: &str) -> Subsystem {
+    Subsystem {
+        id: 0,
+        nqn: nqn.into(),
+        serial: serial.into(),
+        model: "nvmfd test".into(),
+        allow_any_host: true,
+        hosts: vec![],
+        namespaces: vec![],
+    }
+}
+
 /// A subsystem added while a discovery log is built: the log's generation is taken before
 /// its entries, so the host, reading the header again, sees the change, reads the log again
 /// and lists the new subsystem (with the generation taken last, it accepted the stale log).
@@ -221,16 +234,8 @@ fn a_subsystem_added_while_the_discovery_log_is_built_is_listed() {
     let f = Arc::clone(&fired);
     w.target.set_discovery_hook(Some(Box::new(move || {
         if !f.swap(true, SeqCst) {
-            t.add_subsystem(Subsystem {
-                id: 0,
-                nqn: LATE.into(),
-                serial: "SN-TEST-0003".into(),
-                model: "nvmfd test".into(),
-                allow_any_host: true,
-                hosts: vec![],
-                namespaces: vec![],
-            })
-            .unwrap();
+            t.add_subsystem(empty_subsystem(LATE, "SN-TEST-0003"))
+                .unwrap();
         }
     })));
     let entries = d.discover().unwrap();
@@ -264,16 +269,9 @@ fn a_discovery_controller_is_told_when_the_discovery_log_changes() {
     for cid in [100, 101] {
         assert!(l.send_capsule(aer(cid).as_bytes()).unwrap().is_none());
     }
-    let sub = |nqn: &str| Subsystem {
-        id: 0,
-        nqn: nqn.into(),
-        serial: "SN-TEST-0009".into(),
-        model: "nvmfd test".into(),
-        allow_any_host: true,
-        hosts: vec![],
-        namespaces: vec![],
-    };
-    w.target.add_subsystem(sub(NEW)).unwrap();
+    w.target
+        .add_subsystem(empty_subsystem(NEW, "SN-TEST-0009"))
+        .unwrap();
     let ev = l.poll_events();
     assert_eq!(ev.len(), 1);
     assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (100, 0x0070_F002));
@@ -317,15 +315,7 @@ fn a_discovery_log_longer_than_one_transfer_is_read_whole() {
         .collect();
     for (k, nqn) in nqns.iter().enumerate() {
         w.target
-            .add_subsystem(Subsystem {
-                id: 0,
-                nqn: nqn.clone(),
-                serial: format!("SN-MANY-{k:03}"),
-                model: "nvmfd test".into(),
-                allow_any_host: true,
-                hosts: vec![],
-                namespaces: vec![],
-            })
+            .add_subsystem(empty_subsystem(nqn, &format!("SN-MANY-{k:03}")))
             .unwrap();
     }
     let mut d = w.admin(&host(2), DISCOVERY_NQN).unwrap();
@@ -2041,18 +2031,31 @@ fn a_reset_ends_the_io_queues_and_is_not_over_before_they_are_gone() {
     io.read(1, 0, 1, &mut buf).unwrap();
 }
 
+/// Connects I/O queue 1 of a new controller of `host(1)` while the hook `install` sets
+/// resets the controller (CC.EN to 0) from its admin queue (kept for `take_hook_admin`).
+fn io_connect_across_a_reset(
+    w: &World,
+    install: fn(&Target, Option<ConnectHook>),
+) -> Result<IoQueue<Loopback>, HostError> {
+    let (a, _) = w.controller(1);
+    let cntlid = a.cntlid;
+    install(
+        &w.target,
+        Some(admin_hook(a, |a| {
+            a.property_set(wire::property::CC, 0).unwrap();
+        })),
+    );
+    let io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127);
+    install(&w.target, None);
+    io
+}
+
 /// A reset that lands while an I/O queue's Connect is between taking its queue ID and being
 /// bound ends that queue too: the queue belongs to the epoch in which it took its ID.
 #[test]
 fn an_io_queue_connecting_across_a_reset_disconnects() {
     let w = world();
-    let (a, _) = w.controller(1);
-    let cntlid = a.cntlid;
-    w.target.set_connect_hook(Some(admin_hook(a, |a| {
-        a.property_set(wire::property::CC, 0).unwrap();
-    })));
-    let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127).unwrap();
-    w.target.set_connect_hook(None);
+    let mut io = io_connect_across_a_reset(&w, Target::set_connect_hook).unwrap();
     assert!(
         io.transport().queue().must_disconnect(),
         "an I/O queue connected across a reset outlived it"
@@ -2072,13 +2075,7 @@ fn an_io_queue_connecting_across_a_reset_disconnects() {
 #[test]
 fn an_io_queue_whose_connect_meets_a_reset_before_taking_its_id_is_refused() {
     let w = world();
-    let (a, _) = w.controller(1);
-    let cntlid = a.cntlid;
-    w.target.set_io_connect_hook(Some(admin_hook(a, |a| {
-        a.property_set(wire::property::CC, 0).unwrap();
-    })));
-    let io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127);
-    w.target.set_io_connect_hook(None);
+    let io = io_connect_across_a_reset(&w, Target::set_io_connect_hook);
     assert!(
         status_of(io).same_code(status::COMMAND_SEQUENCE_ERROR),
         "an I/O queue joined a controller its reset had disabled"
@@ -2090,7 +2087,7 @@ fn an_io_queue_whose_connect_meets_a_reset_before_taking_its_id_is_refused() {
         "the reset is over: no I/O queue of it is left"
     );
     a.enable().unwrap();
-    let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, cntlid, 1, 127).unwrap();
+    let mut io = IoQueue::connect(w.link(1, 127), &host(1), SUB, a.cntlid, 1, 127).unwrap();
     let mut buf = vec![0u8; 512];
     io.read(1, 0, 1, &mut buf).unwrap();
 }

@@ -416,7 +416,12 @@ fn a_hundred_clients_at_once_each_get_an_answer_or_a_clean_refusal() {
 }
 
 fn nvmfctl(d: &Daemon, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(bin("nvmfctl"))
+    nvmfctl_with(Command::new(bin("nvmfctl")), d, args)
+}
+
+/// [`nvmfctl`] through `cmd` (nvmfctl itself, or a command that runs it).
+fn nvmfctl_with(mut cmd: Command, d: &Daemon, args: &[&str]) -> (bool, String, String) {
+    let out = cmd
         .arg("--socket")
         .arg(&d.socket)
         .args(args)
@@ -598,19 +603,12 @@ fn only_root_changes_anything_through_the_admin_socket() {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
     }
     let as_nobody = |args: &[&str]| {
-        let out = Command::new("setpriv")
+        let mut setpriv = Command::new("setpriv");
+        setpriv
             .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-            .arg(bin("nvmfctl"))
-            .arg("--socket")
-            .arg(&d.socket)
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
+            .arg(bin("nvmfctl"));
+        let (ok, out, err) = nvmfctl_with(setpriv, &d, args);
+        (ok, out + &err)
     };
     let (ok, out) = as_nobody(&["status"]);
     assert!(ok, "{out}");

@@ -183,11 +183,26 @@ impl super::super::State {
             };
             return Err(VerbsError::os("rdma_notify", e));
         }
+        if let Some(q) = i.qp.and_then(|q| self.qps.get_mut(&q)) {
+            q.comm_est_pending = false;
+        }
+        self.cm_established(id, false);
+        Ok(())
+    }
+
+    /// Accepting ID `id` is established: `Established` on its channel, or, with `may_fail`
+    /// while `fail_establishments` holds, `ConnectError` (its QP could not be moved to RTS).
+    fn cm_established(&mut self, id: u32, may_fail: bool) {
+        let Some(i) = self.cm.ids.get_mut(&id) else {
+            return;
+        };
         i.exchange = Exchange::Idle;
         i.connected = true;
-        let (chan, token, qp) = (i.channel, i.token, i.qp);
-        if let Some(q) = qp.and_then(|q| self.qps.get_mut(&q)) {
-            q.comm_est_pending = false;
+        let (chan, token) = (i.channel, i.token);
+        if may_fail && self.cm.fail_establish > 0 {
+            self.cm.fail_establish -= 1;
+            self.cm.push(chan, Ev::ConnectError { id, token });
+            return;
         }
         self.cm.push(
             chan,
@@ -197,7 +212,6 @@ impl super::super::State {
                 private_data: Vec::new(),
             },
         );
-        Ok(())
     }
 
     /// The RTU reached local accepting ID `id`: it is established (`Established`), or, while
@@ -218,21 +232,6 @@ impl super::super::State {
             }
             return;
         }
-        i.exchange = Exchange::Idle;
-        i.connected = true;
-        let (chan, token) = (i.channel, i.token);
-        if self.cm.fail_establish > 0 {
-            self.cm.fail_establish -= 1;
-            self.cm.push(chan, Ev::ConnectError { id, token });
-            return;
-        }
-        self.cm.push(
-            chan,
-            Ev::Established {
-                id,
-                token,
-                private_data: Vec::new(),
-            },
-        );
+        self.cm_established(id, true);
     }
 }
