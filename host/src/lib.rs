@@ -451,16 +451,19 @@ impl HostTransport for RdmaQueue {
     }
 }
 
-/// What `nvmf verify` writes at `lba` (blocks of `bs` bytes, `len` bytes in all): every byte
-/// depends on its block's LBA and its place in the block, so a block read back from another
-/// place (swapped, repeated or shifted within a command, or from another command) differs.
-pub fn verify_pattern(lba: u64, bs: usize, len: usize) -> Vec<u8> {
+/// What `nvmf verify` writes at `lba` (blocks of `bs` bytes, `len` bytes in all) in the run
+/// of `seed`: every byte depends on the run, its block's LBA and its place in the block, so a
+/// block read back from another place (swapped, repeated or shifted within a command, or from
+/// another command), or left from an earlier run (a write the target lost), differs.
+pub fn verify_pattern(seed: u64, lba: u64, bs: usize, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| {
             let block = lba.wrapping_add((i / bs.max(1)) as u64);
             let off = (i % bs.max(1)) as u64;
-            // splitmix64 of (block, offset).
-            let mut z = block.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(off);
+            // splitmix64 of (run, block, offset).
+            let mut z = (block ^ seed.rotate_left(29))
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .wrapping_add(off);
             z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             (z ^ (z >> 31)).to_le_bytes()[0]
@@ -475,7 +478,7 @@ mod verify_pattern_tests {
     #[test]
     fn no_two_blocks_or_stretches_alike() {
         let bs = 512;
-        let p = super::verify_pattern(1000, bs, 128 * 1024);
+        let p = super::verify_pattern(7, 1000, bs, 128 * 1024);
         let blocks: Vec<&[u8]> = p.chunks(bs).collect();
         for (a, x) in blocks.iter().enumerate() {
             assert_ne!(x[..256], x[256..], "block {a}: its two halves are alike");
@@ -485,8 +488,13 @@ mod verify_pattern_tests {
         }
         assert_ne!(
             p[..bs],
-            super::verify_pattern(1001, bs, bs)[..],
+            super::verify_pattern(7, 1001, bs, bs)[..],
             "LBA not in the pattern"
+        );
+        assert_ne!(
+            p[..bs],
+            super::verify_pattern(8, 1000, bs, bs)[..],
+            "the run not in the pattern: an earlier run's block would pass for a lost write"
         );
     }
 }
