@@ -173,6 +173,9 @@ fn in_capsule(id: &wire::IdentifyController) -> u32 {
         .min(4096)
 }
 
+/// The keep-alive timeout the admin queue asks for, in milliseconds.
+const KEEP_ALIVE_MS: u64 = 30_000;
+
 /// A namespace's block size, from the LBA format FLBAS selects (bits 3:0, and 6:5 above
 /// them); 0 for one below 512 bytes (LBADS under 9), which no host can use.
 fn block_size(ns: &wire::IdentifyNamespace) -> u32 {
@@ -187,8 +190,8 @@ fn block_size(ns: &wire::IdentifyNamespace) -> u32 {
 }
 
 fn admin(cli: &Cli, nqn: &str, host: &HostId) -> Result<AdminQueue<RdmaQueue>, String> {
-    let mut a = AdminQueue::connect(queue(cli, 0, 31, 0)?, host, nqn, 31, 30_000).map_err(
-        |e: HostError| {
+    let mut a = AdminQueue::connect(queue(cli, 0, 31, 0)?, host, nqn, 31, KEEP_ALIVE_MS as u32)
+        .map_err(|e: HostError| {
             // Connect's Invalid Parameters says which field (dw0: IATTR, IPO); 0x84 is
             // Connect Invalid Host.
             let hint = match &e {
@@ -204,8 +207,7 @@ fn admin(cli: &Cli, nqn: &str, host: &HostId) -> Result<AdminQueue<RdmaQueue>, S
                 _ => "",
             };
             format!("connecting to {nqn} at {}: {e}{hint}", cli.addr)
-        },
-    )?;
+        })?;
     a.enable().map_err(|e| e.to_string())?;
     Ok(a)
 }
@@ -327,7 +329,16 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
         indicatif::ProgressBar::new_spinner()
     };
     let mut last = (0u64, std::time::Duration::ZERO);
+    // The admin queue asked for a keep-alive timeout (KEEP_ALIVE_MS) and carries nothing else
+    // during the run: a Keep Alive every third of it, whether or not the target counts the
+    // I/O queues' commands as traffic.
+    let mut kept_alive = std::time::Duration::ZERO;
     let mut tick = |ios: u64, at: std::time::Duration| {
+        if at.saturating_sub(kept_alive) >= std::time::Duration::from_millis(KEEP_ALIVE_MS / 3) {
+            kept_alive = at;
+            // A controller gone shows as its I/O failing.
+            let _ = a.keep_alive();
+        }
         let dt = (at - last.1).as_secs_f64();
         if dt >= 0.5 {
             let iops = (ios - last.0) as f64 / dt;
