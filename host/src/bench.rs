@@ -171,11 +171,10 @@ impl Lane {
             } else {
                 Payload::Out(&sh.data)
             };
-            // The clock starts before the post: a provider may do the transport's work in
-            // it (rxe does), and the reply can be in before the post returns.
-            let sent_at = Instant::now();
-            let slot = q
-                .submit(0, s, payload)
+            // The clock starts just before the post (`submit_timed`), after the host copied
+            // the data in: a write's latency is not the host's copy of it.
+            let (slot, sent_at) = q
+                .submit_timed(0, s, payload)
                 .map_err(|e| format!("I/O queue {}: {e}", self.figures.qid))?;
             self.sent_at[usize::from(slot)] = sent_at;
             if job.verify {

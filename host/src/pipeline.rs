@@ -226,12 +226,21 @@ impl PipelinedQueue {
 
     /// Sends `sqe` (its command identifier and SGL are filled in here) with `payload`; the
     /// completion comes back from [`PipelinedQueue::poll`] with `tag`. Returns the slot.
-    pub fn submit(
+    pub fn submit(&mut self, tag: u64, sqe: Sqe, payload: Payload<'_>) -> Result<u16, HostError> {
+        self.submit_timed(tag, sqe, payload).map(|(slot, _)| slot)
+    }
+
+    /// [`PipelinedQueue::submit`], with the time the command was posted: after its data was
+    /// copied into the queue's buffers (or a read's buffer poisoned), just before the post,
+    /// so that a latency measured from it is the target's and the wire's, not the host's
+    /// copy (a provider may do the transport's work in the post: rxe does, and the reply can
+    /// be in before the post returns).
+    pub fn submit_timed(
         &mut self,
         tag: u64,
         mut sqe: Sqe,
         payload: Payload<'_>,
-    ) -> Result<u16, HostError> {
+    ) -> Result<(u16, Instant), HostError> {
         if let Some(why) = &self.broken {
             return Err(HostError::Transport(why.clone()));
         }
@@ -294,6 +303,7 @@ impl PipelinedQueue {
         sqe.cid = U16::new(slot);
         self.cmds.write(cmd_at, sqe.as_bytes());
         let sge = [self.cmds.sge(cmd_at, wire::sat(64 + icd))];
+        let posted_at = Instant::now();
         let posted = self.id.post_send(&[SendWr {
             wr_id: u64::from(slot),
             op: SendOp::Send,
@@ -314,7 +324,7 @@ impl PipelinedQueue {
             tag,
             deadline: Some(Instant::now() + self.timeout),
         };
-        Ok(slot)
+        Ok((slot, posted_at))
     }
 
     /// Moves the completions that came in to `out`; returns how many it moved.
