@@ -245,9 +245,15 @@ fn max_transfer(id: &wire::IdentifyController) -> Option<u64> {
         .filter(|_| id.mdts != 0)
 }
 
+/// The longest `-t` or `--warmup` taken: ten years (a run's end is computed from now, and a
+/// time past what the clock can hold would panic there).
+const LONGEST_RUN: std::time::Duration = std::time::Duration::from_secs(10 * 365 * 24 * 3600);
+
 fn seconds(what: &str, s: f64) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from_secs_f64(s)
-        .map_err(|_| format!("{what}: {s} is not a duration in seconds"))
+        .ok()
+        .filter(|d| *d <= LONGEST_RUN)
+        .ok_or_else(|| format!("{what}: {s} is not a duration in seconds of at most ten years"))
 }
 
 fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
@@ -578,5 +584,16 @@ mod tests {
         assert_eq!(max_transfer(&id), Some(128 * 1024));
         id.mdts = 52;
         assert_eq!(max_transfer(&id), None, "wrapped to 0");
+    }
+
+    /// A run's time past what the clock holds is refused, not a panic at the run's start.
+    #[test]
+    fn an_absurd_run_time_is_refused() {
+        assert_eq!(seconds("-t", 1.5).unwrap().as_millis(), 1500);
+        assert!(seconds("-t", -1.0).is_err());
+        assert!(seconds("-t", 1e18).is_err());
+        let now = std::time::Instant::now();
+        let longest = seconds("-t", LONGEST_RUN.as_secs_f64()).unwrap();
+        assert!(now.checked_add(longest + longest).is_some());
     }
 }
