@@ -2147,34 +2147,16 @@ mod soft_only {
     #[test]
     fn a_failed_post_completes_after_the_earlier_work() {
         let w = world(5043, 1).unwrap();
-        // No receive at the target: the host's SEND waits (RNR retry 7).
-        w.hid[0]
-            .post_send(&[send(1, &[w.h.mr.sge(0, 64)], true)])
-            .unwrap();
-        w.env.fabric.set_faults(Faults {
-            drop_per_million: 1_000_000,
-            ..Faults::default()
-        });
-        w.hid[0]
-            .post_send(&[SendWr {
-                wr_id: 2,
-                op: SendOp::RdmaWrite {
-                    remote_addr: w.t.mr.addr(),
-                    rkey: w.t.mr.rkey(),
-                },
-                sges: &[w.h.mr.sge(0, 64)],
-                signaled: true,
-                inline: None,
-            }])
-            .unwrap();
-        let mut wc = [Wc::default(); 2];
-        assert_eq!(w.h.cq.poll(&mut wc).unwrap(), 0, "{wc:?}");
-        post_target_receive(&w);
-        let first = poll_one(&w.h.cq);
-        let second = poll_one(&w.h.cq);
-        assert_eq!(
-            [(first.wr_id, first.status), (second.wr_id, second.status)],
-            [(1, WcStatus::Success), (2, WcStatus::RetryExcErr)]
+        write_behind_a_waiting_send(
+            &w,
+            |w: &World| {
+                w.env.fabric.set_faults(Faults {
+                    drop_per_million: 1_000_000,
+                    ..Faults::default()
+                })
+            },
+            0,
+            WcStatus::RetryExcErr,
         );
     }
 
@@ -2183,15 +2165,29 @@ mod soft_only {
     #[test]
     fn a_request_the_peer_refuses_completes_after_the_earlier_work() {
         let w = world(5044, 1).unwrap();
+        write_behind_a_waiting_send(&w, |_: &World| {}, 0x5a5a, WcStatus::RemAccessErr);
+    }
+
+    /// A SEND from the host that waits for a receive at the target (none posted: RNR retry
+    /// 7), then `between`, then an RDMA WRITE to the target's region (its key changed by
+    /// `rkey_xor`): nothing completes until a receive is posted, then the SEND and after it
+    /// the WRITE, with `write_status`.
+    fn write_behind_a_waiting_send(
+        w: &World,
+        between: impl Fn(&World),
+        rkey_xor: u32,
+        write_status: WcStatus,
+    ) {
         w.hid[0]
             .post_send(&[send(1, &[w.h.mr.sge(0, 64)], true)])
             .unwrap();
+        between(w);
         w.hid[0]
             .post_send(&[SendWr {
                 wr_id: 2,
                 op: SendOp::RdmaWrite {
                     remote_addr: w.t.mr.addr(),
-                    rkey: w.t.mr.rkey() ^ 0x5a5a,
+                    rkey: w.t.mr.rkey() ^ rkey_xor,
                 },
                 sges: &[w.h.mr.sge(0, 64)],
                 signaled: true,
@@ -2200,12 +2196,12 @@ mod soft_only {
             .unwrap();
         let mut wc = [Wc::default(); 2];
         assert_eq!(w.h.cq.poll(&mut wc).unwrap(), 0, "{wc:?}");
-        post_target_receive(&w);
+        post_target_receive(w);
         let first = poll_one(&w.h.cq);
         let second = poll_one(&w.h.cq);
         assert_eq!(
             [(first.wr_id, first.status), (second.wr_id, second.status)],
-            [(1, WcStatus::Success), (2, WcStatus::RemAccessErr)]
+            [(1, WcStatus::Success), (2, write_status)]
         );
     }
 }
