@@ -1709,6 +1709,162 @@ mod soft_only {
         assert_eq!(id.1, b"hello");
     }
 
+    /// A frame of the soft TCP wire, as a peer of any kind may send it.
+    fn tcp_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+        let mut b = u32::try_from(payload.len() + 1)
+            .unwrap()
+            .to_le_bytes()
+            .to_vec();
+        b.push(kind);
+        b.extend_from_slice(payload);
+        b
+    }
+
+    /// A raw TCP peer connected and accepted by a listener of `env` on `port`: the target's
+    /// CM ID (with a QP on `t`'s SRQ, which has no receive posted) and the peer's stream, its
+    /// RTU sent.
+    fn raw_tcp_peer(
+        env: &SoftTcpEnv,
+        port: u16,
+    ) -> (
+        nvmfd_rdma::soft::cm::CmChannel,
+        nvmfd_rdma::soft::cm::CmId,
+        on_soft_tcp::Side,
+        nvmfd_rdma::soft::cm::CmId,
+        std::net::TcpStream,
+    ) {
+        use std::io::Write;
+        let addr = env.addr(port);
+        let sch = env.channel();
+        let l = sch.listen(addr, 4).unwrap();
+        let t = on_soft_tcp::side(l.device().unwrap());
+        let mut raw = std::net::TcpStream::connect(addr).unwrap();
+        raw.write_all(&tcp_frame(1, b"raw")).unwrap();
+        let mut id = wait("CONNECT_REQUEST", || match sch.next_event() {
+            Some(nvmfd_rdma::soft::cm::CmEvent::ConnectRequest { id, .. }) => Some(id),
+            _ => None,
+        });
+        id.create_qp(&t.pd, &t.cq, &t.srq, CAPS).unwrap();
+        id.accept(b"").unwrap();
+        raw.write_all(&tcp_frame(10, &[])).unwrap();
+        wait("ESTABLISHED", || match sch.next_event() {
+            Some(nvmfd_rdma::soft::cm::CmEvent::Established { .. }) => Some(()),
+            _ => None,
+        });
+        (sch, l, t, id, raw)
+    }
+
+    #[test]
+    fn a_tcp_peer_that_sends_nothing_holds_up_no_other_connect() {
+        let env = SoftTcpEnv::new().unwrap();
+        let addr = env.addr(5049);
+        let sch = env.channel();
+        let _l = sch.listen(addr, 4).unwrap();
+        // Connected, and silent (or a first frame's length and no more), kept open.
+        let _silent = std::net::TcpStream::connect(addr).unwrap();
+        let mut partial = std::net::TcpStream::connect(addr).unwrap();
+        std::io::Write::write_all(&mut partial, &16u32.to_le_bytes()).unwrap();
+        let cch = env.channel();
+        let mut c = cch.resolve(addr, Duration::from_secs(3)).unwrap();
+        let h = on_soft_tcp::side(c.device().unwrap());
+        c.create_qp(&h.pd, &h.cq, &h.srq, CAPS).unwrap();
+        c.connect(b"hello").unwrap();
+        let pd = wait("CONNECT_REQUEST beside silent peers", || {
+            match sch.next_event() {
+                Some(nvmfd_rdma::soft::cm::CmEvent::ConnectRequest { private_data, .. }) => {
+                    Some(private_data)
+                }
+                _ => None,
+            }
+        });
+        assert_eq!(pd, b"hello");
+    }
+
+    #[test]
+    fn a_rejected_tcp_peer_that_keeps_its_socket_open_is_let_go() {
+        use std::io::{Read, Write};
+        let env = SoftTcpEnv::new().unwrap();
+        let addr = env.addr(5050);
+        let sch = env.channel();
+        let _l = sch.listen(addr, 4).unwrap();
+        let mut raw = std::net::TcpStream::connect(addr).unwrap();
+        raw.write_all(&tcp_frame(1, b"raw")).unwrap();
+        let id = wait("CONNECT_REQUEST", || match sch.next_event() {
+            Some(nvmfd_rdma::soft::cm::CmEvent::ConnectRequest { id, .. }) => Some(id),
+            _ => None,
+        });
+        assert_eq!(env.a.tcp_links() + env.b.tcp_links(), 1);
+        id.reject(b"no").unwrap();
+        // The peer reads the REJ and keeps its end open: the link (its threads, its socket)
+        // goes anyway.
+        let mut got = Vec::new();
+        raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        raw.read_to_end(&mut got).unwrap();
+        assert_eq!(
+            got,
+            tcp_frame(3, b"no"),
+            "the REJ, then the end of the stream"
+        );
+        wait("the link let go", || {
+            (env.a.tcp_links() + env.b.tcp_links() == 0).then_some(())
+        });
+        drop(raw);
+    }
+
+    #[test]
+    fn sends_piling_up_at_a_qp_without_receives_fail_it_past_a_bound() {
+        use std::io::Write;
+        let env = SoftTcpEnv::new().unwrap();
+        let (_sch, _l, t, id, mut raw) = raw_tcp_peer(&env, 5051);
+        // SENDs for a QP whose SRQ has no receive: they wait, up to a bound, and then the QP
+        // fails as if the sender's RNR retries ran out.
+        let mut frames = Vec::new();
+        for seq in 0u64..5000 {
+            let mut p = seq.to_le_bytes().to_vec();
+            p.extend_from_slice(&[0, 0, 0, 0, 0]);
+            p.extend_from_slice(&[7u8; 64]);
+            frames.extend_from_slice(&tcp_frame(5, &p));
+        }
+        raw.write_all(&frames).unwrap();
+        wait("the QP in error", || {
+            (id.qp_state() == Some(QpState::Err)).then_some(())
+        });
+        let (_, waiting) = env
+            .a
+            .srq_backlog(t.srq.id())
+            .or_else(|| env.b.srq_backlog(t.srq.id()))
+            .unwrap();
+        assert!(waiting <= 4096, "{waiting} SENDs kept");
+    }
+
+    #[test]
+    fn a_tcp_peer_that_reads_nothing_is_let_go() {
+        use std::io::Write;
+        let env = SoftTcpEnv::new().unwrap();
+        let (_sch, _l, _t, _id, mut raw) = raw_tcp_peer(&env, 5052);
+        // RDMA WRITEs to no memory: each is answered (an access error), and the peer never
+        // reads the answers. The target stops queueing them and closes the link.
+        let mut p = 0u64.to_le_bytes().to_vec();
+        p.extend_from_slice(&[0; 12]);
+        let batch: Vec<u8> = (0..4096).flat_map(|_| tcp_frame(6, &p)).collect();
+        raw.set_write_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut sent = 0usize;
+        let closed = loop {
+            if raw.write_all(&batch).is_err() {
+                break true;
+            }
+            sent += batch.len();
+            if sent > 256 << 20 {
+                break false;
+            }
+        };
+        assert!(closed, "{sent} bytes taken in and never pushed back");
+        wait("the link let go", || {
+            (env.a.tcp_links() + env.b.tcp_links() == 0).then_some(())
+        });
+    }
+
     #[test]
     fn a_peer_that_goes_away_fails_the_qp_and_is_a_disconnect() {
         let w = on_soft_tcp::world(5021, 1).unwrap();

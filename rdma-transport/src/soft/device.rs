@@ -117,6 +117,7 @@ impl Device {
         }
         let mut s = self.fabric().lock();
         let id = s.alloc_id();
+        s.live_pds.insert(id);
         if let Some(d) = s.devs.get_mut(&self.inner.id) {
             d.pds += 1;
         }
@@ -128,6 +129,7 @@ impl Device {
             _alive: Arc::new(PdAlive {
                 fabric: self.fabric().clone(),
                 dev: self.inner.id,
+                id,
             }),
         })
     }
@@ -188,11 +190,14 @@ pub struct Pd {
 pub(super) struct PdAlive {
     pub(super) fabric: Fabric,
     pub(super) dev: u32,
+    pub(super) id: u32,
 }
 
 impl Drop for PdAlive {
     fn drop(&mut self) {
-        if let Some(d) = self.fabric.lock().devs.get_mut(&self.dev) {
+        let mut s = self.fabric.lock();
+        s.live_pds.remove(&self.id);
+        if let Some(d) = s.devs.get_mut(&self.dev) {
             d.pds = d.pds.saturating_sub(1);
         }
     }

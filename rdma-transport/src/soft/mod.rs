@@ -485,6 +485,11 @@ impl Fabric {
         Some((posted, waiting))
     }
 
+    /// TCP connections (links) this fabric holds, each with its reader and writer thread.
+    pub fn tcp_links(&self) -> usize {
+        self.lock().links.len()
+    }
+
     /// Adds a device with IP address `addr` to this fabric (the address CM listeners bind to
     /// and connections resolve).
     pub fn add_device(&self, addr: std::net::IpAddr) -> Result<Device, VerbsError> {

@@ -557,14 +557,7 @@ mod tests {
         let link = {
             let mut s = f.lock();
             let link = s.alloc_id();
-            s.links.insert(
-                link,
-                tcp::LinkState {
-                    tx,
-                    cm_id: None,
-                    qp: None,
-                },
-            );
+            s.links.insert(link, tcp::LinkState::for_test(tx));
             s.bind_remote(qp.qpn, link);
             link
         };
@@ -573,5 +566,39 @@ mod tests {
         // A QP given its number later is not the link's: the old peer's frames and the
         // link's loss would reach it.
         assert_eq!(f.lock().links[&link].qp, None);
+    }
+
+    #[test]
+    fn ids_going_round_their_counter_skip_those_alive() {
+        let f = Fabric::new();
+        let dev = f.add_device([10, 0, 0, 1].into()).unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let chan = crate::soft::cm::CmChannel::new(&f).unwrap();
+        let listening = chan.listen("10.0.0.1:4420".parse().unwrap(), 8).unwrap();
+        let mut s = f.lock();
+        let mut alive: Vec<u32> =
+            s.cm.ids
+                .keys()
+                .chain(s.cm.channels.keys())
+                .copied()
+                .collect();
+        alive.extend([dev.inner.id, pd.id]);
+        assert_eq!(alive.len(), 4);
+        // A peer making and dropping connections has taken the counter round: the next IDs
+        // start again from the first ones, which these still hold.
+        s.next_object = 0x00ff_fff0;
+        let mut given = std::collections::HashSet::new();
+        for _ in 0..64 {
+            let n = s.alloc_id();
+            assert!(!alive.contains(&n), "{n:#x} given again while alive");
+            assert_ne!(n, 0);
+            assert!(given.insert(n));
+        }
+        drop(s);
+        // A PD let go frees its ID.
+        let pd_id = pd.id;
+        drop(pd);
+        assert!(!f.lock().live_pds.contains(&pd_id));
+        drop(listening);
     }
 }

@@ -142,6 +142,11 @@ pub(super) struct DevState {
 #[derive(Default)]
 pub(crate) struct State {
     pub(super) next_id: u32,
+    /// The counter of [`State::alloc_id`]'s IDs (24 bits of it are used).
+    pub(super) next_object: u32,
+    /// The IDs of the protection domains alive (the other objects `alloc_id` numbers are
+    /// keys of the maps below).
+    pub(super) live_pds: std::collections::HashSet<u32>,
     pub(super) devs: HashMap<u32, DevState>,
     pub(super) mrs: Table<MrEntry>,
     pub(super) cqs: Table<CqState>,
@@ -331,15 +336,31 @@ impl State {
     /// A variant for a new QP, CQ, SRQ or memory region's ID ([`Table`]): the low byte of
     /// the counter IDs come from.
     pub(super) fn variant(&mut self) -> u8 {
-        self.next_id += 1;
+        self.next_id = self.next_id.wrapping_add(1);
         self.next_id.to_le_bytes()[0]
     }
 
+    /// An ID for a device, PD, CM ID, CM channel or link: `(counter << 8) | 0x5f`, never
+    /// zero, and never one of those alive. (QPs, CQs, SRQs and memory regions have IDs of
+    /// their own tables, [`Table`].) The counter has 24 bits: a peer making and dropping
+    /// connections goes round it in about 16.7 million of them, and an ID still held (a
+    /// long-lived connection's link, a PD made at start) is then skipped, not given again.
     pub(super) fn alloc_id(&mut self) -> u32 {
-        self.next_id += 1;
-        // Devices, PDs, CM IDs and links: (counter << 8) | 0x5f, never zero. (QPs, CQs,
-        // SRQs and memory regions have IDs of their own tables, [`Table`].)
-        (self.next_id << 8) | 0x5f
+        loop {
+            self.next_object = self.next_object.wrapping_add(1) & 0x00ff_ffff;
+            if self.next_object == 0 {
+                continue;
+            }
+            let id = (self.next_object << 8) | 0x5f;
+            if !self.devs.contains_key(&id)
+                && !self.links.contains_key(&id)
+                && !self.live_pds.contains(&id)
+                && !self.cm.ids.contains_key(&id)
+                && !self.cm.channels.contains_key(&id)
+            {
+                return id;
+            }
+        }
     }
 
     /// Removes device `dev`'s unread async events that `about` picks (those of a destroyed

@@ -8,13 +8,41 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 use super::{Fabric, Pending, State};
 use crate::types::*;
 
 /// Largest frame accepted from a peer (a frame is at most one message).
 const MAX_FRAME: usize = 16 << 20;
+
+/// How long an accepted connection has to send its connect request. Each waits in a thread
+/// of its own, so one that sends nothing holds up no other.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Accepted connections that may wait for their connect request at once; past it, a new one
+/// is closed at once.
+const HANDSHAKES_MAX: usize = 64;
+
+/// Frames a link may have queued for its peer. A peer that stops reading its socket while
+/// sending (every frame of its is answered) would otherwise make them pile up without end;
+/// past it the link is closed. What a queue pair sends of its own accord is bounded by its
+/// send queue, far below this.
+const LINK_QUEUE_FRAMES: usize = 1 << 16;
+
+/// How long a write to a peer may make no progress before the link is closed (a peer that
+/// reads nothing; one that reads slowly makes progress).
+const LINK_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Messages (and their bytes) that may wait at a QP for a receive. On a NIC a SEND that finds
+/// no receive is NAKed and kept by its sender; here it is already read off the socket, so it
+/// is kept, up to these. Past them the sender's RNR retries count as run out: the SEND fails
+/// at the sender and the QP it was for goes to the error state, as no message after it may be
+/// taken in its place.
+const INBOUND_MAX: usize = 4096;
+const INBOUND_MAX_BYTES: usize = 64 << 20;
 
 /// What crosses the wire.
 #[derive(Debug)]
@@ -225,20 +253,52 @@ pub(crate) struct LinkState {
     pub cm_id: Option<u32>,
     /// The local QP bound to it, once connected.
     pub qp: Option<u32>,
+    /// The stream, to close it from any thread (`shutdown` wakes its reader and writer).
+    sock: TcpStream,
+    /// Frames queued for the writer and not yet written.
+    queued: Arc<AtomicUsize>,
+    /// A last frame (Disconnect, Reject) is queued: what the peer sends from now on is
+    /// dropped, and its reader ends at the next frame or when the writer closes the stream.
+    closing: std::cell::Cell<bool>,
+}
+
+impl LinkState {
+    /// A link over a loopback stream of its own, for tests that make one by hand.
+    #[cfg(test)]
+    pub(crate) fn for_test(tx: mpsc::Sender<Frame>) -> LinkState {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let sock = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        LinkState {
+            tx,
+            cm_id: None,
+            qp: None,
+            sock,
+            queued: Arc::new(AtomicUsize::new(0)),
+            closing: std::cell::Cell::new(false),
+        }
+    }
+
+    /// Closes the stream both ways: the reader ends (and the link with it), the writer too.
+    fn close(&self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 /// Starts the reader and writer threads of a TCP connection and registers it; returns the
-/// link's ID. `first` is a frame the reader has to handle before reading more (the Connect of
-/// an accepted connection, read by the acceptor).
+/// link's ID.
 pub(crate) fn start_link(
     fabric: &Fabric,
     stream: TcpStream,
     cm_id: Option<u32>,
 ) -> io::Result<u32> {
     stream.set_nodelay(true)?;
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(Some(LINK_WRITE_TIMEOUT))?;
     let mut reader = stream.try_clone()?;
+    let sock = stream.try_clone()?;
     let mut writer = stream;
     let (tx, rx) = mpsc::channel::<Frame>();
+    let queued = Arc::new(AtomicUsize::new(0));
     let link = {
         let mut s = fabric.lock();
         let id = s.alloc_id();
@@ -248,30 +308,51 @@ pub(crate) fn start_link(
                 tx,
                 cm_id,
                 qp: None,
+                sock,
+                queued: Arc::clone(&queued),
+                closing: std::cell::Cell::new(false),
             },
         );
         id
     };
-    std::thread::Builder::new()
+    let spawned = std::thread::Builder::new()
         .name(format!("soft-tx-{link:x}"))
         .spawn(move || {
             while let Ok(f) = rx.recv() {
                 let last = matches!(f, Frame::Disconnect | Frame::Reject { .. });
-                if writer.write_all(&f.encode()).is_err() || last {
+                let written = writer.write_all(&f.encode()).is_ok();
+                queued.fetch_sub(1, Ordering::Relaxed);
+                if !written || last {
                     break;
                 }
             }
-            let _ = writer.shutdown(std::net::Shutdown::Write);
-        })?;
-    let f = fabric.clone();
-    std::thread::Builder::new()
-        .name(format!("soft-rx-{link:x}"))
-        .spawn(move || {
-            while let Ok(frame) = read_frame(&mut reader) {
-                f.lock().on_frame(&f, link, frame);
-            }
-            f.lock().link_lost(link);
-        })?;
+            // Both ways: a reader blocked on a peer that keeps the stream open wakes and
+            // ends, and the link with it.
+            let _ = writer.shutdown(std::net::Shutdown::Both);
+        })
+        .and_then(|_| {
+            let f = fabric.clone();
+            std::thread::Builder::new()
+                .name(format!("soft-rx-{link:x}"))
+                .spawn(move || {
+                    while let Ok(frame) = read_frame(&mut reader) {
+                        let mut s = f.lock();
+                        if s.links.get(&link).is_none_or(|l| l.closing.get()) {
+                            break;
+                        }
+                        s.on_frame(&f, link, frame);
+                    }
+                    f.lock().link_lost(link);
+                })
+        });
+    if let Err(e) = spawned {
+        // The writer (if it started) ends when its channel goes.
+        let mut s = fabric.lock();
+        if let Some(l) = s.links.remove(&link) {
+            l.close();
+        }
+        return Err(e);
+    }
     Ok(link)
 }
 
@@ -285,6 +366,7 @@ pub(crate) fn start_acceptor(
     let local = l.local_addr()?;
     let handle = l.try_clone()?;
     let f = fabric.clone();
+    let handshakes = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name(format!("soft-accept-{}", local.port()))
         .spawn(move || {
@@ -293,19 +375,34 @@ pub(crate) fn start_acceptor(
                 if !f.lock().cm.listening(listener_id) {
                     break;
                 }
-                let Ok(mut conn) = conn else { continue };
-                // The first frame is the connect request.
-                let Ok(Frame::Connect { private_data }) = read_frame(&mut conn) else {
-                    continue;
+                let conn = match conn {
+                    Ok(c) => c,
+                    // Out of file descriptors or memory: every accept fails at once until
+                    // some are freed; a pause keeps this thread from spinning meanwhile.
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                        ) =>
+                    {
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                    Err(_) => continue,
                 };
-                let from = conn.peer_addr().ok();
-                let Ok(link) = start_link(&f, conn, None) else {
+                if handshakes.fetch_add(1, Ordering::AcqRel) >= HANDSHAKES_MAX {
+                    handshakes.fetch_sub(1, Ordering::AcqRel);
                     continue;
-                };
-                let mut s = f.lock();
-                let id = s.cm.remote_request(link, listener_id, private_data, from);
-                if let Some(l) = s.links.get_mut(&link) {
-                    l.cm_id = id;
+                }
+                let (f2, count) = (f.clone(), Arc::clone(&handshakes));
+                let spawned = std::thread::Builder::new()
+                    .name(format!("soft-hs-{}", local.port()))
+                    .spawn(move || {
+                        handshake(&f2, conn, listener_id);
+                        count.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if spawned.is_err() {
+                    handshakes.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         })?;
@@ -320,6 +417,29 @@ pub(crate) fn start_acceptor(
     Ok(local)
 }
 
+/// An accepted connection's first frame, its connect request, read within
+/// `HANDSHAKE_TIMEOUT`, makes it a link and a connect request on the listener.
+fn handshake(f: &Fabric, mut conn: TcpStream, listener_id: u32) {
+    if conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).is_err() {
+        return;
+    }
+    let Ok(Frame::Connect { private_data }) = read_frame(&mut conn) else {
+        return;
+    };
+    let from = conn.peer_addr().ok();
+    let Ok(link) = start_link(f, conn, None) else {
+        return;
+    };
+    let mut s = f.lock();
+    let id = s.cm.remote_request(link, listener_id, private_data, from);
+    match (id, s.links.get_mut(&link)) {
+        (Some(id), Some(l)) => l.cm_id = Some(id),
+        // No longer listening: the link has no ID to belong to.
+        (None, Some(l)) => l.close(),
+        (_, None) => {}
+    }
+}
+
 /// Stops the acceptor thread of a listener whose ID is gone: shutting the listening socket
 /// down wakes its blocked `accept` with an error (Linux), the thread sees that the ID no
 /// longer listens and ends, closing the socket. The address can be bound again at once (the
@@ -331,8 +451,21 @@ pub(crate) fn stop_acceptor(l: TcpListener) {
 
 impl State {
     pub(crate) fn send_frame(&self, link: u32, f: Frame) {
-        if let Some(l) = self.links.get(&link) {
-            let _ = l.tx.send(f);
+        let Some(l) = self.links.get(&link) else {
+            return;
+        };
+        if l.closing.get() {
+            return;
+        }
+        if l.queued.fetch_add(1, Ordering::Relaxed) >= LINK_QUEUE_FRAMES {
+            // The peer does not read what it is sent.
+            l.queued.fetch_sub(1, Ordering::Relaxed);
+            return l.close();
+        }
+        l.closing
+            .set(matches!(f, Frame::Disconnect | Frame::Reject { .. }));
+        if l.tx.send(f).is_err() {
+            l.queued.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -412,11 +545,25 @@ impl State {
                 },
             ),
             None => {
-                // Receiver not ready: the message waits (rnr_retry 7 at the sender).
-                if let Some(q) = self.qps.get_mut(&dst) {
+                // Receiver not ready: the message waits (rnr_retry 7 at the sender), up to
+                // `INBOUND_MAX` of them.
+                let Some(q) = self.qps.get_mut(&dst) else {
+                    return;
+                };
+                let bytes: usize = q.inbound.iter().map(|p| p.data.len()).sum();
+                if q.inbound.len() < INBOUND_MAX && bytes + m.data.len() <= INBOUND_MAX_BYTES {
                     q.inbound.push_back(m);
                     self.inbound_any = true;
+                    return;
                 }
+                self.send_frame(
+                    link,
+                    Frame::Ack {
+                        seq,
+                        status: status_code(WcStatus::RetryExcErr),
+                    },
+                );
+                self.qp_error(dst);
             }
         }
     }

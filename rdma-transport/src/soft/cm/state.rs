@@ -2,7 +2,7 @@
 
 use super::*;
 
-pub(super) struct IdState {
+pub(crate) struct IdState {
     /// The TCP link, for a connection to another process.
     pub(super) link: Option<u32>,
     pub(super) channel: u32,
@@ -21,7 +21,7 @@ pub(super) struct IdState {
     pub(super) responder_resources: u8,
 }
 
-pub(super) struct ChannelState {
+pub(crate) struct ChannelState {
     pub(super) events: VecDeque<Ev>,
     pub(super) fd: Arc<EventFd>,
 }
@@ -32,8 +32,8 @@ pub(crate) struct CmState {
     pub(super) remote_ids: u32,
     pub(super) remote_listener: HashMap<u32, u32>,
     pub(super) listeners: HashMap<SocketAddr, u32>,
-    pub(super) ids: HashMap<u32, IdState>,
-    pub(super) channels: HashMap<u32, ChannelState>,
+    pub(crate) ids: HashMap<u32, IdState>,
+    pub(crate) channels: HashMap<u32, ChannelState>,
     /// Per listening ID on a networked fabric, its TCP listener (a handle to the socket its
     /// acceptor thread waits on), shut down when the ID goes so that the address is free again.
     pub(crate) acceptors: HashMap<u32, std::net::TcpListener>,
