@@ -64,15 +64,41 @@ pub struct Rejected {
     pub buf: Option<DmaBuf>,
 }
 
+/// An operation that succeeded, waiting for syncs of other engines that may have taken the
+/// report of a writeback error its own sync did not see.
+struct Parked {
+    slot: u32,
+    completion: Completion,
+    /// It completes once every sync numbered below this has ended.
+    until: u64,
+    /// `None` for a Flush, which then fails if any sync of the device ever failed
+    /// (`Device::settle_sync`); for a FUA operation, the device's count of failed syncs when
+    /// it started: it fails if one failed since.
+    failures_at_start: Option<u64>,
+}
+
+impl Parked {
+    /// Its result, settled again once the syncs it waited for have ended.
+    fn settle(&mut self, dev: &Device) {
+        match self.failures_at_start {
+            None => dev.settle_sync(OpKind::Flush, false, &mut self.completion.result),
+            Some(n) => {
+                if self.completion.result.is_ok() && dev.sync_failures() != n {
+                    self.completion.result = Err(BlockError::Io(libc::EIO));
+                }
+            }
+        }
+    }
+}
+
 struct Attached {
     dev: Arc<Device>,
     /// Index in the ring's registered file table (files and block devices).
     file: Option<u32>,
     in_flight: usize,
-    /// Flushes that succeeded while syncs of the device's file begun before were in flight
-    /// (on any engine): each completes once those have ended (the number they are below),
-    /// and fails if one took a writeback error's report (`Device::settle_sync`).
-    parked: Vec<(u32, Completion, u64)>,
+    /// Flushes (and FUA operations through the page cache) that succeeded while syncs of
+    /// the device's file begun before were in flight (on any engine).
+    parked: Vec<Parked>,
     /// This engine's own handle on an RBD image, notifying the engine's eventfd.
     #[cfg(feature = "rbd")]
     rbd: Option<crate::rbd::Image>,
@@ -90,6 +116,8 @@ struct Slot {
     from: Option<std::ptr::NonNull<u8>>,
     /// Its number among the syncs of its device's file in flight (`Device::sync_begin`).
     sync: Option<u64>,
+    /// A FUA operation's: the device's count of failed syncs when it started.
+    failures_at_start: u64,
 }
 
 /// A deallocate's `done`: its hole was refused, the range is being zeroed instead.
@@ -264,6 +292,12 @@ impl Engine {
         self.devices.get(id.0 as usize)?.as_ref().map(|a| &a.dev)
     }
 
+    /// Test hook: operations that succeeded and wait for other engines' syncs to end.
+    #[doc(hidden)]
+    pub fn parked_ops(&self) -> usize {
+        self.parked
+    }
+
     /// Operations queued or in flight, reaped or not.
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free_slots.len()
@@ -419,6 +453,12 @@ impl Engine {
             return reject(BlockError::QueueFull, buf);
         };
         let dev_index = dev.0;
+        let failures_at_start = match op {
+            OpKind::WriteFua | OpKind::WriteZeroesFua => self.devices[dev_index as usize]
+                .as_ref()
+                .map_or(0, |a| a.dev.sync_failures()),
+            _ => 0,
+        };
         self.slots[slot as usize] = Some(Slot {
             tag,
             op,
@@ -429,6 +469,7 @@ impl Engine {
             buf,
             from,
             sync: None,
+            failures_at_start,
         });
         if let Some(a) = self.devices[dev_index as usize].as_mut() {
             a.in_flight += 1;
@@ -482,33 +523,55 @@ impl Engine {
         // Linux reports a writeback error once, to the first sync of the file that asks:
         // another sync begun before this Flush ended may have taken it, and end after. A
         // Flush that succeeded waits for those (not for syncs begun after it ended, which
-        // cannot have), then is settled again.
-        if s.op == OpKind::Flush && result.is_ok() && s.sync.is_some() {
-            a.dev.flush_race_ends();
+        // cannot have), then is settled again. So does a FUA operation whose pages went
+        // through the page cache: their writeback's failure may be the one reported there.
+        let fua = s.op != OpKind::Flush && a.dev.fua_waits_for_others(s.op);
+        if (s.op == OpKind::Flush || fua) && result.is_ok() && s.sync.is_some() {
+            if s.op == OpKind::Flush {
+                a.dev.flush_race_ends();
+            }
+            let mut p = Parked {
+                slot,
+                completion: c(result),
+                until: 0,
+                failures_at_start: fua.then_some(s.failures_at_start),
+            };
             if let Some(until) = a.dev.syncs_to_wait_for() {
-                a.parked.push((slot, c(result), until));
+                p.until = until;
+                a.parked.push(p);
                 self.parked += 1;
                 return;
             }
             // None left in flight, but one may have ended (its failure noted, as every sync
-            // is settled before it ends) since this Flush was settled above.
-            a.dev.settle_sync(OpKind::Flush, false, &mut result);
+            // is settled before it ends) since this one was settled above.
+            p.settle(&a.dev);
+            self.ready.push_back((slot, p.completion));
+            return;
         }
         self.ready.push_back((slot, c(result)));
     }
 
-    /// Parked Flushes whose syncs to wait for have ended go on, settled again.
-    fn release_parked(&mut self) {
+    /// Parked operations whose syncs to wait for have ended go on, settled again. With
+    /// `all` (a drain, whose operations nobody waits for), every one goes on at once: the
+    /// syncs it waits for may be another engine's on this same thread, which will not run
+    /// until this drain ends; one whose syncs have not ended fails (whether it is durable
+    /// is not known).
+    fn release_parked(&mut self, all: bool) {
         if self.parked == 0 {
             return;
         }
         for a in self.devices.iter_mut().flatten() {
             let mut i = 0;
             while i < a.parked.len() {
-                if a.dev.syncs_ended_before(a.parked[i].2) {
-                    let (slot, mut c, _) = a.parked.swap_remove(i);
-                    a.dev.settle_sync(OpKind::Flush, false, &mut c.result);
-                    self.ready.push_back((slot, c));
+                let ended = a.dev.syncs_ended_before(a.parked[i].until);
+                if ended || all {
+                    let mut p = a.parked.swap_remove(i);
+                    if ended {
+                        p.settle(&a.dev);
+                    } else if p.completion.result.is_ok() {
+                        p.completion.result = Err(BlockError::Io(libc::EIO));
+                    }
+                    self.ready.push_back((p.slot, p.completion));
                     self.parked -= 1;
                 } else {
                     i += 1;
@@ -611,7 +674,7 @@ impl Engine {
                 self.finish(slot, Ok(len));
             }
         }
-        self.release_parked();
+        self.release_parked(false);
         let mut n = 0;
         while let Some((slot, c)) = self.ready.pop_front() {
             self.free_slots.push(slot);
@@ -696,8 +759,8 @@ impl Engine {
             } else if self.ready.is_empty() && self.librbd_owned() > 0 {
                 self.wait_librbd()?;
             } else if self.ready.is_empty() && self.parked > 0 {
-                // Flushes waiting for another engine's syncs: asked again after a yield.
-                std::thread::yield_now();
+                // Only operations waiting for other engines' syncs are left.
+                self.release_parked(true);
             }
             self.reap(&mut f);
         }

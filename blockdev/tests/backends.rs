@@ -585,6 +585,100 @@ fn a_fua_zeroings_failed_sync_fails_every_later_flush(mut f: Fixture) {
 }
 per_backend!(a_fua_zeroings_failed_sync_fails_every_later_flush);
 
+/// Reaps `e` until `got` holds a completion or one waits parked for other engines' syncs.
+fn reap_until_done_or_parked(e: &mut Engine, got: &mut Vec<Completion>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while got.is_empty() && e.parked_ops() == 0 {
+        assert!(std::time::Instant::now() < deadline, "never completed");
+        e.wait(0).unwrap();
+        e.reap(|c| got.push(c));
+    }
+}
+
+/// A FUA operation whose pages go through the page cache (a FUA write without direct I/O;
+/// a FUA zeroing, whose partial blocks are zeroed there) may lose its data to a failed
+/// writeback whose report another engine's sync takes (Linux reports it once, to the first
+/// sync of the file that asks) while its own sync succeeds: it was answered success. It
+/// waits for the syncs begun before it ended, as a Flush does, and fails when one failed
+/// since it started. A direct FUA write's data reaches the device by itself: it succeeds.
+fn a_fua_operation_beside_a_sync_taking_the_writeback_error_fails(mut f: Fixture) {
+    let file = matches!(f.device.info().kind, Kind::File | Kind::Bdev);
+    let direct = f.device.info().direct;
+    for zeroing in [false, true] {
+        let mut other = Engine::new(8, 1, std::slice::from_ref(&f.pool)).unwrap();
+        let d = other.attach(&f.device).unwrap();
+        // The other engine's Flush begins first; ours is settled first, the Flush second,
+        // and the Flush's sync takes the failure.
+        f.device.fail_sync(1, libc::EIO);
+        other.flush(d, 2).unwrap();
+        other.submit().unwrap();
+        let queued = if zeroing {
+            f.engine.write_zeroes(f.dev, 0, 4096, true, 1)
+        } else {
+            let mut b = f.buf(4096);
+            b.as_mut_slice().copy_from_slice(&pattern(11, 4096));
+            f.engine.write(f.dev, 0, b, true, 1)
+        };
+        if let Err(r) = queued {
+            // (A file system without ZERO_RANGE: tmpfs.)
+            assert!(matches!(r.error, BlockError::Unsupported(_)), "{r:?}");
+            other.drain(drop).unwrap();
+            continue;
+        }
+        let mut mine = Vec::new();
+        reap_until_done_or_parked(&mut f.engine, &mut mine);
+        let mut theirs = Vec::new();
+        while theirs.is_empty() {
+            other.wait(1).unwrap();
+            other.reap(|c| theirs.push(c));
+        }
+        while mine.is_empty() {
+            f.engine.wait(0).unwrap();
+            f.engine.reap(|c| mine.push(c));
+        }
+        let lost = file && (zeroing || !direct);
+        assert_eq!(
+            mine[0].result.is_err(),
+            lost,
+            "zeroing {zeroing}, direct {direct}: {:?}",
+            mine[0].result
+        );
+        if lost {
+            assert_eq!(mine[0].result, Err(BlockError::Io(libc::EIO)));
+        }
+    }
+}
+per_backend!(a_fua_operation_beside_a_sync_taking_the_writeback_error_fails);
+
+/// An engine drained (its data path let go of: a device removed, the daemon stopping) with
+/// a Flush waiting for another engine's sync does not wait for it: that engine may be on the
+/// same thread, which cannot reap it until the drain ends (the drain spun for ever). The
+/// Flush fails: whether what it covered is durable is not known.
+fn a_drain_does_not_wait_for_another_engines_sync(mut f: Fixture) {
+    if !matches!(f.device.info().kind, Kind::File | Kind::Bdev) {
+        return;
+    }
+    let mut other = Engine::new(8, 1, std::slice::from_ref(&f.pool)).unwrap();
+    let d = other.attach(&f.device).unwrap();
+    let mut b = f.buf(4096);
+    b.as_mut_slice().copy_from_slice(&pattern(12, 4096));
+    other.write(d, 4096, b, true, 2).unwrap();
+    other.submit().unwrap();
+    // The other engine's FUA write is never reaped: its sync stays in flight.
+    f.engine.flush(f.dev, 1).unwrap();
+    let mut mine = Vec::new();
+    reap_until_done_or_parked(&mut f.engine, &mut mine);
+    assert!(
+        mine.is_empty(),
+        "the Flush waits for the other engine's sync"
+    );
+    f.engine.drain(|c| mine.push(c)).unwrap();
+    assert_eq!(mine.len(), 1);
+    assert_eq!(mine[0].result, Err(BlockError::Io(libc::EIO)));
+    other.drain(drop).unwrap();
+}
+per_backend!(a_drain_does_not_wait_for_another_engines_sync);
+
 /// Linux reports a writeback error once, to the first sync of the file that asks, whichever
 /// reactor's engine runs it: a Flush on another engine that succeeded beside the one taking
 /// the report, and was settled first, succeeded (data lost). It waits for that one.

@@ -15,6 +15,8 @@ pub(crate) struct Syncs {
     ended: std::sync::Condvar,
     /// [`Device::sync`]s waiting for others' syncs to end (tests look).
     waiting: std::sync::atomic::AtomicU32,
+    /// Syncs of the device that failed so far ([`Device::note_sync_failure`]).
+    failures: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -254,8 +256,33 @@ impl Device {
 
     /// A sync failed: every later Flush of the device fails too.
     pub(crate) fn note_sync_failure(&self) {
+        self.syncs
+            .failures
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.sync_failed
             .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// How many syncs of the device have failed so far.
+    pub(crate) fn sync_failures(&self) -> u64 {
+        self.syncs
+            .failures
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether a FUA operation `op` whose own sync succeeded may still have lost its data:
+    /// its pages went through the page cache (a FUA write without direct I/O; a FUA
+    /// zeroing, whose partial blocks are zeroed there), so their writeback may have failed
+    /// with another sync taking the report (Linux reports it once, to the first sync of the
+    /// file that asks). Such an operation waits, as a Flush does, for the syncs begun before
+    /// it ended, and fails if one of the syncs of the device failed since it started.
+    pub(crate) fn fua_waits_for_others(&self, op: crate::OpKind) -> bool {
+        matches!(self.backing, Backing::File(_))
+            && match op {
+                crate::OpKind::WriteZeroesFua => true,
+                crate::OpKind::WriteFua => !self.info.direct,
+                _ => false,
+            }
     }
 
     /// Test hook: the next Flush an engine starts on this file or block device races
