@@ -283,6 +283,9 @@ pub struct Device {
     /// Operations of every engine whose step syncs the device's file, in flight
     /// ([`Device::sync_begin`]): one of them may take a writeback error's report.
     pub(crate) syncs: Syncs,
+    /// Drawn when it is opened: tells this device from one opened before or after in its
+    /// place (a RAM device's data lasts as long as it does).
+    pub(crate) instance: u64,
     /// Failures tests inject.
     pub(crate) faults: Faults,
     /// The size an RBD image's shrink failed to cut it to (`u64::MAX`: none): the image may
@@ -417,6 +420,7 @@ impl Device {
                     warning: None,
                     sync_failed: Default::default(),
                     sync_failure_reported: Default::default(),
+                    instance: fastrand::u64(..),
                     syncs: Default::default(),
                     faults: Default::default(),
                     pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
@@ -429,6 +433,7 @@ impl Device {
                 warning: None,
                 sync_failed: Default::default(),
                 sync_failure_reported: Default::default(),
+                instance: fastrand::u64(..),
                 syncs: Default::default(),
                 faults: Default::default(),
                 pending_cut: std::sync::atomic::AtomicU64::new(u64::MAX),
@@ -465,6 +470,11 @@ impl Device {
         } else {
             StoreIdentity::File(m.dev(), m.ino())
         })
+    }
+
+    /// A number drawn when the device was opened, the same for as long as it is open.
+    pub fn instance(&self) -> u64 {
+        self.instance
     }
 
     /// What the device is, as opened: its capacity now is [`Device::size`].

@@ -297,8 +297,9 @@ pub struct Namespace {
     /// Refuse writes to this namespace. Default `false`.
     #[serde(default)]
     pub read_only: bool,
-    /// Namespace UUID reported to hosts (`"xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"`). Default:
-    /// none reported.
+    /// Namespace UUID reported to hosts (`"xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"`). Default,
+    /// when `nguid` is not set either: one derived from the subsystem's NQN, the NSID and the
+    /// store (docs/CONFIGURATION.md).
     #[serde(default)]
     pub uuid: Option<Uuid>,
     /// Namespace Globally Unique Identifier, 32 hex digits. Default: none reported.

@@ -248,7 +248,7 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
                     ))
                 }
             };
-            namespaces.push(namespace(ns, &dev));
+            namespaces.push(namespace(&s.nqn, ns, &dev));
             status.push(NamespaceStatus {
                 subsystem: s.nqn.clone(),
                 nsid: ns.nsid,
@@ -291,14 +291,53 @@ pub fn build_target(cfg: &Config) -> Result<Built, String> {
     })
 }
 
-/// What the NVMe core is told of a configured namespace whose device is `dev`.
-pub fn namespace(ns: &nvmfd_config::Namespace, dev: &BlockDevice) -> Namespace {
+/// What the NVMe core is told of namespace `ns` of subsystem `nqn`, whose device is `dev`.
+pub fn namespace(nqn: &str, ns: &nvmfd_config::Namespace, dev: &BlockDevice) -> Namespace {
+    let nguid = ns.nguid.as_deref().and_then(nguid);
+    let uuid = match (ns.uuid, nguid) {
+        (Some(u), _) => Some(*u.as_bytes()),
+        (None, Some(_)) => None,
+        (None, None) => Some(derived_uuid(nqn, ns, dev)),
+    };
     Namespace {
         nsid: ns.nsid,
         info: namespace_info(&dev.current_info()),
-        uuid: ns.uuid.map(|u| *u.as_bytes()),
-        nguid: ns.nguid.as_deref().and_then(nguid),
+        uuid,
+        nguid,
     }
+}
+
+/// The UUID reported for a namespace configured with neither `uuid` nor `nguid`. A host
+/// needs an identifier to tell one namespace from another behind the same NSID: Linux
+/// compares them at every rescan and lets go of a namespace whose identifiers changed, and
+/// with none, another file or image put behind the NSID looks the same. Version 5 (a SHA-1
+/// name), from the subsystem's NQN, the NSID and what stores the data: a file's or block
+/// device's path, an RBD image's pool, RADOS namespace and name. So it stays across restarts
+/// and is the same on every gateway of one image. A RAM or null namespace's data lasts as
+/// long as its device: its UUID comes from the number the device drew when it was opened.
+pub fn derived_uuid(nqn: &str, ns: &nvmfd_config::Namespace, dev: &BlockDevice) -> [u8; 16] {
+    /// The UUID namespace of these names: the version 5 UUID of
+    /// `https://nvmfd/namespace-uuid` in the URL namespace.
+    const NVMFD: uuid::Uuid = uuid::uuid!("26555d9a-711d-508c-a527-7c73d333a7e9");
+    let store = match ns.backend {
+        Backend::File | Backend::Bdev => format!(
+            "{:?}\0{}",
+            ns.backend,
+            ns.path
+                .as_deref()
+                .unwrap_or(std::path::Path::new(""))
+                .display()
+        ),
+        Backend::Rbd => format!(
+            "rbd\0{}\0{}\0{}",
+            ns.pool.as_deref().unwrap_or(""),
+            ns.namespace.as_deref().unwrap_or(""),
+            ns.image.as_deref().unwrap_or("")
+        ),
+        Backend::Malloc | Backend::Null => format!("{:?}\0{:016x}", ns.backend, dev.instance()),
+    };
+    let name = format!("{nqn}\0{}\0{store}", ns.nsid);
+    *uuid::Uuid::new_v5(&NVMFD, name.as_bytes()).as_bytes()
 }
 
 /// What the NVMe core is told of a configured subsystem, with `namespaces` (those served).

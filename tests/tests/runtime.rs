@@ -1450,3 +1450,76 @@ fn a_removed_file_namespace_and_every_file_namespace_at_stop_are_synced() {
     assert_eq!(at_stop[0]["subsystem"], A);
     assert!(log_lines(&d, "namespace's device could not be synced").is_empty());
 }
+
+/// A namespace configured without `uuid` or `nguid` is named by a UUID all the same
+/// (Identify's Namespace Identification Descriptor list; the specification asks for one, and
+/// Linux compares them at every rescan to tell another namespace behind the NSID). It was
+/// named by nothing: a file swapped behind an NSID looked the same to a host. The UUID follows
+/// what stores the data: the same file gives the same one (derived, not drawn), another file
+/// another, a RAM namespace made again (its data new) another.
+#[test]
+fn a_namespace_without_configured_identifiers_has_a_uuid_that_follows_its_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let (one, two) = (dir.path().join("one.img"), dir.path().join("two.img"));
+    for f in [&one, &two] {
+        std::fs::File::create(f).unwrap().set_len(4 << 20).unwrap();
+    }
+    let (d, addr) = start();
+    let file_ns = |path: &std::path::Path| {
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 2, "backend": "file", "path": path}})
+    };
+    let remove = |nsid: u32| serde_json::json!({"request": "remove_namespace", "subsystem": A, "nsid": nsid});
+    change(&d, file_ns(&one));
+    let mut a = Host::connect("127.0.0.41", addr, A, 0x41);
+    let mut b = Host::connect("127.0.0.42", addr, B, 0x42);
+    let uuid_of = |h: &mut Host, nsid: u32| -> Vec<u8> {
+        let ids = h.admin.namespace_ids(nsid).unwrap();
+        let uuid = ids
+            .iter()
+            .find(|(t, _)| *t == 3)
+            .map(|(_, id)| id.clone())
+            .unwrap_or_else(|| panic!("no UUID for namespace {nsid}: {ids:?}"));
+        assert_eq!(uuid.len(), 16);
+        assert!(uuid.iter().any(|&x| x != 0), "a zero UUID");
+        uuid
+    };
+    let ram = uuid_of(&mut a, 1);
+    let file = uuid_of(&mut a, 2);
+    let other_ram = uuid_of(&mut b, 1);
+    assert_ne!(ram, file);
+    assert_ne!(ram, other_ram, "two subsystems' RAM namespaces 1");
+    assert_eq!(uuid_of(&mut a, 2), file, "asked again");
+
+    // Another file behind NSID 2: another UUID; the first file again: its UUID again.
+    change(&d, remove(2));
+    change(&d, file_ns(&two));
+    assert_ne!(uuid_of(&mut a, 2), file, "another file, the same UUID");
+    change(&d, remove(2));
+    change(&d, file_ns(&one));
+    assert_eq!(uuid_of(&mut a, 2), file, "the first file again");
+
+    // A RAM namespace made again holds new (zeroed) data: a new UUID.
+    change(&d, remove(1));
+    change(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 1, "backend": "malloc", "size": "8MiB"}}),
+    );
+    assert_ne!(uuid_of(&mut a, 1), ram, "a RAM namespace made again");
+    // A configured one is reported as configured.
+    change(&d, remove(2));
+    change(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 2, "backend": "file", "path": one,
+                          "uuid": "6f3c1a52-6d7e-4d2a-9a51-0c6f0b1e2d3c"}}),
+    );
+    assert_eq!(
+        uuid_of(&mut a, 2),
+        uuid::Uuid::parse_str("6f3c1a52-6d7e-4d2a-9a51-0c6f0b1e2d3c")
+            .unwrap()
+            .as_bytes()
+            .to_vec()
+    );
+}

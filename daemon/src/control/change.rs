@@ -585,7 +585,7 @@ impl Daemon {
             .iter()
             .filter_map(|ns| {
                 let dev = self.devices.get(&(s.nqn.clone(), ns.nsid))?;
-                Some(crate::serve::namespace(ns, dev))
+                Some(crate::serve::namespace(&s.nqn, ns, dev))
             })
             .collect()
     }
