@@ -8,6 +8,7 @@
 
 pub mod bench;
 mod pipeline;
+pub mod verify;
 pub use pipeline::{Done, Payload, PipelinedQueue};
 
 use std::net::SocketAddr;
@@ -448,6 +449,71 @@ impl HostTransport for RdmaQueue {
             }
         }
         cqe.ok_or(HostError::Timeout("the command's completion"))
+    }
+}
+
+/// An admin queue whose controller is shut down (CC.SHN, waiting for SHST complete) when it
+/// is dropped, whichever way a command ends: a host that leaves without it is one the target
+/// must take for lost. Drop the I/O queues before it (the specification has them deleted
+/// first).
+pub struct ShutdownOnDrop<T: HostTransport>(pub nvmfd_nvme::host::AdminQueue<T>);
+
+impl<T: HostTransport> std::fmt::Debug for ShutdownOnDrop<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShutdownOnDrop")
+            .field("cntlid", &self.0.cntlid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: HostTransport> std::ops::Deref for ShutdownOnDrop<T> {
+    type Target = nvmfd_nvme::host::AdminQueue<T>;
+    fn deref(&self) -> &nvmfd_nvme::host::AdminQueue<T> {
+        &self.0
+    }
+}
+
+impl<T: HostTransport> std::ops::DerefMut for ShutdownOnDrop<T> {
+    fn deref_mut(&mut self) -> &mut nvmfd_nvme::host::AdminQueue<T> {
+        &mut self.0
+    }
+}
+
+impl<T: HostTransport> Drop for ShutdownOnDrop<T> {
+    fn drop(&mut self) {
+        // A target that cannot be reached any more has nothing to be told.
+        let _ = self.0.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod shutdown_tests {
+    #[test]
+    fn a_controller_is_shut_down_when_its_queue_goes_whatever_the_way_out() {
+        use nvmfd_nvme::host::{AdminQueue, HostId};
+        use nvmfd_nvme::host_fake::FakeController;
+        let fake = FakeController::new(1, std::time::Duration::ZERO);
+        let sets = std::sync::Arc::clone(&fake.sets);
+        let host = HostId {
+            nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000001".into(),
+            id: [1; 16],
+        };
+        let run = || -> Result<(), String> {
+            let mut a = super::ShutdownOnDrop(
+                AdminQueue::connect(fake, &host, "nqn.2024-01.io.nvmfd.test:f", 31, 0)
+                    .map_err(|e| e.to_string())?,
+            );
+            a.enable().map_err(|e| e.to_string())?;
+            Err("namespace 9 is not active".into())
+        };
+        assert!(run().is_err());
+        let sets = sets.lock().unwrap().clone();
+        let cc = nvmfd_nvme::wire::property::CC;
+        assert_eq!(
+            sets.last().map(|&(o, v)| (o, (v >> 14) & 3)),
+            Some((cc, 1)),
+            "CC.SHN normal last: {sets:?}"
+        );
     }
 }
 

@@ -60,6 +60,10 @@ pub trait HostTransport {
     fn execute(&mut self, sqe: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError>;
 }
 
+/// The least a host waits for a shutdown to complete (as Linux's default
+/// `shutdown_timeout`), whatever CAP.TO says.
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The host's identity.
 #[derive(Clone, Debug)]
 pub struct HostId {
@@ -227,34 +231,60 @@ impl<T: HostTransport> AdminQueue<T> {
         check(self.t.execute(s, DataDir::None)?).map(drop)
     }
 
-    /// Enables the controller (CC.EN with 64/16-byte entries) and waits for CSTS.RDY.
+    /// Enables the controller (CC.EN with 64/16-byte entries) and waits for CSTS.RDY, as
+    /// long as CAP.TO says the controller may take.
     pub fn enable(&mut self) -> Result<(), HostError> {
+        let limit = self.ready_timeout()?;
         let cc = 1 | (6 << 16) | (4 << 20);
         self.property_set(property::CC, cc)?;
-        for _ in 0..1000 {
-            let csts = self.property_get(property::CSTS, false)?;
+        self.wait_csts(limit, "CSTS.RDY", |csts| {
             if csts & 0x2 != 0 {
                 return Err(HostError::Protocol(
                     "controller fatal status (CSTS.CFS)".into(),
                 ));
             }
-            if csts & 1 == 1 {
-                return Ok(());
-            }
-        }
-        Err(HostError::Timeout("CSTS.RDY"))
+            Ok(csts & 1 == 1)
+        })
     }
 
-    /// Shuts the controller down (CC.SHN normal) and waits for CSTS.SHST complete.
+    /// Shuts the controller down (CC.SHN normal) and waits for CSTS.SHST complete: as long
+    /// as CAP.TO allows, and at least [`SHUTDOWN_TIMEOUT`] (a target flushes its volatile
+    /// caches meanwhile).
     pub fn shutdown(&mut self) -> Result<(), HostError> {
+        let limit = self.ready_timeout()?.max(SHUTDOWN_TIMEOUT);
         let cc = wire::lo32(self.property_get(property::CC, false)?);
         self.property_set(property::CC, (cc & !(0x3 << 14)) | (1 << 14))?;
-        for _ in 0..1000 {
-            if (self.property_get(property::CSTS, false)? >> 2) & 0x3 == 2 {
+        self.wait_csts(limit, "CSTS.SHST", |csts| Ok((csts >> 2) & 0x3 == 2))
+    }
+
+    /// CAP.TO: how long the controller may take to become ready (500 ms units).
+    fn ready_timeout(&mut self) -> Result<Duration, HostError> {
+        let cap = self.property_get(property::CAP, true)?;
+        let to = (cap >> 24) & 0xff;
+        Ok(Duration::from_millis(500 * to.max(1)))
+    }
+
+    /// Reads CSTS until `done` says so or `limit` has passed, pausing a little longer after
+    /// each read (up to 10 ms).
+    fn wait_csts(
+        &mut self,
+        limit: Duration,
+        what: &'static str,
+        mut done: impl FnMut(u32) -> Result<bool, HostError>,
+    ) -> Result<(), HostError> {
+        let end = Instant::now() + limit;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let csts = wire::lo32(self.property_get(property::CSTS, false)?);
+            if done(csts)? {
                 return Ok(());
             }
+            if Instant::now() >= end {
+                return Err(HostError::Timeout(what));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
         }
-        Err(HostError::Timeout("CSTS.SHST"))
     }
 
     fn identify(&mut self, cns: u8, nsid: u32) -> Result<Vec<u8>, HostError> {
@@ -564,4 +594,42 @@ impl<T: HostTransport> IoQueue<T> {
 pub fn discovery_entry_text(e: &wire::DiscoveryLogEntry) -> (String, String, String) {
     let s = |b: &[u8]| wire::get_str(b).unwrap_or("").trim().to_owned();
     (s(&e.subnqn), s(&e.traddr), s(&e.trsvcid))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{AdminQueue, HostError, HostId};
+    use crate::host_fake::FakeController;
+
+    fn admin(to: u8, delay: Duration) -> AdminQueue<FakeController> {
+        let host = HostId {
+            nqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000001".into(),
+            id: [1; 16],
+        };
+        AdminQueue::connect(
+            FakeController::new(to, delay),
+            &host,
+            "nqn.2024-01.io.nvmfd.test:f",
+            31,
+            0,
+        )
+        .unwrap()
+    }
+
+    /// A controller that takes 50 ms to become ready (or to shut down), well within its
+    /// CAP.TO of 1 s, is waited for: the host gave up after 1,000 reads of CSTS made back to
+    /// back, a few milliseconds on a fast transport.
+    #[test]
+    fn enable_and_shutdown_wait_as_long_as_cap_to_allows() {
+        let mut a = admin(2, Duration::from_millis(50));
+        a.enable().unwrap();
+        a.shutdown().unwrap();
+        // One that never gets there is given up on, after CAP.TO (500 ms here).
+        let mut a = admin(1, Duration::from_secs(3600));
+        let t = std::time::Instant::now();
+        assert!(matches!(a.enable(), Err(HostError::Timeout("CSTS.RDY"))));
+        assert!(t.elapsed() >= Duration::from_millis(500));
+    }
 }

@@ -11,6 +11,8 @@ mod admin;
 mod block;
 mod fence;
 pub mod host;
+#[doc(hidden)]
+pub mod host_fake;
 mod io;
 mod queue;
 pub mod rdma_cm;

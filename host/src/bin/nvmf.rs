@@ -189,8 +189,14 @@ fn block_size(ns: &wire::IdentifyNamespace) -> u32 {
     1u32.checked_shl(u32::from(lbads)).unwrap_or(0)
 }
 
-fn admin(cli: &Cli, nqn: &str, host: &HostId) -> Result<AdminQueue<RdmaQueue>, String> {
-    let mut a = AdminQueue::connect(queue(cli, 0, 31, 0)?, host, nqn, 31, KEEP_ALIVE_MS as u32)
+/// The admin queue of a new controller of `nqn`, enabled; the controller is shut down when
+/// it goes, on every way out of the command.
+fn admin(
+    cli: &Cli,
+    nqn: &str,
+    host: &HostId,
+) -> Result<nvmf_host::ShutdownOnDrop<RdmaQueue>, String> {
+    let a = AdminQueue::connect(queue(cli, 0, 31, 0)?, host, nqn, 31, KEEP_ALIVE_MS as u32)
         .map_err(|e: HostError| {
             // Connect's Invalid Parameters says which field (dw0: IATTR, IPO); 0x84 is
             // Connect Invalid Host.
@@ -208,6 +214,7 @@ fn admin(cli: &Cli, nqn: &str, host: &HostId) -> Result<AdminQueue<RdmaQueue>, S
             };
             format!("connecting to {nqn} at {}: {e}{hint}", cli.addr)
         })?;
+    let mut a = nvmf_host::ShutdownOnDrop(a);
     a.enable().map_err(|e| e.to_string())?;
     Ok(a)
 }
@@ -385,7 +392,7 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     };
     let measured = bench::run(&job, &connect, &mut tick, &interrupt, &mut waiting);
     bar.finish_and_clear();
-    let _ = a.shutdown();
+    drop(a);
     let measured = measured?;
     print_bench(b, &job, &measured, &bench::report(&job, &measured));
     Ok(())
@@ -438,6 +445,32 @@ fn print_bench(b: &BenchArgs, job: &bench::Job, m: &bench::Measured, report: &se
     }
 }
 
+/// A discovery log entry as `nvmf discover` prints it: the subsystem's NQN, its transport
+/// and address (an IPv6 one in brackets), and what kind of subsystem it is unless an NVM one
+/// (a referral to another discovery controller, this discovery controller itself).
+fn discovery_line(e: &wire::DiscoveryLogEntry) -> String {
+    let (nqn, addr, port) = discovery_entry_text(e);
+    let transport = match e.trtype {
+        1 => "rdma".to_owned(),
+        2 => "fc".to_owned(),
+        3 => "tcp".to_owned(),
+        254 => "loop".to_owned(),
+        t => format!("transport {t}"),
+    };
+    let addr = if e.adrfam == 2 {
+        format!("[{addr}]")
+    } else {
+        addr
+    };
+    let kind = match e.subtype {
+        2 => "",
+        1 => "  (discovery referral)",
+        3 => "  (this discovery controller)",
+        _ => "  (subsystem type unknown)",
+    };
+    format!("{nqn}  {transport} {addr}:{port}{kind}")
+}
+
 fn run(cli: &Cli) -> Result<(), String> {
     let host = HostId {
         nqn: cli.hostnqn.clone(),
@@ -448,8 +481,7 @@ fn run(cli: &Cli) -> Result<(), String> {
         Command::Discover => {
             let mut d = admin(cli, DISCOVERY_NQN, &host)?;
             for e in d.discover().map_err(|e| e.to_string())? {
-                let (nqn, addr, port) = discovery_entry_text(&e);
-                println!("{nqn}  rdma {addr}:{port}");
+                println!("{}", discovery_line(&e));
             }
         }
         Command::Identify { nqn } => {
@@ -488,7 +520,6 @@ fn run(cli: &Cli) -> Result<(), String> {
                     }
                 }
             }
-            let _ = a.shutdown();
         }
         Command::Verify { nqn, nsid } => {
             let mut a = admin(cli, nqn, &host)?;
@@ -516,29 +547,20 @@ fn run(cli: &Cli) -> Result<(), String> {
                     .map_err(|e| e.to_string())?;
             // A pattern of this run: a block an earlier run left (a write the target lost)
             // does not pass.
-            let seed = fastrand::u64(..);
-            let (mut len, mut lba, mut n) = (bs, 0u64, 0);
-            while len <= largest {
-                let data = nvmf_host::verify_pattern(seed, lba, bs, len);
-                let nlb = u32::try_from(len / bs).map_err(|e| e.to_string())?;
-                io.write(*nsid, lba, nlb, &data, false)
-                    .map_err(|e| format!("write {len} bytes at LBA {lba}: {e}"))?;
-                let mut back = vec![0u8; len];
-                io.read(*nsid, lba, nlb, &mut back)
-                    .map_err(|e| format!("read {len} bytes at LBA {lba}: {e}"))?;
-                if back != data {
-                    return Err(format!("data differs: {len} bytes at LBA {lba}"));
-                }
-                lba += u64::from(nlb);
-                len *= 2;
-                n += 1;
-            }
-            io.flush(*nsid).map_err(|e| e.to_string())?;
+            let v = nvmf_host::verify::verify(
+                &mut io,
+                *nsid,
+                (bs, ns.nsze.get()),
+                largest,
+                fastrand::u64(..),
+            )?;
             println!(
-                "verified: {n} writes read back intact, {bs} B to {} KiB, namespace {nsid} of {nqn}",
-                largest / 1024
+                "verified: {} writes read back intact at once and again after all were written, {bs} B to {} KiB, namespace {nsid} of {nqn}",
+                v.writes,
+                v.largest / 1024
             );
-            let _ = a.shutdown();
+            // The I/O queue goes before the controller is shut down.
+            drop(io);
         }
     }
     Ok(())
@@ -558,6 +580,33 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each entry says its own transport, address family and kind: every one was printed as
+    /// an RDMA NVM subsystem.
+    #[test]
+    fn discovery_entries_are_printed_as_they_are() {
+        let entry = |trtype, adrfam, subtype, addr: &str| {
+            let mut e: wire::DiscoveryLogEntry = wire::zeroed();
+            (e.trtype, e.adrfam, e.subtype) = (trtype, adrfam, subtype);
+            wire::put_str(&mut e.subnqn, "nqn.2024-01.io.example:a", 0);
+            wire::put_str(&mut e.traddr, addr, b' ');
+            wire::put_str(&mut e.trsvcid, "4420", b' ');
+            e
+        };
+        assert_eq!(
+            discovery_line(&entry(1, 1, 2, "10.0.0.1")),
+            "nqn.2024-01.io.example:a  rdma 10.0.0.1:4420"
+        );
+        assert_eq!(
+            discovery_line(&entry(3, 2, 2, "fe80::1")),
+            "nqn.2024-01.io.example:a  tcp [fe80::1]:4420"
+        );
+        assert_eq!(
+            discovery_line(&entry(1, 1, 3, "10.0.0.1")),
+            "nqn.2024-01.io.example:a  rdma 10.0.0.1:4420  (this discovery controller)"
+        );
+        assert!(discovery_line(&entry(1, 1, 1, "10.0.0.2")).ends_with("(discovery referral)"));
+    }
 
     /// The LBA format FLBAS selects, its index's high bits (6:5) included; a block size below
     /// 512 bytes is refused (0) rather than taken (a 16-byte block broke `--verify`'s stamps);
