@@ -44,6 +44,8 @@ pub struct RdmaQueue {
     /// Completions of commands other than the one waited for (those sent with
     /// [`RdmaQueue::post`], such as Asynchronous Event Requests), in arrival order.
     others: Vec<Cqe>,
+    /// A command timed out or the transport failed ([`HostTransport::broken`]).
+    broken: bool,
     _pd: Pd,
 }
 
@@ -160,6 +162,7 @@ impl RdmaQueue {
             in_capsule,
             pieces: opts.pieces,
             others: Vec::new(),
+            broken: false,
             _pd: pd,
         })
     }
@@ -358,7 +361,26 @@ impl RdmaQueue {
 }
 
 impl HostTransport for RdmaQueue {
-    fn execute(&mut self, mut sqe: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError> {
+    fn execute(&mut self, sqe: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError> {
+        if self.broken {
+            return Err(HostError::Transport(
+                "the queue failed earlier (a command timed out or its transport failed)".into(),
+            ));
+        }
+        let r = self.execute_once(sqe, data);
+        if matches!(r, Err(HostError::Timeout(_) | HostError::Transport(_))) {
+            self.broken = true;
+        }
+        r
+    }
+
+    fn broken(&self) -> bool {
+        self.broken
+    }
+}
+
+impl RdmaQueue {
+    fn execute_once(&mut self, mut sqe: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError> {
         let mut icd = 0usize;
         match &data {
             DataDir::None => sqe.dptr = SglDesc::keyed(0, 0, 0, false),
@@ -481,6 +503,11 @@ impl<T: HostTransport> std::ops::DerefMut for ShutdownOnDrop<T> {
 
 impl<T: HostTransport> Drop for ShutdownOnDrop<T> {
     fn drop(&mut self) {
+        // A queue whose command timed out, or whose transport failed, carries nothing more:
+        // a shutdown through it would only wait out another timeout.
+        if self.0.transport().broken() {
+            return;
+        }
         // A target that cannot be reached any more has nothing to be told.
         let _ = self.0.shutdown();
     }
@@ -508,6 +535,19 @@ mod shutdown_tests {
         };
         assert!(run().is_err());
         let sets = sets.lock().unwrap().clone();
+        // A queue whose command timed out is not used again to shut down (that would wait
+        // out another timeout for each command).
+        let fake = FakeController::new(1, std::time::Duration::ZERO);
+        let executed = std::sync::Arc::clone(&fake.executed);
+        let mut a = super::ShutdownOnDrop(
+            AdminQueue::connect(fake, &host, "nqn.2024-01.io.nvmfd.test:f", 31, 0).unwrap(),
+        );
+        a.enable().unwrap();
+        a.transport().hang = true;
+        assert!(a.identify_controller().is_err());
+        let before = executed.load(std::sync::atomic::Ordering::Relaxed);
+        drop(a);
+        assert_eq!(executed.load(std::sync::atomic::Ordering::Relaxed), before);
         let cc = nvmfd_nvme::wire::property::CC;
         assert_eq!(
             sets.last().map(|&(o, v)| (o, (v >> 14) & 3)),

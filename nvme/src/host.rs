@@ -58,6 +58,13 @@ pub trait HostTransport {
     /// Sends `sqe` (the transport fills in the SGL that describes `data`) and waits for the
     /// completion.
     fn execute(&mut self, sqe: Sqe, data: DataDir<'_>) -> Result<Cqe, HostError>;
+
+    /// Whether a command timed out or the transport failed: nothing more is carried on it (a
+    /// late answer could be taken for another command's), and a host has nothing more to
+    /// tell the target through it.
+    fn broken(&self) -> bool {
+        false
+    }
 }
 
 /// The least a host waits for a shutdown to complete (as Linux's default
@@ -254,7 +261,15 @@ impl<T: HostTransport> AdminQueue<T> {
         let limit = self.ready_timeout()?.max(SHUTDOWN_TIMEOUT);
         let cc = wire::lo32(self.property_get(property::CC, false)?);
         self.property_set(property::CC, (cc & !(0x3 << 14)) | (1 << 14))?;
-        self.wait_csts(limit, "CSTS.SHST", |csts| Ok((csts >> 2) & 0x3 == 2))
+        self.wait_csts(limit, "CSTS.SHST", |csts| {
+            if csts & 0x2 != 0 {
+                // (nvmfd's when the shutdown's flush failed: writes may be lost.)
+                return Err(HostError::Protocol(
+                    "controller fatal status (CSTS.CFS) during the shutdown".into(),
+                ));
+            }
+            Ok((csts >> 2) & 0x3 == 2)
+        })
     }
 
     /// CAP.TO: how long the controller may take to become ready (500 ms units).
@@ -626,6 +641,16 @@ mod tests {
         let mut a = admin(2, Duration::from_millis(50));
         a.enable().unwrap();
         a.shutdown().unwrap();
+        // One whose shutdown fails says so at once (CSTS.CFS), not after the time allowed.
+        let mut a = admin(2, Duration::ZERO);
+        a.enable().unwrap();
+        a.transport().shutdown_fails = true;
+        let t = std::time::Instant::now();
+        assert!(
+            matches!(a.shutdown(), Err(HostError::Protocol(_))),
+            "CSTS.CFS"
+        );
+        assert!(t.elapsed() < Duration::from_secs(1));
         // One that never gets there is given up on, after CAP.TO (500 ms here).
         let mut a = admin(1, Duration::from_secs(3600));
         let t = std::time::Instant::now();

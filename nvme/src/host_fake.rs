@@ -16,6 +16,12 @@ pub struct FakeController {
     pub delay: Duration,
     /// Every Property Set: (offset, value); shared, to be read once the queue is gone.
     pub sets: std::sync::Arc<std::sync::Mutex<Vec<(u32, u32)>>>,
+    /// Commands carried so far (shared).
+    pub executed: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// From now on every command times out (the transport is then broken).
+    pub hang: bool,
+    /// A shutdown fails: CSTS.CFS, SHST left at "occurring".
+    pub shutdown_fails: bool,
     cc: u32,
     changed: Option<Instant>,
 }
@@ -27,6 +33,9 @@ impl FakeController {
             cap: u64::from(to) << 24 | 31,
             delay,
             sets: std::sync::Arc::default(),
+            executed: std::sync::Arc::default(),
+            hang: false,
+            shutdown_fails: false,
             cc: 0,
             changed: None,
         }
@@ -36,6 +45,7 @@ impl FakeController {
         let settled = self.changed.is_some_and(|t| t.elapsed() >= self.delay);
         let (en, shn) = (self.cc & 1, (self.cc >> 14) & 3);
         match (settled, en, shn) {
+            (true, 1, s) if s != 0 && self.shutdown_fails => 1 | 2 | 1 << 2,
             (true, 1, 0) => 1,
             (true, 1, _) => 1 | 2 << 2,
             (false, 1, s) if s != 0 => 1 | 1 << 2,
@@ -46,8 +56,17 @@ impl FakeController {
 }
 
 impl HostTransport for FakeController {
+    fn broken(&self) -> bool {
+        self.hang
+    }
+
     fn execute(&mut self, sqe: Sqe, _data: DataDir<'_>) -> Result<Cqe, HostError> {
         use zerocopy::IntoBytes;
+        self.executed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.hang {
+            return Err(HostError::Timeout("the command's completion"));
+        }
         let mut c: Cqe = wire::zeroed();
         c.cid = sqe.cid;
         let b = sqe.as_bytes();

@@ -1780,6 +1780,59 @@ mod soft_only {
         assert_eq!(pd, b"hello");
     }
 
+    /// A peer that sends its connect request a byte now and then (each read's timeout never
+    /// runs out) is closed once the handshake's time is up; one that announces a connect
+    /// request longer than any is closed at once.
+    #[test]
+    fn a_tcp_peer_trickling_its_connect_request_is_let_go() {
+        use std::io::{Read, Write};
+        let env = SoftTcpEnv::new().unwrap();
+        let addr = env.addr(5053);
+        let sch = env.channel();
+        let _l = sch.listen(addr, 4).unwrap();
+        let mut huge = std::net::TcpStream::connect(addr).unwrap();
+        huge.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+        huge.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let got = huge.read(&mut [0u8; 1]);
+        assert!(
+            matches!(got, Ok(0))
+                || got
+                    .as_ref()
+                    .is_err_and(|e| e.kind() != std::io::ErrorKind::WouldBlock),
+            "a 1 MiB connect request waited for: {got:?}"
+        );
+        let raw = std::net::TcpStream::connect(addr).unwrap();
+        let mut w = raw.try_clone().unwrap();
+        let start = std::time::Instant::now();
+        let trickle = std::thread::spawn(move || {
+            let _ = w.write_all(&64u32.to_le_bytes());
+            for _ in 0..30 {
+                if w.write_all(&[1]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        });
+        let mut r = raw;
+        r.set_read_timeout(Some(Duration::from_secs(25))).unwrap();
+        let got = r.read(&mut [0u8; 1]);
+        assert!(
+            matches!(got, Ok(0))
+                || got
+                    .as_ref()
+                    .is_err_and(|e| e.kind() != std::io::ErrorKind::WouldBlock),
+            "still open after {:?}: {got:?}",
+            start.elapsed()
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            start.elapsed()
+        );
+        drop(r);
+        trickle.join().unwrap();
+    }
+
     #[test]
     fn a_rejected_tcp_peer_that_keeps_its_socket_open_is_let_go() {
         use std::io::{Read, Write};

@@ -18,13 +18,16 @@ use crate::types::*;
 /// Largest frame accepted from a peer (a frame is at most one message).
 const MAX_FRAME: usize = 16 << 20;
 
-/// How long an accepted connection has to send its connect request. Each waits in a thread
-/// of its own, so one that sends nothing holds up no other.
+/// How long an accepted connection has to send its (whole) connect request. Each waits in a
+/// thread of its own, so one that sends nothing, or a byte now and then, holds up no other.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Accepted connections that may wait for their connect request at once; past it, a new one
 /// is closed at once.
-const HANDSHAKES_MAX: usize = 64;
+const HANDSHAKES_MAX: usize = 256;
+
+/// The longest connect request taken (a CM's REQ carries at most 56 bytes of private data).
+const CONNECT_FRAME_MAX: usize = 4096;
 
 /// Frames a link may have queued for its peer. A peer that stops reading its socket while
 /// sending (every frame of its is answered) would otherwise make them pile up without end;
@@ -232,17 +235,47 @@ impl Frame {
 }
 
 fn read_frame(s: &mut TcpStream) -> io::Result<Frame> {
+    read_frame_until(s, MAX_FRAME, None)
+}
+
+/// A frame of at most `max` bytes, read whole by `deadline` if there is one (a read timeout
+/// bounds each read only: a peer sending a byte now and then would hold the reader).
+fn read_frame_until(
+    s: &mut TcpStream,
+    max: usize,
+    deadline: Option<std::time::Instant>,
+) -> io::Result<Frame> {
+    let read_all = |s: &mut TcpStream, b: &mut [u8]| -> io::Result<()> {
+        let Some(deadline) = deadline else {
+            return s.read_exact(b);
+        };
+        let mut at = 0;
+        while at < b.len() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            s.set_read_timeout(Some(left))?;
+            match s.read(&mut b[at..]) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => at += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    };
     let mut len = [0u8; 4];
-    s.read_exact(&mut len)?;
+    read_all(s, &mut len)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len == 0 || len > MAX_FRAME {
+    if len == 0 || len > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "bad frame length",
         ));
     }
     let mut b = vec![0u8; len];
-    s.read_exact(&mut b)?;
+    read_all(s, &mut b)?;
     Frame::decode(&b).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad frame"))
 }
 
@@ -420,10 +453,10 @@ pub(crate) fn start_acceptor(
 /// An accepted connection's first frame, its connect request, read within
 /// `HANDSHAKE_TIMEOUT`, makes it a link and a connect request on the listener.
 fn handshake(f: &Fabric, mut conn: TcpStream, listener_id: u32) {
-    if conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).is_err() {
-        return;
-    }
-    let Ok(Frame::Connect { private_data }) = read_frame(&mut conn) else {
+    let deadline = std::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    let Ok(Frame::Connect { private_data }) =
+        read_frame_until(&mut conn, CONNECT_FRAME_MAX, Some(deadline))
+    else {
         return;
     };
     let from = conn.peer_addr().ok();

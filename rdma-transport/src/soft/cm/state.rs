@@ -58,9 +58,15 @@ impl CmState {
         from: Option<SocketAddr>,
     ) -> Option<u32> {
         let chan = self.ids.get(&listener)?.channel;
-        self.remote_ids += 1;
         // Kept apart from the fabric's IDs: the high bit marks IDs made by a TCP acceptor.
-        let id = 0x8000_0000 | self.remote_ids;
+        // After 2^31 of them the counter goes round: an ID still held is skipped.
+        let id = loop {
+            self.remote_ids = self.remote_ids.wrapping_add(1) & 0x7fff_ffff;
+            let id = 0x8000_0000 | self.remote_ids;
+            if self.remote_ids != 0 && !self.ids.contains_key(&id) {
+                break id;
+            }
+        };
         let token = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
         self.ids.insert(
             id,
