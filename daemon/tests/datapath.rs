@@ -4142,3 +4142,53 @@ fn a_new_association_while_a_reset_waits_for_a_write_at_the_backend_is_busy() {
     ios[0].read(1, 96, 8, &mut back).unwrap();
     assert!(back == new);
 }
+
+/// While an SRQ is broken (an SRQ error; its rebuild waits for its QPs' drains, one held by a
+/// write at a stalled disk), a receive given back to it cannot be posted: every flush (two a
+/// turn) failed and was counted as an SRQ error, thousands in one rebuild. The failure is
+/// counted once until a post succeeds.
+#[test]
+fn a_broken_srq_counts_its_failing_posts_once() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_counted(4449, None, Arc::clone(&c));
+    let (_admin, mut ios) = controller(&s, 2);
+    s.hold_namespaces(1 << 2 | 1 << 1);
+    let from_receive = c.writes_from_receive.load(Relaxed);
+    // In-capsule writes to both namespaces, each on its own queue, held at their disks.
+    let writers: Vec<_> = [(2u32, 1u32), (1, 8)]
+        .into_iter()
+        .map(|(nsid, nlb)| {
+            let mut io = ios.pop().unwrap();
+            std::thread::spawn(move || {
+                let r = io.write(nsid, 9, nlb, &pattern(u64::from(nsid), 4096), false);
+                (io, r)
+            })
+        })
+        .collect();
+    wait_until(
+        "both writes are at their disks, from their receives",
+        || c.writes_from_receive.load(Relaxed) == from_receive + 2,
+    );
+    s.fabric.inject_srq_error(s.srq_id);
+    wait_until("the SRQ error tears every QP down", || {
+        c.teardowns_device.load(Relaxed) == 3
+    });
+    let errors = c.srq_errors.load(Relaxed);
+    // Namespace 1's write ends: its receive goes back to the broken SRQ, whose rebuild still
+    // waits for the drain of the queue whose write namespace 2 holds.
+    s.hold_namespaces(1 << 2);
+    wait_until("namespace 1's write is done", || {
+        c.requests_active.load(Relaxed) == 1
+    });
+    let turns = s.turns.load(Relaxed);
+    wait_until("a thousand turns", || s.turns.load(Relaxed) >= turns + 1000);
+    assert_eq!(c.srq_rebuilds.load(Relaxed), 0, "rebuilt meanwhile");
+    let counted = c.srq_errors.load(Relaxed) - errors;
+    assert!(counted <= 1, "{counted} SRQ errors counted for one");
+    s.hold_namespaces(0);
+    for w in writers {
+        let (_io, r) = w.join().unwrap();
+        assert!(r.is_err(), "answered on a QP torn down");
+    }
+}

@@ -124,6 +124,9 @@ pub struct ElasticSrq {
     /// A spare's registration failed: the next is asked for, and the limit armed again (a
     /// limit event then grows if the SRQ still needs it), from this moment on.
     retry_at: Option<Instant>,
+    /// The last post of pending receives failed: the next failures are the same one (an SRQ
+    /// broken until its rebuild), counted once.
+    post_failing: bool,
     /// Receives given back since the last `flush` (chunk, slot), posted there in chains.
     pending: Vec<(usize, u32)>,
     /// The scatter lists of one chain, kept for every flush (no zeroing per receive).
@@ -214,6 +217,7 @@ impl ElasticSrq {
             spare: None,
             spare_requested: false,
             retry_at: None,
+            post_failing: false,
             want_grow: false,
             pending: Vec::with_capacity(CHAIN),
             chain_sges: vec![[Sge::default(); 1 + MAX_ICD_PAGES]; CHAIN],
@@ -316,8 +320,15 @@ impl ElasticSrq {
     /// error is returned after every chain was tried; a receive that could not be posted is
     /// tried again at the next call.
     pub fn flush(&mut self) {
-        if self.post_pending().is_err() {
-            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+        match self.post_pending() {
+            Ok(()) => self.post_failing = false,
+            // Counted once until a post succeeds: a broken SRQ fails every flush (two a
+            // turn) until it is rebuilt.
+            Err(_) if !self.post_failing => {
+                self.post_failing = true;
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {}
         }
     }
 
