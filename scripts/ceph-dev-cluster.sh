@@ -317,7 +317,7 @@ log_file = $DIR/log/\$name.log
 
 [client]
 keyring = $ADMIN_KEYRING
-# Tests stop OSDs: an operation nothing can answer fails in 8 s (nvmfd's own default is 30 s).
+# Tests stop OSDs: an operation nothing can answer fails in 8 s (nvmfd's own default is 10 s).
 rados_osd_op_timeout = 8
 EOF
 }

@@ -195,11 +195,14 @@ fn connect_new(conf: &Path, client: &str) -> io::Result<Arc<Cluster>> {
     // What an acknowledged write means, whatever the file says: no write-back cache.
     conf_set(h, c"rbd_cache", c"false")?;
     // Give up on an unreachable cluster in seconds, at start and per operation, unless the
-    // file sets these itself (Ceph's defaults: 300 s, and no timeout).
+    // file sets these itself (Ceph's defaults: 300 s, and no timeout). An operation's error
+    // must reach the host before the host gives up on the command (Linux's `io_timeout`:
+    // 30 s) and resets the controller: librbd may run two OSD operations one after the other
+    // for one write (a header refresh, then the write), each with this timeout.
     for (k, ceph_default, v) in [
         (c"client_mount_timeout", "300", c"10"),
         (c"rados_mon_op_timeout", "0", c"10"),
-        (c"rados_osd_op_timeout", "0", c"30"),
+        (c"rados_osd_op_timeout", "0", c"10"),
     ] {
         if conf_get(h, k).is_some_and(|now| now == ceph_default) {
             conf_set(h, k, v)?;
