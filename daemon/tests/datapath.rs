@@ -4195,3 +4195,43 @@ fn a_broken_srq_counts_its_failing_posts_once() {
         assert!(r.is_err(), "answered on a QP torn down");
     }
 }
+
+/// On a hardware iWARP device an RDMA READ's sink must be registered for remote write: the
+/// data pools (registered for local access only, as they must be: a remotely writable pool
+/// would let every host write into every other's buffers) would fail every write whose data
+/// is fetched by READ, and the host would reconnect to fail again. The data path is refused
+/// on such a device, saying why.
+#[test]
+fn a_device_whose_read_sinks_must_be_remotely_writable_is_refused() {
+    let fabric = Fabric::new();
+    fabric.set_faults(nvmfd_rdma::soft::Faults {
+        read_sink_needs_remote_write: true,
+        ..nvmfd_rdma::soft::Faults::default()
+    });
+    let dev = any::Device::Soft(fabric.add_device("10.9.0.1".parse().unwrap()).unwrap());
+    let limits = Limits::default();
+    let cfg = DataPathConfig {
+        srq: FIXED_SRQ,
+        in_capsule: limits.in_capsule_data_size,
+        buffers: 4,
+        small_buffers: 8,
+        max_io: limits.max_io_size,
+        requests: 8,
+        connect_timeout: Duration::from_secs(60),
+        response_timeout: nvmfd::datapath::RESPONSE_TIMEOUT,
+        huge_pages: false,
+        max_qps: 8,
+    };
+    let made = DataPath::new(
+        &dev,
+        Target::new(vec![], vec![], limits),
+        &[],
+        cfg,
+        Registrar::spawn().unwrap(),
+        Arc::default(),
+    );
+    let e = made
+        .err()
+        .expect("a data path on a device whose READ sinks need remote write");
+    assert!(e.to_string().contains("iWARP"), "{e}");
+}

@@ -112,6 +112,11 @@ impl Device {
     pub fn sends_last_wqe(&self) -> bool {
         forward!(self, d => d.sends_last_wqe())
     }
+    /// Whether an RDMA READ's sink must be registered for remote write (hardware iWARP;
+    /// soft: when its faults say so).
+    pub fn rdma_read_sink_needs_remote_write(&self) -> bool {
+        forward!(self, d => d.rdma_read_sink_needs_remote_write())
+    }
     /// Whether the device can post SEND_WITH_INVALIDATE (`IBV_DEVICE_MEM_MGT_EXTENSIONS`;
     /// soft: yes unless `Faults::no_send_with_invalidate`). Where it cannot, answer with a
     /// plain SEND: the host then invalidates its key itself.

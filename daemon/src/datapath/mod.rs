@@ -428,6 +428,10 @@ impl DataPath {
         registrar: Registrar,
         counters: Arc<crate::stats::DataPathCounters>,
     ) -> std::io::Result<DataPath> {
+        // Pools registered for remote write would let every host write into every other's.
+        if dev.rdma_read_sink_needs_remote_write() {
+            return Err(std::io::Error::other("an iWARP device (other than siw): RDMA READ sinks must be remotely writable there, which would let every host write into every other's buffers; not supported"));
+        }
         let pd = dev.alloc_pd().map_err(verr)?;
         let attr = dev.attr().map_err(verr)?;
         // A device whose CQs are smaller than asked for leaves less room for drain markers:

@@ -322,6 +322,14 @@ impl Device {
         sends_last_wqe(transport, vendor)
     }
 
+    /// Whether an RDMA READ's sink must be registered for remote write: on iWARP the READ
+    /// response is placed through the sink's tag, which hardware iWARP checks for remote
+    /// write (the kernel's `rdma_rw` registers such sinks so); siw checks local write only.
+    pub fn rdma_read_sink_needs_remote_write(&self) -> bool {
+        let (transport, vendor) = self.identity();
+        read_sink_needs_remote_write(transport, vendor)
+    }
+
     /// Whether the device can post SEND_WITH_INVALIDATE (`IBV_DEVICE_MEM_MGT_EXTENSIONS` in
     /// its capability flags); false when its attributes cannot be read.
     pub fn supports_send_with_invalidate(&self) -> bool {
@@ -497,9 +505,34 @@ const RXE_VENDOR_ID_OLD: u32 = 0;
 /// siw's vendor ID (`SIW_VENDOR_ID`, ASCII "bmt").
 const SIW_VENDOR_ID: u32 = 0x62_6d74;
 
+/// Whether a device of `transport` and `vendor` needs remote write on an RDMA READ's sink:
+/// iWARP but siw (an iWARP device whose vendor cannot be read counts as one that does).
+fn read_sink_needs_remote_write(transport: u32, vendor: Option<u32>) -> bool {
+    transport == TRANSPORT_IWARP && vendor != Some(SIW_VENDOR_ID)
+}
+
 /// Whether a device of `transport` and `vendor` (its vendor ID, if it could be read) sends
 /// LAST_WQE_REACHED.
 fn sends_last_wqe(transport: u32, vendor: Option<u32>) -> bool {
     transport != TRANSPORT_IWARP
         && vendor.is_some_and(|v| !matches!(v, RXE_VENDOR_ID | RXE_VENDOR_ID_OLD | SIW_VENDOR_ID))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_hardware_iwarp_needs_remote_write_on_a_read_sink() {
+        // Chelsio (cxgb4), and an iWARP device whose vendor could not be read.
+        assert!(read_sink_needs_remote_write(TRANSPORT_IWARP, Some(0x1425)));
+        assert!(read_sink_needs_remote_write(TRANSPORT_IWARP, None));
+        // siw; InfiniBand and RoCE (Mellanox, rxe).
+        assert!(!read_sink_needs_remote_write(
+            TRANSPORT_IWARP,
+            Some(SIW_VENDOR_ID)
+        ));
+        assert!(!read_sink_needs_remote_write(0, Some(0x02c9)));
+        assert!(!read_sink_needs_remote_write(0, Some(RXE_VENDOR_ID)));
+    }
 }

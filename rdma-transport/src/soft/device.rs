@@ -37,6 +37,12 @@ impl Device {
         Ok(SOFT_ATTR)
     }
 
+    /// Whether an RDMA READ's sink must be registered for remote write: no, unless the
+    /// fabric's faults make the devices as an iWARP NIC.
+    pub fn rdma_read_sink_needs_remote_write(&self) -> bool {
+        self.fabric().lock().faults.read_sink_needs_remote_write
+    }
+
     /// Whether the device sends `QpLastWqeReached`: yes, unless the fabric's faults suppress
     /// it (as rxe and iWARP devices never send it).
     pub fn sends_last_wqe(&self) -> bool {

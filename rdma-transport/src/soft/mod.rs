@@ -55,6 +55,9 @@ pub const SOFT_MAX_INLINE: u32 = 256;
 pub struct Faults {
     /// Never send `LAST_WQE_REACHED` (behave as rxe and iWARP do).
     pub suppress_last_wqe: bool,
+    /// The devices are as an iWARP NIC (not siw): an RDMA READ's sink must be registered for
+    /// remote write (`Device::rdma_read_sink_needs_remote_write` says so).
+    pub read_sink_needs_remote_write: bool,
     /// Seed of the fabric's random faults: the same seed and the same operations give the
     /// same faults, so a failing run replays.
     pub seed: u64,
