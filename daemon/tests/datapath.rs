@@ -4230,8 +4230,8 @@ fn a_device_whose_read_sinks_must_be_remotely_writable_is_refused() {
         Registrar::spawn().unwrap(),
         Arc::default(),
     );
-    let e = made
-        .err()
-        .expect("a data path on a device whose READ sinks need remote write");
+    let Err(e) = made else {
+        panic!("a data path on a device whose READ sinks need remote write");
+    };
     assert!(e.to_string().contains("iWARP"), "{e}");
 }
