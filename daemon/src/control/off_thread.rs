@@ -9,7 +9,7 @@ use super::*;
 
 /// How long a change may wait for a device (opening, resizing) with no sign of progress while
 /// the control thread still feeds the watchdog: longer than the store's own timeouts (an RBD
-/// client's 10 s mount and 30 s operation timeouts), after which the wait is taken for a hang.
+/// client's 10 s mount and operation timeouts by default), after which the wait is taken for a hang.
 /// An operation that reports progress (an RBD shrink deleting the objects past the new end,
 /// minutes for a large tail) starts it again with each report.
 const KEEP_WATCH_MAX: Duration = Duration::from_secs(60);

@@ -38,10 +38,6 @@ pub(super) struct Conn {
     /// could take every request slot and empty the SRQ that every host shares.
     pub(super) received: u64,
     pub(super) answered: u64,
-    /// Its commands whose request ended (the response's SEND completed, or none was due): a
-    /// host that takes no response (posts no receive) keeps them; one with more than twice
-    /// its queue size of them is torn down (`MAX_HELD_PER_DEPTH`).
-    pub(super) ended: u64,
     /// Completions of its signaled work requests (wrapping), and since when (at which
     /// count) its posted work has made no progress, as last looked at
     /// ([`DataPath::expire_stalled`]).
@@ -196,7 +192,6 @@ impl DataPath {
             signaled_out: 0,
             received: 0,
             answered: 0,
-            ended: 0,
             sq_progress: 0,
             stall: None,
         });

@@ -5,10 +5,6 @@
 
 use super::*;
 
-/// A connection may hold this many times its queue size of request slots: its commands
-/// without a response, and those answered whose response's SEND has not completed.
-const MAX_HELD_PER_DEPTH: u64 = 2;
-
 impl DataPath {
     pub(super) fn on_receive(&mut self, c: &Wc, now: Instant) {
         if c.status != WcStatus::Success {
@@ -28,25 +24,16 @@ impl DataPath {
             return;
         };
         let outstanding = conn.received.saturating_sub(conn.answered);
-        // Commands whose request slot is still held: a response is answered when its SEND
-        // is posted, and a host that posts no receive for it keeps the slot until the SEND
-        // completes (never, with RNR retries for ever). A host has at most its queue size of
-        // commands without a response, and at most as many responses it has taken whose
-        // SEND completion has not been seen yet.
-        let held = conn.received.saturating_sub(conn.ended);
-        let depth = u64::from(conn.depth);
-        if outstanding >= depth || held >= MAX_HELD_PER_DEPTH * depth {
+        if outstanding >= u64::from(conn.depth) {
             // More commands without a response than the queue holds: the host broke SQ
-            // flow control (or posts no receive for the responses, which then never go, and
-            // would take every request slot of the reactor).
+            // flow control (or posts no receive for the responses, which then never go).
             let depth = conn.depth;
             self.srq.completed(c.wr_id, now);
             self.counters
                 .commands_over_queue_size
                 .fetch_add(1, Ordering::Relaxed);
-            slog::warn!(self.log, "a host sent more commands than its queue holds (or takes none of their responses); the queue ends";
-                "qpn" => c.qp_num, "queue_size" => depth, "without_response" => outstanding,
-                "holding_request_slots" => held);
+            slog::warn!(self.log, "a host sent more commands than its queue holds; the queue ends";
+                "qpn" => c.qp_num, "queue_size" => depth, "without_response" => outstanding);
             return self.teardown(c.qp_num, Cause::Controller, now);
         }
         conn.received += 1;

@@ -115,13 +115,10 @@ impl DataPath {
         let Some(r) = slot.as_mut() else {
             return;
         };
-        let (class, recv, qpn, ci) = (r.class, r.recv.take(), r.qpn, r.conn);
+        let (class, recv) = (r.class, r.recv.take());
         // Dropped in place (its buffer goes back to its pool), not moved out first.
         *slot = None;
         self.free.push(i);
-        if let Some(c) = self.conns.at(ci, qpn) {
-            c.ended += 1;
-        }
         if let Some(c) = class {
             release_usize(&mut self.kept[c as usize], 1);
         }
