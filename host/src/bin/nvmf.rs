@@ -105,15 +105,15 @@ struct BenchArgs {
     /// Access pattern.
     #[arg(short = 'w', long = "workload", value_enum, default_value = "randread")]
     workload: Workload,
-    /// Percentage of reads in `randrw`.
-    #[arg(short = 'M', long = "read-pct", default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=100))]
-    read_pct: u32,
+    /// Percentage of reads in `randrw` (default 50).
+    #[arg(short = 'M', long = "read-pct", value_parser = clap::value_parser!(u32).range(0..=100))]
+    read_pct: Option<u32>,
     /// I/O queues.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
     queues: u16,
     /// Threads driving the queues (default: one per queue; fewer puts several queues on a
     /// thread).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     threads: Option<u16>,
     /// Measured seconds.
     #[arg(short = 't', long = "time", default_value_t = 10.0)]
@@ -263,7 +263,28 @@ fn seconds(what: &str, s: f64) -> Result<std::time::Duration, String> {
         .ok_or_else(|| format!("{what}: {s} is not a duration in seconds of at most ten years"))
 }
 
+/// What of `b` can be checked before connecting: the run's times, the threads against the
+/// queues. A read percentage with a workload that does not mix is said to be ignored.
+fn check_bench_args(b: &BenchArgs) -> Result<(std::time::Duration, std::time::Duration), String> {
+    let time = seconds("-t", b.time)?;
+    if time.is_zero() {
+        return Err("-t: the measured time must be above 0 seconds".into());
+    }
+    let warmup = seconds("--warmup", b.warmup)?;
+    if let Some(t) = b.threads.filter(|&t| t > b.queues) {
+        return Err(format!(
+            "--threads {t} is more than --queues {}: each thread drives at least one queue",
+            b.queues
+        ));
+    }
+    if b.read_pct.is_some() && !matches!(b.workload, Workload::Randrw) {
+        eprintln!("nvmf bench: -M (read percentage) applies to -w randrw only; ignored");
+    }
+    Ok((time, warmup))
+}
+
 fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
+    let (time, warmup) = check_bench_args(b)?;
     let mut a = admin(cli, &b.nqn, host)?;
     let ns = a
         .identify_namespace(b.nsid)
@@ -289,10 +310,6 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
             "the queue depth (-q {}) is above the target's largest queue ({entries} entries)",
             b.depth
         ));
-    }
-    let time = seconds("-t", b.time)?;
-    if time.is_zero() {
-        return Err("-t: the measured time must be above 0 seconds".into());
     }
     let granted = a.set_queue_count(b.queues).map_err(|e| e.to_string())?;
     if granted < b.queues {
@@ -321,11 +338,11 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
             Workload::Randwrite => Pattern::RandWrite,
             Workload::Randrw => Pattern::RandRw,
         },
-        read_pct: b.read_pct,
+        read_pct: b.read_pct.unwrap_or(50),
         queues: b.queues,
-        threads: b.threads.unwrap_or(b.queues).max(1),
+        threads: b.threads.unwrap_or(b.queues),
         time,
-        warmup: seconds("--warmup", b.warmup)?,
+        warmup,
         verify: b.verify,
     };
     let cntlid = a.cntlid;
@@ -431,7 +448,7 @@ fn print_bench(b: &BenchArgs, job: &bench::Job, m: &bench::Measured, report: &se
         let reads = match b.workload {
             Workload::Read | Workload::Randread => true,
             Workload::Write | Workload::Randwrite => false,
-            Workload::Randrw => b.read_pct > 0,
+            Workload::Randrw => job.read_pct > 0,
         };
         if reads {
             println!("verified  : {n} blocks read back intact");
@@ -633,6 +650,32 @@ mod tests {
         assert_eq!(max_transfer(&id), Some(128 * 1024));
         id.mdts = 52;
         assert_eq!(max_transfer(&id), None, "wrapped to 0");
+    }
+
+    /// Threads past the queues were clamped, 0 threads taken as 1, and a bad -t or --warmup
+    /// found only once connected: each is refused before connecting.
+    #[test]
+    fn bench_arguments_are_checked_before_connecting() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["nvmf", "--addr", "127.0.0.1:4420", "bench", "--nqn", "n"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all)
+        };
+        let bench = |cli: Cli| match cli.command {
+            Command::Bench(b) => b,
+            _ => unreachable!(),
+        };
+        assert!(parse(&["--threads", "0"]).is_err());
+        let b = bench(parse(&["--queues", "2", "--threads", "3"]).unwrap());
+        assert!(check_bench_args(&b).unwrap_err().contains("--threads 3"));
+        let b = bench(parse(&["--queues", "4", "--threads", "2"]).unwrap());
+        assert!(check_bench_args(&b).is_ok());
+        let b = bench(parse(&["--warmup=-1"]).unwrap());
+        assert!(check_bench_args(&b).unwrap_err().contains("--warmup"));
+        let b = bench(parse(&["-t", "0"]).unwrap());
+        assert!(check_bench_args(&b).is_err());
+        let b = bench(parse(&["-w", "randrw"]).unwrap());
+        assert_eq!(b.read_pct, None);
     }
 
     /// A run's time past what the clock holds is refused, not a panic at the run's start.
