@@ -566,7 +566,10 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
                     .retain(|&e| e != crate::target::NS_ATTR_CHANGED_EVENT);
             }
         }
-        _ => return q.respond(&cmd, status::INVALID_LOG_PAGE, 0),
+        // A log page this controller does not support (the specification and the kernel
+        // target answer Invalid Field; Invalid Log Page is for a page that is refused as
+        // asked).
+        _ => return q.respond(&cmd, status::INVALID_FIELD, 0),
     };
     let Ok(start) = usize::try_from(offset) else {
         return q.respond(&cmd, status::INVALID_FIELD, 0);
