@@ -1026,9 +1026,7 @@ fn a_removed_device_takes_its_listener_down_and_back_while_the_other_listener_se
 fn a_reset_ends_the_io_queue_on_a_sleeping_reactor_at_once() {
     use std::time::{Duration, Instant};
     if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
-        eprintln!(
-            "SKIPPED a_reset_ends_the_io_queue_on_a_sleeping_reactor_at_once: needs two cores"
-        );
+        nvmfd_tests::skip("needs two cores");
         return;
     }
     let d = Daemon::start(Options {
