@@ -158,3 +158,19 @@ fn may_change(uid: Option<u32>) -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     uid.is_some_and(|u| u == 0 || u == unsafe { libc::geteuid() })
 }
+
+#[cfg(test)]
+mod tests {
+    /// Changes through the admin socket: root and the daemon's own user only; a peer whose
+    /// user ID could not be read, or any other user, may only look.
+    #[test]
+    fn only_root_and_the_daemons_user_may_change_anything() {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        assert!(super::may_change(Some(0)));
+        assert!(super::may_change(Some(me)));
+        assert!(!super::may_change(None));
+        let other = if me == 65534 { 65533 } else { 65534 };
+        assert!(!super::may_change(Some(other)));
+    }
+}
