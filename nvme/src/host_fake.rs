@@ -49,7 +49,6 @@ impl FakeController {
             (true, 1, 0) => 1,
             (true, 1, _) => 1 | 2 << 2,
             (false, 1, s) if s != 0 => 1 | 1 << 2,
-            (false, 1, _) => 0,
             _ => 0,
         }
     }
