@@ -3969,11 +3969,22 @@ fn a_command_left_unanswered_among_answered_ones_breaks_a_pipelined_queue() {
 /// counted and logged; other hosts are served on, and everything it held comes back.
 #[test]
 fn a_host_that_takes_none_of_its_responses_is_torn_down_after_the_response_timeout() {
+    host_taking_no_responses_is_torn_down(4491, false);
+}
+
+/// The same under a load that leaves completions in the CQ at every poll: the response
+/// timeout is not put off for as long as the CQ never reads empty.
+#[test]
+fn a_host_that_takes_none_of_its_responses_is_torn_down_while_the_cq_never_reads_empty() {
+    host_taking_no_responses_is_torn_down(4590, true);
+}
+
+fn host_taking_no_responses_is_torn_down(port: u16, cq_never_empty: bool) {
     use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_opts(
-        4491,
+        port,
         None,
         None,
         Arc::clone(&c),
@@ -3983,6 +3994,7 @@ fn a_host_that_takes_none_of_its_responses_is_torn_down_after_the_response_timeo
             ..Opts::default()
         },
     );
+    s.on_data_path(move |dp| dp.cq_never_empty(cq_never_empty));
     let h = bare_established(&s);
     // Four Keep Alives (well within the queue's size), each answered, and no receive for
     // any answer.

@@ -422,9 +422,11 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.sqes = 0x66;
     id.cqes = 0x44;
     id.maxcmd = U16::new(limits.max_queue_depth);
-    // SGLs without alignment, keyed SGL data blocks, an SGL longer than the data it carries
-    // (only the data is moved), and the offset subtype (in-capsule data).
-    id.sgls = U32::new(1 | (1 << 2) | (1 << 18) | (1 << 20));
+    // SGLs without alignment, keyed SGL data blocks and the offset subtype (in-capsule data).
+    // Not bit 18 (an SGL longer than the data): a command that moves no data refuses an SGL
+    // that describes some, as the kernel target does, which bit 18 would allow. A data
+    // command's longer SGL is still taken (only the data is moved).
+    id.sgls = U32::new(1 | (1 << 2) | (1 << 20));
     id.ioccsz = U32::new((64 + limits.in_capsule_data_size) / 16);
     id.iorcsz = U32::new(1);
     id.icdoff = U16::new(0);

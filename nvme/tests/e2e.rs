@@ -545,10 +545,10 @@ fn identify_reports_what_the_linux_host_checks() {
         sgls & 0x3 == 1 && sgls & (1 << 2) != 0 && sgls & (1 << 20) != 0,
         "SGLs, keyed, offset: {sgls:#x}"
     );
-    assert_ne!(
+    assert_eq!(
         sgls & (1 << 18),
         0,
-        "an SGL longer than its data: {sgls:#x}"
+        "no SGL longer than its data promised: commands without data refuse one: {sgls:#x}"
     );
     assert_eq!(
         id.vwc, 0b101,

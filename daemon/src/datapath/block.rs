@@ -221,7 +221,7 @@ impl DataPath {
                 op_off: r.op_off,
             };
             let op = match io.op {
-                IoOp::Write { .. } if self.discard_writes => &IoOp::Flush,
+                IoOp::Write { .. } if self.hooks.discard_writes => &IoOp::Flush,
                 _ => &io.op,
             };
             let Some((result, next)) = queue_op(

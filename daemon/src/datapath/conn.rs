@@ -276,13 +276,18 @@ impl DataPath {
     /// Ends the connections whose posted work has had no completion for `response_timeout`
     /// ([`RESPONSE_TIMEOUT`](super::RESPONSE_TIMEOUT)): counted and torn down as a host
     /// breaking the protocol. Looked at every quarter of the timeout, on a turn that read
-    /// the CQ to its end (a completion further back would be missed), so one is ended
-    /// between one and one and a half timeouts after its work stopped moving.
+    /// the CQ to its end (a completion further back would be missed) or, under a load that
+    /// leaves completions at every poll, an eighth of the timeout later (else a host taking
+    /// none of its responses would never be ended while other hosts keep the reactor busy),
+    /// so one is ended between one and about one and a half timeouts after its work
+    /// stopped moving.
     pub(super) fn expire_stalled(&mut self, now: Instant, cq_read_to_end: bool) {
-        if now < self.next_stall_check || !cq_read_to_end {
+        let step = self.response_timeout / 4;
+        if now < self.next_stall_check
+            || (!cq_read_to_end && now < self.next_stall_check + step / 2)
+        {
             return;
         }
-        let step = self.response_timeout / 4;
         // Looked at late (the reactor was held up, the machine paused): work may have moved
         // unseen meanwhile, so every connection starts over.
         let late = now.saturating_duration_since(self.next_stall_check) > step;

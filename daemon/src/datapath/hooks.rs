@@ -3,18 +3,35 @@
 
 use super::*;
 
+/// The data path's test hooks, all off in the daemon.
+#[derive(Default)]
+pub(super) struct Hooks {
+    /// Block completions stay in the engine while set, as behind a disk that stalls.
+    pub(super) hold_block_completions: bool,
+    /// Namespaces (bit `nsid`) whose block completions wait in `held_completions`.
+    pub(super) hold_namespaces: u64,
+    pub(super) held_completions: Vec<nvmfd_blockdev::Completion>,
+    /// Responses go without their data (a faulty target).
+    pub(super) omit_read_data: bool,
+    /// Tests of hosts: writes are acknowledged without reaching the disk.
+    pub(super) discard_writes: bool,
+    /// No turn reads the CQ to its end, as under a load that leaves a full batch at every
+    /// poll.
+    pub(super) cq_never_empty: bool,
+}
+
 impl DataPath {
     /// Tests: while `hold` is set, block operations complete in the engine but the data path
     /// does not take their completions, as if the disk had stalled.
     pub fn hold_block_completions(&mut self, hold: bool) {
-        self.hold_block_completions = hold;
+        self.hooks.hold_block_completions = hold;
     }
 
     /// Tests: the block completions of the namespaces in `nsids` (bit `nsid`, NSIDs below 64)
     /// wait until their bit clears, as if their disk alone had stalled.
     #[doc(hidden)]
     pub fn hold_block_completions_of(&mut self, nsids: u64) {
-        self.hold_namespaces = nsids;
+        self.hooks.hold_namespaces = nsids;
     }
 
     /// Tests: moves the completions of held namespaces out of `done` into
@@ -33,12 +50,12 @@ impl DataPath {
                 })
                 .is_some_and(|nsid| nsid < 64 && mask & (1 << nsid) != 0)
         };
-        let mask = self.hold_namespaces;
-        done.append(&mut self.held_completions);
+        let mask = self.hooks.hold_namespaces;
+        done.append(&mut self.hooks.held_completions);
         let mut k = 0;
         while k < done.len() {
             if held(&self.reqs, mask, &done[k]) {
-                self.held_completions.push(done.swap_remove(k));
+                self.hooks.held_completions.push(done.swap_remove(k));
             } else {
                 k += 1;
             }
@@ -49,13 +66,20 @@ impl DataPath {
     /// their data, as a faulty target would answer a read.
     #[doc(hidden)]
     pub fn omit_read_data(&mut self, omit: bool) {
-        self.omit_read_data = omit;
+        self.hooks.omit_read_data = omit;
     }
 
     /// Tests of hosts: while `discard` is set, writes are acknowledged without reaching the
     /// disk (each becomes a flush), as a target that loses acknowledged writes would.
     #[doc(hidden)]
     pub fn discard_writes(&mut self, discard: bool) {
-        self.discard_writes = discard;
+        self.hooks.discard_writes = discard;
+    }
+
+    /// Tests: while `on` is set, no turn reads the CQ to its end (every completion is still
+    /// taken), as under a load that leaves a full batch at every poll.
+    #[doc(hidden)]
+    pub fn cq_never_empty(&mut self, on: bool) {
+        self.hooks.cq_never_empty = on;
     }
 }

@@ -373,15 +373,8 @@ pub struct DataPath {
     /// Whether the device can post SEND_WITH_INVALIDATE; where it cannot, responses go as
     /// plain SENDs and the host invalidates its key itself.
     send_invalidate: bool,
-    /// Tests: block completions stay in the engine while set, as behind a disk that stalls.
-    hold_block_completions: bool,
-    /// Tests: namespaces (bit `nsid`) whose block completions wait in `held_completions`.
-    hold_namespaces: u64,
-    held_completions: Vec<nvmfd_blockdev::Completion>,
-    /// Tests: responses go without their data (a faulty target).
-    omit_read_data: bool,
-    /// Tests of hosts: writes are acknowledged without reaching the disk.
-    discard_writes: bool,
+    /// Tests: a stalled disk, a faulty target, a CQ that never reads empty.
+    hooks: hooks::Hooks,
     log: slog::Logger,
 }
 
@@ -445,14 +438,13 @@ impl DataPath {
         let cq = dev.create_cq(entries).map_err(verr)?;
         let srq = ElasticSrq::new(
             &pd,
-            attr.max_srq_wr,
+            &attr,
             cfg.srq,
             cfg.in_capsule,
             registrar,
             Arc::clone(&counters),
             Instant::now(),
-        )
-        .map_err(verr)?;
+        )?;
         let small_size = SMALL_BUFFER.min(cfg.max_io);
         let pool = BufPool::new(cfg.buffers, cfg.max_io as usize, cfg.huge_pages)?;
         let small = BufPool::new(
@@ -541,11 +533,7 @@ impl DataPath {
             ctrl_changes_seen: u64::MAX,
             wait_last_wqe: dev.sends_last_wqe(),
             send_invalidate: dev.supports_send_with_invalidate(),
-            hold_block_completions: false,
-            hold_namespaces: 0,
-            held_completions: Vec::new(),
-            omit_read_data: false,
-            discard_writes: false,
+            hooks: hooks::Hooks::default(),
             log: slog::Logger::root(slog::Discard, slog::o!()),
         };
         let now = Instant::now();
@@ -667,7 +655,7 @@ impl DataPath {
             n += got;
             if got < self.wc.len() {
                 self.cq_empty_polls += 1;
-                cq_read_to_end = true;
+                cq_read_to_end = !self.hooks.cq_never_empty;
                 break;
             }
             if self.settling == 0 {
@@ -676,10 +664,10 @@ impl DataPath {
         }
         // Reused vectors (taken and put back): nothing is allocated per turn.
         let mut done = std::mem::take(&mut self.reaped);
-        if !self.hold_block_completions {
+        if !self.hooks.hold_block_completions {
             self.engine.reap(|c| done.push(c));
         }
-        if self.hold_namespaces != 0 || !self.held_completions.is_empty() {
+        if self.hooks.hold_namespaces != 0 || !self.hooks.held_completions.is_empty() {
             self.hold_completions_of_namespaces(&mut done);
         }
         worked |= n > 0 || !done.is_empty();

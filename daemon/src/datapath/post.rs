@@ -163,7 +163,7 @@ impl DataPath {
                 None if r.zeros => (self.zeros.addr(), self.zeros.lkey(), r.data_len),
                 None => (0, 0, 0),
             };
-            let writes = if self.omit_read_data {
+            let writes = if self.hooks.omit_read_data {
                 0
             } else {
                 self.segs[i][..r.nsegs as usize]

@@ -18,7 +18,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use nvmfd_rdma::any::{Mr, Pd, Srq};
-use nvmfd_rdma::{Access, RecvWr, Sge, VerbsError};
+use nvmfd_rdma::{Access, DeviceAttr, RecvWr, Sge, VerbsError};
 
 use crate::stats::{bump, unbump, DataPathCounters};
 
@@ -166,17 +166,29 @@ fn min_chunk(max: u32) -> u32 {
 impl ElasticSrq {
     /// Creates the SRQ on `pd` (deep enough for `max`), posts the first chunk, arms the limit
     /// and asks the registrar for a spare.
+    ///
+    /// A device taking fewer SGEs per SRQ receive than the command and its in-capsule data
+    /// need (one, and one per 4 KiB) is refused with what would fit: receives of fewer SGEs
+    /// would not hold the in-capsule data Identify promises.
     pub fn new(
         pd: &Pd,
-        max_srq_wr: u32,
+        attr: &DeviceAttr,
         cfg: SrqConfig,
         in_capsule: u32,
         registrar: Registrar,
         counters: Arc<DataPathCounters>,
         now: Instant,
-    ) -> Result<ElasticSrq, VerbsError> {
+    ) -> std::io::Result<ElasticSrq> {
         let icd_pages = (in_capsule as usize).div_ceil(PAGE).min(MAX_ICD_PAGES);
-        let max = cfg.max.min(max_srq_wr).max(1);
+        let sges = 1 + icd_pages as u32;
+        if attr.max_srq_sge < sges {
+            let fits = attr.max_srq_sge.saturating_sub(1) * PAGE_U32 / 1024;
+            return Err(std::io::Error::other(format!(
+                "the device takes {} SGEs per SRQ receive; an in-capsule data size of {in_capsule} bytes needs {sges} (one for the command, one per 4 KiB): set transport.in_capsule_data_size to at most {fits} KiB",
+                attr.max_srq_sge
+            )));
+        }
+        let max = cfg.max.min(attr.max_srq_wr).max(1);
         let cfg = SrqConfig {
             max,
             initial: cfg.initial.clamp(1, max),
@@ -184,6 +196,7 @@ impl ElasticSrq {
             ..cfg
         };
         ElasticSrq::build(pd, cfg, icd_pages, registrar, counters, now, 0)
+            .map_err(|e| std::io::Error::other(e.to_string()))
     }
 
     fn build(

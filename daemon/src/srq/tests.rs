@@ -54,9 +54,13 @@ fn small_srq_up_to(
         shrink_delay,
         cover_queues: false,
     };
+    let attr = DeviceAttr {
+        max_srq_wr: 1024,
+        ..dev.attr().unwrap()
+    };
     ElasticSrq::new(
         &pd,
-        1024,
+        &attr,
         cfg,
         4096,
         Registrar::spawn().unwrap(),
@@ -188,4 +192,44 @@ fn receives_polled_and_not_given_back_count_as_gone_for_the_shrink_decision() {
         !s.chunks[1].as_ref().unwrap().draining,
         "a chunk drained with 4 receives left on the SRQ"
     );
+}
+
+#[test]
+fn a_device_with_too_few_sges_per_receive_for_the_in_capsule_data_is_refused_with_what_fits() {
+    let fabric = nvmfd_rdma::soft::Fabric::new();
+    let dev = fabric.add_device([10, 0, 0, 9].into()).unwrap();
+    let pd = Pd::Soft(dev.alloc_pd().unwrap());
+    let attr = DeviceAttr {
+        max_srq_sge: 3,
+        ..dev.attr().unwrap()
+    };
+    let cfg = SrqConfig {
+        initial: 8,
+        max: 64,
+        low_watermark: 2,
+        chunk: 8,
+        shrink_delay: Duration::from_secs(1),
+        cover_queues: false,
+    };
+    let srq = |in_capsule| {
+        ElasticSrq::new(
+            &pd,
+            &attr,
+            cfg,
+            in_capsule,
+            Registrar::spawn().unwrap(),
+            Arc::default(),
+            Instant::now(),
+        )
+    };
+    let Err(e) = srq(16384) else {
+        panic!("16 KiB in the capsule needs 5 SGEs per receive; the device takes 3")
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("takes 3 SGEs") && e.contains("needs 5") && e.contains("at most 8 KiB"),
+        "{e}"
+    );
+    // What fits is taken.
+    srq(8192).unwrap();
 }

@@ -66,8 +66,8 @@ impl Queue {
                 if offset >= icd_len.max(1) && len > 0 {
                     return Err(status::SGL_OFFSET_INVALID);
                 }
-                // An SGL longer than the data is taken (SGLS bit 18), its first `len` bytes
-                // used; what it describes must have arrived in the capsule.
+                // An SGL longer than the data is taken (though SGLS bit 18 is not reported),
+                // its first `len` bytes used; what it describes must have arrived in the capsule.
                 if l < len || offset.checked_add(l).is_none_or(|end| end > icd_len) {
                     return Err(status::DATA_SGL_LENGTH_INVALID);
                 }
