@@ -180,7 +180,7 @@ impl ElasticSrq {
         now: Instant,
     ) -> std::io::Result<ElasticSrq> {
         let icd_pages = (in_capsule as usize).div_ceil(PAGE).min(MAX_ICD_PAGES);
-        let sges = 1 + icd_pages as u32;
+        let sges = 1 + u32::try_from(icd_pages).unwrap_or(u32::MAX - 1);
         if attr.max_srq_sge < sges {
             let fits = attr.max_srq_sge.saturating_sub(1) * PAGE_U32 / 1024;
             return Err(std::io::Error::other(format!(
