@@ -152,14 +152,15 @@ fn render_into(out: &mut String, title: Option<&str>, v: &Value) {
     }
 }
 
-/// Keys whose values label a series rather than being one.
-const LABEL_KEYS: [&str; 2] = ["id", "core"];
+/// Keys whose values label a series rather than being one (`reactor`: the data path
+/// entries' reactor index).
+const LABEL_KEYS: [&str; 3] = ["id", "core", "reactor"];
 
 /// Renders a stats tree in the Prometheus (OpenMetrics) text format, with prometheus-client's
 /// encoder.
 ///
 /// Numbers and booleans become samples named `nvmfd_<path>`; in arrays of objects the strings
-/// and the keys `id` and `core` become labels. Names ending in `_total` are counters (the
+/// and the keys `id`, `core` and `reactor` become labels. Names ending in `_total` are counters (the
 /// family is named without the suffix, each sample with it), the rest gauges. A family's
 /// help is the path of its values in the stats tree.
 pub fn render_prometheus(stats: &Value) -> String {
@@ -419,6 +420,10 @@ mod tests {
                 {"id": 0, "core": 2, "turns_total": 10, "stalled": false},
                 {"id": 1, "core": 3, "turns_total": 20, "stalled": true}
             ],
+            "datapath": [
+                {"reactor": 0, "qps": 3, "commands_total": 100},
+                {"reactor": 1, "qps": 5, "commands_total": 200}
+            ],
             "admin": {"clients": 1, "requests_total": 7},
             "busy_ratio": 0.25
         });
@@ -435,6 +440,14 @@ nvmfd_reactor_turns_total{id=\"1\",core=\"3\"} 20
 # TYPE nvmfd_reactor_stalled gauge
 nvmfd_reactor_stalled{id=\"0\",core=\"2\"} 0
 nvmfd_reactor_stalled{id=\"1\",core=\"3\"} 1
+# HELP nvmfd_datapath_qps datapath[].qps.
+# TYPE nvmfd_datapath_qps gauge
+nvmfd_datapath_qps{reactor=\"0\"} 3
+nvmfd_datapath_qps{reactor=\"1\"} 5
+# HELP nvmfd_datapath_commands datapath[].commands_total.
+# TYPE nvmfd_datapath_commands counter
+nvmfd_datapath_commands_total{reactor=\"0\"} 100
+nvmfd_datapath_commands_total{reactor=\"1\"} 200
 # HELP nvmfd_admin_clients admin.clients.
 # TYPE nvmfd_admin_clients gauge
 nvmfd_admin_clients 1

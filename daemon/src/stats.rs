@@ -458,7 +458,7 @@ impl DataPathCounters {
 pub struct ListenerStats {
     /// Listener index, in the order of the configuration's `[[listener]]` tables.
     pub id: usize,
-    /// `address:port`.
+    /// `address:port` (`[address]:port` for IPv6).
     pub address: String,
     /// Verbs provider.
     pub provider: String,

@@ -286,7 +286,7 @@ impl Daemon {
                 .filter(|(i, _)| self.listener_slots.get(*i).is_some_and(Option::is_some))
                 .map(|(i, (st, c))| ListenerStats {
                     id: i,
-                    address: format!("{}:{}", st.address, st.port),
+                    address: address_and_port(&st.address, st.port),
                     provider: st.provider.clone(),
                     serving: st.serving && self.listener_status(i).serving,
                     device_removals_total: c.device_removals,
@@ -296,5 +296,22 @@ impl Daemon {
                 .collect(),
             admin: admin.clone(),
         }
+    }
+}
+
+/// `address:port`, an IPv6 address in brackets so that its port is not read as a group.
+fn address_and_port(address: &str, port: u16) -> String {
+    match address.parse::<std::net::IpAddr>() {
+        Ok(ip) => std::net::SocketAddr::new(ip, port).to_string(),
+        Err(_) => format!("{address}:{port}"),
+    }
+}
+
+#[cfg(test)]
+mod address_tests {
+    #[test]
+    fn an_ipv6_listener_address_is_bracketed_before_its_port() {
+        assert_eq!(super::address_and_port("fe80::1", 4420), "[fe80::1]:4420");
+        assert_eq!(super::address_and_port("10.0.0.1", 4420), "10.0.0.1:4420");
     }
 }
