@@ -9,7 +9,8 @@ use crate::units::ByteSize;
 /// Facts about the machine that validation needs; tests supply their own.
 #[derive(Clone, Debug)]
 pub struct SystemFacts {
-    /// Cores this process may run on (its CPU affinity mask), ascending.
+    /// Cores a thread of this process may be pinned to (online and in its cpuset, which
+    /// may be more than its affinity mask: `isolcpus` cores), ascending.
     pub allowed_cores: Vec<usize>,
 }
 
@@ -232,7 +233,7 @@ fn daemon(c: &mut Checker<'_>, cfg: &Config) {
                 .join(", ");
             c.fail(
                 p.key("reactor_cores").index(i),
-                format!("core {core} does not exist or is not allowed to this process (allowed: {allowed})"),
+                format!("core {core} does not exist, is offline or is outside this process's cpuset (cores a reactor can be pinned to: {allowed})"),
             );
         }
     }

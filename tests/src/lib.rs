@@ -219,6 +219,26 @@ pub struct Options {
     pub stderr_broken: bool,
     /// Its configuration path (`nvmfd.toml`) a symlink to `v1.toml` beside it.
     pub config_symlink: bool,
+    /// The one core it starts on (its affinity mask), as a service on a machine with
+    /// `isolcpus` starts outside the isolated cores.
+    pub start_on_core: Option<usize>,
+}
+
+/// Makes `cmd`'s process start with `core` alone in its affinity mask.
+pub fn start_on_core(cmd: &mut Command, core: usize) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure calls sched_setaffinity alone (async-signal-safe) on plain data.
+    unsafe {
+        cmd.pre_exec(move || {
+            // SAFETY: plain data.
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(core, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// A running `nvmfd` process, killed if still running when dropped.
@@ -320,6 +340,9 @@ impl Daemon {
         }
         for (k, v) in &opts.env {
             cmd.env(k, v);
+        }
+        if let Some(core) = opts.start_on_core {
+            start_on_core(&mut cmd, core);
         }
         let child = cmd.spawn().expect("spawn nvmfd");
         Daemon {

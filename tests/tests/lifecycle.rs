@@ -450,6 +450,54 @@ fn reactors_are_pinned_to_their_cores() {
     assert!(d.wait_exit().success());
 }
 
+/// Cores isolated from the scheduler (`isolcpus`) are outside PID 1's affinity mask and so
+/// a service's, yet they are where poll-mode reactors go: a reactor core outside the
+/// process's mask but one it may pin a thread to is taken, by `--check-config` and at start.
+#[test]
+fn a_reactor_core_outside_the_process_affinity_mask_but_pinnable_is_taken() {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        skip("a reactor core outside the affinity mask: fewer than two cores");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("isolated.toml");
+    std::fs::write(
+        &path,
+        nvmfd_tests::test_config(dir.path(), "")
+            .replace("reactor_cores = [0]", "reactor_cores = [1]"),
+    )
+    .unwrap();
+    let mut check = Command::new(bin("nvmfd"));
+    check.arg("--check-config").arg(&path);
+    nvmfd_tests::start_on_core(&mut check, 0);
+    let out = check.output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // The daemon started on core 0 alone pins its reactor to core 1.
+    let mut d = Daemon::start(Options {
+        replace: vec![("reactor_cores = [0]".into(), "reactor_cores = [1]".into())],
+        start_on_core: Some(0),
+        ..Options::default()
+    });
+    let pid = d.child.id();
+    let allowed = wait_for("thread nvmfd-r0", || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .ok()?
+            .flatten()
+            .find_map(|t| {
+                let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+                (comm.trim() == "nvmfd-r0").then_some(())?;
+                let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                    .map(|s| s.trim().to_owned())
+            })
+    });
+    assert_eq!(allowed, "1");
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
 #[test]
 fn logs_are_json_lines_off_a_terminal_and_nvmfd_log_overrides_the_level() {
     let mut d = Daemon::start(Options {
