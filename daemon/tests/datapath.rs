@@ -4038,6 +4038,78 @@ fn host_taking_no_responses_is_torn_down(port: u16, cq_never_empty: bool) {
     wait_pools_full(&c, false);
 }
 
+/// A host that posts a receive for one response now and then, more often than the response
+/// timeout, lets one SEND complete at a time and would hold the rest of its answered
+/// commands (and their request slots) for ever: the work seen out at a look must all
+/// complete within the timeout, not merely move.
+#[test]
+fn a_host_taking_one_response_now_and_then_is_torn_down_after_the_response_timeout() {
+    use nvmfd_rdma::{Access, RecvWr, SendOp, SendWr, Wc, WcStatus};
+    use std::sync::atomic::Ordering::Relaxed;
+    let timeout = Duration::from_millis(400);
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4591,
+        None,
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            response_timeout: timeout,
+            ..Opts::default()
+        },
+    );
+    let h = bare_established(&s);
+    let (srq, cq, pd) = &h._qp_on;
+    let mr = pd.alloc_mr(16 * 64, Access::LOCAL_WRITE).unwrap();
+    // Twelve Keep Alives, each answered, and no receive for their answers yet.
+    let mut wc = [Wc::default(); 16];
+    for cid in 0..12u16 {
+        let mut sqe = [0u8; 64];
+        sqe[0] = 0x18;
+        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+        h.id.post_send(&[SendWr {
+            wr_id: u64::from(cid),
+            op: SendOp::Send,
+            sges: &[],
+            signaled: true,
+            inline: Some(&sqe),
+        }])
+        .unwrap();
+        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
+        assert_eq!(wc[0].status, WcStatus::Success);
+    }
+    wait_until("the twelve responses are posted", || {
+        c.sends_in_flight.load(Relaxed) == 12
+    });
+    // One receive every 0.4 timeouts: a response goes at each, and the host is let go
+    // well before the twelve have.
+    let start = Instant::now();
+    let mut posted = 0u64;
+    while c.responses_not_taken.load(Relaxed) == 0 {
+        assert!(
+            posted < 9,
+            "not torn down after {posted} receives in {:?}",
+            start.elapsed()
+        );
+        srq.post_recv(&[RecvWr {
+            wr_id: posted,
+            sges: &[mr.sge(64 * posted as usize, 64)],
+        }])
+        .unwrap();
+        posted += 1;
+        let next = Instant::now() + timeout * 2 / 5;
+        while Instant::now() < next && c.responses_not_taken.load(Relaxed) == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    wait_until("the queue is torn down", || {
+        c.teardowns_controller.load(Relaxed) == 1
+    });
+    drop(h);
+    wait_pools_full(&c, false);
+}
+
 /// The response timeout counts only time the data path looked: after it was held up for
 /// longer than the timeout (its reactor blocked, the machine paused), with completions of
 /// one connection behind another's more than a CQ batch, that connection is not ended for

@@ -38,8 +38,8 @@ pub(super) struct Conn {
     /// could take every request slot and empty the SRQ that every host shares.
     pub(super) received: u64,
     pub(super) answered: u64,
-    /// Completions of its signaled work requests (wrapping), and since when (at which
-    /// count) its posted work has made no progress, as last looked at
+    /// Completions of its signaled work requests (wrapping), and, from the last look that
+    /// saw work out, the count they reach once that work has completed and when it was seen
     /// ([`DataPath::expire_stalled`]).
     pub(super) sq_progress: u32,
     pub(super) stall: Option<(u32, Instant)>,
@@ -273,9 +273,9 @@ impl DataPath {
         }
     }
 
-    /// Ends the connections whose posted work has had no completion for `response_timeout`
-    /// ([`RESPONSE_TIMEOUT`](super::RESPONSE_TIMEOUT)): counted and torn down as a host
-    /// breaking the protocol. Looked at every quarter of the timeout, on a turn that read
+    /// Ends the connections whose posted work has not all completed within `response_timeout`
+    /// ([`RESPONSE_TIMEOUT`](super::RESPONSE_TIMEOUT)) of a look that saw it out: counted
+    /// and torn down as a host breaking the protocol. Looked at every quarter of the timeout, on a turn that read
     /// the CQ to its end (a completion further back would be missed) or, under a load that
     /// leaves completions at every poll, an eighth of the timeout later (else a host taking
     /// none of its responses would never be ended while other hosts keep the reactor busy),
@@ -298,17 +298,22 @@ impl DataPath {
                 c.stall = None;
                 continue;
             }
+            // The count its completions reach once the work out now has completed.
+            let posted = c.sq_progress.wrapping_add(c.signaled_out);
             if late {
-                c.stall = Some((c.sq_progress, now));
+                c.stall = Some((posted, now));
                 continue;
             }
+            // The work out at a look must all complete within the timeout from that look,
+            // not merely some of it: a host posting one receive now and then lets one
+            // response go at a time, and would hold the rest for ever.
             match c.stall {
-                Some((seen, since)) if seen == c.sq_progress => {
+                Some((target, since)) if c.sq_progress.wrapping_sub(target) > u32::MAX / 2 => {
                     if now.saturating_duration_since(since) >= self.response_timeout {
                         stalled.push(c.qpn);
                     }
                 }
-                _ => c.stall = Some((c.sq_progress, now)),
+                _ => c.stall = Some((posted, now)),
             }
         }
         for qpn in stalled.drain(..) {

@@ -120,7 +120,7 @@ pub struct DataPathConfig {
     /// How long an accepted connection may go without a Fabrics Connect from its host before
     /// it is ended (`transport.connect_timeout`).
     pub connect_timeout: std::time::Duration,
-    /// How long a connection's posted work may go without a completion before it is ended
+    /// How long a connection's posted work may take to complete before it is ended
     /// ([`RESPONSE_TIMEOUT`] in the daemon).
     pub response_timeout: std::time::Duration,
     /// QPs at once, live and draining ([`MAX_QPS`] in the daemon): the CQ has room for a
@@ -142,9 +142,9 @@ const _: () = assert!(REQ_BASE <= 1 << post::KIND_SHIFT);
 /// The RNR NAK timer QPs advertise: 0.16 ms (InfiniBand encoding 8).
 const MIN_RNR_TIMER: u8 = 8;
 /// The longest a connection's posted work (a response's SEND, an RDMA READ of a write's
-/// data) goes without a completion before the connection is ended as a host breaking the
-/// protocol. A SEND waits, retried without end (RNR retry 7), for a receive at the host: a
-/// host that posts none would keep the requests of its responses, and with a few queues
+/// data) takes to complete before the connection is ended as a host breaking the protocol.
+/// A SEND waits, retried without end (RNR retry 7), for a receive at the host: a host that
+/// posts none (or one now and then) would keep the requests of its responses, and with a few queues
 /// every request slot of the reactor, while its admin queue keeps its controller alive. The
 /// Linux host's I/O timeout is 30 s: other hosts' commands that wait for a slot meanwhile
 /// are served well within it.
