@@ -4110,6 +4110,157 @@ fn a_host_taking_one_response_now_and_then_is_torn_down_after_the_response_timeo
     wait_pools_full(&c, false);
 }
 
+/// A queue not yet connected that takes none of its responses cannot hold the request slots
+/// kept for admin queues: its commands other than Connect are I/O commands' equals, and its
+/// Connects (like an admin queue's commands) use the reserve only while it holds few slots.
+/// Another host's Keep Alive is answered at once while it holds every other slot.
+#[test]
+fn a_queue_taking_no_responses_leaves_the_admin_reserve_to_other_hosts_keep_alives() {
+    hostile_queue_leaves_the_admin_reserve(4592, 0x18);
+}
+
+/// The same with Connect commands (without their data: each refused, the queue stays
+/// unconnected).
+#[test]
+fn a_queue_sending_connects_without_taking_responses_leaves_the_admin_reserve() {
+    hostile_queue_leaves_the_admin_reserve(4593, 0x7F);
+}
+
+fn hostile_queue_leaves_the_admin_reserve(port: u16, opcode: u8) {
+    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    // 64 request slots, 4 of them kept for admin queues; the hostile queue is never let go
+    // for its responses during the test.
+    let s = serve_opts(
+        port,
+        Some((16, 64)),
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            response_timeout: Duration::from_secs(120),
+            ..Opts::default()
+        },
+    );
+    let (mut admin, _ios) = controller(&s, 1);
+    let before = c.commands.load(Relaxed);
+    let h = bare_established(&s);
+    let cq = &h._qp_on.1;
+    let mut wc = [Wc::default(); 16];
+    for cid in 0..64u16 {
+        let mut sqe = [0u8; 64];
+        sqe[0] = opcode;
+        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+        // Connect: Fabrics command type 01h, a keyed SGL of no data.
+        sqe[4] = 0x01;
+        sqe[39] = 0x40;
+        h.id.post_send(&[SendWr {
+            wr_id: u64::from(cid),
+            op: SendOp::Send,
+            sges: &[],
+            signaled: true,
+            inline: Some(&sqe),
+        }])
+        .unwrap();
+        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
+        assert_eq!(wc[0].status, WcStatus::Success);
+    }
+    wait_until("the hostile queue's commands are in", || {
+        c.commands.load(Relaxed) == before + 64
+    });
+    // An admin command (Identify: this controller has no keep-alive timeout, so its Keep
+    // Alive would be refused) is answered at once.
+    let start = Instant::now();
+    admin.identify_controller().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "the admin command waited {:?}",
+        start.elapsed()
+    );
+    assert_eq!(c.responses_not_taken.load(Relaxed), 0);
+    drop(h);
+}
+
+/// A command waiting for a request slot (every one taken) is traffic of its controller, as
+/// one processed is: the controller's keep-alive timer restarts, and it does not expire
+/// while its host's commands wait behind others.
+#[test]
+fn a_command_waiting_for_a_slot_keeps_its_controller_alive() {
+    use nvmf_host::Payload;
+    use nvmfd_nvme::host::rw_sqe;
+    use nvmfd_nvme::wire::io_opcode;
+    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4594,
+        Some((16, 64)),
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            response_timeout: Duration::from_secs(120),
+            ..Opts::default()
+        },
+    );
+    let h = host();
+    let kato = Duration::from_secs(1);
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 1000).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let q = nvmf_host::PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 4096).unwrap();
+    let mut io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 7).unwrap();
+    // A queue not yet connected takes every slot but the admin queues' reserve.
+    let before = c.commands.load(Relaxed);
+    let bare = bare_established(&s);
+    let cq = &bare._qp_on.1;
+    let mut wc = [Wc::default(); 16];
+    for cid in 0..64u16 {
+        let mut sqe = [0u8; 64];
+        sqe[0] = 0x18;
+        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+        bare.id
+            .post_send(&[SendWr {
+                wr_id: u64::from(cid),
+                op: SendOp::Send,
+                sges: &[],
+                signaled: true,
+                inline: Some(&sqe),
+            }])
+            .unwrap();
+        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
+        assert_eq!(wc[0].status, WcStatus::Success);
+    }
+    wait_until("the commands are in", || {
+        c.commands.load(Relaxed) == before + 64
+    });
+    // The keep-alive check has seen all traffic so far.
+    let t0 = Instant::now();
+    assert!(s.on_data_path(move |dp| dp.target().expire_keep_alives(t0).is_empty()));
+    let queued = c.commands_queued.load(Relaxed);
+    io.transport()
+        .submit(0, rw_sqe(io_opcode::READ, 1, 0, 1, false), Payload::In(512))
+        .unwrap();
+    wait_until("the read waits for a slot", || {
+        c.commands_queued.load(Relaxed) == queued + 1
+    });
+    let later = t0 + kato * 3 / 2;
+    assert!(
+        s.on_data_path(move |dp| dp.target().expire_keep_alives(later).is_empty()),
+        "the controller expired while its read waited for a slot"
+    );
+    // The host that takes no responses goes; the read is answered.
+    drop(bare);
+    let mut done = Vec::new();
+    wait_until("the read is answered", || {
+        io.transport().poll(&mut done);
+        !done.is_empty()
+    });
+    assert!(done[0].ok().is_ok());
+}
+
 /// The response timeout counts only time the data path looked: after it was held up for
 /// longer than the timeout (its reactor blocked, the machine paused), with completions of
 /// one connection behind another's more than a CQ batch, that connection is not ended for

@@ -346,6 +346,16 @@ impl Queue {
         self.qid
     }
 
+    /// Counts as traffic of the queue's controller (restarts its keep-alive timer), as a
+    /// command it processes does: for a command that waits for admission.
+    pub fn note_traffic(&self) {
+        if let Some(ctrl) = self.ctrl.as_ref() {
+            if !ctrl.traffic.load(Ordering::Relaxed) {
+                ctrl.traffic.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// The controller, once connected.
     pub fn controller(&self) -> Option<&Arc<Controller>> {
         self.ctrl.as_ref()
@@ -498,11 +508,7 @@ impl Queue {
         // Fabrics commands and those refused while it is not ready included. Queues on other
         // reactors share this line: written only when the keep-alive check has cleared it,
         // not per command.
-        if let Some(ctrl) = self.ctrl.as_ref() {
-            if !ctrl.traffic.load(Ordering::Relaxed) {
-                ctrl.traffic.store(true, Ordering::Relaxed);
-            }
-        }
+        self.note_traffic();
         if sqe.opcode == wire::admin_opcode::FABRICS {
             return self.fabrics(cmd, icd, now);
         }

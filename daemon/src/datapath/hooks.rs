@@ -82,4 +82,10 @@ impl DataPath {
     pub fn cq_never_empty(&mut self, on: bool) {
         self.hooks.cq_never_empty = on;
     }
+
+    /// Tests: the target it serves (to run the control thread's keep-alive check).
+    #[doc(hidden)]
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
 }

@@ -5,6 +5,11 @@
 
 use super::*;
 
+/// The most slots a connection holds (commands without a response, and responses not yet
+/// taken) for its admin commands to use the admin queues' reserve: a Linux host's admin
+/// queue holds one Asynchronous Event Request and a command or two.
+const ADMIN_LANE_HOLD: u64 = 4;
+
 impl DataPath {
     pub(super) fn on_receive(&mut self, c: &Wc, now: Instant) {
         if c.status != WcStatus::Success {
@@ -37,8 +42,17 @@ impl DataPath {
             return self.teardown(c.qp_num, Cause::Controller, now);
         }
         conn.received += 1;
-        // An admin queue's commands (or a new queue's Connect) have slots kept for them.
-        let admin = conn.queue.qid().is_none_or(|q| q == 0);
+        // An admin queue's commands, and a new queue's Connect, have slots kept for them,
+        // while their connection holds few slots (commands without a response, responses
+        // not yet taken): a host taking none of its responses cannot hold the reserve that
+        // other hosts' Keep Alives need. Any other command of a queue not yet connected (all
+        // refused) is an I/O command's equal.
+        let (qid, held) = (conn.queue.qid(), outstanding + u64::from(conn.signaled_out));
+        let admin = held < ADMIN_LANE_HOLD
+            && match qid {
+                Some(q) => q == 0,
+                None => self.peek_connect(c.wr_id, c.byte_len),
+            };
         bump(&self.counters.commands, 1);
         // While both pools have a buffer for one more command and nothing waits, which class
         // this one is matters only once its capsule is copied out; else its SGL is read where
@@ -59,6 +73,11 @@ impl DataPath {
             self.counters
                 .commands_queued
                 .fetch_add(1, Ordering::Relaxed);
+            // A command waiting its turn is traffic of its controller (a Keep Alive behind
+            // other hosts' commands must not let the controller expire).
+            if let Some(conn) = self.conns.get(&c.qp_num) {
+                conn.queue.note_traffic();
+            }
             self.incoming
                 .push(lane, c.qp_num, c.wr_id, c.byte_len, class);
             return;
@@ -76,6 +95,19 @@ impl DataPath {
         // `start_command`); the copy is taken now.
         let sgl: [u8; 16] = unsafe { cmd.as_ptr().add(24).cast::<[u8; 16]>().read_unaligned() };
         Class::of(&sgl, self.small_size)
+    }
+
+    /// Whether the command in receive `wr` (`len` bytes) is a Fabrics Connect, read where it
+    /// landed.
+    fn peek_connect(&self, wr: u64, len: u32) -> bool {
+        let Some((cmd, _)) = self.srq.capsule_at(wr, len as usize) else {
+            return false;
+        };
+        // SAFETY: as in `peek_class`: the receive's 64-byte command SGE, completed and not
+        // given back; bytes 0 (opcode) and 4 (Fabrics command type) are read now.
+        let (opcode, fctype) = unsafe { (cmd.as_ptr().read(), cmd.as_ptr().add(4).read()) };
+        opcode == nvmfd_nvme::wire::admin_opcode::FABRICS
+            && fctype == nvmfd_nvme::wire::fctype::CONNECT
     }
 
     /// Admits the command in receive `wr`, a buffer of `class` kept for it (told from the
