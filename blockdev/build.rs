@@ -35,13 +35,13 @@ fn rbd() {
     };
     generate(
         "Rados",
-        "rados_(create|conf_read_file|conf_set|conf_get|connect|shutdown|ioctx_create|ioctx_destroy|ioctx_set_namespace)",
+        "rados_(create|conf_read_file|conf_set|conf_get|connect|shutdown|ioctx_create|ioctx_destroy|ioctx_set_namespace|cluster_fsid|ioctx_get_id)",
         "NONE",
         "rados_bindings.rs",
     );
     generate(
         "Rbd",
-        "rbd_(open|open_read_only|close|create2|get_size|set_image_notification|poll_io_events|aio_create_completion|aio_get_return_value|aio_get_arg|aio_release|aio_read|aio_write|aio_flush|aio_discard|aio_write_zeroes|resize|resize_with_progress|get_features|config_image_list|config_image_list_cleanup|update_watch|update_unwatch)",
+        "rbd_(open|open_read_only|close|create2|get_size|set_image_notification|poll_io_events|aio_create_completion|aio_get_return_value|aio_get_arg|aio_release|aio_read|aio_write|aio_flush|aio_discard|aio_write_zeroes|resize|resize_with_progress|get_features|config_image_list|config_image_list_cleanup|update_watch|update_unwatch|get_id)",
         "RBD_FEATURE_LAYERING|RBD_FEATURE_EXCLUSIVE_LOCK|EVENT_TYPE_EVENTFD",
         "rbd_bindings.rs",
     );

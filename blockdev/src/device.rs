@@ -11,12 +11,24 @@ use crate::mem::DmaRegion;
 use crate::BlockError;
 
 /// What stores a device's data ([`Device::identity`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum StoreIdentity {
     /// A regular file: its filesystem's device number and its inode.
     File(u64, u64),
     /// A block device: its device number.
     BlockDevice(u64),
+    /// An RBD image: its cluster's FSID, its pool's ID, its RADOS namespace and its image
+    /// ID (which a rename keeps), whatever configuration file, user or pool name reached it.
+    Rbd {
+        /// The cluster's FSID.
+        fsid: String,
+        /// The pool's ID.
+        pool: i64,
+        /// The RADOS namespace ("" for the default one).
+        namespace: String,
+        /// The image's ID.
+        image: String,
+    },
 }
 
 mod open;
@@ -456,13 +468,17 @@ impl Device {
     }
 
     /// What stores the device's data, whatever path named it (a symlink, a hard link,
-    /// `/dev/disk/by-id/...`): a file's filesystem and inode, a block device's device
-    /// number. `None` for RAM, null and RBD devices. Two namespaces on one store would
-    /// overwrite each other's data.
+    /// `/dev/disk/by-id/...`; for an RBD image, another configuration file or user of the
+    /// same cluster): a file's filesystem and inode, a block device's device number, an
+    /// image's cluster, pool, namespace and ID. `None` for RAM and null devices. Two
+    /// namespaces on one store would overwrite each other's data.
     pub fn identity(&self) -> Option<StoreIdentity> {
         use std::os::unix::fs::MetadataExt;
-        let Backing::File(f) = &self.backing else {
-            return None;
+        let f = match &self.backing {
+            Backing::File(f) => f,
+            #[cfg(feature = "rbd")]
+            Backing::Rbd(image) => return image.identity(),
+            _ => return None,
         };
         let m = f.metadata().ok()?;
         Some(if m.file_type().is_block_device() {

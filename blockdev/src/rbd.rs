@@ -251,7 +251,9 @@ fn conf_get(h: rados_ffi::rados_t, k: &std::ffi::CStr) -> Option<String> {
 /// A pool (and RADOS namespace) of a cluster: an I/O context.
 pub(crate) struct Pool {
     ioctx: ffi::rados_ioctx_t,
-    _cluster: Arc<Cluster>,
+    /// The RADOS namespace set on it ("" for the default one).
+    namespace: String,
+    cluster: Arc<Cluster>,
 }
 
 // SAFETY: I/O contexts are thread-safe in librados; destroyed once, in `Drop`, after every
@@ -282,7 +284,8 @@ fn open_pool(spec: &RbdSpec) -> io::Result<Arc<Pool>> {
     }
     let pool = Arc::new(Pool {
         ioctx,
-        _cluster: cluster,
+        namespace: spec.namespace.clone().unwrap_or_default(),
+        cluster,
     });
     if let Some(ns) = &spec.namespace {
         let ns = cstr("namespace", ns)?;
@@ -537,6 +540,46 @@ impl Image {
         let size = image.size()?;
         let _ = seen.compare_exchange(u64::MAX, size, Ordering::AcqRel, Ordering::Acquire);
         Ok(image)
+    }
+
+    /// What the image is, whatever configuration file, user or pool name reached it: its
+    /// cluster's FSID, pool ID, RADOS namespace and image ID. `None` if librados or librbd
+    /// cannot say (then no other namespace is found to be the same image).
+    pub(crate) fn identity(&self) -> Option<crate::StoreIdentity> {
+        let mut fsid = [0u8; 64];
+        // SAFETY: a connected cluster; `fsid` is writable for the length passed.
+        let rc = unsafe {
+            lib().rados.rados_cluster_fsid(
+                self.pool.cluster.0,
+                fsid.as_mut_ptr().cast(),
+                fsid.len() as _,
+            )
+        };
+        if rc < 0 {
+            return None;
+        }
+        // SAFETY: a live I/O context.
+        let pool = unsafe { lib().rados.rados_ioctx_get_id(self.pool.ioctx) };
+        let mut id = [0u8; 64];
+        // SAFETY: an open handle; `id` is writable for the length passed.
+        let rc = unsafe {
+            lib()
+                .rbd
+                .rbd_get_id(self.handle, id.as_mut_ptr().cast(), id.len() as _)
+        };
+        if rc < 0 {
+            return None;
+        }
+        let text = |b: &[u8]| {
+            let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+            String::from_utf8_lossy(&b[..end]).into_owned()
+        };
+        Some(crate::StoreIdentity::Rbd {
+            fsid: text(&fsid),
+            pool,
+            namespace: self.pool.namespace.clone(),
+            image: text(&id),
+        })
     }
 
     /// Another handle on the same image (an engine's own).

@@ -204,9 +204,9 @@ fn open_all(cfg: &Config) -> Vec<Vec<std::io::Result<Arc<BlockDevice>>>> {
 /// The error for two namespaces whose paths name one file or block device.
 pub fn one_store(a: (&String, u32), b: (&String, u32)) -> String {
     format!(
-        "subsystem {} namespace {} and subsystem {} namespace {} are one file or block device \
-         (by other paths: a link, another name of the device): they would overwrite each \
-         other's data",
+        "subsystem {} namespace {} and subsystem {} namespace {} are one file, block device or \
+         RBD image (by other paths: a link, another name of the device, another Ceph \
+         configuration file or user of the cluster): they would overwrite each other's data",
         a.0, a.1, b.0, b.1
     )
 }

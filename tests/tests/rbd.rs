@@ -867,6 +867,81 @@ fn a_namespace_whose_cluster_is_unreachable_is_left_out_and_the_others_are_serve
     assert!(!ok && err.contains("namespace 2 is not active"), "{err}");
 }
 
+/// One image reached through two configuration files (one a link to the other, as
+/// Proxmox's /etc/ceph/ceph.conf is to /etc/pve/ceph.conf) is one store: two namespaces on
+/// it would overwrite each other's data. Validation compares the keys as written, so the
+/// daemon tells by the image itself (cluster FSID, pool ID, RADOS namespace, image ID):
+/// adding it a second time is refused, at start and while serving.
+#[test]
+fn one_image_through_two_configuration_files_is_not_served_twice() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("ceph.conf");
+    std::os::unix::fs::symlink(&conf, &link).unwrap();
+    let image = ceph::image_name();
+    let d = rbd_daemon(&conf, &image, NEW_IMAGE);
+    let add = serde_json::json!({"request": "add_namespace", "subsystem": SUB,
+        "namespace": {"nsid": 2, "backend": "rbd", "pool": "rbd", "image": image,
+                      "ceph_conf": link.display().to_string()}});
+    let a = d.request(&add.to_string());
+    assert_eq!(a["ok"], false, "{a}");
+    let why = a["error"].to_string();
+    assert!(
+        why.contains("are one file, block device or RBD image"),
+        "{why}"
+    );
+    drop(d);
+    // At start.
+    let mut d = Daemon::spawn(Options {
+        replace: vec![(
+            "backend = \"malloc\"\nsize = \"64MiB\"\n".into(),
+            format!(
+                "backend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{conf}\"\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"{image}\"\nceph_conf = \"{}\"\n",
+                link.display()
+            ),
+        )],
+        ..Options::default()
+    });
+    assert!(!d.wait_exit().success());
+    assert!(
+        d.log().contains("are one file, block device or RBD image"),
+        "{}",
+        d.log()
+    );
+}
+
+/// The same for a namespace left out at start (its image missing) and opened on a later try:
+/// the image it then finds is the one namespace 1 serves (renamed to its name meanwhile),
+/// reached through another configuration file. It is not served, and says why.
+#[test]
+fn an_image_opened_on_a_later_try_that_another_namespace_serves_is_not_served() {
+    let _c = shared();
+    let Some(conf) = cluster() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("ceph.conf");
+    std::os::unix::fs::symlink(&conf, &link).unwrap();
+    let (first, second) = (ceph::image_name(), ceph::image_name());
+    let d = daemon_with(&format!(
+        "backend = \"rbd\"\npool = \"rbd\"\nimage = \"{first}\"\nceph_conf = \"{conf}\"\n{NEW_IMAGE}\n\n[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"rbd\"\nimage = \"{second}\"\nceph_conf = \"{}\"\n",
+        link.display()
+    ));
+    let ns2 = || d.data("status")["namespaces"][1].clone();
+    assert_eq!(ns2()["serving"], false);
+    rbd(
+        &conf,
+        &["rename", &format!("rbd/{first}"), &format!("rbd/{second}")],
+    );
+    let st = nvmfd_tests::wait_for("namespace 2's later try to be refused", || {
+        Some(ns2()).filter(|n| {
+            n["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("are one file, block device or RBD image"))
+        })
+    });
+    assert_eq!(st["serving"], false, "{st}");
+}
+
 #[test]
 fn a_missing_image_is_named_in_status() {
     let _c = shared();

@@ -1052,7 +1052,7 @@ fn two_namespaces_on_one_file_by_other_paths_are_refused() {
     });
     assert!(!d.wait_exit().success(), "{}", d.log());
     assert!(
-        d.log().contains("are one file or block device"),
+        d.log().contains("are one file, block device or RBD image"),
         "{}",
         d.log()
     );
@@ -1067,7 +1067,10 @@ fn two_namespaces_on_one_file_by_other_paths_are_refused() {
         serde_json::json!({"request": "add_namespace", "subsystem": A,
             "namespace": {"nsid": 3, "backend": "file", "path": link}}),
     );
-    assert!(why.contains("are one file or block device"), "{why}");
+    assert!(
+        why.contains("are one file, block device or RBD image"),
+        "{why}"
+    );
     // Nothing of the refused ones is served.
     let status = d.data("status");
     assert_eq!(

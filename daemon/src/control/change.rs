@@ -267,7 +267,7 @@ impl Daemon {
                         let added = opened.iter().map(|(n, i, d)| (n, *i, d));
                         if let Some((n, i, _)) = served
                             .chain(added)
-                            .find(|(_, _, d)| d.identity() == Some(id))
+                            .find(|(_, _, d)| d.identity().as_ref() == Some(&id))
                         {
                             return Err(crate::serve::one_store((n, i), (nqn, ns.nsid)));
                         }

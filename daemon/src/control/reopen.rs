@@ -141,6 +141,17 @@ impl Daemon {
             .subsystem(&r.nqn)
             .map(|x| x.id)
             .ok_or("its subsystem is not served")?;
+        // Not a store another namespace has (an image reached through another
+        // configuration file or user, opened meanwhile).
+        if let Some(id) = dev.identity() {
+            if let Some(((n, i), _)) = self
+                .devices
+                .iter()
+                .find(|(_, d)| d.identity().as_ref() == Some(&id))
+            {
+                return Err(crate::serve::one_store((n, *i), (&r.nqn, r.ns.nsid)));
+            }
+        }
         self.attach_everywhere(sub, r.ns.nsid, &dev)?;
         if let Some(w) = dev.warning() {
             warn!(self.log, "namespace served with a warning";
