@@ -121,6 +121,7 @@ impl InProcTarget {
             },
             registrar: Registrar::spawn()?,
             log: log.clone(),
+            test_build_delay: None,
         };
         let devices = vec![Some(dev.clone())];
         let counters = o.counters;

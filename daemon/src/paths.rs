@@ -116,6 +116,9 @@ pub struct PathBuilder {
     pub registrar: Registrar,
     /// The reactor's logger.
     pub log: slog::Logger,
+    /// Test hook: a pause before each data path is built, as a large pool's registration
+    /// takes.
+    pub test_build_delay: Option<Duration>,
 }
 
 impl PathBuilder {
@@ -165,6 +168,9 @@ impl CountedPath {
     /// device refuses.
     pub fn build(builder: &PathBuilder, dev: &Device) -> Result<CountedPath, String> {
         let counters = Arc::new(DataPathCounters::default());
+        if let Some(d) = builder.test_build_delay {
+            std::thread::sleep(d);
+        }
         match builder.build(dev, Arc::clone(&counters)) {
             Ok(dp) => Ok(CountedPath { dp, counters }),
             Err(e) => {
@@ -274,6 +280,16 @@ impl ReactorPaths {
         rp
     }
 
+    /// A new data path on `device`, the reactor's heartbeat excused meanwhile
+    /// (`building_path`).
+    fn build(&self, device: &Device) -> Result<CountedPath, String> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counters.building_path.store(true, Relaxed);
+        let built = CountedPath::build(&self.builder, device);
+        self.counters.building_path.store(false, Relaxed);
+        built
+    }
+
     /// The data path listener `listener` is served by.
     fn path_of(&mut self, listener: usize) -> Option<&mut CountedPath> {
         self.paths
@@ -295,7 +311,7 @@ impl ReactorPaths {
                 "listener" => listener, "with" => ?s.listeners);
             return true;
         }
-        let path = match CountedPath::build(&self.builder, device) {
+        let path = match self.build(device) {
             Ok(path) => path,
             Err(why) => {
                 self.set_unserved(listener, Some(why));
@@ -348,7 +364,7 @@ impl ReactorPaths {
         now: Instant,
         last_wait: Option<Duration>,
     ) {
-        match CountedPath::build(&self.builder, &device) {
+        match self.build(&device) {
             Ok(path) => {
                 for &l in &listeners {
                     self.set_unserved(l, None);

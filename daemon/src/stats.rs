@@ -148,6 +148,12 @@ pub struct DataPathCounters {
     /// Receives reserved in the SRQs for the connected queues (the sum of their depths, with
     /// `srq_cover_queues`); given back when a queue's QP is destroyed.
     pub srq_receives_reserved: AtomicU64,
+    /// Set by a reactor (on its own counters) while it builds a data path at run time (a
+    /// listener added, a device back, a failed CQ replaced): pools mapped and registered
+    /// with the NIC and io_uring, which takes seconds for large pools on some NICs. Its
+    /// heartbeat does not move meanwhile; the control thread excuses it as it does the
+    /// build at start, up to the same bound.
+    pub building_path: AtomicBool,
     /// Gauges, stored at the end of every poll: commands admitted and not finished.
     pub requests_active: AtomicU64,
     /// Commands waiting in the incoming queue.
@@ -382,6 +388,8 @@ impl DataPathCounters {
             connects_failed_connect_error,
             connects_failed_no_connect,
             srq_receives_reserved: _,
+            // A reactor's own flag, not a data path's.
+            building_path: _,
             requests_active: _,
             requests_waiting: _,
             request_slots_free: _,

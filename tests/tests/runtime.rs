@@ -296,6 +296,51 @@ fn removing_a_subsystem_or_a_hosts_access_or_disconnecting_ends_those_controller
     assert!(text.contains(&host(0x77).nqn), "{text}");
 }
 
+/// A data path built while the daemon serves (a listener added on another device) holds
+/// its reactor up while its pools are registered, which takes seconds for large pools on
+/// some NICs: the reactor is excused as during its build at start, so the daemon is not
+/// reported stalled and systemd's watchdog is fed on (it would kill the daemon).
+#[test]
+fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
+    let port = test_port();
+    let mut d = Daemon::spawn(Options {
+        config: Some(config(std::path::Path::new("@DIR@"), port).replace(
+            "reactor_cores = [0]",
+            "reactor_cores = [0]\nstall_timeout = \"300ms\"",
+        )),
+        notify: true,
+        watchdog_usec: Some(200_000),
+        test_hooks: true,
+        env: vec![("NVMFD_TEST_PATH_BUILD_MS".into(), "1500".into())],
+        ..Options::default()
+    });
+    d.notifications_until("READY=1");
+    d.notifications_until("WATCHDOG=1");
+    let second = test_port();
+    change(
+        &d,
+        serde_json::json!({"request": "add_listener",
+            "listener": {"address": "127.0.0.2", "port": second, "provider": "soft"}}),
+    );
+    // The build takes 1.5 s, five times stall_timeout (300 ms) and seven watchdog
+    // intervals: the watchdog is fed all along.
+    let during = d.notifications_for(std::time::Duration::from_millis(1200));
+    assert!(
+        during.iter().filter(|m| m.contains("WATCHDOG=1")).count() >= 3
+            && !during.iter().any(|m| m.contains("STALLED")),
+        "{during:?}\n{}",
+        d.log()
+    );
+    wait_for("the new listener's data path", || {
+        d.log()
+            .contains("data path built on the listener's device")
+            .then_some(())
+    });
+    assert!(!d.log().contains("reactor stalled"), "{}", d.log());
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
 /// Two listeners on one device (127.0.0.1, two ports) share one data path: one CQ, SRQ and
 /// set of buffer pools (the request slots of one). Hosts on both are served; removing one
 /// listener ends its connections only, and the data path serves the other on; adding it back

@@ -73,6 +73,9 @@ pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
 /// paths on top of the real work, as registering a large pool with a slow device does.
 pub const TEST_SETUP_DELAY_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_MS";
 
+/// Test hook (with [`TEST_HOOKS_ENV`]): milliseconds each reactor pauses before building
+/// each data path, at start and at run time.
+pub const TEST_BUILD_DELAY_ENV: &str = "NVMFD_TEST_PATH_BUILD_MS";
 /// Test hook (with [`TEST_HOOKS_ENV`]): milliseconds in place of [`REACTOR_SETUP_TIMEOUT`].
 pub const TEST_SETUP_TIMEOUT_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_TIMEOUT_MS";
 
@@ -92,6 +95,8 @@ pub const FORCED_EXIT_STATUS: i32 = 130;
 struct Heartbeat {
     last_turns: u64,
     last_move: Instant,
+    /// Since when the reactor has been building a data path (`building_path`), as seen here.
+    building_since: Option<Instant>,
 }
 
 struct Daemon {
@@ -368,6 +373,7 @@ impl Daemon {
                 cfg: dp_cfg,
                 registrar: registrar.clone(),
                 log: self.log.new(o!("reactor" => id)),
+                test_build_delay: self.test_ms(TEST_BUILD_DELAY_ENV),
             };
             let unserved = crate::paths::Unserved::default();
             self.unserved.push(Arc::clone(&unserved));
@@ -432,6 +438,7 @@ impl Daemon {
             self.heartbeats.push(Heartbeat {
                 last_turns: r.shared.counters.turns.load(Ordering::Relaxed),
                 last_move: Instant::now(),
+                building_since: None,
             });
         }
         // A controller that ends or resets on one reactor wakes the others: their idle queues
@@ -612,12 +619,27 @@ impl Daemon {
     fn check_heartbeats(&mut self, now: Instant) {
         let stall_timeout = self.cfg.daemon.stall_timeout.0;
         let mut changed = false;
-        for (hb, r) in self.heartbeats.iter_mut().zip(&self.reactors) {
+        for (i, (hb, r)) in self.heartbeats.iter_mut().zip(&self.reactors).enumerate() {
             let c = &r.shared.counters;
             let turns = c.turns.load(Ordering::Relaxed);
             if turns != hb.last_turns {
                 hb.last_turns = turns;
                 hb.last_move = now;
+            }
+            // A reactor building a data path at run time is excused as at start, up to the
+            // same bound: its I/O waits meanwhile, but the daemon is not reported stalled
+            // (and killed by the watchdog) for a listener added or a device come back.
+            let building = self
+                .dp_counters
+                .get(i)
+                .is_some_and(|d| d.building_path.load(Ordering::Relaxed));
+            match (building, hb.building_since) {
+                (false, _) => hb.building_since = None,
+                (true, None) => hb.building_since = Some(now),
+                (true, Some(since)) if now.duration_since(since) < REACTOR_SETUP_TIMEOUT => {
+                    hb.last_move = now;
+                }
+                (true, Some(_)) => {}
             }
             let stalled = now.duration_since(hb.last_move) > stall_timeout;
             if stalled != c.stalled.swap(stalled, Ordering::Relaxed) {
