@@ -30,8 +30,9 @@ pub enum Edit {
     AllowAnyHost(String, bool),
     /// Adds a `[[listener]]`.
     AddListener(Listener),
-    /// Removes the listener at this address and port.
-    RemoveListener(IpAddr, u16),
+    /// Removes the listener at this address and port (of this provider: needed only when
+    /// two listeners, one per provider, share the address and port).
+    RemoveListener(IpAddr, u16, Option<crate::Provider>),
 }
 
 /// Serialises `v` as a TOML table.
@@ -161,17 +162,39 @@ impl Edit {
             Edit::AddListener(l) => {
                 array(doc.as_table_mut(), "listener")?.push(table_of(l)?);
             }
-            Edit::RemoveListener(addr, port) => {
+            Edit::RemoveListener(addr, port, provider) => {
                 let a = array(doc.as_table_mut(), "listener")?;
-                let i = a
+                let provider_of = |t: &Table| match str_of(t, "provider").as_deref() {
+                    Some("soft") => Some(crate::Provider::Soft),
+                    Some("ibverbs") | None => Some(crate::Provider::Ibverbs),
+                    Some(_) => None,
+                };
+                let matching: Vec<usize> = a
                     .iter()
-                    .position(|t| {
+                    .enumerate()
+                    .filter(|(_, t)| {
                         let p = t.get("port").and_then(Item::as_integer).unwrap_or(4420);
                         str_of(t, "address").and_then(|s| s.parse::<IpAddr>().ok()) == Some(*addr)
                             && p == i64::from(*port)
+                            && provider.is_none_or(|want| provider_of(t) == Some(want))
                     })
-                    .ok_or_else(|| format!("no listener {}", sockaddr(*addr, *port)))?;
-                a.remove(i);
+                    .map(|(i, _)| i)
+                    .collect();
+                let at = sockaddr(*addr, *port);
+                match matching[..] {
+                    [i] => drop(a.remove(i)),
+                    [] => {
+                        return Err(match provider {
+                            Some(p) => format!("no {p} listener {at}"),
+                            None => format!("no listener {at}"),
+                        })
+                    }
+                    _ => {
+                        return Err(format!(
+                            "two listeners on {at}, one per provider: say which (provider soft or ibverbs)"
+                        ))
+                    }
+                }
             }
         }
         Ok(())
@@ -187,4 +210,37 @@ pub fn sockaddr(addr: IpAddr, port: u16) -> String {
 pub fn document(text: &str) -> Result<DocumentMut, String> {
     text.parse()
         .map_err(|e: toml_edit::TomlError| format!("TOML syntax: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two listeners on one address and port, one per provider (the configuration allows
+    /// it): removing one without saying which is refused, not the first in the file taken.
+    #[test]
+    fn removing_one_of_two_listeners_on_one_address_needs_its_provider() {
+        let text = "[[listener]]\naddress = \"10.0.0.1\"\nport = 4420\nprovider = \"soft\"\n\n\
+                    [[listener]]\naddress = \"10.0.0.1\"\nport = 4420\n";
+        let addr: IpAddr = "10.0.0.1".parse().unwrap();
+        let mut doc = document(text).unwrap();
+        let e = Edit::RemoveListener(addr, 4420, None)
+            .apply(&mut doc)
+            .unwrap_err();
+        assert!(e.contains("say which"), "{e}");
+        Edit::RemoveListener(addr, 4420, Some(crate::Provider::Ibverbs))
+            .apply(&mut doc)
+            .unwrap();
+        let left = doc.to_string();
+        assert!(left.contains("provider = \"soft\""), "{left}");
+        assert_eq!(left.matches("[[listener]]").count(), 1, "{left}");
+        let e = Edit::RemoveListener(addr, 4420, Some(crate::Provider::Ibverbs))
+            .apply(&mut doc)
+            .unwrap_err();
+        assert!(e.contains("no ibverbs listener 10.0.0.1:4420"), "{e}");
+        // One left: no provider needed.
+        Edit::RemoveListener(addr, 4420, None)
+            .apply(&mut doc)
+            .unwrap();
+    }
 }

@@ -123,6 +123,10 @@ pub enum Request {
         /// Its port.
         #[serde(default = "default_port")]
         port: u16,
+        /// Its provider: needed only when two listeners (one per provider) share the
+        /// address and port.
+        #[serde(default)]
+        provider: Option<nvmfd_config::Provider>,
     },
     /// Test hook (only with `NVMFD_TEST_HOOKS=1`): block reactor `reactor` for `ms`; `ms = 0`
     /// ends a stall in progress.
@@ -250,7 +254,11 @@ impl Request {
                 one(Edit::AllowAnyHost(subsystem.clone(), *allow))
             }
             Request::AddListener { listener } => one(Edit::AddListener(listener.clone())),
-            Request::RemoveListener { address, port } => one(Edit::RemoveListener(*address, *port)),
+            Request::RemoveListener {
+                address,
+                port,
+                provider,
+            } => one(Edit::RemoveListener(*address, *port, *provider)),
             _ => None,
         }
     }

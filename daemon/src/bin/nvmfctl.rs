@@ -228,6 +228,10 @@ enum ListenerCmd {
         /// Port.
         #[arg(long, default_value_t = 4420)]
         port: u16,
+        /// soft or ibverbs: needed only when one listener of each shares the address and
+        /// port.
+        #[arg(long)]
+        provider: Option<String>,
     },
 }
 
@@ -329,10 +333,16 @@ fn request_of(cmd: &Command) -> Result<Request, String> {
             "request": "add_listener",
             "listener": { "address": address, "port": port, "provider": provider },
         }))?,
-        Command::Listener(ListenerCmd::Remove { address, port }) => Request::RemoveListener {
-            address: *address,
-            port: *port,
-        },
+        Command::Listener(ListenerCmd::Remove {
+            address,
+            port,
+            provider,
+        }) => from_json(present(json!({
+            "request": "remove_listener",
+            "address": address,
+            "port": port,
+            "provider": provider,
+        })))?,
     })
 }
 
