@@ -27,6 +27,10 @@ pub const MAX_LINE_BYTES: usize = 4096;
 pub const MAX_PENDING_OUTPUT_BYTES: usize = 1 << 20;
 /// Most clients connected at once; one more gets an error answer and is disconnected.
 pub const MAX_CLIENTS: usize = 64;
+/// Of [`MAX_CLIENTS`], those kept for clients that may change things (root, the daemon's
+/// user): clients that may only look (a monitoring group) cannot take every connection and
+/// lock out a reload or a change.
+pub const CHANGING_CLIENTS_KEPT: usize = 8;
 /// Most requests of one client answered in one turn of the control loop: the rest of what it
 /// sent waits for the next turn ([`AdminServer::serve_pending`]), so that a client sending
 /// requests as fast as it reads the answers does not hold the control thread.
@@ -187,6 +191,13 @@ fn directory_is_safe(meta: &std::fs::Metadata) -> bool {
     let others_write = meta.mode() & 0o022 != 0;
     let sticky = meta.mode() & 0o1000 != 0;
     owner_ok && (!others_write || sticky)
+}
+
+/// Whether a peer of the admin socket with user ID `uid` may change things: root, or the
+/// user the daemon runs as.
+pub(crate) fn may_change(uid: Option<u32>) -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    uid.is_some_and(|u| u == 0 || u == unsafe { libc::geteuid() })
 }
 
 /// The user ID of the process at the other end of `stream` (SO_PEERCRED).
@@ -565,15 +576,25 @@ impl AdminServer {
             match self.listener.accept() {
                 Ok((mut stream, _)) => {
                     self.stats.connections_total += 1;
-                    if self.clients.len() >= MAX_CLIENTS {
-                        let line = Response::error(format!(
+                    let uid = peer_uid(&stream);
+                    let lookers = self.clients.values().filter(|c| !may_change(c.uid)).count();
+                    let refused = if self.clients.len() >= MAX_CLIENTS {
+                        Some(format!(
                             "too many admin clients (limit {MAX_CLIENTS}); try again"
                         ))
-                        .line();
-                        let _ = stream.write(&line);
+                    } else if !may_change(uid) && lookers >= MAX_CLIENTS - CHANGING_CLIENTS_KEPT {
+                        Some(format!(
+                            "too many admin clients that may only look (limit {}; the rest are kept for root); try again",
+                            MAX_CLIENTS - CHANGING_CLIENTS_KEPT
+                        ))
+                    } else {
+                        None
+                    };
+                    if let Some(why) = refused {
+                        let _ = stream.write(&Response::error(why.clone()).line());
                         self.stats.dropped_total += 1;
                         self.stats.errors_total += 1;
-                        warn!(self.log, "admin client refused: too many clients"; "limit" => MAX_CLIENTS);
+                        warn!(self.log, "admin client refused"; "why" => why, "uid" => uid);
                         continue;
                     }
                     let token = Token(self.next_token);
@@ -589,7 +610,7 @@ impl AdminServer {
                     self.clients.insert(
                         token,
                         Client {
-                            uid: peer_uid(&stream),
+                            uid,
                             stream,
                             input: Vec::with_capacity(256),
                             output: Vec::new(),

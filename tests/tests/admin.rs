@@ -642,6 +642,52 @@ fn only_root_changes_anything_through_the_admin_socket() {
     assert!(d.request(r#"{"request":"reload"}"#)["ok"] == true);
 }
 
+/// Clients that may only look (a monitoring group's) cannot take every admin connection:
+/// the last eight are kept for root and the daemon's user, so a reload or a change still
+/// gets in while 56 lookers hold theirs.
+#[test]
+fn clients_that_may_only_look_leave_room_for_root() {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return nvmfd_tests::skip("needs root, to connect as another user");
+    }
+    let d = Daemon::start(Options::default());
+    for p in [d.dir.path(), d.socket.as_path()] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let socket = d.socket.clone();
+    // A thread of its own takes user 65534 (the raw system call changes the calling thread
+    // alone), and its connections carry that user.
+    let lookers = std::thread::spawn(move || {
+        // SAFETY: changes this thread's user IDs only; it does nothing else as root after.
+        let rc = unsafe { libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534) };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        (0..64)
+            .map(|_| UnixStream::connect(&socket).unwrap())
+            .collect::<Vec<_>>()
+    })
+    .join()
+    .unwrap();
+    let mut ok = 0;
+    let mut refused = 0;
+    for mut c in &lookers {
+        let _ = c.write_all(b"{\"request\":\"status\"}\n");
+        let v: Value = serde_json::from_str(&read_line(c)).unwrap();
+        if v["ok"] == true {
+            ok += 1;
+        } else {
+            let e = v["error"].as_str().unwrap_or_default();
+            assert!(e.contains("may only look (limit 56"), "{v}");
+            refused += 1;
+        }
+    }
+    assert_eq!((ok, refused), (56, 8));
+    // Root gets in, and changes.
+    assert_eq!(d.request(r#"{"request":"reload"}"#)["ok"], true);
+    drop(lookers);
+}
+
 /// The systemd unit's reload after `daemon.admin_socket` was edited (it takes effect at the
 /// restart) with other changes: `nvmfctl --config FILE --pid PID` finds the socket the daemon
 /// listens on, and the rest of the file applies. It tried the file's new socket, failed to

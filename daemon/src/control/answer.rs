@@ -2,6 +2,7 @@
 //! disconnects and test hooks for root or the daemon's user.
 
 use super::*;
+use crate::admin::may_change;
 
 impl Daemon {
     pub(super) fn answer(
@@ -152,13 +153,6 @@ impl Daemon {
     }
 }
 
-/// Whether a peer of the admin socket with user ID `uid` may change things: root, or the
-/// user the daemon runs as.
-fn may_change(uid: Option<u32>) -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    uid.is_some_and(|u| u == 0 || u == unsafe { libc::geteuid() })
-}
-
 #[cfg(test)]
 mod tests {
     /// Changes through the admin socket: root and the daemon's own user only; a peer whose
@@ -167,10 +161,10 @@ mod tests {
     fn only_root_and_the_daemons_user_may_change_anything() {
         // SAFETY: geteuid has no preconditions and cannot fail.
         let me = unsafe { libc::geteuid() };
-        assert!(super::may_change(Some(0)));
-        assert!(super::may_change(Some(me)));
-        assert!(!super::may_change(None));
+        assert!(crate::admin::may_change(Some(0)));
+        assert!(crate::admin::may_change(Some(me)));
+        assert!(!crate::admin::may_change(None));
         let other = if me == 65534 { 65533 } else { 65534 };
-        assert!(!super::may_change(Some(other)));
+        assert!(!crate::admin::may_change(Some(other)));
     }
 }
