@@ -209,17 +209,17 @@ pub(crate) fn property(
 /// The shutdown's flush of the namespaces served succeeded: SHST reads complete once every
 /// device of the subsystem let go of (a namespace removed or reopened, which the flush no
 /// longer reaches) is synced too; until then it reads "processing", and each CSTS read looks
-/// again. A device let go of whose sync failed since the controller was made fails the
-/// shutdown (CFS): writes its host completed there may be lost.
+/// again. A device let go of since the controller was made whose sync failed fails the
+/// shutdown (CFS): writes its host completed there may be lost. Devices let go of before it
+/// was made are none of its business.
 pub(crate) fn shutdown_flushed(q: &Queue, ctrl: &Controller, st: &mut crate::target::CtrlState) {
-    let r = ctrl
-        .subsystem
-        .map(|s| q.target().releases(s))
-        .unwrap_or_default();
+    let (failed, in_flight) = ctrl.subsystem.map_or((false, false), |s| {
+        q.target().releases_since(s, ctrl.releases_at_start)
+    });
     st.shutdown_awaits_releases = false;
-    if r.failures > ctrl.release_failures_at_start {
+    if failed {
         st.csts |= 1 << 1;
-    } else if r.in_flight > 0 {
+    } else if in_flight {
         st.shutdown_awaits_releases = true;
     } else {
         st.csts = (st.csts & !0xC) | (2 << 2);

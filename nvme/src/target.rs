@@ -219,9 +219,10 @@ pub struct Controller {
     /// The SMART log's figures of its queues that are gone (those alive keep theirs in
     /// their `QueueStats`).
     pub(crate) io_gone: IoCounts,
-    /// Its subsystem's count of failed releases ([`Target::release_ends`]) when it was made:
-    /// one more since, and writes its host completed may be lost; its shutdown fails.
-    pub(crate) release_failures_at_start: u64,
+    /// Its subsystem's releases begun when it was made ([`Target::release_begins`]): one
+    /// begun since whose sync fails, and writes its host completed may be lost (its
+    /// shutdown fails); one begun before never concerned it.
+    pub(crate) releases_at_start: u64,
 }
 
 /// Reads and writes completed and their bytes: the SMART log's figures.
@@ -416,7 +417,7 @@ pub(crate) struct TargetInner {
     pub ctrl_changes: Arc<ChangeCount>,
     /// Per subsystem ID: devices let go of whose sync has not ended, and syncs that failed
     /// ([`Target::release_begins`]).
-    pub releases: Mutex<HashMap<u64, Releases>>,
+    pub releases: Mutex<HashMap<u64, ReleaseLog>>,
     /// Tests: run when a Connect has passed its checks: an admin queue's before it makes its
     /// controller, an I/O queue's once it has taken its queue ID, before it is bound.
     pub connect_hook: Hook,
@@ -439,6 +440,20 @@ pub struct Releases {
     pub in_flight: u32,
     /// Syncs that failed: writes completed on those devices may be lost.
     pub failures: u64,
+}
+
+/// A subsystem's releases, numbered in the order they began: a controller is concerned by
+/// those begun after it was made (its host may have written there).
+#[derive(Debug, Default)]
+pub(crate) struct ReleaseLog {
+    /// Releases begun so far (the next one's number).
+    pub(crate) begun: u64,
+    /// The numbers of those not synced yet.
+    pub(crate) in_flight: Vec<u64>,
+    /// Syncs that failed.
+    pub(crate) failures: u64,
+    /// The highest number of a release whose sync failed.
+    pub(crate) last_failed: Option<u64>,
 }
 
 /// Why a change of the target's subsystems was refused.

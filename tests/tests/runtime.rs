@@ -1412,6 +1412,57 @@ fn a_failed_sync_of_a_removed_namespace_fails_the_shutdown_and_the_exit() {
     assert!(!d.wait_exit().success(), "exited 0: {}", d.log());
 }
 
+/// A controller made while a removed namespace's sync runs (held at the test gate) never saw
+/// the namespace (it was unpublished first): when that sync fails, the shutdown of a
+/// controller made before it fails (CFS), and this one's completes, and does so without
+/// waiting for the sync either. It took every failure since it was made as its own.
+#[test]
+fn a_sync_begun_before_a_controller_was_made_is_none_of_its_shutdowns_business() {
+    let gate = tempfile::tempdir().unwrap();
+    let (d, addr) = start_hooked(Some(gate.path()));
+    add_file_namespace(&d, 2);
+    let mut a = Host::connect("127.0.0.56", addr, A, 0x56);
+    a.write_read(2, 8, 0x56);
+    change(
+        &d,
+        serde_json::json!({"request": "debug_fail_sync", "subsystem": A, "nsid": 2}),
+    );
+    change(
+        &d,
+        serde_json::json!({"request": "remove_namespace", "subsystem": A, "nsid": 2}),
+    );
+    wait_for("the removed namespace's sync to wait at the gate", || {
+        gate.path().join("release-waiting").exists().then_some(())
+    });
+    let mut b = Host::connect("127.0.0.57", addr, A, 0x57);
+    b.write_read(1, 8, 0x57);
+    drop_io_queue(&d, &mut b);
+    let csts = shut_down(&mut b);
+    assert_eq!(
+        (csts >> 2) & 0x3,
+        2,
+        "SHST not complete while a sync begun before the controller runs: {csts:#x}"
+    );
+    std::fs::write(gate.path().join("release-go"), b"").unwrap();
+    wait_for("the failure counted in the status", || {
+        (d.data("status")["release_sync_failures"] == 1).then_some(())
+    });
+    let csts = nvmfd_nvme::wire::lo32(
+        b.admin
+            .property_get(nvmfd_nvme::wire::property::CSTS, false)
+            .unwrap(),
+    );
+    assert_eq!(csts & (1 << 1), 0, "CFS: {csts:#x}");
+    drop_io_queue(&d, &mut a);
+    let csts = shut_down(&mut a);
+    assert_ne!(
+        csts & (1 << 1),
+        0,
+        "no CFS for the controller made before: {csts:#x}"
+    );
+    drop((a, b));
+}
+
 /// At stop, a removed namespace's sync still running (held here at the test gate) is
 /// waited for: the daemon left after 10 s with exit 0 before, its outcome never seen.
 #[test]

@@ -596,11 +596,10 @@ impl Daemon {
     /// its sync), and is synced once the reactors have let it go (`sync_released_devices`).
     fn release(&mut self, sub: u64, nqn: &str, nsid: u32) {
         if let Some(dev) = self.devices.remove(&(nqn.to_owned(), nsid)) {
-            if let Some(t) = &self.target {
-                t.release_begins(sub);
-            }
+            let release = self.target.as_ref().map(|t| t.release_begins(sub));
             self.leaving.push(super::leaving::Leaving {
                 sub,
+                release,
                 nqn: nqn.to_owned(),
                 nsid,
                 dev,

@@ -8,8 +8,10 @@ use super::*;
 
 /// A device let go of, waiting for the reactors to release it.
 pub(super) struct Leaving {
-    /// Its subsystem's ID, whose shutdowns wait for its sync ([`Target::release_begins`]).
+    /// Its subsystem's ID, whose shutdowns wait for its sync, and the release's number
+    /// there ([`Target::release_begins`]; none without a target).
     pub(super) sub: u64,
+    pub(super) release: Option<u64>,
     /// Subsystem NQN and NSID, for the log.
     pub(super) nqn: String,
     pub(super) nsid: u32,
@@ -51,8 +53,8 @@ fn sync_logged(
 /// Syncs `l`'s device let go of ([`sync_logged`]) and tells `target` it ended.
 fn sync_released(log: &Logger, target: Option<&Target>, l: &Leaving, when: &str) -> bool {
     let ok = sync_logged(log, &l.nqn, l.nsid, &l.dev, when);
-    if let Some(t) = target {
-        t.release_ends(l.sub, ok);
+    if let (Some(t), Some(n)) = (target, l.release) {
+        t.release_ends(l.sub, n, ok);
     }
     ok
 }

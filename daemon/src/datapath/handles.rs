@@ -254,14 +254,14 @@ pub(super) fn sync_awaiting(
     }
     let dev = Arc::clone(&a.dev);
     let ends = target.clone();
-    target.release_begins(sub);
+    let release = target.release_begins(sub);
     let started = crate::control::spawn_counted(move || {
         let durable = dev.sync().is_ok();
-        ends.release_ends(sub, durable);
+        ends.release_ends(sub, release, durable);
     });
     if let Err(e) = started {
         slog::error!(log, "cannot sync a namespace that waits to be attached: the shutdown fails";
             "subsystem" => sub, "nsid" => nsid, "error" => e);
-        target.release_ends(sub, false);
+        target.release_ends(sub, release, false);
     }
 }

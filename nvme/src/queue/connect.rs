@@ -164,9 +164,9 @@ impl Queue {
                 io_queues_unsettled: 0.into(),
                 io_gone: IoCounts::default(),
                 queue_stats: std::sync::Mutex::new(Vec::new()),
-                release_failures_at_start: subsystem
+                releases_at_start: subsystem
                     .as_ref()
-                    .map_or(0, |s| self.target.releases(s.id).failures),
+                    .map_or(0, |s| self.target.releases_begun(s.id)),
             });
             map.insert(cntlid, Arc::clone(&ctrl));
             drop(map);

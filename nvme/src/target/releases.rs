@@ -8,21 +8,28 @@ use super::*;
 /// synced.
 impl Target {
     /// A device of subsystem `sub` is let go of (a namespace removed, or its device
-    /// replaced): a shutdown of the subsystem's controllers completes only once it is synced
-    /// ([`Target::release_ends`]). Call it before any reactor is told to let the device go.
-    pub fn release_begins(&self, sub: u64) {
+    /// replaced): a shutdown of the subsystem's controllers made before now completes only
+    /// once it is synced ([`Target::release_ends`], given the number returned here). Call it
+    /// before the subsystem is published without the namespace and before any reactor is
+    /// told to let the device go.
+    pub fn release_begins(&self, sub: u64) -> u64 {
         let mut r = self
             .inner
             .releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        r.entry(sub).or_default().in_flight += 1;
+        let e = r.entry(sub).or_default();
+        let n = e.begun;
+        e.begun += 1;
+        e.in_flight.push(n);
+        n
     }
 
-    /// The sync of a device of subsystem `sub` let go of ended; `durable` when it succeeded
-    /// (or there was nothing to sync). A failure fails the shutdown of every controller of
-    /// the subsystem that existed before it.
-    pub fn release_ends(&self, sub: u64, durable: bool) {
+    /// The sync of release `n` of subsystem `sub` ended; `durable` when it succeeded (or
+    /// there was nothing to sync). A failure fails the shutdown of every controller of the
+    /// subsystem made before the release began (their hosts may have written there); one
+    /// made after never saw the namespace.
+    pub fn release_ends(&self, sub: u64, n: u64, durable: bool) {
         let mut r = self
             .inner
             .releases
@@ -31,11 +38,41 @@ impl Target {
         let Some(e) = r.get_mut(&sub) else {
             return;
         };
-        e.in_flight = e.in_flight.saturating_sub(1);
-        e.failures += u64::from(!durable);
-        if *e == Releases::default() {
-            r.remove(&sub);
+        let Some(i) = e.in_flight.iter().position(|&x| x == n) else {
+            return;
+        };
+        e.in_flight.swap_remove(i);
+        if !durable {
+            e.failures += 1;
+            e.last_failed = e.last_failed.max(Some(n));
         }
+    }
+
+    /// Releases of subsystem `sub` begun so far: a controller made now is concerned by
+    /// those numbered from this on.
+    pub(crate) fn releases_begun(&self, sub: u64) -> u64 {
+        let r = self
+            .inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        r.get(&sub).map_or(0, |e| e.begun)
+    }
+
+    /// For a controller of subsystem `sub` made when `from` releases had begun: whether a
+    /// release begun since failed its sync, and whether one is still being synced.
+    pub(crate) fn releases_since(&self, sub: u64, from: u64) -> (bool, bool) {
+        let r = self
+            .inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        r.get(&sub).map_or((false, false), |e| {
+            (
+                e.last_failed.is_some_and(|n| n >= from),
+                e.in_flight.iter().any(|&n| n >= from),
+            )
+        })
     }
 
     /// Subsystem `sub`'s devices let go of and not synced yet, and its failed syncs.
@@ -45,6 +82,9 @@ impl Target {
             .releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        r.get(&sub).copied().unwrap_or_default()
+        r.get(&sub).map_or_else(Releases::default, |e| Releases {
+            in_flight: u32::try_from(e.in_flight.len()).unwrap_or(u32::MAX),
+            failures: e.failures,
+        })
     }
 }
