@@ -21,20 +21,34 @@ pub fn system_facts() -> nvmfd_config::SystemFacts {
     }
 }
 
-/// The cores a reactor can be pinned to, ascending: each one the system takes a thread's
-/// affinity to (online, in the process's cpuset), tried on a thread of its own. Not the
-/// process's affinity mask: cores isolated from the scheduler (`isolcpus`, the usual home of
-/// poll-mode reactors) are outside PID 1's mask and so every service's, yet a thread may be
-/// pinned there.
+/// The cores a reactor can be pinned to, ascending: those the system takes a thread's
+/// affinity to (online, in the process's cpuset), asked for on a thread of its own (every
+/// core at once: the kernel keeps those it allows; the thread is never moved onto each).
+/// Not the process's affinity mask: cores isolated from the scheduler (`isolcpus`, the
+/// usual home of poll-mode reactors) are outside PID 1's mask and so every service's, yet a
+/// thread may be pinned there.
 fn pinnable_cores() -> Vec<usize> {
-    // SAFETY: sysconf reads a system value.
-    let configured = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-    let n = usize::try_from(configured).unwrap_or(0).clamp(1, 1 << 16);
     let probe = std::thread::Builder::new()
         .name("nvmfd-cores".into())
-        .spawn(move || {
-            (0..n)
-                .filter(|&id| core_affinity::set_for_current(core_affinity::CoreId { id }))
+        .spawn(|| {
+            // SAFETY: plain data.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            for cpu in 0..libc::CPU_SETSIZE as usize {
+                // SAFETY: `cpu` is within the set's size.
+                unsafe { libc::CPU_SET(cpu, &mut set) };
+            }
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            // SAFETY: this thread's affinity (0); `set` is a valid set of `size` bytes.
+            if unsafe { libc::sched_setaffinity(0, size, &set) } != 0 {
+                return Vec::new();
+            }
+            // SAFETY: as above; the kernel writes the set it kept.
+            if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
+                return Vec::new();
+            }
+            (0..libc::CPU_SETSIZE as usize)
+                // SAFETY: `cpu` is within the set's size.
+                .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
                 .collect::<Vec<usize>>()
         });
     let mut cores = probe

@@ -4061,10 +4061,10 @@ fn a_host_taking_one_response_now_and_then_is_torn_down_after_the_response_timeo
     );
     let h = bare_established(&s);
     let (srq, cq, pd) = &h._qp_on;
-    let mr = pd.alloc_mr(16 * 64, Access::LOCAL_WRITE).unwrap();
-    // Twelve Keep Alives, each answered, and no receive for their answers yet.
+    let mr = pd.alloc_mr(32 * 64, Access::LOCAL_WRITE).unwrap();
+    // 24 Keep Alives, each answered, and no receive for their answers yet.
     let mut wc = [Wc::default(); 16];
-    for cid in 0..12u16 {
+    for cid in 0..24u16 {
         let mut sqe = [0u8; 64];
         sqe[0] = 0x18;
         sqe[2..4].copy_from_slice(&cid.to_le_bytes());
@@ -4079,19 +4079,21 @@ fn a_host_taking_one_response_now_and_then_is_torn_down_after_the_response_timeo
         wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
         assert_eq!(wc[0].status, WcStatus::Success);
     }
-    wait_until("the twelve responses are posted", || {
-        c.sends_in_flight.load(Relaxed) == 12
+    wait_until("the 24 responses are posted", || {
+        c.sends_in_flight.load(Relaxed) == 24
     });
     // One receive every 0.4 timeouts: a response goes at each, and the host is let go
-    // well before the twelve have.
+    // well before the 24 have (within about two timeouts; 20 receives are eight).
     let start = Instant::now();
     let mut posted = 0u64;
     while c.responses_not_taken.load(Relaxed) == 0 {
         assert!(
-            posted < 9,
+            posted < 20,
             "not torn down after {posted} receives in {:?}",
             start.elapsed()
         );
+        // The host's CQ is read: its receives' completions do not pile up there.
+        while cq.poll(&mut wc).unwrap() > 0 {}
         srq.post_recv(&[RecvWr {
             wr_id: posted,
             sges: &[mr.sge(64 * posted as usize, 64)],
@@ -4126,14 +4128,15 @@ fn a_queue_sending_connects_without_taking_responses_leaves_the_admin_reserve() 
     hostile_queue_leaves_the_admin_reserve(4593, 0x7F);
 }
 
-fn hostile_queue_leaves_the_admin_reserve(port: u16, opcode: u8) {
-    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
+/// A host that arms every Asynchronous Event Request the controller takes (four, as SPDK's
+/// host does) keeps the admin reserve for its other admin commands: held AERs hold no slot.
+#[test]
+fn an_admin_queue_with_every_aer_armed_keeps_the_admin_reserve() {
+    use nvmf_host::Payload;
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    // 64 request slots, 4 of them kept for admin queues; the hostile queue is never let go
-    // for its responses during the test.
     let s = serve_opts(
-        port,
+        4595,
         Some((16, 64)),
         None,
         Arc::clone(&c),
@@ -4143,9 +4146,44 @@ fn hostile_queue_leaves_the_admin_reserve(port: u16, opcode: u8) {
             ..Opts::default()
         },
     );
-    let (mut admin, _ios) = controller(&s, 1);
+    let h = host();
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let mut q = nvmf_host::PipelinedQueue::connect(ch, s.addr, 0, 32, 4096, 4096).unwrap();
+    q.set_timeout(Duration::from_secs(5));
+    let mut admin = AdminQueue::connect(q, &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
     let before = c.commands.load(Relaxed);
-    let h = bare_established(&s);
+    for tag in 0..4 {
+        admin
+            .transport()
+            .submit(tag, nvmfd_nvme::host::command(0x0C), Payload::None)
+            .unwrap();
+    }
+    wait_until("the four AERs are in", || {
+        c.commands.load(Relaxed) == before + 4
+    });
+    let hostile = flood_with_a_queue_taking_no_responses(&s, &c, 0x18);
+    let start = Instant::now();
+    admin.identify_controller().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "the admin command waited {:?}",
+        start.elapsed()
+    );
+    drop(hostile);
+}
+
+/// A queue not yet connected sends 64 commands of `opcode` and takes none of their
+/// responses: every slot it can take, it holds.
+fn flood_with_a_queue_taking_no_responses(
+    s: &Served,
+    c: &nvmfd::stats::DataPathCounters,
+    opcode: u8,
+) -> BareHost {
+    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
+    use std::sync::atomic::Ordering::Relaxed;
+    let before = c.commands.load(Relaxed);
+    let h = bare_established(s);
     let cq = &h._qp_on.1;
     let mut wc = [Wc::default(); 16];
     for cid in 0..64u16 {
@@ -4169,6 +4207,27 @@ fn hostile_queue_leaves_the_admin_reserve(port: u16, opcode: u8) {
     wait_until("the hostile queue's commands are in", || {
         c.commands.load(Relaxed) == before + 64
     });
+    h
+}
+
+fn hostile_queue_leaves_the_admin_reserve(port: u16, opcode: u8) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    // 64 request slots, 4 of them kept for admin queues; the hostile queue is never let go
+    // for its responses during the test.
+    let s = serve_opts(
+        port,
+        Some((16, 64)),
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            response_timeout: Duration::from_secs(120),
+            ..Opts::default()
+        },
+    );
+    let (mut admin, _ios) = controller(&s, 1);
+    let h = flood_with_a_queue_taking_no_responses(&s, &c, opcode);
     // An admin command (Identify: this controller has no keep-alive timeout, so its Keep
     // Alive would be refused) is answered at once.
     let start = Instant::now();

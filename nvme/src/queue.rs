@@ -346,6 +346,12 @@ impl Queue {
         self.qid
     }
 
+    /// Asynchronous Event Requests its controller holds (an admin queue's commands without
+    /// a response that hold no request slot while they wait); 0 without a controller.
+    pub fn held_aers(&self) -> usize {
+        self.ctrl.as_ref().map_or(0, |c| c.lock().held_aers.len())
+    }
+
     /// Counts as traffic of the queue's controller (restarts its keep-alive timer), as a
     /// command it processes does: for a command that waits for admission.
     pub fn note_traffic(&self) {

@@ -373,7 +373,7 @@ impl Daemon {
             .iter()
             .zip(&self.listeners)
             .filter(|(c, _)| c.device.as_ref().is_some_and(|d| d.async_fd() == fd))
-            .map(|(_, l)| format!("{}:{}", l.address, l.port))
+            .map(|(_, l)| std::net::SocketAddr::new(l.address, l.port).to_string())
             .collect::<Vec<_>>()
             .join(", ")
     }

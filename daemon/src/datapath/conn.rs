@@ -321,8 +321,8 @@ impl DataPath {
             self.counters
                 .responses_not_taken
                 .fetch_add(1, Ordering::Relaxed);
-            slog::warn!(self.log, "no completion of the connection's posted work in time \
-                (a host that posts no receive for its responses?); the queue ends";
+            slog::warn!(self.log, "the connection's posted work did not complete in time \
+                (a host that posts no receive, or too few, for its responses?); the queue ends";
                 "qpn" => qpn, "work_requests_out" => out, "timeout" => ?self.response_timeout);
             self.teardown(qpn, Cause::Controller, now);
         }

@@ -5,9 +5,9 @@
 
 use super::*;
 
-/// The most slots a connection holds (commands without a response, and responses not yet
-/// taken) for its admin commands to use the admin queues' reserve: a Linux host's admin
-/// queue holds one Asynchronous Event Request and a command or two.
+/// The most slots a connection holds (commands without a response but held Asynchronous
+/// Event Requests, which hold none, and responses not yet taken) for its admin commands to
+/// use the admin queues' reserve: a Linux host's admin queue has a command or two out.
 const ADMIN_LANE_HOLD: u64 = 4;
 
 impl DataPath {
@@ -48,6 +48,14 @@ impl DataPath {
         // other hosts' Keep Alives need. Any other command of a queue not yet connected (all
         // refused) is an I/O command's equal.
         let (qid, held) = (conn.queue.qid(), outstanding + u64::from(conn.signaled_out));
+        // Held Asynchronous Event Requests hold no slot (looked at only when it matters: a
+        // host may hold four).
+        let held = match qid {
+            Some(0) if held >= ADMIN_LANE_HOLD => {
+                held.saturating_sub(conn.queue.held_aers() as u64)
+            }
+            _ => held,
+        };
         let admin = held < ADMIN_LANE_HOLD
             && match qid {
                 Some(q) => q == 0,
