@@ -373,7 +373,7 @@ impl Daemon {
             .iter()
             .zip(&self.listeners)
             .filter(|(c, _)| c.device.as_ref().is_some_and(|d| d.async_fd() == fd))
-            .map(|(_, l)| std::net::SocketAddr::new(l.address, l.port).to_string())
+            .map(|(_, l)| super::status::address_and_port(&l.address, l.port))
             .collect::<Vec<_>>()
             .join(", ")
     }

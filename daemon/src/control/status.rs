@@ -300,7 +300,7 @@ impl Daemon {
 }
 
 /// `address:port`, an IPv6 address in brackets so that its port is not read as a group.
-fn address_and_port(address: &str, port: u16) -> String {
+pub(super) fn address_and_port(address: &str, port: u16) -> String {
     match address.parse::<std::net::IpAddr>() {
         Ok(ip) => std::net::SocketAddr::new(ip, port).to_string(),
         Err(_) => format!("{address}:{port}"),
