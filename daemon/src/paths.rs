@@ -116,8 +116,8 @@ pub struct PathBuilder {
     pub registrar: Registrar,
     /// The reactor's logger.
     pub log: slog::Logger,
-    /// Test hook: a pause before each data path is built, as a large pool's registration
-    /// takes.
+    /// Test hook: a pause before each data path built while the daemon serves, as a large
+    /// pool's registration takes.
     pub test_build_delay: Option<Duration>,
 }
 
@@ -149,6 +149,23 @@ impl PathBuilder {
     }
 }
 
+/// Raises a reactor's `building_path` while it lives (a data path being built), and lowers
+/// it when dropped, however the build ends.
+struct Building<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl<'a> Building<'a> {
+    fn new(flag: &'a std::sync::atomic::AtomicBool) -> Building<'a> {
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+        Building(flag)
+    }
+}
+
+impl Drop for Building<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Listeners a reactor has no data path for because setting one up on their device failed,
 /// with why: shared with the control thread, which reports such a listener as not serving
 /// (the reactor refuses the connections handed to it for the listener).
@@ -168,9 +185,6 @@ impl CountedPath {
     /// device refuses.
     pub fn build(builder: &PathBuilder, dev: &Device) -> Result<CountedPath, String> {
         let counters = Arc::new(DataPathCounters::default());
-        if let Some(d) = builder.test_build_delay {
-            std::thread::sleep(d);
-        }
         match builder.build(dev, Arc::clone(&counters)) {
             Ok(dp) => Ok(CountedPath { dp, counters }),
             Err(e) => {
@@ -236,6 +250,8 @@ pub struct ReactorPaths {
     builder: PathBuilder,
     /// A data path was added since the reactor last asked for its wake-up fds.
     fds_changed: bool,
+    /// Its data paths of the start are built: it serves.
+    serving: bool,
     /// Listeners without a data path here because setting one up failed.
     unserved: Unserved,
     /// Shrinks waiting for reads and writes past their device's new end
@@ -266,6 +282,7 @@ impl ReactorPaths {
             counters,
             builder,
             fds_changed: false,
+            serving: false,
             unserved,
             fences: Vec::new(),
             log,
@@ -276,18 +293,21 @@ impl ReactorPaths {
             }
         }
         rp.fds_changed = false;
+        rp.serving = true;
         rp.fold();
         rp
     }
 
     /// A new data path on `device`, the reactor's heartbeat excused meanwhile
-    /// (`building_path`).
+    /// (`building_path`, cleared however the build ends, a panic included).
     fn build(&self, device: &Device) -> Result<CountedPath, String> {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.counters.building_path.store(true, Relaxed);
-        let built = CountedPath::build(&self.builder, device);
-        self.counters.building_path.store(false, Relaxed);
-        built
+        let _building = Building::new(&self.counters.building_path);
+        if self.serving {
+            if let Some(d) = self.builder.test_build_delay {
+                std::thread::sleep(d);
+            }
+        }
+        CountedPath::build(&self.builder, device)
     }
 
     /// The data path listener `listener` is served by.
@@ -739,5 +759,22 @@ impl crate::reactor::ReactorWork for ReactorPaths {
             ok &= p.dp.arm();
         }
         ok
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A build that panics does not leave the reactor excused from the heartbeat check for
+    /// the rest of the bound: the flag is lowered as the panic unwinds.
+    #[test]
+    fn the_building_flag_is_lowered_when_a_build_panics() {
+        let flag = std::sync::atomic::AtomicBool::new(false);
+        let r = std::panic::catch_unwind(|| {
+            let _b = super::Building::new(&flag);
+            assert!(flag.load(std::sync::atomic::Ordering::Relaxed));
+            panic!("a build that panics");
+        });
+        assert!(r.is_err());
+        assert!(!flag.load(std::sync::atomic::Ordering::Relaxed));
     }
 }

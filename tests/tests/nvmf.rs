@@ -706,10 +706,10 @@ fn connects_that_fail_before_the_fabrics_connect_are_released_and_counted() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     for line in [
-        "nvmfd_datapath_connects_failed_rejected_total 1",
-        "nvmfd_datapath_connects_failed_no_connect_total 1",
-        "nvmfd_datapath_connects_failed_unreachable_total 0",
-        "nvmfd_datapath_srq_receives_reserved 0",
+        "nvmfd_datapath_connects_failed_rejected_total{reactor=\"0\"} 1",
+        "nvmfd_datapath_connects_failed_no_connect_total{reactor=\"0\"} 1",
+        "nvmfd_datapath_connects_failed_unreachable_total{reactor=\"0\"} 0",
+        "nvmfd_datapath_srq_receives_reserved{reactor=\"0\"} 0",
     ] {
         assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
     }

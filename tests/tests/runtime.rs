@@ -296,14 +296,12 @@ fn removing_a_subsystem_or_a_hosts_access_or_disconnecting_ends_those_controller
     assert!(text.contains(&host(0x77).nqn), "{text}");
 }
 
-/// A data path built while the daemon serves (a listener added on another device) holds
-/// its reactor up while its pools are registered, which takes seconds for large pools on
-/// some NICs: the reactor is excused as during its build at start, so the daemon is not
-/// reported stalled and systemd's watchdog is fed on (it would kill the daemon).
-#[test]
-fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
+/// A daemon with test hooks and systemd's notifications (watchdog 200 ms, stall_timeout
+/// 300 ms), each data path built while it serves taking `build_ms`, the excuse of a reactor
+/// building bounded by `bound_ms`; and a listener added on another device (127.0.0.2).
+fn adding_a_listener_built_slowly(build_ms: u64, bound_ms: u64) -> Daemon {
     let port = test_port();
-    let mut d = Daemon::spawn(Options {
+    let d = Daemon::spawn(Options {
         config: Some(config(std::path::Path::new("@DIR@"), port).replace(
             "reactor_cores = [0]",
             "reactor_cores = [0]\nstall_timeout = \"300ms\"",
@@ -311,7 +309,13 @@ fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
         notify: true,
         watchdog_usec: Some(200_000),
         test_hooks: true,
-        env: vec![("NVMFD_TEST_PATH_BUILD_MS".into(), "1500".into())],
+        env: vec![
+            ("NVMFD_TEST_PATH_BUILD_MS".into(), build_ms.to_string()),
+            (
+                "NVMFD_TEST_REACTOR_SETUP_TIMEOUT_MS".into(),
+                bound_ms.to_string(),
+            ),
+        ],
         ..Options::default()
     });
     d.notifications_until("READY=1");
@@ -322,6 +326,16 @@ fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
         serde_json::json!({"request": "add_listener",
             "listener": {"address": "127.0.0.2", "port": second, "provider": "soft"}}),
     );
+    d
+}
+
+/// A data path built while the daemon serves (a listener added on another device) holds
+/// its reactor up while its pools are registered, which takes seconds for large pools on
+/// some NICs: the reactor is excused as during its build at start, so the daemon is not
+/// reported stalled and systemd's watchdog is fed on (it would kill the daemon).
+#[test]
+fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
+    let mut d = adding_a_listener_built_slowly(1500, 60_000);
     // The build takes 1.5 s, five times stall_timeout (300 ms) and seven watchdog
     // intervals: the watchdog is fed all along.
     let during = d.notifications_for(std::time::Duration::from_millis(1200));
@@ -337,6 +351,29 @@ fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
             .then_some(())
     });
     assert!(!d.log().contains("reactor stalled"), "{}", d.log());
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
+/// A build that outlasts the bound (as a reactor's setup at start) is a stall after all:
+/// reported, the watchdog starved, and the reactor recovers once the build ends.
+#[test]
+fn a_data_path_build_past_the_setup_bound_is_a_stall() {
+    let mut d = adding_a_listener_built_slowly(2500, 600);
+    d.notifications_until_contains("STALLED");
+    wait_for("the reactor's stall in the log", || {
+        d.log().contains("reactor stalled").then_some(())
+    });
+    wait_for("the reactor to recover", || {
+        d.log()
+            .contains("reactor recovered from a stall")
+            .then_some(())
+    });
+    assert!(
+        d.log().contains("data path built on the listener's device"),
+        "{}",
+        d.log()
+    );
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
 }

@@ -74,7 +74,7 @@ pub const TEST_HOOKS_ENV: &str = "NVMFD_TEST_HOOKS";
 pub const TEST_SETUP_DELAY_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_MS";
 
 /// Test hook (with [`TEST_HOOKS_ENV`]): milliseconds each reactor pauses before building
-/// each data path, at start and at run time.
+/// each data path while the daemon serves.
 pub const TEST_BUILD_DELAY_ENV: &str = "NVMFD_TEST_PATH_BUILD_MS";
 /// Test hook (with [`TEST_HOOKS_ENV`]): milliseconds in place of [`REACTOR_SETUP_TIMEOUT`].
 pub const TEST_SETUP_TIMEOUT_ENV: &str = "NVMFD_TEST_REACTOR_SETUP_TIMEOUT_MS";
@@ -618,6 +618,9 @@ impl Daemon {
     /// the systemd watchdog only when none is.
     fn check_heartbeats(&mut self, now: Instant) {
         let stall_timeout = self.cfg.daemon.stall_timeout.0;
+        let setup_bound = self
+            .test_ms(TEST_SETUP_TIMEOUT_ENV)
+            .unwrap_or(REACTOR_SETUP_TIMEOUT);
         let mut changed = false;
         for (i, (hb, r)) in self.heartbeats.iter_mut().zip(&self.reactors).enumerate() {
             let c = &r.shared.counters;
@@ -635,8 +638,11 @@ impl Daemon {
                 .is_some_and(|d| d.building_path.load(Ordering::Relaxed));
             match (building, hb.building_since) {
                 (false, _) => hb.building_since = None,
-                (true, None) => hb.building_since = Some(now),
-                (true, Some(since)) if now.duration_since(since) < REACTOR_SETUP_TIMEOUT => {
+                (true, None) => {
+                    hb.building_since = Some(now);
+                    hb.last_move = now;
+                }
+                (true, Some(since)) if now.duration_since(since) < setup_bound => {
                     hb.last_move = now;
                 }
                 (true, Some(_)) => {}
