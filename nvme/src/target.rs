@@ -219,9 +219,10 @@ pub struct Controller {
     /// The SMART log's figures of its queues that are gone (those alive keep theirs in
     /// their `QueueStats`).
     pub(crate) io_gone: IoCounts,
-    /// Its subsystem's releases begun when it was made ([`Target::release_begins`]): one
-    /// begun since whose sync fails, and writes its host completed may be lost (its
-    /// shutdown fails); one begun before never concerned it.
+    /// Its subsystem's releases whose namespaces were published no more when it was made
+    /// ([`Target::releases_unpublished`]): one numbered from this on whose sync fails, and
+    /// writes its host completed may be lost (its shutdown fails); those before never
+    /// concerned it.
     pub(crate) releases_at_start: u64,
 }
 
@@ -443,11 +444,14 @@ pub struct Releases {
 }
 
 /// A subsystem's releases, numbered in the order they began: a controller is concerned by
-/// those begun after it was made (its host may have written there).
+/// those whose namespace was still published when it was made (its host may have written
+/// there).
 #[derive(Debug, Default)]
 pub(crate) struct ReleaseLog {
     /// Releases begun so far (the next one's number).
     pub(crate) begun: u64,
+    /// Releases whose namespaces are published no more (numbered below this).
+    pub(crate) unpublished: u64,
     /// The numbers of those not synced yet.
     pub(crate) in_flight: Vec<u64>,
     /// Syncs that failed.

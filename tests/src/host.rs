@@ -45,15 +45,39 @@ impl Host {
     /// `connect`, asking for a keep-alive timeout of `kato_ms` (0: none); the host sends no
     /// Keep Alive of its own.
     pub fn connect_with_kato(ip: &str, addr: SocketAddr, sub: &str, n: u8, kato_ms: u32) -> Host {
+        Host::connect_with(ip, addr, sub, (n, kato_ms), || ())
+    }
+
+    /// `connect`, its two RDMA connections made first and `between` run before its Fabrics
+    /// Connects: what follows needs the reactors alone (the control thread may be held).
+    pub fn connect_held(
+        ip: &str,
+        addr: SocketAddr,
+        sub: &str,
+        n: u8,
+        between: impl FnOnce(),
+    ) -> Host {
+        Host::connect_with(ip, addr, sub, (n, 0), between)
+    }
+
+    fn connect_with(
+        ip: &str,
+        addr: SocketAddr,
+        sub: &str,
+        (n, kato_ms): (u8, u32),
+        between: impl FnOnce(),
+    ) -> Host {
         let f = Fabric::networked();
         f.add_device(ip.parse().unwrap()).unwrap();
         let h = host(n);
-        let mut admin = AdminQueue::connect(queue(&f, addr, 0), &h, sub, 31, kato_ms).unwrap();
+        let (aq, iq) = (queue(&f, addr, 0), queue(&f, addr, 1));
+        between();
+        let mut admin = AdminQueue::connect(aq, &h, sub, 31, kato_ms).unwrap();
         admin.enable().unwrap();
         admin.set_queue_count(1).unwrap();
         // Asynchronous Event Configuration: Namespace Attribute Notices.
         admin.set_feature(0x0B, 1 << 8).unwrap();
-        let io = IoQueue::connect(queue(&f, addr, 1), &h, sub, admin.cntlid, 1, 31).unwrap();
+        let io = IoQueue::connect(iq, &h, sub, admin.cntlid, 1, 31).unwrap();
         std::mem::forget(f);
         Host {
             admin,

@@ -1500,6 +1500,50 @@ fn a_sync_begun_before_a_controller_was_made_is_none_of_its_shutdowns_business()
     drop((a, b));
 }
 
+/// A controller made while a namespace is being let go of but still published (held here
+/// between its release and the publication without it) may write there: its shutdown fails
+/// (CFS) when that release's sync fails. It was taken as made after the release, and its
+/// shutdown completed over a write it may have lost.
+#[test]
+fn a_controller_made_before_a_namespace_is_unpublished_is_concerned_by_its_sync() {
+    let gate = tempfile::tempdir().unwrap();
+    let (d, addr) = start_hooked(Some(gate.path()));
+    add_file_namespace(&d, 2);
+    change(
+        &d,
+        serde_json::json!({"request": "debug_fail_sync", "subsystem": A, "nsid": 2}),
+    );
+    std::fs::write(gate.path().join("releasing-hold"), b"").unwrap();
+    std::thread::scope(|scope| {
+        let mut removal = None;
+        let mut b = Host::connect_held("127.0.0.58", addr, A, 0x58, || {
+            removal = Some(scope.spawn(|| {
+                d.request(
+                    &serde_json::json!({"request": "remove_namespace", "subsystem": A, "nsid": 2})
+                        .to_string(),
+                )
+            }));
+            wait_for(
+                "the removal to wait between release and publication",
+                || gate.path().join("releasing-waiting").exists().then_some(()),
+            );
+        });
+        // Namespace 2 is still published: the controller made now writes there.
+        b.write_read(2, 8, 0x58);
+        std::fs::write(gate.path().join("releasing-go"), b"").unwrap();
+        // The removed namespace's sync waits at its own gate (with a gate directory).
+        std::fs::write(gate.path().join("release-go"), b"").unwrap();
+        let answer = removal.unwrap().join().unwrap();
+        assert_eq!(answer["ok"], true, "{answer}");
+        wait_for("the failed sync counted in the status", || {
+            (d.data("status")["release_sync_failures"] == 1).then_some(())
+        });
+        drop_io_queue(&d, &mut b);
+        let csts = shut_down(&mut b);
+        assert_ne!(csts & (1 << 1), 0, "no CFS: {csts:#x}");
+    });
+}
+
 /// At stop, a removed namespace's sync still running (held here at the test gate) is
 /// waited for: the daemon left after 10 s with exit 0 before, its outcome never seen.
 #[test]

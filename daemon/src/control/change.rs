@@ -486,6 +486,10 @@ impl Daemon {
         for (sub, nqn, nsid) in &going {
             self.release(*sub, nqn, *nsid);
         }
+        // Tests: released, not yet published without them.
+        if let Some(g) = self.test_gate() {
+            super::off_thread::wait_at_gate_if_held(&g, "releasing");
+        }
         for nqn in &plan.subsystems_removed {
             if let Ok((_, ended)) = target.remove_subsystem(nqn) {
                 what.push(format!(
@@ -512,6 +516,11 @@ impl Daemon {
                     ));
                 }
             }
+        }
+        // Published without the namespaces going: a controller made from now on never saw
+        // them (one made before, even meanwhile, waits for their syncs at its shutdown).
+        for (sub, _, _) in &going {
+            target.releases_unpublished(*sub);
         }
         let old_cfg = std::mem::replace(&mut self.cfg, new);
         // Tests: published, the reactors not yet told.

@@ -166,7 +166,7 @@ impl Queue {
                 queue_stats: std::sync::Mutex::new(Vec::new()),
                 releases_at_start: subsystem
                     .as_ref()
-                    .map_or(0, |s| self.target.releases_begun(s.id)),
+                    .map_or(0, |s| self.target.releases_unpublished_so_far(s.id)),
             });
             map.insert(cntlid, Arc::clone(&ctrl));
             drop(map);

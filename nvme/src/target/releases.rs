@@ -4,8 +4,8 @@
 
 use super::*;
 
-/// Devices let go of while their subsystem is served: a shutdown completes once they are
-/// synced.
+/// Devices let go of while their subsystem is served: a shutdown of a controller made
+/// while they were published completes once they are synced.
 impl Target {
     /// A device of subsystem `sub` is let go of (a namespace removed, or its device
     /// replaced): a shutdown of the subsystem's controllers made before now completes only
@@ -25,11 +25,29 @@ impl Target {
         n
     }
 
+    /// Subsystem `sub` is published without the namespaces of its releases begun so far
+    /// (call it once the target has its new subsystems): a controller made from now on never
+    /// saw them and is not concerned by their syncs. One made before, even while they were
+    /// being let go of, is.
+    pub fn releases_unpublished(&self, sub: u64) {
+        let mut r = self
+            .inner
+            .releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = r.get_mut(&sub) {
+            e.unpublished = e.begun;
+        }
+    }
+
     /// The sync of release `n` of subsystem `sub` ended; `durable` when it succeeded (or
     /// there was nothing to sync). A failure fails the shutdown of every controller of the
-    /// subsystem made before the release began (their hosts may have written there); one
-    /// made after never saw the namespace.
+    /// subsystem made before its namespace was published no more
+    /// ([`Target::releases_unpublished`]: their hosts may have written there); one made
+    /// after never saw the namespace.
     pub fn release_ends(&self, sub: u64, n: u64, durable: bool) {
+        // Read before the lock: the releases' lock takes no other while held.
+        let gone = self.subsystem_by_id(sub).is_none();
         let mut r = self
             .inner
             .releases
@@ -46,17 +64,21 @@ impl Target {
             e.failures += 1;
             e.last_failed = e.last_failed.max(Some(n));
         }
+        // A subsystem gone has no controller left to ask.
+        if e.in_flight.is_empty() && gone {
+            r.remove(&sub);
+        }
     }
 
-    /// Releases of subsystem `sub` begun so far: a controller made now is concerned by
-    /// those numbered from this on.
-    pub(crate) fn releases_begun(&self, sub: u64) -> u64 {
+    /// Releases of subsystem `sub` whose namespaces are published no more: a controller made
+    /// now is concerned by those numbered from this on.
+    pub(crate) fn releases_unpublished_so_far(&self, sub: u64) -> u64 {
         let r = self
             .inner
             .releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        r.get(&sub).map_or(0, |e| e.begun)
+        r.get(&sub).map_or(0, |e| e.unpublished)
     }
 
     /// For a controller of subsystem `sub` made when `from` releases had begun: whether a
