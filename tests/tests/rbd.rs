@@ -343,6 +343,13 @@ fn a_shrink_that_fails_part_way_through_the_image_never_serves_its_deleted_tail(
     std::fs::write(&path, &smaller).unwrap();
     let a = d.request(r#"{"request": "reload"}"#);
     assert_eq!(a["ok"], false, "{a}");
+    // `status` shows the size served now, not the size before the refused change.
+    assert_eq!(
+        d.data("status")["namespaces"][0]["size"],
+        16 << 20,
+        "{}",
+        d.data("status")
+    );
     let mut buf = vec![0u8; data.len()];
     let nlb = u32::try_from(data.len() / 512).unwrap();
     let past = h.io.read(1, lba, nlb, &mut buf);

@@ -460,6 +460,9 @@ impl Daemon {
             }
             self.source.text = old_text;
             undo(self, &opened);
+            // What is served now: a shrink whose cut failed part-way keeps its new, smaller
+            // size (what lay past it is gone), which `status` shows.
+            self.refresh_namespace_status();
             return Err(e);
         }
         // Nothing below fails.
