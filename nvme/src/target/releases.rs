@@ -110,3 +110,51 @@ impl Target {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target() -> Target {
+        Target::new(
+            vec![Subsystem {
+                id: 0,
+                nqn: "nqn.2024-01.io.nvmfd.test:a".into(),
+                serial: "A".into(),
+                model: "m".into(),
+                allow_any_host: true,
+                hosts: vec![],
+                namespaces: vec![],
+            }],
+            vec![],
+            Limits::default(),
+        )
+    }
+
+    /// Releases are numbered in the order they began; a controller is concerned by those
+    /// still published when it was made, and a removed subsystem's log goes once its last
+    /// sync ends.
+    #[test]
+    fn releases_concern_controllers_made_before_their_namespace_was_unpublished() {
+        let t = target();
+        let sub = t.subsystem("nqn.2024-01.io.nvmfd.test:a").unwrap().id;
+        let made_before = t.releases_unpublished_so_far(sub);
+        let n = t.release_begins(sub);
+        let made_meanwhile = t.releases_unpublished_so_far(sub);
+        t.releases_unpublished(sub);
+        let made_after = t.releases_unpublished_so_far(sub);
+        assert_eq!(t.releases_since(sub, made_before), (false, true));
+        assert_eq!(t.releases_since(sub, made_meanwhile), (false, true));
+        assert_eq!(t.releases_since(sub, made_after), (false, false));
+        t.release_ends(sub, n, false);
+        assert_eq!(t.releases_since(sub, made_before), (true, false));
+        assert_eq!(t.releases_since(sub, made_after), (false, false));
+        assert_eq!(t.releases(sub).failures, 1);
+        // A removed subsystem: its log goes with its last sync.
+        let m = t.release_begins(sub);
+        t.remove_subsystem("nqn.2024-01.io.nvmfd.test:a").unwrap();
+        assert!(t.inner.releases.lock().unwrap().contains_key(&sub));
+        t.release_ends(sub, m, true);
+        assert!(!t.inner.releases.lock().unwrap().contains_key(&sub));
+    }
+}
