@@ -1406,6 +1406,34 @@ fn bare_connect(s: &Served) -> BareHost {
     }
 }
 
+/// Sends `n` commands of `opcode` (command IDs from 0; a keyed SGL of no data; Fabrics
+/// command type Connect where the opcode is Fabrics) from bare host `h`, each sent before the
+/// next; their responses are left where they land.
+fn send_commands(h: &BareHost, opcode: u8, n: u16) {
+    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
+    let cq = &h._qp_on.1;
+    let mut wc = [Wc::default(); 16];
+    for cid in 0..n {
+        let mut sqe = [0u8; 64];
+        sqe[0] = opcode;
+        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+        if opcode == 0x7F {
+            sqe[4] = 0x01;
+        }
+        sqe[39] = 0x40;
+        h.id.post_send(&[SendWr {
+            wr_id: u64::from(cid),
+            op: SendOp::Send,
+            sges: &[],
+            signaled: true,
+            inline: Some(&sqe),
+        }])
+        .unwrap();
+        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
+        assert_eq!(wc[0].status, WcStatus::Success);
+    }
+}
+
 /// [`bare_connect`], waiting for the target to accept: the connection is established.
 fn bare_established(s: &Served) -> BareHost {
     let h = bare_connect(s);
@@ -3980,7 +4008,6 @@ fn a_host_that_takes_none_of_its_responses_is_torn_down_while_the_cq_never_reads
 }
 
 fn host_taking_no_responses_is_torn_down(port: u16, cq_never_empty: bool) {
-    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_opts(
@@ -3998,23 +4025,7 @@ fn host_taking_no_responses_is_torn_down(port: u16, cq_never_empty: bool) {
     let h = bare_established(&s);
     // Four Keep Alives (well within the queue's size), each answered, and no receive for
     // any answer.
-    let cq = &h._qp_on.1;
-    let mut wc = [Wc::default(); 4];
-    for cid in 0..4u16 {
-        let mut sqe = [0u8; 64];
-        sqe[0] = 0x18;
-        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
-        h.id.post_send(&[SendWr {
-            wr_id: u64::from(cid),
-            op: SendOp::Send,
-            sges: &[],
-            signaled: true,
-            inline: Some(&sqe),
-        }])
-        .unwrap();
-        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
-        assert_eq!(wc[0].status, WcStatus::Success);
-    }
+    send_commands(&h, 0x18, 4);
     wait_until("the four responses are posted", || {
         c.sends_in_flight.load(Relaxed) == 4
     });
@@ -4044,7 +4055,7 @@ fn host_taking_no_responses_is_torn_down(port: u16, cq_never_empty: bool) {
 /// complete within the timeout, not merely move.
 #[test]
 fn a_host_taking_one_response_now_and_then_is_torn_down_after_the_response_timeout() {
-    use nvmfd_rdma::{Access, RecvWr, SendOp, SendWr, Wc, WcStatus};
+    use nvmfd_rdma::{Access, RecvWr, Wc};
     use std::sync::atomic::Ordering::Relaxed;
     let timeout = Duration::from_millis(400);
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
@@ -4063,22 +4074,8 @@ fn a_host_taking_one_response_now_and_then_is_torn_down_after_the_response_timeo
     let (srq, cq, pd) = &h._qp_on;
     let mr = pd.alloc_mr(32 * 64, Access::LOCAL_WRITE).unwrap();
     // 24 Keep Alives, each answered, and no receive for their answers yet.
+    send_commands(&h, 0x18, 24);
     let mut wc = [Wc::default(); 16];
-    for cid in 0..24u16 {
-        let mut sqe = [0u8; 64];
-        sqe[0] = 0x18;
-        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
-        h.id.post_send(&[SendWr {
-            wr_id: u64::from(cid),
-            op: SendOp::Send,
-            sges: &[],
-            signaled: true,
-            inline: Some(&sqe),
-        }])
-        .unwrap();
-        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
-        assert_eq!(wc[0].status, WcStatus::Success);
-    }
     wait_until("the 24 responses are posted", || {
         c.sends_in_flight.load(Relaxed) == 24
     });
@@ -4180,30 +4177,10 @@ fn flood_with_a_queue_taking_no_responses(
     c: &nvmfd::stats::DataPathCounters,
     opcode: u8,
 ) -> BareHost {
-    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
     use std::sync::atomic::Ordering::Relaxed;
     let before = c.commands.load(Relaxed);
     let h = bare_established(s);
-    let cq = &h._qp_on.1;
-    let mut wc = [Wc::default(); 16];
-    for cid in 0..64u16 {
-        let mut sqe = [0u8; 64];
-        sqe[0] = opcode;
-        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
-        // Connect: Fabrics command type 01h, a keyed SGL of no data.
-        sqe[4] = 0x01;
-        sqe[39] = 0x40;
-        h.id.post_send(&[SendWr {
-            wr_id: u64::from(cid),
-            op: SendOp::Send,
-            sges: &[],
-            signaled: true,
-            inline: Some(&sqe),
-        }])
-        .unwrap();
-        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
-        assert_eq!(wc[0].status, WcStatus::Success);
-    }
+    send_commands(&h, opcode, 64);
     wait_until("the hostile queue's commands are in", || {
         c.commands.load(Relaxed) == before + 64
     });
@@ -4249,7 +4226,6 @@ fn a_command_waiting_for_a_slot_keeps_its_controller_alive() {
     use nvmf_host::Payload;
     use nvmfd_nvme::host::rw_sqe;
     use nvmfd_nvme::wire::io_opcode;
-    use nvmfd_rdma::{SendOp, SendWr, Wc, WcStatus};
     use std::sync::atomic::Ordering::Relaxed;
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_opts(
@@ -4274,24 +4250,7 @@ fn a_command_waiting_for_a_slot_keeps_its_controller_alive() {
     // A queue not yet connected takes every slot but the admin queues' reserve.
     let before = c.commands.load(Relaxed);
     let bare = bare_established(&s);
-    let cq = &bare._qp_on.1;
-    let mut wc = [Wc::default(); 16];
-    for cid in 0..64u16 {
-        let mut sqe = [0u8; 64];
-        sqe[0] = 0x18;
-        sqe[2..4].copy_from_slice(&cid.to_le_bytes());
-        bare.id
-            .post_send(&[SendWr {
-                wr_id: u64::from(cid),
-                op: SendOp::Send,
-                sges: &[],
-                signaled: true,
-                inline: Some(&sqe),
-            }])
-            .unwrap();
-        wait_until("the command is sent", || cq.poll(&mut wc).unwrap() == 1);
-        assert_eq!(wc[0].status, WcStatus::Success);
-    }
+    send_commands(&bare, 0x18, 64);
     wait_until("the commands are in", || {
         c.commands.load(Relaxed) == before + 64
     });
