@@ -592,8 +592,8 @@ impl AdminServer {
                     };
                     if let Some(why) = refused {
                         let _ = stream.write(&Response::error(why.clone()).line());
+                        // Dropped; no request of it was read (not one answered in error).
                         self.stats.dropped_total += 1;
-                        self.stats.errors_total += 1;
                         warn!(self.log, "admin client refused"; "why" => why, "uid" => uid);
                         continue;
                     }

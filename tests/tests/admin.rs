@@ -412,6 +412,11 @@ fn a_hundred_clients_at_once_each_get_an_answer_or_a_clean_refusal() {
     wait_for("the clients to be reaped", || {
         (d.data("stats")["admin"]["clients"].as_u64().unwrap() <= 1).then_some(())
     });
+    // The refused were dropped; none of their requests was read, so none is an error (errors
+    // are requests answered with one, never more than the requests).
+    let admin = d.data("stats")["admin"].clone();
+    assert!(admin["dropped_total"].as_u64().unwrap() >= 36, "{admin}");
+    assert_eq!(admin["errors_total"], 0, "{admin}");
     assert_eq!(d.data("status")["state"], "running");
 }
 
