@@ -4131,18 +4131,7 @@ fn a_queue_sending_connects_without_taking_responses_leaves_the_admin_reserve() 
 fn an_admin_queue_with_every_aer_armed_keeps_the_admin_reserve() {
     use nvmf_host::Payload;
     use std::sync::atomic::Ordering::Relaxed;
-    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let s = serve_opts(
-        4595,
-        Some((16, 64)),
-        None,
-        Arc::clone(&c),
-        None,
-        Opts {
-            response_timeout: Duration::from_secs(120),
-            ..Opts::default()
-        },
-    );
+    let (c, s) = serve_with_an_admin_reserve_of_4(4595);
     let h = host();
     let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
     let mut q = nvmf_host::PipelinedQueue::connect(ch, s.addr, 0, 32, 4096, 4096).unwrap();
@@ -4170,6 +4159,24 @@ fn an_admin_queue_with_every_aer_armed_keeps_the_admin_reserve() {
     drop(hostile);
 }
 
+/// A target of 64 request slots, 4 of them kept for admin queues, whose hosts that take no
+/// responses are never let go for it during a test (a response timeout of 120 s).
+fn serve_with_an_admin_reserve_of_4(port: u16) -> (Arc<nvmfd::stats::DataPathCounters>, Served) {
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        port,
+        Some((16, 64)),
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            response_timeout: Duration::from_secs(120),
+            ..Opts::default()
+        },
+    );
+    (c, s)
+}
+
 /// A queue not yet connected sends 64 commands of `opcode` and takes none of their
 /// responses: every slot it can take, it holds.
 fn flood_with_a_queue_taking_no_responses(
@@ -4189,20 +4196,7 @@ fn flood_with_a_queue_taking_no_responses(
 
 fn hostile_queue_leaves_the_admin_reserve(port: u16, opcode: u8) {
     use std::sync::atomic::Ordering::Relaxed;
-    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    // 64 request slots, 4 of them kept for admin queues; the hostile queue is never let go
-    // for its responses during the test.
-    let s = serve_opts(
-        port,
-        Some((16, 64)),
-        None,
-        Arc::clone(&c),
-        None,
-        Opts {
-            response_timeout: Duration::from_secs(120),
-            ..Opts::default()
-        },
-    );
+    let (c, s) = serve_with_an_admin_reserve_of_4(port);
     let (mut admin, _ios) = controller(&s, 1);
     let h = flood_with_a_queue_taking_no_responses(&s, &c, opcode);
     // An admin command (Identify: this controller has no keep-alive timeout, so its Keep
@@ -4227,18 +4221,7 @@ fn a_command_waiting_for_a_slot_keeps_its_controller_alive() {
     use nvmfd_nvme::host::rw_sqe;
     use nvmfd_nvme::wire::io_opcode;
     use std::sync::atomic::Ordering::Relaxed;
-    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let s = serve_opts(
-        4594,
-        Some((16, 64)),
-        None,
-        Arc::clone(&c),
-        None,
-        Opts {
-            response_timeout: Duration::from_secs(120),
-            ..Opts::default()
-        },
-    );
+    let (c, s) = serve_with_an_admin_reserve_of_4(4594);
     let h = host();
     let kato = Duration::from_secs(1);
     let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 1000).unwrap();
@@ -4248,12 +4231,7 @@ fn a_command_waiting_for_a_slot_keeps_its_controller_alive() {
     let q = nvmf_host::PipelinedQueue::connect(ch, s.addr, 1, 8, 4096, 4096).unwrap();
     let mut io = IoQueue::connect(q, &h, SUB, admin.cntlid, 1, 7).unwrap();
     // A queue not yet connected takes every slot but the admin queues' reserve.
-    let before = c.commands.load(Relaxed);
-    let bare = bare_established(&s);
-    send_commands(&bare, 0x18, 64);
-    wait_until("the commands are in", || {
-        c.commands.load(Relaxed) == before + 64
-    });
+    let bare = flood_with_a_queue_taking_no_responses(&s, &c, 0x18);
     // The keep-alive check has seen all traffic so far.
     let t0 = Instant::now();
     assert!(s.on_data_path(move |dp| dp.target().expire_keep_alives(t0).is_empty()));

@@ -47,20 +47,17 @@ impl DataPath {
         // not yet taken): a host taking none of its responses cannot hold the reserve that
         // other hosts' Keep Alives need. Any other command of a queue not yet connected (all
         // refused) is an I/O command's equal.
-        let (qid, held) = (conn.queue.qid(), outstanding + u64::from(conn.signaled_out));
-        // Held Asynchronous Event Requests hold no slot (looked at only when it matters: a
-        // host may hold four).
-        let held = match qid {
-            Some(0) if held >= ADMIN_LANE_HOLD => {
-                held.saturating_sub(conn.queue.held_aers() as u64)
+        let held = outstanding + u64::from(conn.signaled_out);
+        let admin = match conn.queue.qid() {
+            // Held Asynchronous Event Requests hold no slot (looked at only when it
+            // matters: a host may hold four).
+            Some(0) => {
+                held < ADMIN_LANE_HOLD
+                    || held.saturating_sub(conn.queue.held_aers() as u64) < ADMIN_LANE_HOLD
             }
-            _ => held,
+            Some(_) => false,
+            None => held < ADMIN_LANE_HOLD && self.peek_connect(c.wr_id, c.byte_len),
         };
-        let admin = held < ADMIN_LANE_HOLD
-            && match qid {
-                Some(q) => q == 0,
-                None => self.peek_connect(c.wr_id, c.byte_len),
-            };
         bump(&self.counters.commands, 1);
         // While both pools have a buffer for one more command and nothing waits, which class
         // this one is matters only once its capsule is copied out; else its SGL is read where
