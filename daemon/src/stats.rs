@@ -145,6 +145,9 @@ pub struct DataPathCounters {
     /// Accepted connections whose host sent no Fabrics Connect within
     /// `transport.connect_timeout`.
     pub connects_failed_no_connect: AtomicU64,
+    /// Accepted connections without a Fabrics Connect yet, ended as the oldest when more than
+    /// a data path keeps (a quarter of its QPs) were waiting for theirs.
+    pub connects_failed_crowded_out: AtomicU64,
     /// Receives reserved in the SRQs for the connected queues (the sum of their depths, with
     /// `srq_cover_queues`); given back when a queue's QP is destroyed.
     pub srq_receives_reserved: AtomicU64,
@@ -247,6 +250,7 @@ impl DataPathCounters {
             connects_failed_unreachable_total: g(&self.connects_failed_unreachable),
             connects_failed_connect_error_total: g(&self.connects_failed_connect_error),
             connects_failed_no_connect_total: g(&self.connects_failed_no_connect),
+            connects_failed_crowded_out_total: g(&self.connects_failed_crowded_out),
             srq_receives_reserved: g(&self.srq_receives_reserved),
             requests_active: g(&self.requests_active),
             requests_waiting: g(&self.requests_waiting),
@@ -387,6 +391,7 @@ impl DataPathCounters {
             connects_failed_unreachable,
             connects_failed_connect_error,
             connects_failed_no_connect,
+            connects_failed_crowded_out,
             srq_receives_reserved: _,
             // A reactor's own flag, not a data path's.
             building_path: _,
@@ -447,6 +452,7 @@ impl DataPathCounters {
             &to.connects_failed_connect_error,
         );
         mv(connects_failed_no_connect, &to.connects_failed_no_connect);
+        mv(connects_failed_crowded_out, &to.connects_failed_crowded_out);
         mv(teardowns_disconnect, &to.teardowns_disconnect);
         mv(teardowns_qp_error, &to.teardowns_qp_error);
         mv(teardowns_controller, &to.teardowns_controller);
@@ -553,6 +559,9 @@ pub struct DataPathStats {
     /// Accepted connections whose host sent no Fabrics Connect in time.
     #[serde(default)]
     pub connects_failed_no_connect_total: u64,
+    /// Accepted connections without a Fabrics Connect ended to make room for a newer one.
+    #[serde(default)]
+    pub connects_failed_crowded_out_total: u64,
     /// Receives reserved in the SRQs for the connected queues.
     #[serde(default)]
     pub srq_receives_reserved: u64,

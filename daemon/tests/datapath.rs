@@ -3333,6 +3333,92 @@ fn connections_beyond_the_qp_limit_are_refused_until_one_has_drained() {
     assert!(back == data);
 }
 
+/// Connections whose host sends no Fabrics Connect keep at most a quarter of a data path's
+/// QPs once they have waited 2 s (the grace; shortened here): a new connection ends the
+/// oldest beyond that, so a peer opening connections and sending nothing cannot hold every
+/// QP until `connect_timeout` (60 s) and lock out the hosts that connect meanwhile. Before,
+/// the host here was refused (No Resources) until they timed out.
+#[test]
+fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
+    use nvmfd_rdma::soft::cm::CmEvent;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4514,
+        None,
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            max_qps: 8,
+            ..Opts::default()
+        },
+    );
+    let refused = || {
+        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+        let e = RdmaQueue::connect(ch, s.addr, 0, 31, 4096, 128 * 1024).unwrap_err();
+        assert!(
+            e.to_string().contains("status 0x6"),
+            "not No Resources: {e}"
+        );
+    };
+    // Within the grace (an hour here), connections without a Connect are all kept: as many
+    // as the data path serves QPs, one at a time (an ended QP counts until its drain ends).
+    s.on_data_path(|dp| dp.unconnected_grace(Duration::from_secs(3600)));
+    let mut silent = Vec::new();
+    for n in 1..=8u64 {
+        let h = bare_connect(&s);
+        wait_until("the target accepted the connection", || {
+            c.connections_accepted.load(Relaxed) == n
+        });
+        assert!(matches!(
+            h.ch.next_event(),
+            Some(CmEvent::Established { .. })
+        ));
+        silent.push(h);
+    }
+    refused();
+    assert_eq!(c.connects_failed_accept.load(Relaxed), 1);
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 0);
+    // Past it, the next connection ends all but the newest (a quarter of 8 is two, with the
+    // new one); it is refused itself while they drain.
+    s.on_data_path(|dp| dp.unconnected_grace(Duration::ZERO));
+    refused();
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 7);
+    wait_until("the ended connections drained", || {
+        c.qps_draining.load(Relaxed) == 0
+    });
+    assert_eq!(c.connections.load(Relaxed), 1);
+    for (i, h) in silent.iter().enumerate() {
+        let ended = matches!(h.ch.next_event(), Some(CmEvent::Disconnected { .. }));
+        assert_eq!(ended, i < 7, "silent connection {i}: ended {ended}");
+    }
+    // A host connects and is served.
+    let h = host();
+    let mut admin = AdminQueue::connect(queue(&s, 0, 31), &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    assert_eq!(admin.set_queue_count(1).unwrap(), 1);
+    let mut io = IoQueue::connect(queue(&s, 1, 31), &h, SUB, admin.cntlid, 1, 31).unwrap();
+    let data = pattern(77, 4096);
+    io.write(2, 3, 1, &data, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    io.read(2, 3, 1, &mut back).unwrap();
+    assert!(back == data);
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 7);
+    // Connected queues are never crowded out: more connections without a Connect end the
+    // oldest of their kind (the first of these finds one: two; the next two end one each).
+    let more: Vec<BareHost> = (0..3).map(|_| bare_connect(&s)).collect();
+    wait_until("the target took them", || {
+        c.connections_accepted.load(Relaxed) == 13 && c.qps_draining.load(Relaxed) == 0
+    });
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 9);
+    assert_eq!(c.connections.load(Relaxed), 4);
+    admin.ping().unwrap();
+    io.read(2, 3, 1, &mut back).unwrap();
+    assert!(back == data);
+    drop(more);
+}
+
 /// Large writes that fill every large buffer of a backend that does not finish them (held
 /// block completions) leave their next large write waiting for a buffer; another host's
 /// admin commands and small I/O do not wait behind it. Before, every command that arrived

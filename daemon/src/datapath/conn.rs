@@ -103,6 +103,7 @@ impl DataPath {
                 },
             });
         }
+        self.crowd_out_the_oldest_unconnected(Instant::now());
         if self.conns.len() + self.draining.len() >= self.max_qps as usize {
             self.counters
                 .connects_failed_accept
@@ -201,8 +202,7 @@ impl DataPath {
         self.counters
             .connections_accepted
             .fetch_add(1, Ordering::Relaxed);
-        self.unconnected
-            .push_back((Instant::now() + self.connect_timeout, qpn, token));
+        self.unconnected.push_back((Instant::now(), qpn, token));
         Ok(change)
     }
 
@@ -217,60 +217,6 @@ impl DataPath {
         let _ = id.reject(&nvmfd_nvme::rdma_cm::reject_private_data(
             nvmfd_nvme::wire::rdma_cm_status::NO_RESOURCES,
         ));
-    }
-
-    /// rdma_cm reported that the connection with CM token `token` failed before it was
-    /// established: it is counted by `why` and torn down (its QP, CM ID and SRQ reservation
-    /// are released once it has drained). One already torn down (the failure moved its QP to
-    /// ERR, and LAST_WQE or a flushed completion came first) is only counted. A token this
-    /// data path does not serve (another reactor's connection) is ignored.
-    pub fn connect_failed(&mut self, token: usize, why: ConnectFailure) {
-        let live = self
-            .conns
-            .iter()
-            .find(|(_, c)| c.token == token)
-            .map(|(q, _)| *q);
-        if live.is_none() && !self.draining.values().any(|d| d.id.token() == token) {
-            return;
-        }
-        let c = &self.counters;
-        let counter = match why {
-            ConnectFailure::Rejected => &c.connects_failed_rejected,
-            ConnectFailure::Unreachable => &c.connects_failed_unreachable,
-            ConnectFailure::ConnectError => &c.connects_failed_connect_error,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        if let Some(qpn) = live {
-            slog::debug!(self.log, "connection failed before it was established"; "qpn" => qpn, "cm" => ?why);
-            self.teardown(qpn, Cause::Disconnect, Instant::now());
-        }
-    }
-
-    /// Ends the connections whose host sent no Fabrics Connect within `connect_timeout` of
-    /// their accept (counted, torn down as a host breaking the protocol). Cheap when nothing
-    /// is due: deadlines are kept in order.
-    pub(super) fn expire_unconnected(&mut self, now: Instant) {
-        while let Some(&(deadline, qpn, token)) = self.unconnected.front() {
-            if deadline > now {
-                break;
-            }
-            self.unconnected.pop_front();
-            // The same connection (a QP number may have been reused since), still without a
-            // controller.
-            let silent = self
-                .conns
-                .get(&qpn)
-                .is_some_and(|c| c.token == token && c.queue.controller().is_none());
-            if !silent {
-                continue;
-            }
-            self.counters
-                .connects_failed_no_connect
-                .fetch_add(1, Ordering::Relaxed);
-            slog::info!(self.log, "no Fabrics Connect from the host in time: connection ended";
-                "qpn" => qpn, "timeout" => ?self.connect_timeout);
-            self.teardown(qpn, Cause::Controller, now);
-        }
     }
 
     /// Ends the connections whose posted work has not all completed within `response_timeout`

@@ -18,6 +18,9 @@ pub(super) struct Hooks {
     /// No turn reads the CQ to its end, as under a load that leaves a full batch at every
     /// poll.
     pub(super) cq_never_empty: bool,
+    /// How long a connection without a Fabrics Connect is safe from being crowded out
+    /// (`UNCONNECTED_GRACE` when not set).
+    pub(super) unconnected_grace: Option<std::time::Duration>,
 }
 
 impl DataPath {
@@ -81,6 +84,13 @@ impl DataPath {
     #[doc(hidden)]
     pub fn cq_never_empty(&mut self, on: bool) {
         self.hooks.cq_never_empty = on;
+    }
+
+    /// Tests: connections without a Fabrics Connect are safe from being crowded out by newer
+    /// ones for `grace` instead of 2 s.
+    #[doc(hidden)]
+    pub fn unconnected_grace(&mut self, grace: std::time::Duration) {
+        self.hooks.unconnected_grace = Some(grace);
     }
 
     /// Tests: the target it serves (to run the control thread's keep-alive check).

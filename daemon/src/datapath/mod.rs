@@ -89,6 +89,7 @@ mod hooks;
 mod post;
 mod receive;
 mod request;
+mod unconnected;
 mod waiting;
 
 use conn::*;
@@ -347,8 +348,8 @@ pub struct DataPath {
     /// A rebuild of the broken SRQ failed: when to try again, and the wait after this try
     /// (doubling from `SRQ_RETRY_FIRST` to `SRQ_RETRY_MAX`).
     srq_retry: Option<(Instant, std::time::Duration)>,
-    /// Accepted connections whose host has not sent a Fabrics Connect yet, by deadline
-    /// (adoption order, so deadlines only grow): (deadline, QP number, CM token).
+    /// Accepted connections whose host has not sent a Fabrics Connect yet, in accept order:
+    /// (accepted at, QP number, CM token).
     unconnected: VecDeque<(Instant, u32, usize)>,
     /// How long a connection may go without a Fabrics Connect (`DataPathConfig`).
     connect_timeout: std::time::Duration,
