@@ -300,6 +300,14 @@ fn removing_a_subsystem_or_a_hosts_access_or_disconnecting_ends_those_controller
 /// 300 ms), each data path built while it serves taking `build_ms`, the excuse of a reactor
 /// building bounded by `bound_ms`; and a listener added on another device (127.0.0.2).
 fn adding_a_listener_built_slowly(build_ms: u64, bound_ms: u64) -> Daemon {
+    let (d, _) = building_slowly(build_ms, bound_ms);
+    add_a_listener_on_another_device(&d);
+    d
+}
+
+/// The daemon of `adding_a_listener_built_slowly`, with no listener added yet, and the
+/// address it serves.
+fn building_slowly(build_ms: u64, bound_ms: u64) -> (Daemon, SocketAddr) {
     let port = test_port();
     let d = Daemon::spawn(Options {
         config: Some(config(std::path::Path::new("@DIR@"), port).replace(
@@ -320,13 +328,17 @@ fn adding_a_listener_built_slowly(build_ms: u64, bound_ms: u64) -> Daemon {
     });
     d.notifications_until("READY=1");
     d.notifications_until("WATCHDOG=1");
+    (d, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+/// Adds a listener on 127.0.0.2 (another device: a data path built while serving).
+fn add_a_listener_on_another_device(d: &Daemon) {
     let second = test_port();
     change(
-        &d,
+        d,
         serde_json::json!({"request": "add_listener",
             "listener": {"address": "127.0.0.2", "port": second, "provider": "soft"}}),
     );
-    d
 }
 
 /// A data path built while the daemon serves (a listener added on another device) holds
@@ -351,6 +363,30 @@ fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
             .then_some(())
     });
     assert!(!d.log().contains("reactor stalled"), "{}", d.log());
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
+/// A reactor building a data path while serving reads none of its queues' commands: their
+/// hosts' Keep Alives wait. That time counts against no controller. Before, a controller
+/// whose keep-alive timeout was shorter than the build was ended meanwhile.
+#[test]
+fn a_data_path_built_while_serving_expires_no_controller() {
+    let (mut d, addr) = building_slowly(3000, 60_000);
+    // A keep-alive timeout of 1 s: the build takes three.
+    let mut h = Host::connect_with_kato("127.0.0.39", addr, A, 0x39, 1000);
+    h.write_read(1, 0, 0x39);
+    add_a_listener_on_another_device(&d);
+    // Read as they come (the watchdog's, every 100 ms): a full socket would hold the
+    // daemon's control thread up.
+    wait_for("the new listener's data path", || {
+        d.notifications_for(std::time::Duration::from_millis(20));
+        d.log()
+            .contains("data path built on the listener's device")
+            .then_some(())
+    });
+    h.write_read(1, 0, 0x3A);
+    assert!(!d.log().contains("keep-alive timeout"), "{}", d.log());
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
 }

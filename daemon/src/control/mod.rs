@@ -116,6 +116,8 @@ struct Daemon {
     fail_resize: Option<(String, u32)>,
     /// Fenced Connects already logged (`Target::fenced_connects`).
     fenced_seen: u64,
+    /// A reactor was building a data path at the last look at the controllers.
+    was_building: bool,
     stopping: bool,
     target: Option<Target>,
     /// Per listener (in configuration order): its channel, listening ID and device.
@@ -213,6 +215,7 @@ pub fn run(
         test_hooks: std::env::var(TEST_HOOKS_ENV).is_ok_and(|v| v == "1"),
         fail_resize: None,
         fenced_seen: 0,
+        was_building: false,
         stopping: false,
         target: None,
         cm: Vec::new(),
@@ -586,6 +589,18 @@ impl Daemon {
         let Some(t) = self.target.clone() else {
             return;
         };
+        // A reactor building a data path reads none of its queues' commands: their hosts'
+        // Keep Alives wait in the SRQ. That time counts against no controller (which have a
+        // queue there is not known here: every timer restarts), nor until the first look after
+        // it, by when the reactor has read what waited.
+        let building = self
+            .dp_counters
+            .iter()
+            .any(|d| d.building_path.load(Ordering::Relaxed));
+        if building || self.was_building {
+            t.keep_every_controller_alive();
+        }
+        self.was_building = building;
         let ended = t.expire_keep_alives(now);
         for c in &ended {
             warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);

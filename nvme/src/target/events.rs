@@ -54,6 +54,15 @@ impl Target {
         ended
     }
 
+    /// Counts as traffic on every controller at the next [`Target::expire_keep_alives`]: their
+    /// keep-alive timers restart there. For a time when commands wait unread through no fault
+    /// of their hosts (a reactor building a data path serves none of its queues).
+    pub fn keep_every_controller_alive(&self) {
+        for c in self.ctrls().values() {
+            c.traffic.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// Records that namespace `nsid` of subsystem `subnqn` changed (its size, say): every
     /// controller of that subsystem gets a Namespace Attribute Changed event.
     pub fn namespace_changed(&self, subnqn: &str, nsid: u32) {
