@@ -541,24 +541,42 @@ fn image_as_namespace_2(conf: &str, image: &str) -> Daemon {
 #[test]
 fn an_image_whose_configuration_turns_write_back_caching_on_is_not_served() {
     refused_for_its_configuration(
-        &["rbd_cache", "true"],
+        &[["rbd_cache", "true"]],
         "write-back cache",
         &["set", "rbd_cache_max_dirty", "0"],
     );
 }
 
-/// An image whose configuration sets `setting` (name, value) is not served, and its status
+/// librbd's ObjectCacher (`rbd_cache_policy` `writethrough`, or `writeback` with no dirty
+/// bytes) writes through but caches reads in each handle, and each reactor has its own: a
+/// read through one would return what a write through another replaced. Such an image is not
+/// served; with the write-around cache (reads go around it) it is. Before, both were served.
+#[test]
+fn an_image_whose_configuration_caches_reads_in_each_handle_is_not_served() {
+    for policy in ["writethrough", "writeback"] {
+        refused_for_its_configuration(
+            &[
+                ["rbd_cache", "true"],
+                ["rbd_cache_max_dirty", "0"],
+                ["rbd_cache_policy", policy],
+            ],
+            "read cache in each handle",
+            &["set", "rbd_cache_policy", "writearound"],
+        );
+    }
+}
+
+/// An image whose configuration sets `settings` (name, value) is not served, and its status
 /// says why (`words`, in the image's configuration); after `rbd config image <fix...>` it is.
-fn refused_for_its_configuration(setting: &[&str; 2], words: &str, fix: &[&str]) {
+fn refused_for_its_configuration(settings: &[[&str; 2]], words: &str, fix: &[&str]) {
     let _c = shared();
     let Some(conf) = cluster() else { return };
     let image = ceph::image_name();
     let spec = format!("rbd/{image}");
     rbd(&conf, &["create", "--size", "16M", &spec]);
-    rbd(
-        &conf,
-        &["config", "image", "set", &spec, setting[0], setting[1]],
-    );
+    for [name, value] in settings {
+        rbd(&conf, &["config", "image", "set", &spec, name, value]);
+    }
     {
         let d = image_as_namespace_2(&conf, &image);
         let status = d.data("status");

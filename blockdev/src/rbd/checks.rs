@@ -9,12 +9,14 @@ use std::io;
 use super::{err, ffi, lib, Image};
 
 impl Image {
-    /// This handle, if librbd acknowledges its writes only once they are on the OSDs. nvmfd
-    /// turns librbd's cache off on its connection, but a pool's or an image's configuration
-    /// (`rbd config pool|image set ... rbd_cache true`) overrides that at open. Such a handle
-    /// would acknowledge writes it still holds, and the device reports no volatile cache; and
-    /// a Flush reaches only the cache of the handle it goes to, while each reactor has its
-    /// own. So it is refused, with what to remove.
+    /// This handle, if librbd acknowledges its writes only once they are on the OSDs and
+    /// caches no reads. nvmfd turns librbd's cache off on its connection, but a pool's or an
+    /// image's configuration (`rbd config pool|image set ... rbd_cache true`) overrides that
+    /// at open. Such a handle could acknowledge writes it still holds, and the device reports
+    /// no volatile cache; a Flush reaches only the cache of the handle it goes to; and a read
+    /// cache is its handle's alone, while each reactor has its own handle (one reads back
+    /// data another's write replaced). So it is refused, with what to change, unless the cache
+    /// is librbd's write-around one with no dirty bytes (reads go around it, writes through).
     pub(super) fn writing_through(self, what: impl Fn() -> String) -> io::Result<Image> {
         if self.read_only {
             return Ok(self);
@@ -32,17 +34,28 @@ impl Image {
         };
         if let Some((_, v, source)) = get("rbd_cache") {
             let dirty = get("rbd_cache_max_dirty").is_some_and(|(_, d, _)| d != "0");
+            // librbd before Nautilus has no policy: its one cache is the ObjectCacher.
             let policy = get("rbd_cache_policy").map_or("", |(_, p, _)| p.as_str());
-            if v == "true" && dirty && policy != "writethrough" {
+            // Only `writearound` with no dirty bytes writes through and reads around: the
+            // ObjectCacher (`writethrough`, `writeback`) caches reads in each handle, and
+            // each reactor has its own handle, so one would read back what another's write
+            // replaced; `writearound` with dirty bytes acknowledges writes early.
+            let why = if v != "true" || (policy == "writearound" && !dirty) {
+                None
+            } else if dirty && policy != "writethrough" {
+                Some("a write-back cache: writes would be acknowledged before they are on the OSDs")
+            } else {
+                Some("a read cache in each handle: a reactor's handle would read back data another reactor's write replaced")
+            };
+            if let Some(why) = why {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
-                        "{} turns librbd's write-back cache on (rbd_cache = true, set in {} \
-                         ...)): writes would be acknowledged before they are on the OSDs, and \
-                         each reactor's handle would cache its own; remove the setting (rbd \
-                         config image|pool rm ... rbd_cache) or set rbd_cache_max_dirty to 0",
+                        "{} turns librbd's cache on (rbd_cache = true, set in {} ...);                          rbd_cache_policy = {}, rbd_cache_max_dirty = {}), {why}; remove the                          setting (rbd config image|pool rm ... rbd_cache), or make the cache                          write-around with no dirty bytes (rbd_cache_policy = writearound,                          rbd_cache_max_dirty = 0)",
                         what(),
-                        where_set(*source)
+                        where_set(*source),
+                        if policy.is_empty() { "(none)" } else { policy },
+                        get("rbd_cache_max_dirty").map_or("(none)", |(_, d, _)| d.as_str()),
                     ),
                 ));
             }
