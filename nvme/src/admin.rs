@@ -242,14 +242,12 @@ fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
         };
         return q.respond(&cmd, Status::SUCCESS, csts);
     }
-    ctrl.lock().shutdown_flushing = Some(Instant::now());
+    let epoch = ctrl.epoch.load(Ordering::Acquire);
+    ctrl.lock().shutdown_flushing = Some((Instant::now(), epoch));
     Action::Io(IoRequest {
         cmd,
         nsid: 0,
-        op: IoOp::FlushAll {
-            nsids,
-            epoch: ctrl.epoch.load(Ordering::Acquire),
-        },
+        op: IoOp::FlushAll { nsids, epoch },
         data: None,
     })
 }

@@ -590,7 +590,10 @@ impl Queue {
             let mut csts = 0;
             if let Some(ctrl) = &self.ctrl {
                 let mut st = ctrl.lock();
-                st.shutdown_flushing = None;
+                // Its own mark only: a shutdown after a reset has its own flush.
+                if st.shutdown_flushing.is_some_and(|(_, e)| e == epoch) {
+                    st.shutdown_flushing = None;
+                }
                 st.csts = if ctrl.epoch.load(Ordering::Acquire) != epoch {
                     // Reset (and maybe enabled again) while it flushed: that shutdown is over.
                     st.csts

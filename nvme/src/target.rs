@@ -171,8 +171,9 @@ pub(crate) struct CtrlState {
     /// the command that started it (a Property Set or Get on its admin queue) and sends
     /// nothing else, so its keep-alive timer does not run out meanwhile, for up to
     /// [`SHUTDOWN_FLUSH_KEEPS_ALIVE`] (a flush that hangs does not keep a host that went
-    /// away for ever).
-    pub shutdown_flushing: Option<Instant>,
+    /// away for ever). With the controller's epoch it began in: a reset ends that shutdown,
+    /// so the flush then keeps nothing alive, and its end clears no later shutdown's mark.
+    pub shutdown_flushing: Option<(Instant, u32)>,
     /// A Discovery Log Page Change event was raised and the host has not read the log since
     /// (without retaining it): no other is raised until it has.
     pub disc_event_masked: bool,

@@ -1428,18 +1428,7 @@ fn a_shutdown_flush_ending_after_a_reset_leaves_the_enabled_controller_alone() {
     let mut a = w.admin(&host(1), SUB).unwrap();
     a.enable().unwrap();
     a.set_queue_count(1).unwrap();
-    let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
-    let mut shn: Sqe = nvmfd_nvme::host::command(0);
-    shn.opcode = wire::admin_opcode::FABRICS;
-    shn.cid = U16::new(0x61);
-    let b = shn.as_mut_bytes();
-    b[4] = wire::fctype::PROPERTY_SET;
-    b[44..48].copy_from_slice(&wire::property::CC.to_le_bytes());
-    b[48..56].copy_from_slice(&u64::from(cc | 1 << 14).to_le_bytes());
-    let now = a.transport().now;
-    let Action::Io(flush) = a.transport().queue_mut().handle(shn.as_bytes(), now) else {
-        panic!("the shutdown flushes its namespaces");
-    };
+    let flush = shutdown_held(&mut a, 0x61);
     // Reset and enabled again while the flush runs; then it ends.
     a.property_set(wire::property::CC, 0).unwrap();
     a.enable().unwrap();
@@ -1448,6 +1437,68 @@ fn a_shutdown_flush_ending_after_a_reset_leaves_the_enabled_controller_alone() {
     assert_eq!(csts & 0xF, 1, "ready, not shut down: CSTS {csts:#x}");
     a.set_queue_count(1).unwrap();
     IoQueue::connect(w.link(1, 31), &host(1), SUB, a.cntlid, 1, 31).unwrap();
+}
+
+/// Asks `a`'s controller for a normal shutdown; returns its flush of every namespace,
+/// which the test ends when it likes (`io_done`).
+fn shutdown_held(a: &mut AdminQueue<Loopback>, cid: u16) -> nvmfd_nvme::IoRequest {
+    let cc = a.property_get(wire::property::CC, false).unwrap() as u32;
+    let mut shn: Sqe = nvmfd_nvme::host::command(0);
+    shn.opcode = wire::admin_opcode::FABRICS;
+    shn.cid = U16::new(cid);
+    let b = shn.as_mut_bytes();
+    b[4] = wire::fctype::PROPERTY_SET;
+    b[44..48].copy_from_slice(&wire::property::CC.to_le_bytes());
+    b[48..56].copy_from_slice(&u64::from(cc | 1 << 14).to_le_bytes());
+    let now = a.transport().now;
+    let Action::Io(flush) = a.transport().queue_mut().handle(shn.as_bytes(), now) else {
+        panic!("the shutdown flushes its namespaces");
+    };
+    flush
+}
+
+/// A shutdown's flush keeps its controller alive only while that shutdown lasts: the flush
+/// of a shutdown a reset ended keeps nothing alive, and its end does not take the keep-alive
+/// of a later shutdown's flush. Before, the first flush's end cleared the second's, and a
+/// reset during a flush left the controller kept alive by it.
+#[test]
+fn a_shutdown_flush_keeps_alive_only_its_own_shutdown() {
+    let w = world();
+    let kato = Duration::from_millis(5000);
+    let expired_in_two_timeouts = |w: &World| {
+        let t0 = Instant::now();
+        w.target.expire_keep_alives(t0);
+        w.target.expire_keep_alives(t0 + kato * 2).len()
+    };
+    // Reset and enabled again while the first shutdown flushes; a second shutdown flushes,
+    // and the first flush ends.
+    let (mut a, ios) = w.controller(1);
+    drop(ios);
+    let first = shutdown_held(&mut a, 0x62);
+    a.property_set(wire::property::CC, 0).unwrap();
+    a.enable().unwrap();
+    let second = shutdown_held(&mut a, 0x63);
+    a.transport().queue_mut().io_done(&first, Ok(0));
+    assert_eq!(
+        expired_in_two_timeouts(&w),
+        0,
+        "the second shutdown's flush did not keep its controller alive"
+    );
+    a.transport().queue_mut().io_done(&second, Ok(0));
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!((csts >> 2) & 3, 2, "SHST complete: CSTS {csts:#x}");
+    drop(a);
+    // Reset while a shutdown flushes: the timer runs again.
+    let (mut b, ios) = w.controller(1);
+    drop(ios);
+    let flush = shutdown_held(&mut b, 0x64);
+    b.property_set(wire::property::CC, 0).unwrap();
+    assert_eq!(
+        expired_in_two_timeouts(&w),
+        1,
+        "a flush of a shutdown a reset ended kept its controller alive"
+    );
+    b.transport().queue_mut().io_done(&flush, Ok(0));
 }
 
 /// A host that disables its controller and asks for a shutdown in one write (EN 1 to 0

@@ -32,9 +32,11 @@ impl Target {
                 return true;
             }
             let mut st = c.lock();
-            let flushing = st
-                .shutdown_flushing
-                .is_some_and(|t0| now.saturating_duration_since(t0) < SHUTDOWN_FLUSH_KEEPS_ALIVE);
+            // A shutdown's flush of this epoch: one a reset ended keeps nothing alive.
+            let epoch = c.epoch.load(Ordering::Acquire);
+            let flushing = st.shutdown_flushing.is_some_and(|(t0, e)| {
+                e == epoch && now.saturating_duration_since(t0) < SHUTDOWN_FLUSH_KEEPS_ALIVE
+            });
             if c.traffic.swap(false, Ordering::Relaxed) || flushing {
                 st.last_keep_alive = now;
             }
