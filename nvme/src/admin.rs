@@ -416,7 +416,9 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.frmw = 0x3;
     id.elpe = 0;
     id.kas = U16::new(1); // keep-alive granularity: 100 ms
-    id.ctratt = U32::new(1 << 6); // TBKAS: any command restarts the keep-alive timer
+                          // 128-bit Host Identifier (a Connect carries one), and TBKAS: any command restarts the
+                          // keep-alive timer.
+    id.ctratt = U32::new(1 | 1 << 6);
     id.sqes = 0x66;
     id.cqes = 0x44;
     id.maxcmd = U16::new(limits.max_queue_depth);
@@ -475,10 +477,9 @@ pub(crate) fn identify_namespace(
         ));
     }
     if info.deallocate {
-        // Deallocated blocks read as zeroes; Write Zeroes may deallocate.
-        id.dlfeat = 0x1 | (1 << 3);
-        id.nsfeat |= 1 << 2; // DAE: deallocated or unwritten logical block error support off
-        id.nsfeat &= !(1 << 2);
+        // Deallocated blocks read as zeroes; Write Zeroes may deallocate (where there is a
+        // Write Zeroes). NSFEAT bit 2 (DAE, errors for deallocated blocks) stays clear.
+        id.dlfeat = 0x1 | u8::from(info.write_zeroes) << 3;
     }
     if info.read_only {
         id.nsattr = 1;
@@ -515,7 +516,9 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
     let mut page = q.take_bytes(0);
     match (lid, ctrl.subsystem.is_some()) {
         (log_page::DISCOVERY, false) => {
-            if !rae {
+            page = discovery_log(q, ctrl);
+            // A read past the page fails (below), and must not take the event.
+            if !rae && offset <= page.len() as u64 {
                 // Read and not retained: the next change raises an event again, and one for
                 // this log not yet reported is not reported.
                 let mut st = ctrl.lock();
@@ -523,7 +526,6 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
                 st.pending_events
                     .retain(|&e| e != crate::target::DISCOVERY_CHANGED_EVENT);
             }
-            page = discovery_log(q, ctrl);
         }
         (log_page::ERROR, _) => page.resize(64, 0),
         // Controller-wide only (LPA bit 0 clear): an NSID other than 0 or FFFFFFFFh asks for

@@ -377,8 +377,14 @@ impl<T: HostTransport> AdminQueue<T> {
     /// Get Features with SEL 011b: the feature's supported capabilities (bit 0 saveable,
     /// bit 1 namespace specific, bit 2 changeable).
     pub fn feature_capabilities(&mut self, fid: u8) -> Result<u32, HostError> {
+        self.get_feature_as(fid, 3)
+    }
+
+    /// Get Features with Select `sel` (0 current, 1 default, 2 saved, 3 supported
+    /// capabilities): dword 0 of the answer.
+    pub fn get_feature_as(&mut self, fid: u8, sel: u32) -> Result<u32, HostError> {
         let mut s = sqe(admin_opcode::GET_FEATURES, self.next_cid());
-        s.cdw10 = U32::new(u32::from(fid) | 3 << 8);
+        s.cdw10 = U32::new(u32::from(fid) | (sel & 7) << 8);
         Ok(check(self.t.execute(s, DataDir::None)?)?.dw0.get())
     }
 

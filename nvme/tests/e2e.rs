@@ -281,13 +281,29 @@ fn a_discovery_controller_is_told_when_the_discovery_log_changes() {
         l.poll_events().is_empty(),
         "raised again before the log was read"
     );
+    // A read past the log's end fails and reads nothing: the next change raises nothing
+    // yet. (Before, it took the event.)
+    let past = d.get_log_page(wire::log_page::DISCOVERY, 1 << 20, 4);
+    assert!(status_of(past).same_code(status::INVALID_FIELD));
+    let mut ports = w.target.ports();
+    ports.push(Port {
+        addr: "10.0.0.8".parse().unwrap(),
+        port: 4420,
+        id: 8,
+    });
+    w.target.set_ports(ports);
+    assert!(
+        d.transport().poll_events().is_empty(),
+        "raised again after a read past the log's end"
+    );
     let got: Vec<String> = d
         .discover()
         .unwrap()
         .iter()
         .map(|e| host_text(e).0)
         .collect();
-    assert_eq!(got, vec![SUB.to_string()]);
+    // One entry per port.
+    assert_eq!(got, vec![SUB.to_string(); 2]);
     // Read: the next change raises it; a change of the ports too.
     let mut ports = w.target.ports();
     ports.push(Port {
@@ -379,6 +395,12 @@ fn connect_checks_host_subsystem_and_parameters() {
         1 << 16 | 16,
         "another host's controller"
     );
+    // The host's NQN with another Host Identifier is another host too (the kernel target
+    // does not look): Invalid Parameters pointing at HOSTID. Before, it took queue 1.
+    let mut impostor = host(1);
+    impostor.id[15] ^= 0xFF;
+    let other_id = IoQueue::connect(w.link(1, 127), &impostor, SUB, a.cntlid, 1, 127);
+    assert_eq!(dw0_of(other_id), 1 << 16, "another Host Identifier");
     let beyond = IoQueue::connect(w.link(3, 127), &host(1), SUB, a.cntlid, 3, 127);
     assert_eq!(dw0_of(beyond), 42, "qid 3 of 2 granted");
     // A queue ID the controller has: Command Sequence Error (the specification; the kernel
@@ -560,6 +582,11 @@ fn identify_reports_what_the_linux_host_checks() {
     assert_eq!(id.mdts, 5, "128 KiB in 4 KiB pages");
     assert_eq!((id.sqes, id.cqes), (0x66, 0x44));
     assert_eq!(id.maxcmd.get(), 128);
+    assert_eq!(
+        id.ctratt.get() & 0x41,
+        0x41,
+        "128-bit Host Identifier and TBKAS"
+    );
     // NN is the configured largest NSID, not the largest in use: namespaces can come later.
     assert_eq!(id.nn.get(), Limits::default().max_nsid);
     assert_eq!(id.mnan.get(), id.nn.get());
@@ -1243,6 +1270,16 @@ fn features_negotiate_queues_keep_alive_and_events() {
         );
     }
     assert!(status_of(a.feature_capabilities(0x80)).same_code(status::INVALID_FIELD));
+    // Select 100b to 111b are reserved: Invalid Field (they were answered as the current
+    // value); default and saved (nothing is saveable) report the current value.
+    for sel in 4..8 {
+        let got = a.get_feature_as(wire::feature::ASYNC_EVENT_CONFIG, sel);
+        assert!(status_of(got).same_code(status::INVALID_FIELD), "SEL {sel}");
+    }
+    for sel in 1..3 {
+        let got = a.get_feature_as(wire::feature::ASYNC_EVENT_CONFIG, sel);
+        assert_eq!(got.unwrap(), 1 << 8, "SEL {sel}");
+    }
     assert!(
         status_of(a.set_feature(wire::feature::NUMBER_OF_QUEUES, 0xFFFF))
             .same_code(status::INVALID_FIELD)
@@ -2501,6 +2538,51 @@ fn limits_world(max1: u32, max2: u32) -> World {
         target,
         backend,
         d1,
+    }
+}
+
+/// DLFEAT bit 3 (Write Zeroes may deallocate) only where there is a Write Zeroes: it was set
+/// for any namespace that deallocates.
+#[test]
+fn dlfeat_offers_deallocating_write_zeroes_only_with_write_zeroes() {
+    for write_zeroes in [true, false] {
+        let d = malloc(SIZE, 512, false);
+        let mut info = namespace_info(d.info());
+        info.deallocate = true;
+        info.write_zeroes = write_zeroes;
+        let sub = Subsystem {
+            id: 0,
+            nqn: SUB.into(),
+            serial: "SN-TEST-0004".into(),
+            model: "nvmfd test".into(),
+            allow_any_host: true,
+            hosts: vec![],
+            namespaces: vec![Namespace {
+                nsid: 1,
+                info,
+                uuid: None,
+                nguid: None,
+            }],
+        };
+        let target = Target::new(vec![sub], vec![], Limits::default());
+        let backend = Backend::new(
+            &[(SUB.into(), 1, Arc::clone(&d))],
+            Limits::default().max_io_size,
+        )
+        .unwrap();
+        let w = World {
+            target,
+            backend,
+            d1: d,
+        };
+        let (mut a, _ios) = w.controller(1);
+        let ns = a.identify_namespace(1).unwrap();
+        assert_eq!(
+            ns.dlfeat,
+            1 | u8::from(write_zeroes) << 3,
+            "Write Zeroes {write_zeroes}"
+        );
+        assert_eq!(ns.nsfeat & (1 << 2), 0, "no deallocated-block errors");
     }
 }
 

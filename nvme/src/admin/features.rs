@@ -112,6 +112,11 @@ pub(super) fn get_features(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: 
     let cdw10 = cmd.sqe.cdw10.get();
     let fid = (cdw10 & 0xFF) as u8;
     let sel = (cdw10 >> 8) & 0x7;
+    // Current, default, saved (nothing is saveable: the current value is reported for each)
+    // and supported capabilities; the rest are reserved.
+    if sel > 3 {
+        return q.respond(&cmd, status::INVALID_FIELD, 0);
+    }
     // Only Host Behavior Support's current value has data.
     let with_data = fid == feature::HOST_BEHAVIOR_SUPPORT && ctrl.subsystem.is_some() && sel != 3;
     if !with_data {

@@ -183,6 +183,12 @@ impl Queue {
         else {
             return invalid(self, true, 16);
         };
+        // The same host: its Host Identifier too (a host of the same NQN and another
+        // identifier is another host, which must not take this controller's queue IDs or
+        // keep it alive with its traffic).
+        if ctrl.hostid != d.hostid {
+            return invalid(self, true, 0);
+        }
         if !ctrl.ready.load(Ordering::Acquire) {
             return self.respond(&cmd, status::COMMAND_SEQUENCE_ERROR, 0);
         }
