@@ -146,7 +146,8 @@ pub struct DataPathCounters {
     /// `transport.connect_timeout`.
     pub connects_failed_no_connect: AtomicU64,
     /// Accepted connections without a Fabrics Connect yet, ended as the oldest when more than
-    /// a data path keeps (a quarter of its QPs) were waiting for theirs.
+    /// a data path keeps (a quarter of its QPs) were waiting for theirs while its QPs ran
+    /// short.
     pub connects_failed_crowded_out: AtomicU64,
     /// Receives reserved in the SRQs for the connected queues (the sum of their depths, with
     /// `srq_cover_queues`); given back when a queue's QP is destroyed.

@@ -3333,11 +3333,12 @@ fn connections_beyond_the_qp_limit_are_refused_until_one_has_drained() {
     assert!(back == data);
 }
 
-/// Connections whose host sends no Fabrics Connect keep at most a quarter of a data path's
-/// QPs once they have waited 2 s (the grace; shortened here): a new connection ends the
-/// oldest beyond that, so a peer opening connections and sending nothing cannot hold every
-/// QP until `connect_timeout` (60 s) and lock out the hosts that connect meanwhile. Before,
-/// the host here was refused (No Resources) until they timed out.
+/// While a data path has fewer than a quarter of its QPs free, connections whose host sends
+/// no Fabrics Connect keep at most a quarter of them once they have waited 5 s (the grace;
+/// shortened here): a new connection ends the oldest beyond that, so a peer opening
+/// connections and sending nothing cannot hold every QP until `connect_timeout` (60 s) and
+/// lock out the hosts that connect meanwhile. Before, the host here was refused (No
+/// Resources) until they timed out.
 #[test]
 fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
     use nvmfd_rdma::soft::cm::CmEvent;
@@ -3405,13 +3406,23 @@ fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
     io.read(2, 3, 1, &mut back).unwrap();
     assert!(back == data);
     assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 7);
-    // Connected queues are never crowded out: more connections without a Connect end the
-    // oldest of their kind (the first of these finds one: two; the next two end one each).
-    let more: Vec<BareHost> = (0..3).map(|_| bare_connect(&s)).collect();
-    wait_until("the target took them", || {
-        c.connections_accepted.load(Relaxed) == 13 && c.qps_draining.load(Relaxed) == 0
+    // With QPs to spare (a quarter free), nothing is ended: three more are all kept.
+    let mut more = Vec::new();
+    for n in 11..=13u64 {
+        more.push(bare_connect(&s));
+        wait_until("the target took it", || {
+            c.connections_accepted.load(Relaxed) == n
+        });
+    }
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 7);
+    assert_eq!(c.connections.load(Relaxed), 6);
+    // Short of them again, the next ends the oldest beyond the quarter, and connected queues
+    // never: the first silent one and two of the three, and it is taken.
+    more.push(bare_connect(&s));
+    wait_until("the target took it", || {
+        c.connections_accepted.load(Relaxed) == 14 && c.qps_draining.load(Relaxed) == 0
     });
-    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 9);
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 10);
     assert_eq!(c.connections.load(Relaxed), 4);
     admin.ping().unwrap();
     io.read(2, 3, 1, &mut back).unwrap();

@@ -368,25 +368,55 @@ fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
 }
 
 /// A reactor building a data path while serving reads none of its queues' commands: their
-/// hosts' Keep Alives wait. That time counts against no controller. Before, a controller
-/// whose keep-alive timeout was shorter than the build was ended meanwhile.
+/// hosts' Keep Alives wait. That time counts against no controller, and the timers run again
+/// after it. Before, a controller whose keep-alive timeout was shorter than the build was
+/// ended meanwhile.
 #[test]
 fn a_data_path_built_while_serving_expires_no_controller() {
-    let (mut d, addr) = building_slowly(3000, 60_000);
-    // A keep-alive timeout of 1 s: the build takes three.
-    let mut h = Host::connect_with_kato("127.0.0.39", addr, A, 0x39, 1000);
+    let (mut d, addr) = building_slowly(4000, 60_000);
+    // A keep-alive timeout of 2 s: the build takes twice that.
+    let mut h = Host::connect_with_kato("127.0.0.39", addr, A, 0x39, 2000);
     h.write_read(1, 0, 0x39);
     add_a_listener_on_another_device(&d);
     // Read as they come (the watchdog's, every 100 ms): a full socket would hold the
     // daemon's control thread up.
-    wait_for("the new listener's data path", || {
+    let logged = |d: &Daemon, what: &str| {
         d.notifications_for(std::time::Duration::from_millis(20));
-        d.log()
-            .contains("data path built on the listener's device")
-            .then_some(())
+        d.log().contains(what).then_some(())
+    };
+    wait_for("the new listener's data path", || {
+        logged(&d, "data path built on the listener's device")
     });
     h.write_read(1, 0, 0x3A);
     assert!(!d.log().contains("keep-alive timeout"), "{}", d.log());
+    // The host says nothing more: its controller's timer runs again, and it ends.
+    wait_for("the controller's keep-alive timeout", || {
+        logged(&d, "keep-alive timeout: controller ended")
+    });
+    d.signal(libc::SIGTERM);
+    assert!(d.wait_exit().success());
+}
+
+/// A build past the bound a reactor is excused for (a stall) holds no keep-alive timer past
+/// that bound: a controller whose host sends nothing ends during it. Before, the timers were
+/// held for as long as any reactor built.
+#[test]
+fn a_data_path_build_past_the_setup_bound_holds_keep_alives_no_longer() {
+    let (mut d, addr) = building_slowly(5000, 500);
+    let mut h = Host::connect_with_kato("127.0.0.40", addr, A, 0x40, 1000);
+    h.write_read(1, 0, 0x40);
+    add_a_listener_on_another_device(&d);
+    wait_for("the controller's keep-alive timeout", || {
+        d.notifications_for(std::time::Duration::from_millis(20));
+        d.log()
+            .contains("keep-alive timeout: controller ended")
+            .then_some(())
+    });
+    let log = d.log();
+    assert!(
+        !log.contains("data path built on the listener's device"),
+        "the controller ended only after the build:\n{log}"
+    );
     d.signal(libc::SIGTERM);
     assert!(d.wait_exit().success());
 }

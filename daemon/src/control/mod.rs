@@ -116,8 +116,10 @@ struct Daemon {
     fail_resize: Option<(String, u32)>,
     /// Fenced Connects already logged (`Target::fenced_connects`).
     fenced_seen: u64,
-    /// A reactor was building a data path at the last look at the controllers.
+    /// A reactor was building a data path (within the bound it is excused for) at the last
+    /// look at the controllers, and when that look was.
     was_building: bool,
+    controllers_seen: Instant,
     stopping: bool,
     target: Option<Target>,
     /// Per listener (in configuration order): its channel, listening ID and device.
@@ -216,6 +218,7 @@ pub fn run(
         fail_resize: None,
         fenced_seen: 0,
         was_building: false,
+        controllers_seen: Instant::now(),
         stopping: false,
         target: None,
         cm: Vec::new(),
@@ -591,16 +594,21 @@ impl Daemon {
         };
         // A reactor building a data path reads none of its queues' commands: their hosts'
         // Keep Alives wait in the SRQ. That time counts against no controller (which have a
-        // queue there is not known here: every timer restarts), nor until the first look after
-        // it, by when the reactor has read what waited.
-        let building = self
-            .dp_counters
-            .iter()
-            .any(|d| d.building_path.load(Ordering::Relaxed));
+        // queue there is not known here: every timer is held), up to the bound a build is
+        // excused for (past it, the reactor is stalled), and up to this look if the build
+        // ended since the last (by now the reactor has read what waited).
+        let setup_bound = self
+            .test_ms(TEST_SETUP_TIMEOUT_ENV)
+            .unwrap_or(REACTOR_SETUP_TIMEOUT);
+        let building = self.heartbeats.iter().any(|hb| {
+            hb.building_since
+                .is_some_and(|since| now.saturating_duration_since(since) < setup_bound)
+        });
         if building || self.was_building {
-            t.keep_every_controller_alive();
+            t.hold_keep_alive_timers(now.saturating_duration_since(self.controllers_seen), now);
         }
         self.was_building = building;
+        self.controllers_seen = now;
         let ended = t.expire_keep_alives(now);
         for c in &ended {
             warn!(self.log, "keep-alive timeout: controller ended"; "cntlid" => c.cntlid, "host" => &c.hostnqn);

@@ -87,7 +87,7 @@ impl DataPath {
     }
 
     /// Tests: connections without a Fabrics Connect are safe from being crowded out by newer
-    /// ones for `grace` instead of 2 s.
+    /// ones for `grace` instead of 5 s.
     #[doc(hidden)]
     pub fn unconnected_grace(&mut self, grace: std::time::Duration) {
         self.hooks.unconnected_grace = Some(grace);

@@ -11,7 +11,7 @@ fn unconnected_cap(max_qps: u32) -> usize {
 
 /// How long a connection without a Fabrics Connect is safe from being crowded out by newer
 /// ones ([`DataPath::crowd_out_the_oldest_unconnected`]).
-const UNCONNECTED_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+const UNCONNECTED_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl DataPath {
     /// rdma_cm reported that the connection with CM token `token` failed before it was
@@ -49,19 +49,22 @@ impl DataPath {
             .is_some_and(|c| c.token == token && c.queue.controller().is_none())
     }
 
-    /// A new connection is coming: connections without a Fabrics Connect yet keep at most a
-    /// quarter of `max_qps` ([`unconnected_cap`]) with it, the oldest beyond that ended
-    /// (counted, torn down as a host breaking the protocol) once they have waited
-    /// [`UNCONNECTED_GRACE`]. Else a peer opening connections and sending nothing would hold
-    /// every QP for `connect_timeout`, and hosts that connect meanwhile be refused. A live host
-    /// sends its Connects well within the grace (a Linux host makes all its queues'
-    /// connections, then sends their Connects), so hosts connecting all at once (after a
-    /// restart) may pass the cap without harm; a flood keeps the cap and what it opens within
-    /// the grace. Called before the new connection is refused for a full data path too: the
-    /// ended ones drain, and the host's next try gets in.
+    /// A new connection is coming to a data path with fewer than a quarter of its QPs free:
+    /// connections without a Fabrics Connect yet keep at most a quarter of `max_qps`
+    /// ([`unconnected_cap`]) with it, the oldest beyond that ended (counted, torn down as a
+    /// host breaking the protocol) once they have waited [`UNCONNECTED_GRACE`] with no
+    /// command under way. Else a peer opening connections and sending nothing would hold
+    /// every QP for `connect_timeout`, and hosts that connect meanwhile be refused. With QPs
+    /// to spare nothing is ended: hosts connecting all at once after a restart (a Linux host
+    /// makes all its queues' connections, then sends their Connects) wait as long as they
+    /// need. A connection whose Connect is under way (waiting for admission, its data being
+    /// read) is never ended here. Called before the new connection is refused for a full
+    /// data path too: the ended ones drain, and the host's next try gets in.
     pub(super) fn crowd_out_the_oldest_unconnected(&mut self, now: Instant) {
+        let max = self.max_qps as usize;
+        let in_use = self.conns.len() + self.draining.len();
         let cap = unconnected_cap(self.max_qps);
-        if self.conns.len() < cap {
+        if (in_use + 1) * 4 <= max * 3 || self.conns.len() < cap {
             return;
         }
         // Counted only when it can matter: an accept is rare, a count over every connection
@@ -73,24 +76,32 @@ impl DataPath {
             .count();
         let mut over = (waiting + 1).saturating_sub(cap);
         let grace = self.hooks.unconnected_grace.unwrap_or(UNCONNECTED_GRACE);
-        while over > 0 {
-            let Some(&(accepted, qpn, token)) = self.unconnected.front() else {
-                break;
-            };
+        let mut k = 0;
+        while over > 0 && k < self.unconnected.len() {
+            let (accepted, qpn, token) = self.unconnected[k];
             if !self.silent(qpn, token) {
-                self.unconnected.pop_front();
+                self.unconnected.remove(k);
                 continue;
             }
             // The oldest is young: so are the others.
             if now.saturating_duration_since(accepted) < grace {
                 break;
             }
-            self.unconnected.pop_front();
+            // A command under way (its Connect): kept, for `expire_unconnected` to judge.
+            if self
+                .conns
+                .get(&qpn)
+                .is_some_and(|c| c.received != c.answered || c.signaled_out != 0)
+            {
+                k += 1;
+                continue;
+            }
+            self.unconnected.remove(k);
             over -= 1;
             self.counters
                 .connects_failed_crowded_out
                 .fetch_add(1, Ordering::Relaxed);
-            slog::info!(self.log, "no Fabrics Connect from the host, and more connections without one than a data path keeps: the oldest ended";
+            slog::info!(self.log, "no Fabrics Connect from the host, and more connections without one than a data path keeps while its QPs run short: the oldest ended";
                 "qpn" => qpn, "kept" => cap, "waited" => ?now.saturating_duration_since(accepted));
             self.teardown(qpn, Cause::Controller, now);
         }

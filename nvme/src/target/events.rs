@@ -56,12 +56,13 @@ impl Target {
         ended
     }
 
-    /// Counts as traffic on every controller at the next [`Target::expire_keep_alives`]: their
-    /// keep-alive timers restart there. For a time when commands wait unread through no fault
-    /// of their hosts (a reactor building a data path serves none of its queues).
-    pub fn keep_every_controller_alive(&self) {
+    /// Holds every controller's keep-alive timer for `held` up to `now`: that time counts
+    /// against none. For a time when commands wait unread through no fault of their hosts (a
+    /// reactor building a data path serves none of its queues).
+    pub fn hold_keep_alive_timers(&self, held: Duration, now: Instant) {
         for c in self.ctrls().values() {
-            c.traffic.store(true, Ordering::Relaxed);
+            let mut st = c.lock();
+            st.last_keep_alive = (st.last_keep_alive + held).min(now);
         }
     }
 
