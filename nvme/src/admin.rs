@@ -415,9 +415,10 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
                      // One firmware slot, read-only (the Firmware Slot log reports slot 1 active).
     id.frmw = 0x3;
     id.elpe = 0;
-    id.kas = U16::new(1); // keep-alive granularity: 100 ms
-                          // 128-bit Host Identifier (a Connect carries one), and TBKAS: any command restarts the
-                          // keep-alive timer.
+    // Keep-alive granularity: 100 ms.
+    id.kas = U16::new(1);
+    // 128-bit Host Identifier (a Connect carries one), and TBKAS: any command restarts the
+    // keep-alive timer.
     id.ctratt = U32::new(1 | 1 << 6);
     id.sqes = 0x66;
     id.cqes = 0x44;
@@ -521,10 +522,15 @@ fn get_log_page(q: &mut Queue, ctrl: &Controller, cmd: Command, icd: &[u8]) -> A
             if !rae && offset <= page.len() as u64 {
                 // Read and not retained: the next change raises an event again, and one for
                 // this log not yet reported is not reported.
-                let mut st = ctrl.lock();
-                st.disc_event_masked = false;
-                st.pending_events
-                    .retain(|&e| e != crate::target::DISCOVERY_CHANGED_EVENT);
+                {
+                    let mut st = ctrl.lock();
+                    st.disc_event_masked = false;
+                    st.pending_events
+                        .retain(|&e| e != crate::target::DISCOVERY_CHANGED_EVENT);
+                }
+                // Built again: a change since the first build raised no event (still masked
+                // then), so the host must get it in the page.
+                page = discovery_log(q, ctrl);
             }
         }
         (log_page::ERROR, _) => page.resize(64, 0),

@@ -322,6 +322,63 @@ fn a_discovery_controller_is_told_when_the_discovery_log_changes() {
     );
 }
 
+/// A subsystem added while a discovery log read that takes the change event (RAE clear) is
+/// built, with the event masked by one the host has not read yet: the host gets it in the
+/// log it reads, or an event. Before, the page was built before the event was taken, so
+/// neither: the change raised nothing (masked), and the page was built without it.
+#[test]
+fn a_change_during_a_discovery_log_read_is_in_the_log_or_raises_an_event() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    const MASKING: &str = "nqn.2024-01.io.nvmfd.test:masking";
+    const LATE: &str = "nqn.2024-01.io.nvmfd.test:late";
+    let w = world();
+    let mut d = w.admin(&host(2), DISCOVERY_NQN).unwrap();
+    d.enable().unwrap();
+    d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 31)
+        .unwrap();
+    let aer = |cid: u16| {
+        let mut s: Sqe = nvmfd_nvme::host::command(0);
+        s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
+        s.cid = U16::new(cid);
+        s
+    };
+    for cid in [100, 101] {
+        assert!(d
+            .transport()
+            .send_capsule(aer(cid).as_bytes())
+            .unwrap()
+            .is_none());
+    }
+    // A first change: its event comes, and masks the next until the log is read.
+    w.target
+        .add_subsystem(empty_subsystem(MASKING, "SN-TEST-0010"))
+        .unwrap();
+    assert_eq!(d.transport().poll_events().len(), 1);
+    let (t, fired) = (w.target.clone(), Arc::new(AtomicBool::new(false)));
+    let f = Arc::clone(&fired);
+    w.target.set_discovery_hook(Some(Box::new(move || {
+        if !f.swap(true, SeqCst) {
+            t.add_subsystem(empty_subsystem(LATE, "SN-TEST-0011"))
+                .unwrap();
+        }
+    })));
+    let page = d
+        .get_log_page(wire::log_page::DISCOVERY, 0, 8 * 1024)
+        .unwrap();
+    w.target.set_discovery_hook(None);
+    assert!(fired.load(SeqCst));
+    let listed: Vec<String> = page[1024..]
+        .chunks_exact(1024)
+        .filter_map(wire::read::<wire::DiscoveryLogEntry>)
+        .map(|e| host_text(&e).0)
+        .collect();
+    let events = d.transport().poll_events();
+    assert!(
+        listed.iter().any(|n| n == LATE) || !events.is_empty(),
+        "neither in the log ({listed:?}) nor an event"
+    );
+}
+
 /// A discovery log longer than one transfer (MDTS, 128 KiB here) is read whole, in pieces.
 #[test]
 fn a_discovery_log_longer_than_one_transfer_is_read_whole() {

@@ -33,29 +33,22 @@ impl Image {
             _ => "the client's configuration (ceph.conf or the monitors' config",
         };
         if let Some((_, v, source)) = get("rbd_cache") {
-            let dirty = get("rbd_cache_max_dirty").is_some_and(|(_, d, _)| d != "0");
+            let max_dirty = get("rbd_cache_max_dirty").map(|(_, d, _)| d.as_str());
             // librbd before Nautilus has no policy: its one cache is the ObjectCacher.
-            let policy = get("rbd_cache_policy").map_or("", |(_, p, _)| p.as_str());
-            // Only `writearound` with no dirty bytes writes through and reads around: the
-            // ObjectCacher (`writethrough`, `writeback`) caches reads in each handle, and
-            // each reactor has its own handle, so one would read back what another's write
-            // replaced; `writearound` with dirty bytes acknowledges writes early.
-            let why = if v != "true" || (policy == "writearound" && !dirty) {
-                None
-            } else if dirty && policy != "writethrough" {
-                Some("a write-back cache: writes would be acknowledged before they are on the OSDs")
-            } else {
-                Some("a read cache in each handle: a reactor's handle would read back data another reactor's write replaced")
-            };
-            if let Some(why) = why {
+            let policy = get("rbd_cache_policy").map(|(_, p, _)| p.as_str());
+            if let Some(why) = cache_refusal(v == "true", policy, max_dirty) {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
-                        "{} turns librbd's cache on (rbd_cache = true, set in {} ...);                          rbd_cache_policy = {}, rbd_cache_max_dirty = {}), {why}; remove the                          setting (rbd config image|pool rm ... rbd_cache), or make the cache                          write-around with no dirty bytes (rbd_cache_policy = writearound,                          rbd_cache_max_dirty = 0)",
+                        "{} turns librbd's cache on (rbd_cache = true, set in {} ...); \
+                         rbd_cache_policy = {}, rbd_cache_max_dirty = {}), {why}; remove the \
+                         setting (rbd config image|pool rm ... rbd_cache), or make the cache \
+                         write-around with no dirty bytes (rbd_cache_policy = writearound, \
+                         rbd_cache_max_dirty = 0)",
                         what(),
                         where_set(*source),
-                        if policy.is_empty() { "(none)" } else { policy },
-                        get("rbd_cache_max_dirty").map_or("(none)", |(_, d, _)| d.as_str()),
+                        policy.unwrap_or("(none)"),
+                        max_dirty.unwrap_or("(none)"),
                     ),
                 ));
             }
@@ -148,5 +141,58 @@ impl Image {
             self.name.to_string_lossy(),
             self.name.to_string_lossy()
         ))
+    }
+}
+
+/// Why librbd's cache as configured (`rbd_cache` on, `rbd_cache_policy` and
+/// `rbd_cache_max_dirty` as set, `None` where librbd has no such option) cannot serve a
+/// namespace, if it cannot. Only `writearound` with no dirty bytes writes through and reads
+/// around: the ObjectCacher (`writethrough`, `writeback`, and the one cache of a librbd
+/// without policies) caches reads in each handle, and each reactor has its own, so one would
+/// read back what another's write replaced; dirty bytes acknowledge writes early (but
+/// `writethrough`, which takes none).
+fn cache_refusal(on: bool, policy: Option<&str>, max_dirty: Option<&str>) -> Option<&'static str> {
+    let dirty = max_dirty.is_some_and(|d| d != "0");
+    if !on || (policy == Some("writearound") && !dirty) {
+        None
+    } else if dirty && policy != Some("writethrough") {
+        Some("a write-back cache: writes would be acknowledged before they are on the OSDs")
+    } else {
+        Some(
+            "a read cache in each handle: a reactor's handle would read back data another \
+             reactor's write replaced",
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cache_refusal;
+
+    #[test]
+    fn only_a_write_around_cache_with_no_dirty_bytes_serves() {
+        let read_cache = Some(
+            "a read cache in each handle: a reactor's handle would read back data another \
+             reactor's write replaced",
+        );
+        let write_back =
+            Some("a write-back cache: writes would be acknowledged before they are on the OSDs");
+        for (on, policy, dirty, want) in [
+            (false, Some("writeback"), Some("25165824"), None),
+            (true, Some("writearound"), Some("0"), None),
+            (true, Some("writearound"), Some("25165824"), write_back),
+            (true, Some("writeback"), Some("25165824"), write_back),
+            (true, Some("writeback"), Some("0"), read_cache),
+            (true, Some("writethrough"), Some("0"), read_cache),
+            (true, Some("writethrough"), Some("25165824"), read_cache),
+            (true, None, Some("0"), read_cache),
+            (true, None, Some("25165824"), write_back),
+        ] {
+            assert_eq!(
+                cache_refusal(on, policy, dirty),
+                want,
+                "rbd_cache {on}, policy {policy:?}, max_dirty {dirty:?}"
+            );
+        }
     }
 }
