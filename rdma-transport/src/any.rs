@@ -424,6 +424,11 @@ pub mod cm {
         pub fn qpn(&self) -> Option<u32> {
             forward!(self, c => c.qpn())
         }
+        /// Whether rdma_cm holds the ID's QP (tests of who may touch it).
+        #[doc(hidden)]
+        pub fn rdma_cm_holds_qp(&self) -> bool {
+            forward!(self, c => c.rdma_cm_holds_qp())
+        }
         /// The address of the other side, where known.
         pub fn peer_addr(&self) -> Option<SocketAddr> {
             forward!(self, c => c.peer_addr())

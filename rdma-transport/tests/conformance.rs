@@ -583,6 +583,11 @@ macro_rules! suite {
                 let t = side(id.device().unwrap());
                 id.create_qp(&t.pd, &t.cq, &t.srq, CAPS).unwrap();
                 id.accept_with(b"", 8).unwrap();
+                // With ibverbs, librdmacm holds no accepted connection's QP: it would move
+                // it to ERR while reading a REJECTED event, on the thread reading the channel,
+                // while the target's data path may be destroying it.
+                assert_eq!(id.rdma_cm_holds_qp(), env.accepted_qp_in_rdma_cm());
+                assert!(c.rdma_cm_holds_qp(), "the connecting side's");
                 wait("ESTABLISHED (connecting side)", || match cch.next_event() {
                     Some(CmEvent::Established { .. }) => Some(()),
                     Some(other) => panic!("{other:?}"),
@@ -698,11 +703,15 @@ macro_rules! suite {
                     CmEvent::Rejected { id, .. } => assert_eq!(id, p.s.token()),
                     other => panic!("{other:?}"),
                 }
-                assert_eq!(
-                    p.s.qp_state(),
-                    Some(QpState::Err),
-                    "taking REJECTED moves the QP to ERR (librdmacm)"
-                );
+                // librdmacm moves a QP it holds to ERR as it reads REJECTED; the ibverbs
+                // provider gives it no accepted connection's QP, which stays as it was (the
+                // data path tears the connection down).
+                let want = if env.accepted_qp_in_rdma_cm() {
+                    QpState::Err
+                } else {
+                    QpState::Rts
+                };
+                assert_eq!(p.s.qp_state(), Some(want), "after REJECTED");
                 drop(p.t);
             }
 
@@ -891,6 +900,10 @@ impl SoftEnv {
     fn peer_learns_depths(&self) -> bool {
         true
     }
+    /// Whether rdma_cm holds the QP of a connection this side accepts.
+    fn accepted_qp_in_rdma_cm(&self) -> bool {
+        true
+    }
 }
 
 suite!(on_soft, soft, SoftEnv);
@@ -936,6 +949,10 @@ impl SoftTcpEnv {
     fn peer_learns_depths(&self) -> bool {
         false
     }
+    /// Whether rdma_cm holds the QP of a connection this side accepts.
+    fn accepted_qp_in_rdma_cm(&self) -> bool {
+        true
+    }
 }
 
 suite!(on_soft_tcp, soft, SoftTcpEnv);
@@ -959,6 +976,10 @@ impl AnySoftEnv {
         nvmfd_rdma::any::cm::CmChannel::Soft(self.inner.channel())
     }
     fn peer_learns_depths(&self) -> bool {
+        true
+    }
+    /// Whether rdma_cm holds the QP of a connection this side accepts.
+    fn accepted_qp_in_rdma_cm(&self) -> bool {
         true
     }
 }
@@ -988,6 +1009,10 @@ impl AnyVerbsEnv {
     }
     fn peer_learns_depths(&self) -> bool {
         true
+    }
+    /// Whether rdma_cm holds the QP of a connection this side accepts.
+    fn accepted_qp_in_rdma_cm(&self) -> bool {
+        false
     }
 }
 
@@ -1024,6 +1049,10 @@ impl VerbsEnv {
     }
     fn peer_learns_depths(&self) -> bool {
         true
+    }
+    /// Whether rdma_cm holds the QP of a connection this side accepts.
+    fn accepted_qp_in_rdma_cm(&self) -> bool {
+        false
     }
 }
 

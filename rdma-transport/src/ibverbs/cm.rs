@@ -1,6 +1,10 @@
 //! rdma_cm: event channel, listen, resolve and connect with private data, accept or reject
-//! with private data, disconnect, typed events. The QP of a connection is created on its CM
-//! ID (`rdma_create_qp`) and destroyed with it.
+//! with private data, disconnect, typed events. The QP of a connection this side connects is
+//! created on its CM ID (`rdma_create_qp`) and destroyed with it. The QP of a connection this
+//! side accepts is its own (`ibv_create_qp`), moved through its states here, and librdmacm
+//! never holds it: librdmacm moves the QP it holds to ERR while it reads a REJECTED event,
+//! on the thread reading the channel, which for an accepted connection is not the thread
+//! that owns and destroys its QP.
 
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
@@ -141,10 +145,13 @@ impl Drop for IdHandle {
     }
 }
 
-/// A CM ID: a listener or a connection, with the QP created on it.
+/// A CM ID: a listener or a connection, with its QP.
 pub struct CmId {
     token: usize,
     has_qp: bool,
+    /// An ID of a connect request (this side accepts): its QP is `own_qp`, not the ID's.
+    passive: bool,
+    own_qp: Option<NonNull<ibv_qp>>,
     // Field order is drop order: the QP is destroyed in `drop`, then what it used, then the ID
     // (when no `Device` taken from it holds it any more).
     /// What the QP uses, kept alive until the QP is destroyed.
@@ -407,7 +414,7 @@ impl CmChannel {
                     )
                 };
                 NonNull::new(id).map(|id| CmEvent::ConnectRequest {
-                    id: CmId::new(id, t, &self.inner),
+                    id: CmId::new(id, t, &self.inner).accepting(),
                     private_data: pd,
                     initiator_depth: ir,
                     responder_resources: rr,
@@ -454,6 +461,8 @@ impl CmId {
         CmId {
             token,
             has_qp: false,
+            passive: false,
+            own_qp: None,
             _uses: None,
             handle: Arc::new(IdHandle {
                 id,
@@ -553,10 +562,14 @@ impl CmId {
         a.cap.max_send_sge = caps.max_send_sge;
         a.cap.max_inline_data = caps.max_inline_data;
         a.qp_type = ibv_qp_type::IBV_QPT_RC;
-        // SAFETY: live ID, PD, CQ and SRQ of the ID's device.
-        check("rdma_create_qp", unsafe {
-            rdma_create_qp(self.raw(), pd.inner.pd.as_ptr(), &mut a)
-        })?;
+        if self.passive {
+            self.own_qp = Some(self.create_own_qp(pd, &mut a)?);
+        } else {
+            // SAFETY: live ID, PD, CQ and SRQ of the ID's device.
+            check("rdma_create_qp", unsafe {
+                rdma_create_qp(self.raw(), pd.inner.pd.as_ptr(), &mut a)
+            })?;
+        }
         self.has_qp = true;
         self._uses = Some((
             Arc::clone(&pd.inner),
@@ -567,10 +580,109 @@ impl CmId {
             .ok_or(VerbsError::os("rdma_create_qp", libc::EIO))
     }
 
+    /// A QP of an accepted connection, made as `rdma_create_qp` makes one (in INIT, by the
+    /// attributes rdma_cm gives), but not given to the ID.
+    fn create_own_qp(
+        &self,
+        pd: &Pd,
+        a: &mut ibv_qp_init_attr,
+    ) -> Result<NonNull<ibv_qp>, VerbsError> {
+        // SAFETY: live ID and PD; reading their contexts.
+        if unsafe { (*self.raw()).verbs != (*pd.inner.pd.as_ptr()).context } {
+            return Err(VerbsError::os("ibv_create_qp", libc::EINVAL));
+        }
+        // SAFETY: a live PD; CQ and SRQ of its context, which outlive the QP (`_uses`).
+        let qp = NonNull::new(unsafe { ibv_create_qp(pd.inner.pd.as_ptr(), a) })
+            .ok_or_else(|| VerbsError::os("ibv_create_qp", errno()))?;
+        if let Err(e) = self.modify_own(qp, ibv_qp_state::IBV_QPS_INIT, |_| ()) {
+            // SAFETY: the QP just made, used by nothing.
+            unsafe { ibv_destroy_qp(qp.as_ptr()) };
+            return Err(e);
+        }
+        Ok(qp)
+    }
+
+    /// Moves this side's own QP `qp` to `state` with the attributes rdma_cm gives for it (as
+    /// librdmacm does for a QP it holds), `adjust` changing them first.
+    fn modify_own(
+        &self,
+        qp: NonNull<ibv_qp>,
+        state: ibv_qp_state::Type,
+        adjust: impl FnOnce(&mut ibv_qp_attr),
+    ) -> Result<(), VerbsError> {
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = state;
+        let mut mask = 0i32;
+        // SAFETY: live ID; valid out-pointers.
+        check("rdma_init_qp_attr", unsafe {
+            rdma_init_qp_attr(self.raw(), &mut a, &mut mask)
+        })?;
+        if state == ibv_qp_state::IBV_QPS_RTR && self.link_layer_is_infiniband() {
+            // As librdmacm does: bits 21 to 24 are for RoCE, and an old rdma_ucm sets them.
+            mask &= !0x01e0_0000;
+        }
+        adjust(&mut a);
+        // SAFETY: a live QP of this ID's device; valid attributes.
+        check("modify_qp", unsafe {
+            ibv_modify_qp(qp.as_ptr(), &mut a, mask)
+        })
+    }
+
+    /// Whether the ID's port is InfiniBand (not RoCE or iWARP).
+    fn link_layer_is_infiniband(&self) -> bool {
+        // SAFETY: plain data.
+        let mut a: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: a live ID bound to a device and port; valid out-pointer.
+        let rc = unsafe {
+            let id = self.raw();
+            ___ibv_query_port((*id).verbs, (*id).port_num, &mut a)
+        };
+        // IBV_LINK_LAYER_INFINIBAND.
+        rc == 0 && a.link_layer == 1
+    }
+
+    /// Accepts with `p`: this side's own QP (an accepted connection's) goes to RTR and RTS
+    /// first, with the READ depths `p` grants (as `rdma_accept` moves a QP it holds).
+    fn accept_param(&self, mut p: rdma_conn_param) -> Result<(), VerbsError> {
+        if let Some(qp) = self.own_qp {
+            let (resp, init) = (p.responder_resources, p.initiator_depth);
+            self.modify_own(qp, ibv_qp_state::IBV_QPS_RTR, |a| {
+                a.max_dest_rd_atomic = resp;
+            })?;
+            self.modify_own(qp, ibv_qp_state::IBV_QPS_RTS, |a| {
+                a.max_rd_atomic = init;
+            })?;
+            // SAFETY: a live QP.
+            p.qp_num = unsafe { (*qp.as_ptr()).qp_num };
+            p.srq = 1;
+        }
+        // SAFETY: live ID (with a QP, or this side's own named in `p`); the private data
+        // outlives the call (it is copied).
+        check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
+    }
+
+    /// This ID, of a connect request: its QP will be its own, not the ID's.
+    fn accepting(mut self) -> CmId {
+        self.passive = true;
+        self
+    }
+
     fn qp(&self) -> Option<*mut ibv_qp> {
+        if let Some(q) = self.own_qp {
+            return Some(q.as_ptr());
+        }
         // SAFETY: live ID.
         let qp = unsafe { (*self.raw()).qp };
         (!qp.is_null()).then_some(qp)
+    }
+
+    /// Whether librdmacm holds this ID's QP (and so moves it to ERR on the thread reading the
+    /// channel when a REJECTED event is read): a connecting ID's, never an accepted one's.
+    #[doc(hidden)]
+    pub fn rdma_cm_holds_qp(&self) -> bool {
+        // SAFETY: live ID.
+        !unsafe { (*self.raw()).qp }.is_null()
     }
 
     /// The QP number.
@@ -615,9 +727,7 @@ impl CmId {
 
     /// Accepts a connect request (after `create_qp`).
     pub fn accept(&self, private_data: &[u8]) -> Result<(), VerbsError> {
-        let mut p = Self::conn_param(private_data)?;
-        // SAFETY: as for connect.
-        check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
+        self.accept_param(Self::conn_param(private_data)?)
     }
 
     /// Accepts a connect request as a target does: granting this side `initiator_depth` RDMA
@@ -629,14 +739,14 @@ impl CmId {
         let mut p = Self::conn_param(private_data)?;
         p.initiator_depth = initiator_depth;
         p.responder_resources = 0;
-        // SAFETY: as for connect.
-        check("rdma_accept", unsafe { rdma_accept(self.raw(), &mut p) })
+        self.accept_param(p)
     }
 
     /// Sets the RNR NAK timer this side's QP advertises (`code` as in the InfiniBand table:
     /// 1 = 0.01 ms ... 12 = 0.64 ms ... 0 = 655.36 ms): how long a peer whose SEND found no
     /// receive waits before retrying. rdma_cm leaves it at 0, the longest; a target that lets
-    /// its SRQ run low needs it short. Legal once the QP is in RTR or RTS.
+    /// its SRQ run low needs it short. For a QP in RTS (an accepted connection's, once
+    /// accepted: RTS to RTS), where it is an optional attribute.
     pub fn set_min_rnr_timer(&self, code: u8) -> Result<(), VerbsError> {
         let qp = self.qp().ok_or(VerbsError::Invalid {
             op: "modify_qp",
@@ -750,7 +860,10 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
-        if self.has_qp {
+        if let Some(qp) = self.own_qp {
+            // SAFETY: this side's own QP, once; librdmacm never held it.
+            unsafe { ibv_destroy_qp(qp.as_ptr()) };
+        } else if self.has_qp {
             // SAFETY: the QP, once; the ID is destroyed by its handle when its last holder goes.
             unsafe { rdma_destroy_qp(self.raw()) };
         }

@@ -27,8 +27,10 @@
 //!   `Fabric::expire_rep_timeouts` runs out its REP's retries.
 //!
 //! Taking a `Rejected` or `ConnectError` event moves the ID's QP to ERR, as librdmacm's
-//! `rdma_get_cm_event` does; `disconnect` moves the QP to ERR whatever the exchange's state, as
-//! `rdma_disconnect` does.
+//! `rdma_get_cm_event` does with a QP it holds (the ibverbs provider gives it none of an
+//! accepted connection; the data path tears such a connection down, its QP to ERR, either
+//! way); `disconnect` moves the QP to ERR whatever the exchange's state, as `rdma_disconnect`
+//! does.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -393,6 +395,14 @@ impl CmId {
     /// The QP number.
     pub fn qpn(&self) -> Option<u32> {
         self.qp.as_ref().map(Qp::qpn)
+    }
+
+    /// Whether rdma_cm holds this ID's QP (and so may move it to ERR on the thread reading
+    /// the channel, as on a REJECTED event): here every ID's, as librdmacm holds a QP made
+    /// with `rdma_create_qp` (the fabric's lock orders that move with everything else).
+    #[doc(hidden)]
+    pub fn rdma_cm_holds_qp(&self) -> bool {
+        self.qp.is_some()
     }
 
     /// The address of the other side, where known: the address connected to, or the TCP
