@@ -477,13 +477,37 @@ impl RdmaQueue {
 /// An admin queue whose controller is shut down (CC.SHN, waiting for SHST complete) when it
 /// is dropped, whichever way a command ends: a host that leaves without it is one the target
 /// must take for lost. Drop the I/O queues before it (the specification has them deleted
-/// first).
-pub struct ShutdownOnDrop<T: HostTransport>(pub nvmfd_nvme::host::AdminQueue<T>);
+/// first). [`ShutdownOnDrop::finish`] shuts it down at the end of a command that went well,
+/// saying how the shutdown went: a drop can only ignore that.
+pub struct ShutdownOnDrop<T: HostTransport> {
+    queue: nvmfd_nvme::host::AdminQueue<T>,
+    done: bool,
+}
+
+impl<T: HostTransport> ShutdownOnDrop<T> {
+    /// `queue`, shut down when it goes.
+    pub fn new(queue: nvmfd_nvme::host::AdminQueue<T>) -> Self {
+        ShutdownOnDrop { queue, done: false }
+    }
+
+    /// Shuts the controller down now. A shutdown that fails is an error: CSTS.CFS (nvmfd's
+    /// when the shutdown's flush failed: what was written may not be durable), no SHST
+    /// complete in time, or an admin queue that failed before it.
+    pub fn finish(mut self) -> Result<(), HostError> {
+        self.done = true;
+        if self.queue.transport().broken() {
+            return Err(HostError::Protocol(
+                "the admin queue failed before the controller could be shut down".into(),
+            ));
+        }
+        self.queue.shutdown()
+    }
+}
 
 impl<T: HostTransport> std::fmt::Debug for ShutdownOnDrop<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShutdownOnDrop")
-            .field("cntlid", &self.0.cntlid)
+            .field("cntlid", &self.queue.cntlid)
             .finish_non_exhaustive()
     }
 }
@@ -491,13 +515,13 @@ impl<T: HostTransport> std::fmt::Debug for ShutdownOnDrop<T> {
 impl<T: HostTransport> std::ops::Deref for ShutdownOnDrop<T> {
     type Target = nvmfd_nvme::host::AdminQueue<T>;
     fn deref(&self) -> &nvmfd_nvme::host::AdminQueue<T> {
-        &self.0
+        &self.queue
     }
 }
 
 impl<T: HostTransport> std::ops::DerefMut for ShutdownOnDrop<T> {
     fn deref_mut(&mut self) -> &mut nvmfd_nvme::host::AdminQueue<T> {
-        &mut self.0
+        &mut self.queue
     }
 }
 
@@ -505,11 +529,11 @@ impl<T: HostTransport> Drop for ShutdownOnDrop<T> {
     fn drop(&mut self) {
         // A queue whose command timed out, or whose transport failed, carries nothing more:
         // a shutdown through it would only wait out another timeout.
-        if self.0.transport().broken() {
+        if self.done || self.queue.transport().broken() {
             return;
         }
         // A target that cannot be reached any more has nothing to be told.
-        let _ = self.0.shutdown();
+        let _ = self.queue.shutdown();
     }
 }
 
@@ -526,7 +550,7 @@ mod shutdown_tests {
             id: [1; 16],
         };
         let run = || -> Result<(), String> {
-            let mut a = super::ShutdownOnDrop(
+            let mut a = super::ShutdownOnDrop::new(
                 AdminQueue::connect(fake, &host, "nqn.2024-01.io.nvmfd.test:f", 31, 0)
                     .map_err(|e| e.to_string())?,
             );
@@ -539,7 +563,7 @@ mod shutdown_tests {
         // out another timeout for each command).
         let fake = FakeController::new(1, std::time::Duration::ZERO);
         let executed = std::sync::Arc::clone(&fake.executed);
-        let mut a = super::ShutdownOnDrop(
+        let mut a = super::ShutdownOnDrop::new(
             AdminQueue::connect(fake, &host, "nqn.2024-01.io.nvmfd.test:f", 31, 0).unwrap(),
         );
         a.enable().unwrap();

@@ -978,6 +978,48 @@ fn a_connect_to_a_returning_listener_waits_for_its_data_path() {
         .expect("the host connects once the listener's data path is built");
 }
 
+/// `nvmf bench` fails, saying why, when the controller's shutdown fails: its flush is what
+/// makes a run's writes durable, and a failed one (CSTS.CFS) means they may not be. The
+/// figures are printed all the same. It exited 0.
+#[test]
+fn nvmf_bench_fails_when_the_shutdown_flush_fails() {
+    let (d, addr) = start_hooked(None);
+    let img = d.dir.path().join("ns2.img");
+    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
+    change(
+        &d,
+        serde_json::json!({"request": "add_namespace", "subsystem": A,
+            "namespace": {"nsid": 2, "backend": "file", "path": img}}),
+    );
+    change(
+        &d,
+        serde_json::json!({"request": "debug_fail_sync", "subsystem": A, "nsid": 2}),
+    );
+    let out = std::process::Command::new(nvmfd_tests::bin("nvmf"))
+        .args([
+            "bench",
+            "--addr",
+            &addr.to_string(),
+            "--nqn",
+            A,
+            "--nsid",
+            "2",
+        ])
+        .args(["-w", "write", "-q", "1", "-t", "0.3", "--warmup", "0"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "exit 0: {stdout}{stderr}");
+    assert!(
+        stderr.contains("shutdown") && stderr.contains("may not be durable"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("total"), "no figures: {stdout}");
+}
+
 /// A file namespace whose sync fails (writeback lost data a host was told was written) is
 /// logged as an error, once, and shown in the status; every later Flush of it fails too. It
 /// was a host's error alone before, with nothing in the log.

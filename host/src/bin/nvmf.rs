@@ -214,7 +214,7 @@ fn admin(
             };
             format!("connecting to {nqn} at {}: {e}{hint}", cli.addr)
         })?;
-    let mut a = nvmf_host::ShutdownOnDrop(a);
+    let mut a = nvmf_host::ShutdownOnDrop::new(a);
     a.enable().map_err(|e| e.to_string())?;
     Ok(a)
 }
@@ -363,11 +363,17 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     // during the run: a Keep Alive every third of it, whether or not the target counts the
     // I/O queues' commands as traffic.
     let mut kept_alive = std::time::Duration::ZERO;
+    let mut keep_alive_failed = false;
     let mut tick = |ios: u64, at: std::time::Duration| {
         if at.saturating_sub(kept_alive) >= std::time::Duration::from_millis(KEEP_ALIVE_MS / 3) {
             kept_alive = at;
-            // A controller gone shows as its I/O failing.
-            let _ = a.keep_alive();
+            // A controller gone shows as its I/O failing; said once.
+            if let Err(e) = a.keep_alive() {
+                if !keep_alive_failed {
+                    keep_alive_failed = true;
+                    bar.suspend(|| eprintln!("nvmf bench: a Keep Alive failed: {e}"));
+                }
+            }
         }
         let dt = (at - last.1).as_secs_f64();
         if dt >= 0.5 {
@@ -409,10 +415,19 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     };
     let measured = bench::run(&job, &connect, &mut tick, &interrupt, &mut waiting);
     bar.finish_and_clear();
-    drop(a);
+    // The figures of a run whose shutdown failed are printed, and the run fails.
+    let shut = finish(a, &b.nqn);
     let measured = measured?;
     print_bench(b, &job, &measured, &bench::report(&job, &measured));
-    Ok(())
+    shut
+}
+
+/// Shuts controller `a` (of `nqn`) down at the end of a command: a shutdown that fails fails
+/// the command.
+fn finish(a: nvmf_host::ShutdownOnDrop<RdmaQueue>, nqn: &str) -> Result<(), String> {
+    a.finish().map_err(|e| {
+        format!("the shutdown of the controller of {nqn} failed: {e}; what was written may not be durable")
+    })
 }
 
 /// The figures of a bench run, as JSON or as lines.
@@ -500,6 +515,7 @@ fn run(cli: &Cli) -> Result<(), String> {
             for e in d.discover().map_err(|e| e.to_string())? {
                 println!("{}", discovery_line(&e));
             }
+            finish(d, DISCOVERY_NQN)?;
         }
         Command::Identify { nqn } => {
             let mut a = admin(cli, nqn, &host)?;
@@ -537,6 +553,7 @@ fn run(cli: &Cli) -> Result<(), String> {
                     }
                 }
             }
+            finish(a, nqn)?;
         }
         Command::Verify { nqn, nsid } => {
             let mut a = admin(cli, nqn, &host)?;
@@ -578,6 +595,7 @@ fn run(cli: &Cli) -> Result<(), String> {
             );
             // The I/O queue goes before the controller is shut down.
             drop(io);
+            finish(a, nqn)?;
         }
     }
     Ok(())
