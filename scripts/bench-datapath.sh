@@ -29,7 +29,7 @@ case "${1:-}" in
   -h|--help) sed -n '2,/^set -e/{/^set -e/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
   *) echo "bench-datapath: unknown argument '$1'" >&2; exit 2 ;;
 esac
-exe=$(cargo bench -p nvmfd --bench datapath --no-run 2>&1 \
+exe=$(cargo bench --locked -p nvmfd --bench datapath --no-run 2>&1 \
   | sed -n 's/.*Executable .*(\(.*\)).*/\1/p' | tail -1)
 [ -x "$exe" ] || { echo "bench-datapath: no benchmark executable" >&2; exit 1; }
 echo "== time: reactor thread and host thread, ${secs} s per case"

@@ -12,5 +12,5 @@
 # Built with the `stress` profile (optimized, debug assertions and overflow checks on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --profile stress --bin nvmfd --bin nvmfd-stress >&2
+cargo build --locked --profile stress --bin nvmfd --bin nvmfd-stress >&2
 exec target/stress/nvmfd-stress "$@"

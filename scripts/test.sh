@@ -8,8 +8,10 @@ t0=$(date +%s)
 trap 'scripts/ceph-dev-cluster.sh stop > /dev/null 2>&1 || true' EXIT
 # Killed (a CI timeout's SIGTERM), the EXIT trap still stops the cluster.
 trap 'exit 130' INT TERM
-# Each lab run is bounded (a guest that hangs is killed, the step fails).
-export LAB_TIMEOUT="${LAB_TIMEOUT:-900}"
+# Each lab run is bounded (a guest that hangs is killed, the step fails): about three times a
+# run's usual time, so that six hung runs and the tests' own bound stay within a CI job's 90
+# minutes.
+export LAB_TIMEOUT="${LAB_TIMEOUT:-450}"
 step() { echo; echo "==> $* ($(( $(date +%s) - t0 ))s)"; }
 step "dependencies"
 scripts/install-deps.sh
