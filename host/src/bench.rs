@@ -34,6 +34,17 @@ pub enum Pattern {
 }
 
 impl Pattern {
+    /// Its name on the command line (`-w`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::Read => "read",
+            Pattern::Write => "write",
+            Pattern::RandRead => "randread",
+            Pattern::RandWrite => "randwrite",
+            Pattern::RandRw => "randrw",
+        }
+    }
+
     fn random(self) -> bool {
         matches!(
             self,
@@ -80,10 +91,13 @@ pub struct Job {
 pub struct QueueFigures {
     /// Queue ID.
     pub qid: u16,
-    /// I/Os completed in the measured time.
+    /// I/Os completed in the measured time, and of them reads.
     pub ios: u64,
-    /// Latencies in nanoseconds.
+    pub reads: u64,
+    /// Latencies in nanoseconds: of all, of the reads, of the writes.
     pub latency: Histogram<u64>,
+    pub read_latency: Histogram<u64>,
+    pub write_latency: Histogram<u64>,
     /// Blocks read back and found intact (with `verify`).
     pub verified: u64,
 }
@@ -107,6 +121,8 @@ struct Lane {
     io: IoQueue<PipelinedQueue>,
     next: u64,
     sent_at: Vec<Instant>,
+    /// Whether each slot's command is a read.
+    is_read: Vec<bool>,
     /// With `verify`: each slot's write, when it is one: (place, stamp).
     writes: Vec<Option<(u64, u64)>>,
     /// With `verify`: a write's data, or a read's.
@@ -177,6 +193,7 @@ impl Lane {
                 .submit_timed(0, s, payload)
                 .map_err(|e| format!("I/O queue {}: {e}", self.figures.qid))?;
             self.sent_at[usize::from(slot)] = sent_at;
+            self.is_read[usize::from(slot)] = read;
             if job.verify {
                 self.writes[usize::from(slot)] = write;
                 if read {
@@ -221,11 +238,16 @@ impl Lane {
                 let ns = now
                     .duration_since(self.sent_at[usize::from(d.slot)])
                     .as_nanos();
-                self.figures.ios += 1;
-                let _ = self
-                    .figures
-                    .latency
-                    .record(u64::try_from(ns).unwrap_or(u64::MAX).max(1));
+                let ns = u64::try_from(ns).unwrap_or(u64::MAX).max(1);
+                let f = &mut self.figures;
+                f.ios += 1;
+                let _ = f.latency.record(ns);
+                if self.is_read[usize::from(d.slot)] {
+                    f.reads += 1;
+                    let _ = f.read_latency.record(ns);
+                } else {
+                    let _ = f.write_latency.record(ns);
+                }
             }
         }
         Ok(())
@@ -298,13 +320,17 @@ fn thread_main(
                 (u64::from(qid) - 1) * (places / u64::from(job.queues))
             },
             sent_at: vec![Instant::now(); usize::from(job.depth) + 1],
+            is_read: vec![false; usize::from(job.depth) + 1],
             writes: vec![None; usize::from(job.depth) + 1],
             scratch: vec![0; job.io_size as usize],
             block_size: job.block_size,
             figures: QueueFigures {
                 qid,
                 ios: 0,
+                reads: 0,
                 latency: histogram(),
+                read_latency: histogram(),
+                write_latency: histogram(),
                 verified: 0,
             },
         })
@@ -316,8 +342,11 @@ fn thread_main(
         if !measuring && began.elapsed() >= job.warmup {
             measuring = true;
             for l in &mut lanes {
-                l.figures.ios = 0;
-                l.figures.latency.reset();
+                let f = &mut l.figures;
+                (f.ios, f.reads) = (0, 0);
+                f.latency.reset();
+                f.read_latency.reset();
+                f.write_latency.reset();
             }
         }
         for l in &mut lanes {
@@ -451,7 +480,8 @@ pub fn run(
     })
 }
 
-/// IOPS, MiB/s and latencies (µs) of `ios` I/Os of `io_size` bytes over `time`.
+/// IOPS, MiB/s and latencies (µs) of `ios` I/Os of `io_size` bytes over `time` (latencies
+/// `null` without I/Os).
 pub fn summary(ios: u64, io_size: u32, time: Duration, h: &Histogram<u64>) -> Value {
     let secs = time.as_secs_f64().max(1e-9);
     let us = |v: u64| (v as f64) / 1000.0;
@@ -459,7 +489,7 @@ pub fn summary(ios: u64, io_size: u32, time: Duration, h: &Histogram<u64>) -> Va
         "ios": ios,
         "iops": (ios as f64) / secs,
         "mib_per_s": (ios as f64) * f64::from(io_size) / secs / f64::from(1u32 << 20),
-        "latency_us": {
+        "latency_us": if h.is_empty() { Value::Null } else { json!({
             "min": us(h.min()),
             "mean": h.mean() / 1000.0,
             "p50": us(h.value_at_quantile(0.50)),
@@ -467,25 +497,43 @@ pub fn summary(ios: u64, io_size: u32, time: Duration, h: &Histogram<u64>) -> Va
             "p99": us(h.value_at_quantile(0.99)),
             "p99_9": us(h.value_at_quantile(0.999)),
             "max": us(h.max()),
-        },
+        }) },
     })
 }
 
 /// The figures of every queue and their total, over the measured time.
 pub fn report(job: &Job, m: &Measured) -> Value {
     let figures = &m.figures;
-    let mut total = histogram();
+    let (mut total, mut reads, mut writes) = (histogram(), histogram(), histogram());
     for f in figures {
         let _ = total.add(&f.latency);
+        let _ = reads.add(&f.read_latency);
+        let _ = writes.add(&f.write_latency);
     }
-    let ios = figures.iter().map(|f| f.ios).sum();
+    let ios: u64 = figures.iter().map(|f| f.ios).sum();
+    let read_ios: u64 = figures.iter().map(|f| f.reads).sum();
+    let mut total = summary(ios, job.io_size, m.time, &total);
+    total["read"] = summary(read_ios, job.io_size, m.time, &reads);
+    total["write"] = summary(ios - read_ios, job.io_size, m.time, &writes);
     json!({
+        "job": {
+            "workload": job.pattern.name(),
+            "nsid": job.nsid,
+            "io_size": job.io_size,
+            "block_size": job.block_size,
+            "depth": job.depth,
+            "read_pct": job.read_pct,
+            "queues": job.queues,
+            "threads": job.threads.min(job.queues),
+            "warmup_seconds": job.warmup.as_secs_f64(),
+            "verify": job.verify,
+        },
         "queues": figures.iter().map(|f| {
             let mut v = summary(f.ios, job.io_size, m.time, &f.latency);
             v["qid"] = json!(f.qid);
             v
         }).collect::<Vec<_>>(),
-        "total": summary(ios, job.io_size, m.time, &total),
+        "total": total,
         "seconds": m.time.as_secs_f64(),
         "interrupted": m.interrupted,
         "verified_blocks": job.verify.then(|| figures.iter().map(|f| f.verified).sum::<u64>()),

@@ -93,6 +93,38 @@ fn bench_reports_every_queue_and_the_total_in_json() {
             "{q}"
         );
     }
+    // The mix's reads and writes apart, as fio reports them: their counts add up to the
+    // total, the reads about 70% of it, each with its own latencies; and the job is named.
+    let (r, w) = (&total["read"], &total["write"]);
+    let (reads, writes) = (r["ios"].as_u64().unwrap(), w["ios"].as_u64().unwrap());
+    assert_eq!(reads + writes, sum, "{total}");
+    let share = reads as f64 / sum as f64;
+    assert!(
+        (0.6..0.8).contains(&share),
+        "reads {share:.2} of the I/Os: {total}"
+    );
+    for dir in [r, w] {
+        assert!(
+            f(dir, "min") > 0.0 && f(dir, "min") <= f(dir, "max"),
+            "{dir}"
+        );
+        assert!(f(dir, "max") <= f(total, "max"), "{dir}");
+    }
+    let job = &v["job"];
+    assert_eq!(
+        (
+            job["workload"].as_str(),
+            job["read_pct"].as_u64(),
+            job["io_size"].as_u64()
+        ),
+        (Some("randrw"), Some(70), Some(8192)),
+        "{job}"
+    );
+    assert_eq!(
+        (job["queues"].as_u64(), job["depth"].as_u64()),
+        (Some(3), Some(4)),
+        "{job}"
+    );
     // The target served the reads and the writes of the mix.
     let stats = d.data("stats");
     let dp = &stats["datapath"][0];

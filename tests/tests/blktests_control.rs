@@ -226,3 +226,28 @@ fn setup_errors_say_why_and_leave_nothing_behind() {
     let (rc, _, err) = control(&d, tmp.path(), &["frobnicate"]);
     assert_eq!(rc, 2, "{err}");
 }
+
+/// `nvmf identify` lists every namespace: Identify's active namespace list gives at most
+/// 1,024 a page, and the next page starts after the last. nvmfd serves at most 1,024, so a
+/// second page is never needed here (the kernel target may have more); a full first page
+/// asks for the next, which is empty.
+#[test]
+fn identify_lists_a_full_page_of_namespaces_and_the_empty_next() {
+    let many: String = (2..=1024)
+        .map(|n| {
+            format!("\n[[subsystem.namespace]]\nnsid = {n}\nbackend = \"null\"\nsize = \"1MiB\"\n")
+        })
+        .collect();
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "size = \"64MiB\"\n".into(),
+            format!("size = \"64MiB\"\n{many}"),
+        )],
+        ..Options::default()
+    });
+    let (ok, text) = nvmf(&d, HOST, &["identify", "--nqn", RAM]);
+    assert!(ok, "{text}");
+    let listed = text.lines().filter(|l| l.starts_with("namespace ")).count();
+    assert_eq!(listed, 1024, "{}", text.lines().last().unwrap_or(""));
+    assert!(text.contains("namespace 1024: 2048 blocks"), "{text}");
+}

@@ -459,6 +459,14 @@ fn print_bench(b: &BenchArgs, job: &bench::Job, m: &bench::Measured, report: &se
         }
     }
     println!("total     : {}", bench::line(&report["total"]));
+    if matches!(b.workload, Workload::Randrw) {
+        for dir in ["read", "write"] {
+            let v = &report["total"][dir];
+            if v["ios"].as_u64().unwrap_or(0) > 0 {
+                println!("{dir:<10}: {}", bench::line(v));
+            }
+        }
+    }
     if let Some(n) = report["verified_blocks"].as_u64() {
         let reads = match b.workload {
             Workload::Read | Workload::Randread => true,
@@ -529,7 +537,18 @@ fn run(cli: &Cli) -> Result<(), String> {
                 s(&id.fr),
                 max_transfer(&id).map_or("unlimited".to_owned(), |m| format!("{} KiB", m / 1024))
             );
-            for nsid in a.active_namespaces(0).map_err(|e| e.to_string())? {
+            // A page lists at most 1,024: the next starts after the last.
+            let mut nsids: Vec<u32> = Vec::new();
+            loop {
+                let after = nsids.last().copied().unwrap_or(0);
+                let page = a.active_namespaces(after).map_err(|e| e.to_string())?;
+                let full = page.len() >= 1024;
+                nsids.extend(page);
+                if !full {
+                    break;
+                }
+            }
+            for nsid in nsids {
                 let ns = a.identify_namespace(nsid).map_err(|e| e.to_string())?;
                 let bs = u64::from(block_size(&ns));
                 println!(
