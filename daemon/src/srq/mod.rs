@@ -124,6 +124,8 @@ pub struct ElasticSrq {
     /// A spare's registration failed: the next is asked for, and the limit armed again (a
     /// limit event then grows if the SRQ still needs it), from this moment on.
     retry_at: Option<Instant>,
+    /// An arming of the limit failed: when to try again.
+    rearm_at: Option<Instant>,
     /// The last post of pending receives failed: the next failures are the same one (an SRQ
     /// broken until its rebuild), counted once.
     post_failing: bool,
@@ -230,6 +232,7 @@ impl ElasticSrq {
             spare: None,
             spare_requested: false,
             retry_at: None,
+            rearm_at: None,
             post_failing: false,
             want_grow: false,
             pending: Vec::with_capacity(CHAIN),
@@ -243,7 +246,7 @@ impl ElasticSrq {
         };
         s.add_chunk(mr, cfg.initial)?;
         s.window_min = s.level();
-        s.arm();
+        s.arm(now);
         s.request_spare();
         Ok(s)
     }
@@ -279,10 +282,15 @@ impl ElasticSrq {
         self.want_grow
     }
 
-    fn arm(&self) {
+    /// Arms the limit; one the device refuses is tried again after `REGISTER_RETRY` (`tick`):
+    /// until armed, the SRQ keeps its receives but hears of no low level, so it does not
+    /// grow.
+    fn arm(&mut self, now: Instant) {
         if self.srq.arm_limit(self.cfg.low_watermark.max(1)).is_err() {
-            // The SRQ keeps its receives; it just no longer grows.
             self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+            self.rearm_at = Some(now + REGISTER_RETRY);
+        } else {
+            self.rearm_at = None;
         }
     }
 
@@ -728,7 +736,7 @@ impl ElasticSrq {
     fn grown(&mut self, now: Instant) -> Change {
         self.want_grow = false;
         self.counters.srq_grows.fetch_add(1, Ordering::Relaxed);
-        self.arm();
+        self.arm(now);
         self.window_start = now;
         self.window_min = self.level();
         Change::Grew(self.registered)
@@ -753,7 +761,10 @@ impl ElasticSrq {
             // the SRQ is still below its watermark.
             self.retry_at = None;
             self.request_spare();
-            self.arm();
+            self.arm(now);
+        }
+        if self.rearm_at.is_some_and(|t| now >= t) {
+            self.arm(now);
         }
         if self.want_grow && self.spare.is_some() {
             return self.grow(now);
@@ -780,7 +791,7 @@ impl ElasticSrq {
                     c.draining = true;
                 }
                 // At the maximum the limit was left disarmed; there is room again.
-                self.arm();
+                self.arm(now);
             }
         }
         self.window_start = now;

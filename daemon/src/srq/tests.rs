@@ -107,6 +107,29 @@ fn a_failed_spare_registration_is_asked_for_again_and_the_srq_grows() {
     assert!(matches!(s.limit_reached(later), Change::Grew(24)));
 }
 
+/// An arming of the limit the device refuses (at creation here; after a growth the same)
+/// is tried again after `REGISTER_RETRY`: the SRQ then hears of its next low level and
+/// grows. Before, it was armed again only by a shrink or a registration retry, so under a
+/// steady load it stopped growing.
+#[test]
+fn a_refused_limit_arming_is_tried_again() {
+    let fabric = nvmfd_rdma::soft::Fabric::new();
+    fabric.fail_limit_arms(1);
+    let t0 = Instant::now();
+    let mut s = small_srq(&fabric, Duration::from_secs(60), t0);
+    assert_eq!(s.counters.srq_errors.load(Ordering::Relaxed), 1);
+    assert_eq!(srq_limit(&s), 0, "armed though the device refused");
+    s.tick(t0);
+    assert_eq!(srq_limit(&s), 0, "armed again before the retry delay");
+    s.tick(t0 + REGISTER_RETRY);
+    assert_eq!(srq_limit(&s), 2, "not armed again after the retry delay");
+}
+
+/// The SRQ's armed limit, as the device has it (0: not armed).
+fn srq_limit(s: &ElasticSrq) -> u32 {
+    s.srq.query().unwrap().srq_limit
+}
+
 /// A maximum that is not the initial size plus whole growth steps (the defaults' 256 and
 /// 256 with `srq_max = 384`): the last step is smaller, up to the maximum exactly. The
 /// SRQ refused to grow past the initial size there ("at srq_max").

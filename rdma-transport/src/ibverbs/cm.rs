@@ -594,12 +594,79 @@ impl CmId {
         // SAFETY: a live PD; CQ and SRQ of its context, which outlive the QP (`_uses`).
         let qp = NonNull::new(unsafe { ibv_create_qp(pd.inner.pd.as_ptr(), a) })
             .ok_or_else(|| VerbsError::os("ibv_create_qp", errno()))?;
-        if let Err(e) = self.modify_own(qp, ibv_qp_state::IBV_QPS_INIT, |_| ()) {
+        let made = self
+            .agree_ece(qp)
+            .and_then(|()| self.modify_own(qp, ibv_qp_state::IBV_QPS_INIT, |_| ()))
+            .and_then(|()| self.record_ece(qp));
+        if let Err(e) = made {
             // SAFETY: the QP just made, used by nothing.
             unsafe { ibv_destroy_qp(qp.as_ptr()) };
             return Err(e);
         }
         Ok(qp)
+    }
+
+    /// The peer's ECE (enhanced connection establishment) options, when its request carried
+    /// some: set on this side's own QP `qp` where the vendor is the same, cleared where not,
+    /// as `rdma_create_qp` does for a QP of a connect request (librdmacm's `init_ece`). A
+    /// provider without ECE (EOPNOTSUPP) takes none.
+    fn agree_ece(&self, qp: NonNull<ibv_qp>) -> Result<(), VerbsError> {
+        // SAFETY: plain data.
+        let mut remote: ibv_ece = unsafe { std::mem::zeroed() };
+        // SAFETY: a live ID holding no QP (librdmacm refuses one that does); valid out-pointer.
+        check("rdma_get_remote_ece", unsafe {
+            rdma_get_remote_ece(self.raw(), &mut remote)
+        })?;
+        if remote.vendor_id == 0 {
+            return Ok(());
+        }
+        // SAFETY: plain data.
+        let mut ece: ibv_ece = unsafe { std::mem::zeroed() };
+        // SAFETY: a live QP; valid out-pointer.
+        match unsafe { ibv_query_ece(qp.as_ptr(), &mut ece) } {
+            0 => {}
+            libc::EOPNOTSUPP => return Ok(()),
+            rc => return Err(VerbsError::os("ibv_query_ece", rc)),
+        }
+        if ece.vendor_id == remote.vendor_id {
+            ece.options = remote.options;
+        } else {
+            ece.options = 0;
+        }
+        ece.comp_mask = 0;
+        // SAFETY: a live QP in RESET; valid options.
+        match unsafe { ibv_set_ece(qp.as_ptr(), &mut ece) } {
+            0 | libc::EOPNOTSUPP => Ok(()),
+            rc => Err(VerbsError::os("ibv_set_ece", rc)),
+        }
+    }
+
+    /// The ECE options this side's own QP `qp` took (after INIT), for rdma_cm's REP, as
+    /// `rdma_create_qp` records them (librdmacm's `set_local_ece`): only when the peer sent
+    /// some.
+    fn record_ece(&self, qp: NonNull<ibv_qp>) -> Result<(), VerbsError> {
+        // SAFETY: plain data.
+        let mut remote: ibv_ece = unsafe { std::mem::zeroed() };
+        // SAFETY: as in `agree_ece`.
+        check("rdma_get_remote_ece", unsafe {
+            rdma_get_remote_ece(self.raw(), &mut remote)
+        })?;
+        if remote.vendor_id == 0 {
+            return Ok(());
+        }
+        // SAFETY: plain data.
+        let mut ece: ibv_ece = unsafe { std::mem::zeroed() };
+        // SAFETY: a live QP; valid out-pointer.
+        match unsafe { ibv_query_ece(qp.as_ptr(), &mut ece) } {
+            0 if ece.vendor_id != 0 => {}
+            0 | libc::EOPNOTSUPP => return Ok(()),
+            rc => return Err(VerbsError::os("ibv_query_ece", rc)),
+        }
+        ece.comp_mask = 0;
+        // SAFETY: a live ID holding no QP; valid options with a vendor.
+        check("rdma_set_local_ece", unsafe {
+            rdma_set_local_ece(self.raw(), &mut ece)
+        })
     }
 
     /// Moves this side's own QP `qp` to `state` with the attributes rdma_cm gives for it (as
@@ -619,7 +686,8 @@ impl CmId {
             rdma_init_qp_attr(self.raw(), &mut a, &mut mask)
         })?;
         if state == ibv_qp_state::IBV_QPS_RTR && self.link_layer_is_infiniband() {
-            // As librdmacm does: bits 21 to 24 are for RoCE, and an old rdma_ucm sets them.
+            // As librdmacm does (it masks bits 21 to 23; 24 is the last of the old RoCE
+            // attributes too): an old rdma_ucm sets them, for RoCE only.
             mask &= !0x01e0_0000;
         }
         adjust(&mut a);
@@ -647,6 +715,10 @@ impl CmId {
     fn accept_param(&self, mut p: rdma_conn_param) -> Result<(), VerbsError> {
         if let Some(qp) = self.own_qp {
             let (resp, init) = (p.responder_resources, p.initiator_depth);
+            // librdmacm's "the device's most" (255) is not taken here: depths are given.
+            if resp == u8::MAX || init == u8::MAX {
+                return Err(VerbsError::os("rdma_accept", libc::EINVAL));
+            }
             self.modify_own(qp, ibv_qp_state::IBV_QPS_RTR, |a| {
                 a.max_dest_rd_atomic = resp;
             })?;
@@ -779,10 +851,31 @@ impl CmId {
         })
     }
 
-    /// Disconnects (the QP goes to ERR; both sides get DISCONNECTED).
+    /// Disconnects (the QP goes to ERR, on iWARP to SQD; both sides get DISCONNECTED). This
+    /// side's own QP (an accepted connection's) is moved here first, as `rdma_disconnect`
+    /// moves a QP librdmacm holds (`ucma_shutdown`); the peer is told even if that move
+    /// fails (librdmacm would not tell it), and the failure is returned.
     pub fn disconnect(&self) -> Result<(), VerbsError> {
+        let mut moved = Ok(());
+        if let Some(qp) = self.own_qp {
+            // SAFETY: plain data.
+            let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+            // SAFETY: a live ID bound to a device: reading its transport.
+            let iwarp = unsafe { (*(*(*self.raw()).verbs).device).transport_type }
+                == ibv_transport_type::IBV_TRANSPORT_IWARP;
+            a.qp_state = if iwarp {
+                ibv_qp_state::IBV_QPS_SQD
+            } else {
+                ibv_qp_state::IBV_QPS_ERR
+            };
+            // SAFETY: live QP; IBV_QP_STATE = 1.
+            moved = check("modify_qp", unsafe {
+                ibv_modify_qp(qp.as_ptr(), &mut a, 1)
+            });
+        }
         // SAFETY: live ID.
-        check("rdma_disconnect", unsafe { rdma_disconnect(self.raw()) })
+        check("rdma_disconnect", unsafe { rdma_disconnect(self.raw()) })?;
+        moved
     }
 
     /// Posts a chain of send work requests on the connection's QP.

@@ -406,6 +406,11 @@ impl Fabric {
         self.lock().fail_registrations = n;
     }
 
+    /// Refuses the next `n` armings of an SRQ's limit (`ibv_modify_srq` failing, EIO).
+    pub fn fail_limit_arms(&self, n: u32) {
+        self.lock().fail_limit_arms = n;
+    }
+
     /// Every registered memory region: (rkey, start address, length). What a peer that
     /// guesses keys could aim its RDMA READs and WRITEs at.
     pub fn memory_regions(&self) -> Vec<(u32, u64, u64)> {

@@ -166,6 +166,10 @@ impl Srq {
     /// Arms the limit: `SrqLimitReached` fires once when fewer than `limit` receives remain.
     pub fn arm_limit(&self, limit: u32) -> Result<(), VerbsError> {
         let mut s = self.fabric.lock();
+        if s.fail_limit_arms > 0 {
+            s.fail_limit_arms -= 1;
+            return Err(VerbsError::os("modify_srq", libc::EIO));
+        }
         let q = s
             .srqs
             .get_mut(&self.id)

@@ -185,6 +185,8 @@ pub(crate) struct State {
     pub(super) reuse_qpns: std::collections::VecDeque<u32>,
     /// Registrations still to refuse ([`Fabric::fail_registrations`]).
     pub(super) fail_registrations: u32,
+    /// SRQ limit armings still to refuse ([`Fabric::fail_limit_arms`]).
+    pub(super) fail_limit_arms: u32,
     /// Seeded faults injected, by kind.
     pub(super) injected: super::Injected,
     /// Async events read from the fabric's devices ([`super::Device::next_numbered_event`]).
