@@ -109,7 +109,9 @@ impl BlockError {
             // A quota (a file system's, an RBD pool's) is the capacity run out as well.
             libc::ENOSPC | libc::EDQUOT => BlockError::NoSpace,
             libc::EOPNOTSUPP => BlockError::Unsupported("this operation"),
-            libc::EROFS | libc::EBADF => BlockError::ReadOnly,
+            // (EBADF is not a read-only device's: writes to one are refused before they are
+            // made. It is a call refused for its descriptor, which never ran.)
+            libc::EROFS => BlockError::ReadOnly,
             e => BlockError::Io(e),
         }
     }
@@ -136,6 +138,10 @@ mod tests {
         assert!(matches!(
             BlockError::from_errno(libc::EIO),
             BlockError::Io(libc::EIO)
+        ));
+        assert!(matches!(
+            BlockError::from_errno(libc::EBADF),
+            BlockError::Io(libc::EBADF)
         ));
     }
 }
