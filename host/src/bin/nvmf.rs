@@ -418,9 +418,22 @@ fn run_bench(cli: &Cli, host: &HostId, b: &BenchArgs) -> Result<(), String> {
     // The figures of a run whose shutdown failed are printed, and the run fails.
     let shut = finish(a, &b.nqn);
     let measured = measured?;
+    // Interrupted in the warm-up, or before a millisecond was measured (as the run began):
+    // no figures to stand on, which is not a run that went well.
+    let ios: u64 = measured.figures.iter().map(|f| f.ios).sum();
+    if measured.interrupted && (ios == 0 || measured.time < MEASURED_AT_LEAST) {
+        shut?;
+        return Err(format!(
+            "interrupted after {:.3} s of measured time: too little to report figures",
+            measured.time.as_secs_f64()
+        ));
+    }
     print_bench(b, &job, &measured, &bench::report(&job, &measured));
     shut
 }
+
+/// The least measured time an interrupted bench reports figures of.
+const MEASURED_AT_LEAST: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Shuts controller `a` (of `nqn`) down at the end of a command: a shutdown that fails fails
 /// the command.
