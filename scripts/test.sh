@@ -8,9 +8,9 @@ t0=$(date +%s)
 trap 'scripts/ceph-dev-cluster.sh stop > /dev/null 2>&1 || true' EXIT
 # Killed (a CI timeout's SIGTERM), the EXIT trap still stops the cluster.
 trap 'exit 130' INT TERM
-# Each lab run is bounded (a guest that hangs is killed, the step fails): about three times a
-# run's usual time, so that six hung runs and the tests' own bound stay within a CI job's 90
-# minutes.
+# Each lab run is bounded (a guest that hangs is killed, the step fails): about two and a half
+# times the slowest run's usual time (180 s), so that six hung runs, the tests' own bound
+# (below) and the builds stay within a CI job's 90 minutes.
 export LAB_TIMEOUT="${LAB_TIMEOUT:-450}"
 step() { echo; echo "==> $* ($(( $(date +%s) - t0 ))s)"; }
 step "dependencies"
@@ -38,7 +38,7 @@ step "build the release binaries"
 cargo build --release --locked --bins
 step "cargo test"
 mkdir -p target/tmp && rm -f target/tmp/skipped-tests.txt
-timeout 2400 cargo test --workspace --locked 2>&1 | tee target/test-output.txt
+timeout 1500 cargo test --workspace --locked 2>&1 | tee target/test-output.txt
 # The RBD tests skip when the test cluster cannot start; this script installs and starts it,
 # so here that is a failure, not a skip (a run that never reached Ceph would pass).
 no_ceph='the test cluster did not start|cannot run scripts/ceph-dev-cluster.sh'

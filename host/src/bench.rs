@@ -513,8 +513,11 @@ pub fn report(job: &Job, m: &Measured) -> Value {
     let ios: u64 = figures.iter().map(|f| f.ios).sum();
     let read_ios: u64 = figures.iter().map(|f| f.reads).sum();
     let mut total = summary(ios, job.io_size, m.time, &total);
-    total["read"] = summary(read_ios, job.io_size, m.time, &reads);
-    total["write"] = summary(ios - read_ios, job.io_size, m.time, &writes);
+    let mixed = job.pattern == Pattern::RandRw;
+    if mixed {
+        total["read"] = summary(read_ios, job.io_size, m.time, &reads);
+        total["write"] = summary(ios - read_ios, job.io_size, m.time, &writes);
+    }
     json!({
         "job": {
             "workload": job.pattern.name(),
@@ -522,7 +525,7 @@ pub fn report(job: &Job, m: &Measured) -> Value {
             "io_size": job.io_size,
             "block_size": job.block_size,
             "depth": job.depth,
-            "read_pct": job.read_pct,
+            "read_pct": mixed.then_some(job.read_pct),
             "queues": job.queues,
             "threads": job.threads.min(job.queues),
             "warmup_seconds": job.warmup.as_secs_f64(),

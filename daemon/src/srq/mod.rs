@@ -287,7 +287,11 @@ impl ElasticSrq {
     /// grow.
     fn arm(&mut self, now: Instant) {
         if self.srq.arm_limit(self.cfg.low_watermark.max(1)).is_err() {
-            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+            // Counted once for a run of refusals (a device that keeps refusing is tried every
+            // second).
+            if self.rearm_at.is_none() {
+                self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
+            }
             self.rearm_at = Some(now + REGISTER_RETRY);
         } else {
             self.rearm_at = None;
