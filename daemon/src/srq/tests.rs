@@ -114,14 +114,18 @@ fn a_failed_spare_registration_is_asked_for_again_and_the_srq_grows() {
 #[test]
 fn a_refused_limit_arming_is_tried_again() {
     let fabric = nvmfd_rdma::soft::Fabric::new();
-    fabric.fail_limit_arms(1);
+    fabric.fail_limit_arms(2);
     let t0 = Instant::now();
     let mut s = small_srq(&fabric, Duration::from_secs(60), t0);
     assert_eq!(s.counters.srq_errors.load(Ordering::Relaxed), 1);
     assert_eq!(srq_limit(&s), 0, "armed though the device refused");
     s.tick(t0);
     assert_eq!(srq_limit(&s), 0, "armed again before the retry delay");
+    // Refused again: one error for the run of refusals.
     s.tick(t0 + REGISTER_RETRY);
+    assert_eq!(srq_limit(&s), 0);
+    assert_eq!(s.counters.srq_errors.load(Ordering::Relaxed), 1);
+    s.tick(t0 + REGISTER_RETRY * 2);
     assert_eq!(srq_limit(&s), 2, "not armed again after the retry delay");
 }
 
