@@ -36,7 +36,7 @@ pub fn bin(name: &str) -> PathBuf {
                 path.display()
             )
         });
-    if let Some(newer) = newer_source(name, built) {
+    if let Some(newer) = newer_source(&path, name, built) {
         panic!(
             "{} is older than {}: run `cargo build --workspace --bins` first",
             path.display(),
@@ -46,17 +46,35 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// A source that binary `name` is built from (its crate's and the workspace crates it uses,
-/// and the workspace's `Cargo.toml`, whose features change what is compiled in) newer than
-/// `built`, if any. Cargo relinks a binary only when one of those changed, so a source of
-/// another crate newer than the binary says nothing.
-fn newer_source(name: &str, built: SystemTime) -> Option<PathBuf> {
+/// A source that binary `name` (at `path`) is built from newer than `built`, if any: the
+/// files cargo's dep-info beside it (`<name>.d`) lists, which are exactly those (a module
+/// compiled only into tests, newer than the binary, is none of them: cargo does not relink the
+/// binary for it), and the workspace's `Cargo.toml`, whose features change what is compiled
+/// in. Without dep-info: its crate's and the workspace crates' sources it uses.
+fn newer_source(path: &Path, name: &str, built: SystemTime) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let manifest = root.join("Cargo.toml");
     let manifest = std::fs::metadata(&manifest)
         .and_then(|m| m.modified())
         .ok()
         .map(|t| (t, manifest));
+    let modified = |p: PathBuf| {
+        std::fs::metadata(&p)
+            .and_then(|m| m.modified())
+            .ok()
+            .map(|t| (t, p))
+    };
+    if let Some(deps) = std::fs::read_to_string(path.with_extension("d"))
+        .ok()
+        .and_then(|text| dep_info_sources(&text))
+    {
+        return deps
+            .into_iter()
+            .filter_map(modified)
+            .chain(manifest)
+            .find(|(t, _)| *t > built)
+            .map(|(_, p)| p);
+    }
     // The libraries it links (their `src/bin` left out: other binaries), and its own file.
     let (libs, own): (&[&str], &str) = match name {
         "nvmfd" | "nvmfctl" => (
@@ -111,13 +129,51 @@ pub fn release_bin(name: &str) -> Result<PathBuf, String> {
                 path.display()
             )
         })?;
-    match newer_source(name, built) {
+    match newer_source(&path, name, built) {
         Some(newer) => Err(format!(
             "{} is older than {} (`cargo build --release --bins` rebuilds it)",
             path.display(),
             newer.display()
         )),
         None => Ok(path),
+    }
+}
+
+/// The sources a dep-info file (`target: source source ...`, spaces in a path escaped with
+/// `\`) names for its first target.
+fn dep_info_sources(text: &str) -> Option<Vec<PathBuf>> {
+    let (_, deps) = text.lines().next()?.split_once(": ")?;
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut chars = deps.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => cur.extend(chars.next()),
+            ' ' => {
+                if !cur.is_empty() {
+                    out.push(PathBuf::from(std::mem::take(&mut cur)));
+                }
+            }
+            c => cur.push(c),
+        }
+    }
+    if !cur.is_empty() {
+        out.push(PathBuf::from(cur));
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod dep_info_tests {
+    #[test]
+    fn a_dep_info_line_names_every_source_with_its_escaped_spaces() {
+        let text = "/t/nvmfd: /w/a.rs /w/my\\ dir/b.rs  /w/c.rs\n\n/w/a.rs:\n";
+        let got = super::dep_info_sources(text).unwrap();
+        let want: Vec<std::path::PathBuf> = ["/w/a.rs", "/w/my dir/b.rs", "/w/c.rs"]
+            .iter()
+            .map(Into::into)
+            .collect();
+        assert_eq!(got, want);
     }
 }
 
