@@ -245,6 +245,25 @@ fn a_subsystem_added_while_the_discovery_log_is_built_is_listed() {
     assert_eq!(got, vec![SUB.to_string(), LATE.to_string()]);
 }
 
+/// An Asynchronous Event Request of command ID `cid`.
+fn aer(cid: u16) -> Sqe {
+    let mut s: Sqe = nvmfd_nvme::host::command(0);
+    s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
+    s.cid = U16::new(cid);
+    s
+}
+
+/// Adds a port (`id`, address 10.0.0.`id`:4420) to `w`'s target: a Discovery log change.
+fn add_port(w: &World, id: u16) {
+    let mut ports = w.target.ports();
+    ports.push(Port {
+        addr: format!("10.0.0.{id}").parse().unwrap(),
+        port: 4420,
+        id,
+    });
+    w.target.set_ports(ports);
+}
+
 /// A discovery controller that enabled Discovery Log Page Change notices (what persistent
 /// discovery and SPDK hosts ask for) gets one when a subsystem is added or removed, the
 /// ports change or a subsystem's hosts do; one at a time until the host reads the log. The
@@ -259,12 +278,6 @@ fn a_discovery_controller_is_told_when_the_discovery_log_changes() {
     assert_eq!(d.identify_controller().unwrap().oaes.get(), 1 << 31);
     d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 31)
         .unwrap();
-    let aer = |cid: u16| {
-        let mut s: Sqe = nvmfd_nvme::host::command(0);
-        s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
-        s.cid = U16::new(cid);
-        s
-    };
     let l = d.transport();
     for cid in [100, 101] {
         assert!(l.send_capsule(aer(cid).as_bytes()).unwrap().is_none());
@@ -285,13 +298,7 @@ fn a_discovery_controller_is_told_when_the_discovery_log_changes() {
     // yet. (Before, it took the event.)
     let past = d.get_log_page(wire::log_page::DISCOVERY, 1 << 20, 4);
     assert!(status_of(past).same_code(status::INVALID_FIELD));
-    let mut ports = w.target.ports();
-    ports.push(Port {
-        addr: "10.0.0.8".parse().unwrap(),
-        port: 4420,
-        id: 8,
-    });
-    w.target.set_ports(ports);
+    add_port(&w, 8);
     assert!(
         d.transport().poll_events().is_empty(),
         "raised again after a read past the log's end"
@@ -305,13 +312,7 @@ fn a_discovery_controller_is_told_when_the_discovery_log_changes() {
     // One entry per port.
     assert_eq!(got, vec![SUB.to_string(); 2]);
     // Read: the next change raises it; a change of the ports too.
-    let mut ports = w.target.ports();
-    ports.push(Port {
-        addr: "10.0.0.9".parse().unwrap(),
-        port: 4420,
-        id: 9,
-    });
-    w.target.set_ports(ports);
+    add_port(&w, 9);
     let ev = d.transport().poll_events();
     assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (101, 0x0070_F002));
     // An I/O controller hears nothing of it.
@@ -336,12 +337,6 @@ fn a_change_during_a_discovery_log_read_is_in_the_log_or_raises_an_event() {
     d.enable().unwrap();
     d.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 31)
         .unwrap();
-    let aer = |cid: u16| {
-        let mut s: Sqe = nvmfd_nvme::host::command(0);
-        s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
-        s.cid = U16::new(cid);
-        s
-    };
     for cid in [100, 101] {
         assert!(d
             .transport()
@@ -1362,12 +1357,6 @@ fn async_events_are_held_until_a_namespace_changes() {
     a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
         .unwrap();
     let l = a.transport();
-    let aer = |cid: u16| {
-        let mut s: Sqe = nvmfd_nvme::host::command(0);
-        s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
-        s.cid = U16::new(cid);
-        s
-    };
     for cid in 100..100 + AER_LIMIT as u16 {
         assert!(
             l.send_capsule(aer(cid).as_bytes()).unwrap().is_none(),

@@ -329,14 +329,27 @@ fn bench_errors_are_clear_and_exit_non_zero() {
 /// It printed figures of zero I/Os over zero seconds and exited 0.
 #[test]
 fn a_bench_interrupted_in_its_warm_up_reports_no_figures() {
-    use std::io::Read;
     let d = Daemon::start(Options::default());
-    let a = addr(&d);
+    let (ok, out, err) = interrupted_once_its_io_flows(
+        &d,
+        &[
+            "-q", "4", "-w", "randread", "-t", "600", "--warmup", "600", "--json",
+        ],
+    );
+    assert!(!ok, "exit 0: {out}{err}");
+    assert!(err.contains("too little to report"), "{err}");
+    assert!(out.trim().is_empty(), "figures printed: {out}");
+}
+
+/// Runs `nvmf bench` against `d` with `args` (after the address and NQN), sends it SIGINT
+/// once its I/O flows (the controller has served more than its admin commands), and waits
+/// for it to end: (success, stdout, stderr).
+fn interrupted_once_its_io_flows(d: &Daemon, args: &[&str]) -> (bool, String, String) {
+    use std::io::Read;
+    let a = addr(d);
     let mut child = Command::new(bin("nvmf"))
-        .args([
-            "bench", "--addr", &a, "--nqn", SUB, "-q", "4", "-w", "randread",
-        ])
-        .args(["-t", "600", "--warmup", "600", "--json"])
+        .args(["bench", "--addr", &a, "--nqn", SUB])
+        .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -367,23 +380,15 @@ fn a_bench_interrupted_in_its_warm_up_reports_no_figures() {
         .unwrap()
         .read_to_string(&mut err)
         .unwrap();
-    assert!(!status.success(), "exit 0: {out}{err}");
-    assert!(err.contains("too little to report"), "{err}");
-    assert!(out.trim().is_empty(), "figures printed: {out}");
+    (status.success(), out, err)
 }
 
 #[test]
 fn an_interrupted_bench_prints_the_figures_of_the_time_it_ran() {
-    use std::io::Read;
     let d = Daemon::start(Options::default());
-    let a = addr(&d);
-    let mut child = Command::new(bin("nvmf"))
-        .args([
-            "bench",
-            "--addr",
-            &a,
-            "--nqn",
-            SUB,
+    let (ok, out, err) = interrupted_once_its_io_flows(
+        &d,
+        &[
             "-q",
             "4",
             "-o",
@@ -395,39 +400,9 @@ fn an_interrupted_bench_prints_the_figures_of_the_time_it_ran() {
             "--warmup",
             "0",
             "--json",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run nvmf bench");
-    // I/O flows: the controller has served more than its admin commands.
-    nvmfd_tests::wait_for("the bench's I/O", || {
-        let ctrls = d.data("controllers");
-        ctrls.as_array()?.iter().find(|c| {
-            c["queues"].as_array().is_some_and(|q| q.len() == 2)
-                && c["commands"].as_u64().unwrap_or(0) > 100
-        })?;
-        Some(())
-    });
-    // SAFETY: kill(2) on the child's PID, which has not been reaped yet.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
-    let status = nvmfd_tests::wait_for("nvmf bench to end after SIGINT", || {
-        child.try_wait().unwrap()
-    });
-    let (mut out, mut err) = (String::new(), String::new());
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut out)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert!(status.success(), "{status}: {err}");
+        ],
+    );
+    assert!(ok, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(v["interrupted"], true, "{v}");
     let secs = v["seconds"].as_f64().unwrap();

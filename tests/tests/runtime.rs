@@ -331,6 +331,24 @@ fn building_slowly(build_ms: u64, bound_ms: u64) -> (Daemon, SocketAddr) {
     (d, SocketAddr::from(([127, 0, 0, 1], port)))
 }
 
+/// A daemon of `building_slowly(build_ms, bound_ms)` with host `n` (127.0.0.`n`, in hex) connected
+/// with a keep-alive timeout of `kato_ms`, having written and read, and then a listener
+/// added on another device: the build starts.
+fn a_host_then_a_slow_build(build_ms: u64, bound_ms: u64, kato_ms: u32, n: u8) -> (Daemon, Host) {
+    let (d, addr) = building_slowly(build_ms, bound_ms);
+    let mut h = Host::connect_with_kato(&format!("127.0.0.{n:x}"), addr, A, n, kato_ms);
+    h.write_read(1, 0, n);
+    add_a_listener_on_another_device(&d);
+    (d, h)
+}
+
+/// Whether `d`'s log has `what` yet, its notifications read meanwhile (the watchdog's come
+/// every 100 ms: a full socket would hold the daemon's control thread up).
+fn logged(d: &Daemon, what: &str) -> Option<()> {
+    d.notifications_for(std::time::Duration::from_millis(20));
+    d.log().contains(what).then_some(())
+}
+
 /// Adds a listener on 127.0.0.2 (another device: a data path built while serving).
 fn add_a_listener_on_another_device(d: &Daemon) {
     let second = test_port();
@@ -373,17 +391,8 @@ fn a_data_path_built_while_serving_does_not_stall_the_daemon() {
 /// ended meanwhile.
 #[test]
 fn a_data_path_built_while_serving_expires_no_controller() {
-    let (mut d, addr) = building_slowly(4000, 60_000);
     // A keep-alive timeout of 2 s: the build takes twice that.
-    let mut h = Host::connect_with_kato("127.0.0.39", addr, A, 0x39, 2000);
-    h.write_read(1, 0, 0x39);
-    add_a_listener_on_another_device(&d);
-    // Read as they come (the watchdog's, every 100 ms): a full socket would hold the
-    // daemon's control thread up.
-    let logged = |d: &Daemon, what: &str| {
-        d.notifications_for(std::time::Duration::from_millis(20));
-        d.log().contains(what).then_some(())
-    };
+    let (mut d, mut h) = a_host_then_a_slow_build(4000, 60_000, 2000, 0x39);
     wait_for("the new listener's data path", || {
         logged(&d, "data path built on the listener's device")
     });
@@ -402,15 +411,9 @@ fn a_data_path_built_while_serving_expires_no_controller() {
 /// held for as long as any reactor built.
 #[test]
 fn a_data_path_build_past_the_setup_bound_holds_keep_alives_no_longer() {
-    let (mut d, addr) = building_slowly(5000, 500);
-    let mut h = Host::connect_with_kato("127.0.0.40", addr, A, 0x40, 1000);
-    h.write_read(1, 0, 0x40);
-    add_a_listener_on_another_device(&d);
+    let (mut d, _h) = a_host_then_a_slow_build(5000, 500, 1000, 0x40);
     wait_for("the controller's keep-alive timeout", || {
-        d.notifications_for(std::time::Duration::from_millis(20));
-        d.log()
-            .contains("keep-alive timeout: controller ended")
-            .then_some(())
+        logged(&d, "keep-alive timeout: controller ended")
     });
     let log = d.log();
     assert!(

@@ -606,11 +606,12 @@ impl CmId {
         Ok(qp)
     }
 
-    /// The peer's ECE (enhanced connection establishment) options, when its request carried
-    /// some: set on this side's own QP `qp` where the vendor is the same, cleared where not,
-    /// as `rdma_create_qp` does for a QP of a connect request (librdmacm's `init_ece`). A
-    /// provider without ECE (EOPNOTSUPP) takes none.
-    fn agree_ece(&self, qp: NonNull<ibv_qp>) -> Result<(), VerbsError> {
+    /// The peer's ECE (enhanced connection establishment) options, if its request carried
+    /// some, and this side's own QP `qp`'s (`None` where the provider has no ECE).
+    fn ece_of(
+        &self,
+        qp: NonNull<ibv_qp>,
+    ) -> Result<Option<(ibv_ece, Option<ibv_ece>)>, VerbsError> {
         // SAFETY: plain data.
         let mut remote: ibv_ece = unsafe { std::mem::zeroed() };
         // SAFETY: a live ID holding no QP (librdmacm refuses one that does); valid out-pointer.
@@ -618,21 +619,30 @@ impl CmId {
             rdma_get_remote_ece(self.raw(), &mut remote)
         })?;
         if remote.vendor_id == 0 {
-            return Ok(());
+            return Ok(None);
         }
         // SAFETY: plain data.
         let mut ece: ibv_ece = unsafe { std::mem::zeroed() };
         // SAFETY: a live QP; valid out-pointer.
         match unsafe { ibv_query_ece(qp.as_ptr(), &mut ece) } {
-            0 => {}
-            libc::EOPNOTSUPP => return Ok(()),
-            rc => return Err(VerbsError::os("ibv_query_ece", rc)),
+            0 => Ok(Some((remote, Some(ece)))),
+            libc::EOPNOTSUPP => Ok(Some((remote, None))),
+            rc => Err(VerbsError::os("ibv_query_ece", rc)),
         }
-        if ece.vendor_id == remote.vendor_id {
-            ece.options = remote.options;
+    }
+
+    /// The peer's ECE options, when its request carried some: set on this side's own QP `qp`
+    /// where the vendor is the same, cleared where not, as `rdma_create_qp` does for a QP of a
+    /// connect request (librdmacm's `init_ece`). A provider without ECE takes none.
+    fn agree_ece(&self, qp: NonNull<ibv_qp>) -> Result<(), VerbsError> {
+        let Some((remote, Some(mut ece))) = self.ece_of(qp)? else {
+            return Ok(());
+        };
+        ece.options = if ece.vendor_id == remote.vendor_id {
+            remote.options
         } else {
-            ece.options = 0;
-        }
+            0
+        };
         ece.comp_mask = 0;
         // SAFETY: a live QP in RESET; valid options.
         match unsafe { ibv_set_ece(qp.as_ptr(), &mut ece) } {
@@ -645,22 +655,11 @@ impl CmId {
     /// `rdma_create_qp` records them (librdmacm's `set_local_ece`): only when the peer sent
     /// some.
     fn record_ece(&self, qp: NonNull<ibv_qp>) -> Result<(), VerbsError> {
-        // SAFETY: plain data.
-        let mut remote: ibv_ece = unsafe { std::mem::zeroed() };
-        // SAFETY: as in `agree_ece`.
-        check("rdma_get_remote_ece", unsafe {
-            rdma_get_remote_ece(self.raw(), &mut remote)
-        })?;
-        if remote.vendor_id == 0 {
+        let Some((_, Some(mut ece))) = self.ece_of(qp)? else {
             return Ok(());
-        }
-        // SAFETY: plain data.
-        let mut ece: ibv_ece = unsafe { std::mem::zeroed() };
-        // SAFETY: a live QP; valid out-pointer.
-        match unsafe { ibv_query_ece(qp.as_ptr(), &mut ece) } {
-            0 if ece.vendor_id != 0 => {}
-            0 | libc::EOPNOTSUPP => return Ok(()),
-            rc => return Err(VerbsError::os("ibv_query_ece", rc)),
+        };
+        if ece.vendor_id == 0 {
+            return Ok(());
         }
         ece.comp_mask = 0;
         // SAFETY: a live ID holding no QP; valid options with a vendor.
