@@ -987,13 +987,7 @@ fn a_connect_to_a_returning_listener_waits_for_its_data_path() {
 #[test]
 fn nvmf_bench_fails_when_the_shutdown_flush_fails() {
     let (d, addr) = start_hooked(None);
-    let img = d.dir.path().join("ns2.img");
-    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
-    change(
-        &d,
-        serde_json::json!({"request": "add_namespace", "subsystem": A,
-            "namespace": {"nsid": 2, "backend": "file", "path": img}}),
-    );
+    add_file_namespace(&d, 2);
     change(
         &d,
         serde_json::json!({"request": "debug_fail_sync", "subsystem": A, "nsid": 2}),
@@ -1029,13 +1023,7 @@ fn nvmf_bench_fails_when_the_shutdown_flush_fails() {
 #[test]
 fn a_failed_sync_is_logged_once_and_shown_in_the_status() {
     let (d, addr) = start_hooked(None);
-    let img = d.dir.path().join("ns2.img");
-    std::fs::write(&img, vec![0u8; 4 << 20]).unwrap();
-    change(
-        &d,
-        serde_json::json!({"request": "add_namespace", "subsystem": A,
-            "namespace": {"nsid": 2, "backend": "file", "path": img}}),
-    );
+    add_file_namespace(&d, 2);
     let mut a = Host::connect("127.0.0.49", addr, A, 0x49);
     a.write_read(2, 8, 0x49);
     a.io.flush(2).unwrap();
