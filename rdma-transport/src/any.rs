@@ -450,13 +450,20 @@ pub mod cm {
             forward!(self, c => c.accept(private_data))
         }
         /// Accepts as a target: this side may have `initiator_depth` RDMA READs in flight,
-        /// the peer none (responder resources 0).
+        /// the peer none (responder resources 0); its QP advertises the RNR NAK timer
+        /// `min_rnr_timer` (InfiniBand encoding) from the moment it can receive.
         pub fn accept_with(
             &self,
             private_data: &[u8],
             initiator_depth: u8,
+            min_rnr_timer: u8,
         ) -> Result<(), VerbsError> {
-            forward!(self, c => c.accept_with(private_data, initiator_depth))
+            forward!(self, c => c.accept_with(private_data, initiator_depth, min_rnr_timer))
+        }
+        /// The RNR NAK timer the QP advertises (soft: none, it retries a SEND as soon as a
+        /// receive is posted).
+        pub fn min_rnr_timer(&self) -> Option<u8> {
+            forward!(self, c => c.min_rnr_timer())
         }
         /// Sets how many RDMA READs this side takes at once from its peer, before `connect`
         /// (soft only; ibverbs connects with 16).
@@ -492,10 +499,6 @@ pub mod cm {
         /// Moves the QP to ERR.
         pub fn to_error(&self) -> Result<(), VerbsError> {
             forward!(self, c => c.to_error())
-        }
-        /// Sets the RNR NAK timer the QP advertises (InfiniBand encoding).
-        pub fn set_min_rnr_timer(&self, code: u8) -> Result<(), VerbsError> {
-            forward!(self, c => c.set_min_rnr_timer(code))
         }
     }
 }

@@ -582,7 +582,13 @@ macro_rules! suite {
                 assert!(offered >= 8, "the host offers {offered} READs");
                 let t = side(id.device().unwrap());
                 id.create_qp(&t.pd, &t.cq, &t.srq, CAPS).unwrap();
-                id.accept_with(b"", 8).unwrap();
+                id.accept_with(b"", 8, 8).unwrap();
+                // Advertised from the move to RTR, before the host can send: rdma_cm's would
+                // make a host whose SEND finds no receive wait 655 ms.
+                match id.min_rnr_timer() {
+                    Some(t) => assert_eq!(t, 8, "the accepted QP's RNR NAK timer"),
+                    None => assert!(!env.has_rnr_timer(), "no RNR NAK timer"),
+                }
                 // With ibverbs, librdmacm holds no accepted connection's QP: it would move
                 // it to ERR while reading a REJECTED event, on the thread reading the channel,
                 // while the target's data path may be destroying it.
@@ -904,6 +910,10 @@ impl SoftEnv {
     fn accepted_qp_in_rdma_cm(&self) -> bool {
         true
     }
+    /// Whether its QPs advertise an RNR NAK timer.
+    fn has_rnr_timer(&self) -> bool {
+        false
+    }
 }
 
 suite!(on_soft, soft, SoftEnv);
@@ -953,6 +963,10 @@ impl SoftTcpEnv {
     fn accepted_qp_in_rdma_cm(&self) -> bool {
         true
     }
+    /// Whether its QPs advertise an RNR NAK timer.
+    fn has_rnr_timer(&self) -> bool {
+        false
+    }
 }
 
 suite!(on_soft_tcp, soft, SoftTcpEnv);
@@ -981,6 +995,10 @@ impl AnySoftEnv {
     /// Whether rdma_cm holds the QP of a connection this side accepts.
     fn accepted_qp_in_rdma_cm(&self) -> bool {
         true
+    }
+    /// Whether its QPs advertise an RNR NAK timer.
+    fn has_rnr_timer(&self) -> bool {
+        false
     }
 }
 
@@ -1013,6 +1031,10 @@ impl AnyVerbsEnv {
     /// Whether rdma_cm holds the QP of a connection this side accepts.
     fn accepted_qp_in_rdma_cm(&self) -> bool {
         false
+    }
+    /// Whether its QPs advertise an RNR NAK timer.
+    fn has_rnr_timer(&self) -> bool {
+        true
     }
 }
 
@@ -1053,6 +1075,10 @@ impl VerbsEnv {
     /// Whether rdma_cm holds the QP of a connection this side accepts.
     fn accepted_qp_in_rdma_cm(&self) -> bool {
         false
+    }
+    /// Whether its QPs advertise an RNR NAK timer.
+    fn has_rnr_timer(&self) -> bool {
+        true
     }
 }
 

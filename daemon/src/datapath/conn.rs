@@ -157,16 +157,14 @@ impl DataPath {
         // path or another's on the device) was destroyed before, so its events were read
         // and numbered before this. Before the accept: a QP not yet connected raises none.
         let events_from = self.dev.events_read();
-        if let Err(e) = id.accept_with(&accept_private_data(req.crqsize()), granted) {
+        // A host whose SEND meets an empty SRQ retries after MIN_RNR_TIMER; rdma_cm's default
+        // is 655 ms, which starves a queue (a keep-alive) while the SRQ grows.
+        let private_data = accept_private_data(req.crqsize());
+        if let Err(e) = id.accept_with(&private_data, granted, MIN_RNR_TIMER) {
             // Usually the host went away first (its REJ came before the accept).
             slog::debug!(self.log, "cannot accept a connection"; "error" => %e);
             self.refuse(&id, depth);
             return Err(e);
-        }
-        // A host whose SEND meets an empty SRQ retries after this timer; rdma_cm's default is
-        // 655 ms, which starves a queue (a keep-alive) while the SRQ grows.
-        if id.set_min_rnr_timer(MIN_RNR_TIMER).is_err() {
-            self.counters.srq_errors.fetch_add(1, Ordering::Relaxed);
         }
         let token = id.token();
         let mut queue = Queue::new(&self.target, Some(req.params));

@@ -142,9 +142,14 @@ impl CmId {
         rc == 0 && a.link_layer == 1
     }
 
-    /// Accepts with `p`: this side's own QP (an accepted connection's) goes to RTR and RTS
-    /// first, with the READ depths `p` grants (as `rdma_accept` moves a QP it holds).
-    pub(super) fn accept_param(&self, mut p: rdma_conn_param) -> Result<(), VerbsError> {
+    /// Accepts with `p`: this side's own QP (an accepted connection's), if it has one, goes
+    /// to RTR and RTS first, with the READ depths `p` grants (as `rdma_accept` moves a QP it
+    /// holds) and the RNR NAK timer `min_rnr_timer` if given (rdma_cm's otherwise).
+    pub(super) fn accept_own(
+        &self,
+        mut p: rdma_conn_param,
+        min_rnr_timer: Option<u8>,
+    ) -> Result<(), VerbsError> {
         if let Some(qp) = self.own_qp {
             let (resp, init) = (p.responder_resources, p.initiator_depth);
             // librdmacm's "the device's most" (255) is not taken here: depths are given.
@@ -153,6 +158,10 @@ impl CmId {
             }
             self.modify_own(qp, ibv_qp_state::IBV_QPS_RTR, |a| {
                 a.max_dest_rd_atomic = resp;
+                // In the mask rdma_cm gives for RTR on InfiniBand and RoCE (iWARP has no RNR).
+                if let Some(t) = min_rnr_timer {
+                    a.min_rnr_timer = t;
+                }
             })?;
             self.modify_own(qp, ibv_qp_state::IBV_QPS_RTS, |a| {
                 a.max_rd_atomic = init;

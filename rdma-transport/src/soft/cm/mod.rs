@@ -579,7 +579,14 @@ impl CmId {
 
     /// Accepts, granting this side `initiator_depth` RDMA READs in flight (at most what the
     /// request's event reported) and the peer none (responder resources 0, as a target).
-    pub fn accept_with(&self, private_data: &[u8], initiator_depth: u8) -> Result<(), VerbsError> {
+    /// The RNR NAK timer is not kept: the soft provider retries a SEND as soon as a receive
+    /// is posted.
+    pub fn accept_with(
+        &self,
+        private_data: &[u8],
+        initiator_depth: u8,
+        _min_rnr_timer: u8,
+    ) -> Result<(), VerbsError> {
         self.accept(private_data)?;
         let qp = self.fabric.lock().cm.ids.get(&self.id).and_then(|i| i.qp);
         if let Some(qp) = qp {
@@ -707,10 +714,10 @@ impl CmId {
             .post_send(wrs)
     }
 
-    /// The RNR NAK timer: the soft provider retries a SEND as soon as a receive is posted,
-    /// so there is nothing to set.
-    pub fn set_min_rnr_timer(&self, _code: u8) -> Result<(), VerbsError> {
-        Ok(())
+    /// The RNR NAK timer: none, the soft provider retries a SEND as soon as a receive is
+    /// posted.
+    pub fn min_rnr_timer(&self) -> Option<u8> {
+        None
     }
 
     /// Moves the QP to ERR.
