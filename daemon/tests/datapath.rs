@@ -3430,6 +3430,63 @@ fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
     drop(more);
 }
 
+/// Many queues gone at once (a host with a thousand queues disconnecting, a link down): their
+/// drained QPs are destroyed a few a turn, not all in the turn their drains end. A destroy is
+/// a call into the device's driver (a firmware command on most NICs, with the CM ID's
+/// teardown): all in one turn stalled every other queue of the reactor for all of them.
+#[test]
+fn a_mass_teardown_destroys_a_few_qps_a_turn() {
+    use nvmfd::datapath::DESTROYS_PER_TURN;
+    use std::sync::atomic::Ordering::Relaxed;
+    const GONE: usize = 5 * DESTROYS_PER_TURN + 3;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4515,
+        None,
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            max_qps: 64,
+            ..Opts::default()
+        },
+    );
+    let mut hosts = Vec::new();
+    for n in 1..=GONE as u64 {
+        hosts.push(bare_connect(&s));
+        wait_until("the target accepted the connection", || {
+            c.connections_accepted.load(Relaxed) == n
+        });
+    }
+    // The reactor stops polling (it still takes CM and async events): every connection is
+    // torn down while none of it is reaped.
+    s.set_switch(&s.paused, true);
+    drop(hosts);
+    wait_until("every connection is torn down", || {
+        s.on_data_path(|dp| dp.draining()) == GONE
+    });
+    // One turn at a time: how many QPs are left draining after each.
+    let left = s.on_data_path(|dp| {
+        let mut left = vec![dp.draining()];
+        while left.len() < 1000 && *left.last().unwrap() > 0 {
+            dp.poll(Instant::now());
+            left.push(dp.draining());
+        }
+        left
+    });
+    assert_eq!(left.first(), Some(&GONE));
+    assert_eq!(left.last(), Some(&0), "the drains never ended: {left:?}");
+    let most = left.windows(2).map(|w| w[0] - w[1]).max().unwrap();
+    assert_eq!(
+        most, DESTROYS_PER_TURN,
+        "QPs destroyed in one turn: {left:?}"
+    );
+    s.paused.store(false, Relaxed);
+    wait_until("their counts are back", || {
+        c.qps_draining.load(Relaxed) == 0 && c.connections.load(Relaxed) == 0
+    });
+}
+
 /// Large writes that fill every large buffer of a backend that does not finish them (held
 /// block completions) leave their next large write waiting for a buffer; another host's
 /// admin commands and small I/O do not wait behind it. Before, every command that arrived

@@ -591,6 +591,9 @@ impl DataPath {
                 gone.push(qpn);
             }
         }
+        // A few a turn ([`DESTROYS_PER_TURN`]): the others stay settled, destroyed in the next
+        // turns (the reactor does not sleep while any is draining).
+        gone.truncate(DESTROYS_PER_TURN);
         for qpn in gone.drain(..) {
             let Some(d) = self.draining.remove(&qpn) else {
                 continue;

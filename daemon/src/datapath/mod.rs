@@ -152,6 +152,11 @@ const MIN_RNR_TIMER: u8 = 8;
 pub const RESPONSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The longest a torn-down QP waits for its work to drain before it is destroyed anyway.
 pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// The most drained QPs a turn destroys (with their CM IDs); the rest wait for the next
+/// turns. A destroy is a system call into the device's driver (a firmware command on most
+/// NICs, a CM ID's teardown besides): a thousand queues gone at once, destroyed in one
+/// turn, would stall every other queue of the reactor for that long.
+pub const DESTROYS_PER_TURN: usize = 8;
 
 /// Why a queue pair was torn down; `stats` counts each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
