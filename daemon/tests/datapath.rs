@@ -4313,6 +4313,58 @@ fn an_admin_queue_with_every_aer_armed_keeps_the_admin_reserve() {
     drop(hostile);
 }
 
+/// AERs a controller reset ended (the host takes them as aborted; no completion comes) are
+/// no longer counted as commands of the admin queue without a response: with four new ones
+/// armed after the reset, the host's other admin commands still use the admin reserve.
+/// Before, the four ended ones still counted, and an Identify waited behind another host's
+/// flood.
+#[test]
+fn aers_a_reset_ended_hold_none_of_the_admin_reserve() {
+    use nvmf_host::Payload;
+    use std::sync::atomic::Ordering::Relaxed;
+    let (c, s) = serve_with_an_admin_reserve_of_4(4596);
+    let h = host();
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let mut q = nvmf_host::PipelinedQueue::connect(ch, s.addr, 0, 32, 4096, 4096).unwrap();
+    q.set_timeout(Duration::from_secs(5));
+    let mut admin = AdminQueue::connect(q, &h, SUB, 31, 0).unwrap();
+    admin.enable().unwrap();
+    let arm_four = |admin: &mut AdminQueue<nvmf_host::PipelinedQueue>, from: u64| {
+        let before = c.commands.load(Relaxed);
+        for tag in from..from + 4 {
+            admin
+                .transport()
+                .submit(tag, nvmfd_nvme::host::command(0x0C), Payload::None)
+                .unwrap();
+        }
+        wait_until("the four AERs are in", || {
+            c.commands.load(Relaxed) == before + 4
+        });
+    };
+    arm_four(&mut admin, 0);
+    admin
+        .property_set(nvmfd_nvme::wire::property::CC, 0)
+        .unwrap();
+    wait_until("the reset is over", || {
+        admin
+            .property_get(nvmfd_nvme::wire::property::CSTS, false)
+            .unwrap()
+            & 1
+            == 0
+    });
+    admin.enable().unwrap();
+    arm_four(&mut admin, 4);
+    let hostile = flood_with_a_queue_taking_no_responses(&s, &c, 0x18);
+    let start = Instant::now();
+    admin.identify_controller().unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "the admin command waited {:?}",
+        start.elapsed()
+    );
+    drop(hostile);
+}
+
 /// A target of 64 request slots, 4 of them kept for admin queues, whose hosts that take no
 /// responses are never let go for it during a test (a response timeout of 120 s).
 fn serve_with_an_admin_reserve_of_4(port: u16) -> (Arc<nvmfd::stats::DataPathCounters>, Served) {

@@ -156,6 +156,10 @@ pub(crate) fn property(
         let discovery = ctrl.subsystem.is_none();
         let ok = mps == 0 && css == 0 && ams == 0 && (discovery || (iosqes == 6 && iocqes == 4));
         st.csts = if ok { 1 } else { 1 << 1 }; // RDY, or CFS
+                                               // A new epoch: a shutdown asked while disabled, its flush still running, must not
+                                               // report SHST (or CFS) on the controller enabled now when it ends. No I/O queue is
+                                               // bound (none connects while disabled, and a reset's are gone before an enable).
+        ctrl.new_epoch();
     } else if !enable && was_enabled {
         // Reset: the I/O queues must go (they see the new epoch and disconnect); the admin
         // queue stays, with the controller disabled and its negotiated state cleared.
@@ -167,9 +171,14 @@ pub(crate) fn property(
         // once they are gone and report SHST complete on the controller enabled again.
         st.shutdown_pending = false;
         st.shutdown_awaits_releases = false;
-        // Held AERs stay held, as the kernel target keeps them: the host's admin queue stays,
-        // they complete at the next event, and dropping them would leave commands the host
-        // waits for unanswered (and held against its queue's flow control).
+        // Held AERs end with the reset, without a completion: the base specification has
+        // AERs outstanding at a reset aborted, so the host takes their command IDs as free
+        // (and reuses them). Completed at a later event, one would answer whatever command
+        // of the host has its ID by then, and the host's new AERs were refused (the limit
+        // still counted the old). The transport counts them answered
+        // (`Queue::take_ended_aers`): they no longer hold its queue's flow control.
+        q.aers_ended += u32::try_from(st.held_aers.len()).unwrap_or(u32::MAX);
+        st.held_aers.clear();
         st.resetting = true;
         // The epoch first: a command of an I/O queue on another reactor between the two
         // then finds its queue ended (and disconnects), not a controller merely not ready

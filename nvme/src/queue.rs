@@ -254,6 +254,9 @@ pub struct Queue {
     peer: Option<String>,
     /// Its entry in the controller's queues, once connected.
     stats: Option<Arc<QueueStats>>,
+    /// Held Asynchronous Event Requests of this admin queue that a reset ended without a
+    /// completion, not yet taken by the transport ([`Queue::take_ended_aers`]).
+    pub(crate) aers_ended: u32,
 }
 
 impl std::fmt::Debug for Queue {
@@ -301,6 +304,7 @@ impl Queue {
             spare_ranges: Vec::new(),
             peer: None,
             stats: None,
+            aers_ended: 0,
         }
     }
 
@@ -350,6 +354,14 @@ impl Queue {
     /// a response that hold no request slot while they wait); 0 without a controller.
     pub fn held_aers(&self) -> usize {
         self.ctrl.as_ref().map_or(0, |c| c.lock().held_aers.len())
+    }
+
+    /// How many held Asynchronous Event Requests of this admin queue a controller reset
+    /// ended since the last call: the host takes them as aborted and gets no completion for
+    /// them, so a transport counting commands without a response counts them answered.
+    /// Look after each command the queue handles (only a Property Set resets).
+    pub fn take_ended_aers(&mut self) -> u32 {
+        std::mem::take(&mut self.aers_ended)
     }
 
     /// Counts as traffic of the queue's controller (restarts its keep-alive timer), as a

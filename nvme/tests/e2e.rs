@@ -1438,30 +1438,57 @@ fn a_changed_namespace_list_read_that_fails_on_its_transfer_leaves_the_list() {
     );
 }
 
-/// AERs held when the host resets the controller (CC.EN to 0, admin queue kept) stay held and
-/// complete at the next event after it enables again: dropped, they would be commands the host
-/// waits for forever, each held against its admin queue's flow control.
+/// AERs held when the host resets the controller (CC.EN to 0, admin queue kept) end with the
+/// reset, without a completion (the base specification has them aborted): the host takes
+/// their command IDs as free. Before, they stayed held: the next event completed the oldest,
+/// an ID the host may have given another command by then (here its Property Get of CSTS
+/// while it waited for the reset), while its new AERs were refused (the limit counted the
+/// old ones) and never heard of the event.
 #[test]
-fn aers_held_across_a_reset_complete_at_the_next_event() {
+fn aers_held_at_a_reset_end_with_it_and_the_new_ones_hear_the_next_event() {
     let w = world();
     let (mut a, ios) = w.controller(1);
-    let mut s: Sqe = nvmfd_nvme::host::command(0);
-    s.opcode = wire::admin_opcode::ASYNC_EVENT_REQUEST;
-    s.cid = U16::new(100);
-    assert!(
-        a.transport().send_capsule(s.as_bytes()).unwrap().is_none(),
-        "held"
-    );
+    a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
+        .unwrap();
+    for cid in 100..104 {
+        assert!(
+            a.transport()
+                .send_capsule(aer(cid).as_bytes())
+                .unwrap()
+                .is_none(),
+            "held"
+        );
+    }
     a.property_set(wire::property::CC, 0).unwrap();
+    assert_eq!(a.transport().queue_mut().take_ended_aers(), 4);
+    assert_eq!(a.transport().queue_mut().take_ended_aers(), 0, "taken once");
+    // An event while the controller is disabled: no command of before the reset answers it.
+    w.target.namespace_changed(SUB, 2);
+    assert!(
+        a.transport().poll_events().is_empty(),
+        "an ended AER completed"
+    );
     drop(ios);
     assert_eq!(a.property_get(wire::property::CSTS, false).unwrap() & 1, 0);
     a.enable().unwrap();
     a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
         .unwrap();
-    w.target.namespace_changed(SUB, 2);
+    for cid in 200..204 {
+        assert!(
+            a.transport()
+                .send_capsule(aer(cid).as_bytes())
+                .unwrap()
+                .is_none(),
+            "a new AER is held, not refused"
+        );
+    }
+    // The change of before is reported to the new AERs, and the next one too (masked until
+    // the Changed Namespace List is read, it joins the list).
     let ev = a.transport().poll_events();
-    assert_eq!(ev.len(), 1, "the AER held across the reset never completed");
-    assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (100, 0x0004_0002));
+    assert_eq!(ev.len(), 1, "{ev:?}");
+    assert_eq!((ev[0].cid.get(), ev[0].dw0.get()), (200, 0x0004_0002));
+    w.target.namespace_changed(SUB, 2);
+    assert!(a.transport().poll_events().is_empty());
 }
 
 /// A completion reports the SQ head when it is made: a Dataset Management whose ranges are
@@ -1514,6 +1541,23 @@ fn a_shutdown_flush_ending_after_a_reset_leaves_the_enabled_controller_alone() {
     let flush = shutdown_held(&mut a, 0x61);
     // Reset and enabled again while the flush runs; then it ends.
     a.property_set(wire::property::CC, 0).unwrap();
+    a.enable().unwrap();
+    a.transport().queue_mut().io_done(&flush, Ok(0));
+    let csts = a.property_get(wire::property::CSTS, false).unwrap();
+    assert_eq!(csts & 0xF, 1, "ready, not shut down: CSTS {csts:#x}");
+    a.set_queue_count(1).unwrap();
+    IoQueue::connect(w.link(1, 31), &host(1), SUB, a.cntlid, 1, 31).unwrap();
+}
+
+/// A shutdown asked of a controller not enabled (CC.EN 0, SHN set), then an enable while its
+/// flush runs: the flush's end must not report SHST complete on the controller enabled
+/// since. Before, it did (the enable began no new epoch), and its I/O queues were refused
+/// (Command Sequence Error) until another reset.
+#[test]
+fn a_shutdown_flush_of_a_disabled_controller_ending_after_its_enable_leaves_it_alone() {
+    let w = world();
+    let mut a = w.admin(&host(1), SUB).unwrap();
+    let flush = shutdown_held(&mut a, 0x65);
     a.enable().unwrap();
     a.transport().queue_mut().io_done(&flush, Ok(0));
     let csts = a.property_get(wire::property::CSTS, false).unwrap();

@@ -164,6 +164,11 @@ impl DataPath {
             let ci = self.reqs[i].as_ref().map_or(NO_CONN, |r| r.conn);
             if let Some(conn) = self.conns.at(ci, qpn) {
                 let a = conn.queue.handle_parts(sqe, arrived.icd, now);
+                // A reset ends its controller's held AERs without completions: answered.
+                let ended = conn.queue.take_ended_aers();
+                if ended != 0 {
+                    conn.answered += u64::from(ended);
+                }
                 self.begin(i, a, &mut arrived, now);
             } else {
                 self.end_req(i);
