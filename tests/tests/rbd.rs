@@ -892,6 +892,46 @@ fn a_namespace_whose_cluster_is_unreachable_is_left_out_and_the_others_are_serve
     assert!(!ok && err.contains("namespace 2 is not active"), "{err}");
 }
 
+/// A namespace not served (its cluster unreachable at start, tried again) whose keys are
+/// edited, its size or where its image is: the reload takes the file, and the next tries use
+/// the new keys. Before, a size changed was taken for a resize of a namespace not served
+/// ("serves no namespace 2"), any other key for a change "of more than its size", and the
+/// reload failed: every admin change was then refused (the file edited since it was loaded)
+/// until the edit was undone.
+#[test]
+fn the_keys_of_a_namespace_not_served_change_in_a_reload() {
+    let (_dir, dead) = dead_cluster(2);
+    let ns2 = |size: &str, pool: &str| {
+        format!(
+            "[[subsystem.namespace]]\nnsid = 2\nbackend = \"rbd\"\npool = \"{pool}\"\nimage = \"gone\"\ncreate = true\nsize = \"{size}\"\nceph_conf = \"{}\"\n",
+            dead.display()
+        )
+    };
+    let d = daemon_with(&format!(
+        "backend = \"malloc\"\nsize = \"16MiB\"\n\n{}",
+        ns2("32MiB", "rbd")
+    ));
+    let serving = |d: &Daemon| d.data("status")["namespaces"][1]["serving"].clone();
+    assert_eq!(serving(&d), false);
+    let path = d.dir.path().join("nvmfd.toml");
+    for (size, pool) in [("64MiB", "rbd"), ("64MiB", "other")] {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let at = text.find("[[subsystem.namespace]]\nnsid = 2").unwrap();
+        let end = text[at..].find("ceph_conf").unwrap();
+        let end = at + end + text[at + end..].find('\n').unwrap() + 1;
+        let edited = format!("{}{}{}", &text[..at], ns2(size, pool), &text[end..]);
+        std::fs::write(&path, edited).unwrap();
+        let r = d.request(r#"{"request":"reload"}"#);
+        assert_eq!(r["ok"], true, "size {size}, pool {pool}: {r}");
+        assert_eq!(serving(&d), false);
+    }
+    // Changes are taken again.
+    let host = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000a1";
+    let add = serde_json::json!({"request": "add_host", "subsystem": SUB, "host": host});
+    let r = d.request(&add.to_string());
+    assert_eq!(r["ok"], true, "{r}");
+}
+
 /// One image reached through two configuration files (one a link to the other, as
 /// Proxmox's /etc/ceph/ceph.conf is to /etc/pve/ceph.conf) is one store: two namespaces on
 /// it would overwrite each other's data. Validation compares the keys as written, so the

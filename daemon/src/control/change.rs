@@ -11,8 +11,9 @@ use std::collections::BTreeMap;
 use std::sync::mpsc;
 
 use nvmfd_blockdev::Device as BlockDevice;
-use nvmfd_config::{Edit, Listener, Namespace as CfgNamespace, Subsystem as CfgSubsystem};
+use nvmfd_config::{Edit, Listener, Subsystem as CfgSubsystem};
 
+use super::plan::Plan;
 use super::*;
 use crate::serve::NamespaceStatus;
 
@@ -23,101 +24,7 @@ pub(super) const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 /// backend's own size (a file or device grown outside nvmfd).
 pub(super) type Resize = (String, u32, Option<u64>);
 
-/// What a change does, worked out from the configurations before and after.
-#[derive(Debug, Default)]
-struct Plan {
-    listeners_added: Vec<Listener>,
-    listeners_removed: Vec<usize>,
-    subsystems_added: Vec<CfgSubsystem>,
-    subsystems_removed: Vec<String>,
-    /// Subsystems in both, as they are after.
-    subsystems_kept: Vec<CfgSubsystem>,
-    /// Namespaces to open: (subsystem NQN, namespace).
-    namespaces_added: Vec<(String, CfgNamespace)>,
-    namespaces_removed: Vec<(String, u32)>,
-    resizes: Vec<Resize>,
-}
-
-fn same_listener(a: &Listener, b: &Listener) -> bool {
-    a.address == b.address && a.port == b.port && a.provider == b.provider
-}
-
 impl Daemon {
-    /// The difference between the configuration in force and `new`.
-    fn plan(&self, new: &Config, resizes: Vec<Resize>) -> Result<Plan, String> {
-        let old = &self.cfg;
-        let mut p = Plan {
-            resizes,
-            ..Plan::default()
-        };
-        for (i, l) in self.listener_slots.iter().enumerate() {
-            if let Some(l) = l {
-                if !new.listeners.iter().any(|n| same_listener(n, l)) {
-                    p.listeners_removed.push(i);
-                }
-            }
-        }
-        for l in &new.listeners {
-            if !self
-                .listener_slots
-                .iter()
-                .flatten()
-                .any(|o| same_listener(o, l))
-            {
-                p.listeners_added.push(l.clone());
-            }
-        }
-        for s in &old.subsystems {
-            if !new.subsystems.iter().any(|n| n.nqn == s.nqn) {
-                p.subsystems_removed.push(s.nqn.clone());
-            }
-        }
-        for s in &new.subsystems {
-            let Some(o) = old.subsystems.iter().find(|o| o.nqn == s.nqn) else {
-                p.subsystems_added.push(s.clone());
-                for ns in &s.namespaces {
-                    p.namespaces_added.push((s.nqn.clone(), ns.clone()));
-                }
-                continue;
-            };
-            for ons in &o.namespaces {
-                match s.namespaces.iter().find(|n| n.nsid == ons.nsid) {
-                    None => p.namespaces_removed.push((s.nqn.clone(), ons.nsid)),
-                    Some(n) if n == ons => {}
-                    Some(n)
-                        if (CfgNamespace {
-                            size: ons.size,
-                            ..n.clone()
-                        }) == *ons =>
-                    {
-                        let size = n.size.map(|b| b.0);
-                        if !p.resizes.iter().any(|r| (&r.0, r.1) == (&s.nqn, n.nsid)) {
-                            p.resizes.push((s.nqn.clone(), n.nsid, size));
-                        }
-                    }
-                    Some(_) => {
-                        return Err(format!(
-                        "namespace {} of {} changed more than its size: remove it and add it again",
-                        ons.nsid, s.nqn
-                    ))
-                    }
-                }
-            }
-            for n in &s.namespaces {
-                if !o.namespaces.iter().any(|x| x.nsid == n.nsid) {
-                    p.namespaces_added.push((s.nqn.clone(), n.clone()));
-                }
-            }
-            p.subsystems_kept.push(s.clone());
-        }
-        for (nqn, nsid, _) in &p.resizes {
-            if !self.devices.contains_key(&(nqn.clone(), *nsid)) {
-                return Err(format!("subsystem {nqn} serves no namespace {nsid}"));
-            }
-        }
-        Ok(p)
-    }
-
     /// Validates configuration text as the file would be, errors joined by "; ": each
     /// `key: message`, and for the file itself (`from_file`: a reload) with where it is
     /// (`path:line:column: `key`: message`, as `nvmfd --check-config` prints it; a syntax

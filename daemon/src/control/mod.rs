@@ -31,6 +31,7 @@ mod file;
 mod leaving;
 mod listeners;
 mod off_thread;
+mod plan;
 mod removal;
 mod reopen;
 mod restart;
