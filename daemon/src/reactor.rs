@@ -321,7 +321,8 @@ fn run(
         if stall > 0 {
             shared.stall_release.store(false, Ordering::Relaxed);
             error!(log, "test hook: reactor stalling"; "ms" => stall);
-            let end = Instant::now() + Duration::from_millis(stall);
+            // Bounded at an hour: a clock past its range would panic the reactor.
+            let end = Instant::now() + Duration::from_millis(stall.min(3_600_000));
             while Instant::now() < end && !shared.stall_release.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(1));
             }
