@@ -385,7 +385,7 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU32;
+    use std::sync::atomic::{AtomicU32, AtomicU64};
 
     /// A reactor running `factory`'s work that sleeps after 1 ms idle, for up to 30 s: a
     /// lost wake-up shows as a wait of that long.
@@ -470,10 +470,17 @@ mod tests {
         fd: std::fs::File,
         ready: Arc<AtomicBool>,
         served: Arc<AtomicBool>,
+        /// When it was first polled, and how long (ms) it has been polled since.
+        first: Option<Instant>,
+        idle_ms: Arc<AtomicU64>,
     }
 
     impl ReactorWork for Unwatchable {
-        fn poll(&mut self, _now: Instant) -> bool {
+        fn poll(&mut self, now: Instant) -> bool {
+            let first = *self.first.get_or_insert(now);
+            let idle = now.saturating_duration_since(first).as_millis();
+            self.idle_ms
+                .store(u64::try_from(idle).unwrap_or(u64::MAX), Ordering::Relaxed);
             if self.ready.swap(false, Ordering::AcqRel) {
                 self.served.store(true, Ordering::Release);
                 return true;
@@ -494,17 +501,34 @@ mod tests {
         let ready = Arc::new(AtomicBool::new(false));
         let served = Arc::new(AtomicBool::new(false));
         let file = tempfile::tempfile().unwrap();
-        let (r2, s2) = (Arc::clone(&ready), Arc::clone(&served));
+        let idle_ms = Arc::new(AtomicU64::new(0));
+        let (r2, s2, i2) = (
+            Arc::clone(&ready),
+            Arc::clone(&served),
+            Arc::clone(&idle_ms),
+        );
         let factory: WorkFactory = Box::new(move || {
             Box::new(Unwatchable {
                 fd: file,
                 ready: r2,
                 served: s2,
+                first: None,
+                idle_ms: i2,
             })
         });
         let mut r = spawn_sleeping_long(factory);
-        // Idle well past `idle_sleep_after`: a reactor that sleeps is asleep by now.
-        std::thread::sleep(Duration::from_millis(50));
+        // Idle ten times `idle_sleep_after` (1 ms) by its own polls, or asleep: a reactor
+        // that sleeps on the fd is asleep by then.
+        let start = Instant::now();
+        while idle_ms.load(Ordering::Relaxed) < 10
+            && r.shared.counters.sleeps.load(Ordering::Relaxed) == 0
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the reactor never polled"
+            );
+            std::thread::yield_now();
+        }
         ready.store(true, Ordering::Release);
         let waited = wait_served(&served);
         r.shared.request_stop();

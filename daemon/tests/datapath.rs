@@ -2392,7 +2392,8 @@ fn skip(why: &str) {
         .append(true)
         .open(path)
     {
-        let _ = writeln!(f, "daemon datapath: {why}");
+        let test = std::thread::current().name().unwrap_or("?").to_owned();
+        let _ = writeln!(f, "daemon datapath {test}: {why}");
     }
 }
 
@@ -3430,6 +3431,63 @@ fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
     drop(more);
 }
 
+/// A connection without a Fabrics Connect whose command is under way (here its response,
+/// which its host posts no receive for, is still in flight) is never crowded out, however
+/// long it has waited: only `connect_timeout` ends it. The others beyond the quarter are.
+#[test]
+fn a_connection_with_a_command_under_way_is_not_crowded_out() {
+    use nvmfd_rdma::soft::cm::CmEvent;
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let s = serve_opts(
+        4517,
+        None,
+        None,
+        Arc::clone(&c),
+        None,
+        Opts {
+            max_qps: 8,
+            ..Opts::default()
+        },
+    );
+    s.on_data_path(|dp| dp.unconnected_grace(Duration::from_secs(3600)));
+    let mut silent = Vec::new();
+    for n in 1..=8u64 {
+        let h = bare_connect(&s);
+        wait_until("the target accepted the connection", || {
+            c.connections_accepted.load(Relaxed) == n
+        });
+        assert!(matches!(
+            h.ch.next_event(),
+            Some(CmEvent::Established { .. })
+        ));
+        silent.push(h);
+    }
+    // The oldest sends a command before any Connect: refused, and its response waits for a
+    // receive its host never posts.
+    let before = c.commands.load(Relaxed);
+    send_commands(&silent[0], 0x06, 1);
+    wait_until("the command is in", || {
+        c.commands.load(Relaxed) == before + 1
+    });
+    s.on_data_path(|dp| dp.unconnected_grace(Duration::ZERO));
+    let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
+    let e = RdmaQueue::connect(ch, s.addr, 0, 31, 4096, 128 * 1024).unwrap_err();
+    assert!(
+        e.to_string().contains("status 0x6"),
+        "not No Resources: {e}"
+    );
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 7);
+    wait_until("the ended connections drained", || {
+        c.qps_draining.load(Relaxed) == 0
+    });
+    assert_eq!(c.connections.load(Relaxed), 1);
+    for (i, h) in silent.iter().enumerate() {
+        let ended = matches!(h.ch.next_event(), Some(CmEvent::Disconnected { .. }));
+        assert_eq!(ended, i > 0, "silent connection {i}: ended {ended}");
+    }
+}
+
 /// Many queues gone at once (a host with a thousand queues disconnecting, a link down): their
 /// drained QPs are destroyed a few a turn, not all in the turn their drains end. A destroy is
 /// a call into the device's driver (a firmware command on most NICs, with the CM ID's
@@ -4316,8 +4374,9 @@ fn an_admin_queue_with_every_aer_armed_keeps_the_admin_reserve() {
 /// AERs a controller reset ended (the host takes them as aborted; no completion comes) are
 /// no longer counted as commands of the admin queue without a response: with four new ones
 /// armed after the reset, the host's other admin commands still use the admin reserve.
-/// Before, the four ended ones still counted, and an Identify waited behind another host's
-/// flood.
+/// Counted still (the core ending them, the data path not counting them answered), an
+/// Identify waited behind another host's flood. (Before the core ended them, the new AERs
+/// were refused at the limit instead: the core's test shows that.)
 #[test]
 fn aers_a_reset_ended_hold_none_of_the_admin_reserve() {
     use nvmf_host::Payload;

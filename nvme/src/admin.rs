@@ -155,11 +155,13 @@ pub(crate) fn property(
         let ams = (value >> 11) & 0x7;
         let discovery = ctrl.subsystem.is_none();
         let ok = mps == 0 && css == 0 && ams == 0 && (discovery || (iosqes == 6 && iocqes == 4));
-        st.csts = if ok { 1 } else { 1 << 1 }; // RDY, or CFS
-                                               // A new epoch: a shutdown asked while disabled, its flush still running, must not
-                                               // report SHST (or CFS) on the controller enabled now when it ends. No I/O queue is
-                                               // bound (none connects while disabled, and a reset's are gone before an enable).
-        ctrl.new_epoch();
+        // RDY, or CFS.
+        st.csts = if ok { 1 } else { 1 << 1 };
+        // A new epoch: a shutdown asked while disabled, its flush still running, must not
+        // report SHST (or CFS) on the controller enabled now when it ends. No I/O queue is
+        // bound (none connects while disabled, and a reset's are gone before an enable), so
+        // no reactor has anything to look at: the epoch moves without waking them.
+        ctrl.epoch.fetch_add(1, Ordering::AcqRel);
     } else if !enable && was_enabled {
         // Reset: the I/O queues must go (they see the new epoch and disconnect); the admin
         // queue stays, with the controller disabled and its negotiated state cleared.

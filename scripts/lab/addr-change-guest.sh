@@ -51,7 +51,7 @@ size = "64MiB"
 CFG
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
-for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+wait_until 100 "nvmfd's admin socket is there" test -S $WORK/nvmfd.sock
 address_changes() {
   for i in $(seq 600); do
     local n
@@ -76,7 +76,7 @@ verify_after_reconnect() {
 }
 step serving_is true
 step nvme connect -t rdma -a $ADDR -s 4420 -n $NQN --reconnect-delay=1 --ctrl-loss-tmo=120
-for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
+wait_until 50 "/dev/nvme0n1 is there" test -b /dev/nvme0n1
 step fio --name=before --filename=/dev/nvme0n1 --rw=write --bs=64k --size=16M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
 # The failover: port1 becomes active, the bond takes its hardware address, and the address
 # moves to rxe_p1's GID table.

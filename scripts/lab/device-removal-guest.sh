@@ -29,7 +29,7 @@ CFG
 modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
-for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+wait_until 100 "nvmfd's admin socket is there" test -S $WORK/nvmfd.sock
 # Deletes rxe0 without hanging the lab: the delete runs in the background and is waited for
 # (bounded) by polling. If it has not finished, nvmfd still holds something of the device: show
 # its log, status, open fds (uverbs and rdma_cm), its RDMA resources and the kernel log, and fail
@@ -58,7 +58,7 @@ delete_rxe0() {
 listener_count() { ctl stats | tr -d ' \n' | grep -o "\"$1\":[0-9]*" | head -1 | grep -o "[0-9]*$"; }
 step serving_is true
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
-for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
+wait_until 50 "/dev/nvme0n1 is there" test -b /dev/nvme0n1
 step fio --name=before --filename=/dev/nvme0n1 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
 # The kernel finishes removing the device only once every user of it has let go: nvmfd must
 # free its QPs, CQs, SRQs, MRs and PDs and the listener's rdma_cm ID on DEVICE_REMOVAL.
@@ -70,9 +70,9 @@ step rdma link add rxe0 type rxe netdev eth0
 step serving_is true
 removals() { echo "listener: device removals $(listener_count device_removals_total), returns $(listener_count returns_total)"; [ "$(listener_count device_removals_total)" -ge 1 ] && [ "$(listener_count returns_total)" -ge 1 ]; }
 step removals
-for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
+wait_until 100 "/dev/nvme0 is gone" test ! -e /dev/nvme0
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
-for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
+wait_until 50 "/dev/nvme0n1 is there" test -b /dev/nvme0n1
 step fio --name=before --filename=/dev/nvme0n1 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
 step fio --name=after --filename=/dev/nvme0n1 --rw=randwrite --bs=4k --size=16M --offset=32M --verify=crc32c --verify_state_save=0 --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 step nvme disconnect -n $NQN

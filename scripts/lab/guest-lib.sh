@@ -13,6 +13,16 @@ stop_nvmfd() {
   [ $rc -eq 0 ] || { echo "STEP FAILED: nvmfd exit status $rc"; exit 1; }
 }
 
+# Waits until a command holds, $1 tenths of a second at most; if it never does, says what
+# ($2) and fails the run (stopping nvmfd, $pid, if it runs).
+wait_until() {
+  local tenths=$1 what=$2 i; shift 2
+  for i in $(seq "$tenths"); do "$@" && return 0; sleep 0.1; done
+  echo "STEP FAILED: not so after $((tenths / 10)) s: $what"
+  [ -n "${pid:-}" ] && kill "$pid" 2>/dev/null
+  exit 1
+}
+
 # The guests that serve one nvmfd ($BIN, its work folder $WORK, its pid $pid) and step
 # through the kernel host's commands.
 ctl() { timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json "$@"; }

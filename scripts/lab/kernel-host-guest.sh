@@ -47,7 +47,7 @@ CFG
 modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
-for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+wait_until 100 "nvmfd's admin socket is there" test -S $WORK/nvmfd.sock
 # Every step is bounded: a hang fails the step and dumps what explains it.
 step() {
   echo "==> $*"
@@ -62,7 +62,7 @@ step() {
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock status
 step nvme discover -t rdma -a "$RDMA_IP" -s 4420
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
-for i in $(seq 50); do [ -b /dev/nvme0n2 ] && break; sleep 0.1; done
+wait_until 50 "/dev/nvme0n2 is there" test -b /dev/nvme0n2
 step nvme list
 step nvme id-ctrl /dev/nvme0
 step nvme id-ns /dev/nvme0n1
@@ -113,9 +113,9 @@ multipath() {
 step multipath
 step nvme disconnect -n $NQN
 # The next controller is nvme0 again only once the kernel has let go of this one.
-for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
+wait_until 100 "/dev/nvme0 is gone" test ! -e /dev/nvme0
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
-for i in $(seq 50); do [ -b /dev/nvme0n2 ] && break; sleep 0.1; done
+wait_until 50 "/dev/nvme0n2 is there" test -b /dev/nvme0n2
 for dev in /dev/nvme0n1 /dev/nvme0n2; do
   step fio --name=seq128k --filename=$dev --rw=write --bs=128k --size=64M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=16 --output-format=terse --minimal
 done
@@ -198,7 +198,7 @@ pools_full() {
 }
 load_started() { local c0; c0=$(stat_sum commands_total); for i in $(seq 100); do [ "$(stat_sum commands_total)" -gt $((c0 + 200)) ] && return 0; sleep 0.1; done; return 1; }
 verify_base() { fio --name=base --filename=/dev/nvme0n2 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --verify_only --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal; }
-for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
+wait_until 100 "/dev/nvme0 is gone" test ! -e /dev/nvme0
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN --ctrl-loss-tmo=60 --reconnect-delay=1
 step dev_live
 step fio --name=base --filename=/dev/nvme0n2 --rw=write --bs=64k --size=32M --verify=crc32c --verify_state_save=0 --do_verify=0 --ioengine=libaio --direct=1 --iodepth=8 --output-format=terse --minimal
@@ -209,7 +209,7 @@ step load_started
 step nvme disconnect -n $NQN
 timeout 60 bash -c "while kill -0 $fio_pid 2>/dev/null; do sleep 0.1; done" || { echo "STEP FAILED: fio did not end after the disconnect"; kill $pid; exit 1; }
 step pools_full
-for i in $(seq 100); do [ -e /dev/nvme0 ] || break; sleep 0.1; done
+wait_until 100 "/dev/nvme0 is gone" test ! -e /dev/nvme0
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN --ctrl-loss-tmo=60 --reconnect-delay=1
 step dev_live
 step verify_base
@@ -221,7 +221,7 @@ step verify_base
 kill -KILL $pid; wait $pid 2>/dev/null
 $BIN/nvmfd --config $WORK/nvmfd.toml 2>> $WORK/nvmfd.log &
 pid=$!
-for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+wait_until 100 "nvmfd's admin socket is there" test -S $WORK/nvmfd.sock
 reconnected() { for i in $(seq 600); do [ "$(stat_sum qps)" -gt 0 ] && dev_live && return 0; sleep 0.1; done; return 1; }
 step reconnected
 step verify_base

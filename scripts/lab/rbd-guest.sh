@@ -52,11 +52,11 @@ step $BIN/nvmfd --check-config $WORK/nvmfd.toml
 modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
-for i in $(seq 300); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+wait_until 300 "nvmfd's admin socket is there" test -S $WORK/nvmfd.sock
 step $BIN/nvmfctl --socket $WORK/nvmfd.sock status
 step rbd -c "$CONF" info rbd/lab-vol1
 step nvme connect -t rdma -a "$RDMA_IP" -s 4420 -n $NQN
-for i in $(seq 50); do [ -b /dev/nvme0n1 ] && break; sleep 0.1; done
+wait_until 50 "/dev/nvme0n1 is there" test -b /dev/nvme0n1
 step nvme list
 FIO="fio --filename=/dev/nvme0n1 --ioengine=libaio --direct=1 --verify=crc32c --verify_state_save=0 --output-format=terse --minimal"
 step $FIO --name=verify4k --rw=randwrite --bs=4k --size=16M --iodepth=16
@@ -73,7 +73,11 @@ osd_kill_during_writes() {
     kill -0 $f 2>/dev/null || break
     sleep 0.1
   done
-  echo "osd.1 killed after $(( $(awk '{print $5}' /sys/block/nvme0n1/stat) - w0 )) writes"
+  local done=$(( $(awk '{print $5}' /sys/block/nvme0n1/stat) - w0 ))
+  # Killed under the writes, or the step shows nothing.
+  kill -0 $f 2>/dev/null || { echo "fio ended before osd.1 was killed ($done writes)"; return 1; }
+  [ $done -ge 128 ] || { echo "fio did $done writes in 60 s, not 128"; kill $f; return 1; }
+  echo "osd.1 killed after $done writes"
   ceph_cluster osd-kill 1 || return 1
   wait $f
 }

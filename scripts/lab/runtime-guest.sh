@@ -41,7 +41,7 @@ CFG
 modprobe nvme-rdma || { echo "STEP FAILED: modprobe nvme-rdma"; exit 1; }
 $BIN/nvmfd --config $WORK/nvmfd.toml 2> $WORK/nvmfd.log &
 pid=$!
-for i in $(seq 100); do [ -S $WORK/nvmfd.sock ] && break; sleep 0.1; done
+wait_until 100 "nvmfd's admin socket is there" test -S $WORK/nvmfd.sock
 ctl() { $BIN/nvmfctl --socket $WORK/nvmfd.sock "$@"; }
 step() {
   echo "==> $*"
@@ -110,11 +110,16 @@ step fio --name=grown --filename=$A2 --rw=randwrite --bs=4k --offset=64M --size=
 # 3. Remove it while fio writes to it: that fio ends (with errors), the device goes away.
 fio --name=doomed --filename=$A2 --rw=randwrite --bs=4k --size=64M --iodepth=16 --runtime=60 --time_based --ioengine=libaio --direct=1 --output-format=terse --minimal > /dev/null 2>&1 &
 doomed=$!
-sleep 1
+# Removed while fio's writes are under way: 64 of them done first.
+w0=$(awk '{print $5}' /sys/block/${A2#/dev/}/stat)
+step wait_for '[ $(( $(awk "{print \$5}" /sys/block/${A2#/dev/}/stat) - w0 )) -ge 64 ]'
+step wait_for 'kill -0 $doomed 2>/dev/null'
 step ctl namespace remove $NQN 2
 step wait_for '! ns_dev $NQN 2 >/dev/null'
 echo "namespace 2 is gone from the host"
 step wait_for '! kill -0 $doomed 2>/dev/null'
+# Its writes failed: fio says so in its exit status.
+if wait $doomed; then echo "STEP FAILED: fio's writes to the removed namespace all succeeded"; kill $pid; exit 1; fi
 step nvme list
 
 # The namespaces left alone served throughout, on the same controllers.

@@ -358,7 +358,8 @@ fn a_reactor_that_cannot_finish_setting_up_fails_the_start_without_waiting_for_i
     let status = d.wait_exit();
     assert!(!status.success(), "{status:?}");
     assert!(
-        t0.elapsed() < Duration::from_secs(30),
+        // The reactor is stuck for 60 s (the hook); waiting for the exit gives up at 20 s.
+        t0.elapsed() < Duration::from_secs(10),
         "the daemon waited for the stuck reactor: {:?}",
         t0.elapsed()
     );
@@ -387,7 +388,8 @@ fn a_stop_during_the_reactors_setup_is_taken_at_once() {
     d.signal(libc::SIGTERM);
     let status = d.wait_exit();
     assert!(
-        t0.elapsed() < Duration::from_secs(30),
+        // The setup takes 60 s (the hook); waiting for the exit gives up at 20 s.
+        t0.elapsed() < Duration::from_secs(10),
         "the stop waited for the setup: {:?}",
         t0.elapsed()
     );
@@ -407,7 +409,10 @@ fn a_stop_during_the_reactors_setup_is_taken_at_once() {
 fn reactors_are_pinned_to_their_cores() {
     let cores: Vec<usize> = {
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-        (0..n.min(2)).collect()
+        if n < 2 {
+            return nvmfd_tests::skip("needs two cores, to pin two reactors apart");
+        }
+        (0..2).collect()
     };
     let list = cores
         .iter()

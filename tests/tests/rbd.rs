@@ -181,7 +181,10 @@ fn an_rbd_namespace_passes_nvmf_verify_and_a_verified_bench() {
     assert!(verified > 0, "no written block was read back");
     // Mixed at random, each read checked against its write's stamp.
     let (verified, ios) = bench(&["-w", "randrw", "-q", "32", "-t", "2"]);
-    eprintln!("randrw: {ios} I/Os, {verified} blocks verified");
+    assert!(
+        ios > 0 && verified > 0,
+        "randrw: {ios} I/Os, {verified} blocks verified"
+    );
 }
 
 /// An image shrunk behind nvmfd's back (`rbd resize --allow-shrink`, the namespace not
@@ -200,6 +203,11 @@ fn a_read_past_the_end_of_an_image_shrunk_behind_nvmfds_back_returns_no_stale_da
     h.write(0, &data).unwrap();
     assert_eq!(h.read(0, data.len()), data);
     shrink_to_16m(&conf, &image);
+    // The handles see the shrink: a read before they do reads zeroes past the end anyway.
+    let backend_size = |d: &Daemon| d.data("status")["namespaces"][0]["backend_size"].as_u64();
+    nvmfd_tests::wait_for("status to show the image shrunk", || {
+        (backend_size(&d) == Some(16 << 20)).then_some(())
+    });
     // 64 KiB before the new end and 64 KiB after it.
     let lba = (16 << 20) / 512 - 128;
     let mut buf = vec![0u8; 128 * 1024];
@@ -643,6 +651,13 @@ fn a_deallocated_block_reads_zeroes_whatever_the_images_discard_settings() {
                     "4194304",
                 ],
             );
+            // A grow after them: once nvmfd's handles see it, they have refreshed with the
+            // settings too (a refresh reads the image's configuration).
+            rbd(&conf, &["resize", "--size", "20M", &spec]);
+            nvmfd_tests::wait_for("the handles to see the image grown", || {
+                (d.data("status")["namespaces"][1]["backend_size"].as_u64() == Some(20 << 20))
+                    .then_some(())
+            });
         }
         h.io.deallocate(2, &[(lba + 32, 64)]).unwrap();
         let mut back = vec![0u8; data.len()];
@@ -924,6 +939,13 @@ fn the_keys_of_a_namespace_not_served_change_in_a_reload() {
         let r = d.request(r#"{"request":"reload"}"#);
         assert_eq!(r["ok"], true, "size {size}, pool {pool}: {r}");
         assert_eq!(serving(&d), false);
+        // What the next tries open: the configuration in force.
+        let ns = &d.data("config")["subsystem"][0]["namespace"][1];
+        assert_eq!(
+            (&ns["size"], &ns["pool"]),
+            (&size.into(), &pool.into()),
+            "{ns}"
+        );
     }
     // Changes are taken again.
     let host = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000a1";

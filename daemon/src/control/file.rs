@@ -95,9 +95,18 @@ mod tests {
         let failing = |_: &std::path::Path| Err(std::io::Error::from_raw_os_error(libc::EIO));
         assert_eq!(replace_file(&path, "new", &log, failing), Ok(()));
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
-        // A write that cannot be made is refused, and the file left as it was.
-        let gone = dir.path().join("missing").join("nvmfd.toml");
-        assert!(replace_file(&gone, "new", &log, |_| Ok(())).is_err());
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        // A rename that fails (over a directory that is not empty) is refused: what was
+        // there stays, and the new file beside it is removed.
+        let taken = dir.path().join("taken");
+        std::fs::create_dir(&taken).unwrap();
+        std::fs::write(taken.join("kept"), "kept").unwrap();
+        assert!(replace_file(&taken, "new", &log, |_| Ok(())).is_err());
+        assert_eq!(std::fs::read_to_string(taken.join("kept")).unwrap(), "kept");
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["nvmfd.toml", "taken"], "a new file was left behind");
     }
 }

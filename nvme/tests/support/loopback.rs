@@ -99,7 +99,12 @@ impl Backend {
                     if let Err(r) = self.engine.deallocate(dev, o, l, 0) {
                         return (Err(r.error), None);
                     }
-                    let _ = self.engine.drain(&mut done);
+                    if let Err(e) = self.engine.drain(&mut done) {
+                        return (
+                            Err(BlockError::Io(e.raw_os_error().unwrap_or(libc_eio()))),
+                            None,
+                        );
+                    }
                 }
                 return (result, None);
             }

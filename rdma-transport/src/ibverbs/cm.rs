@@ -671,10 +671,12 @@ impl CmId {
         p.initiator_depth = initiator_depth;
         p.responder_resources = 0;
         self.accept_own(p, Some(min_rnr_timer & 31))?;
-        match self.own_qp {
-            Some(_) => Ok(()),
-            None => self.set_min_rnr_timer(min_rnr_timer),
+        if self.own_qp.is_none() {
+            // Accepted already: a device refusing the change leaves rdma_cm's timer, and the
+            // connection stands.
+            let _ = self.set_min_rnr_timer(min_rnr_timer);
         }
+        Ok(())
     }
 
     /// The RNR NAK timer this side's QP advertises (its encoding, as `accept_with` takes it).
