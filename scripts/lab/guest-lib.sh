@@ -23,6 +23,17 @@ wait_until() {
   exit 1
 }
 
+# Writes completed on namespace device $1 (/dev/nvmeXnY), counted on its paths too
+# (/sys/block/nvmeXcZnY): with the kernel's native multipath, 6.1 keeps no count on the
+# namespace's own device.
+writes_done() {
+  local d=${1#/dev/} n=0 f
+  for f in /sys/block/$d/stat /sys/block/${d%n*}c*n${d##*n}/stat; do
+    [ -r "$f" ] && n=$((n + $(awk '{print $5}' "$f")))
+  done
+  echo $n
+}
+
 # The guests that serve one nvmfd ($BIN, its work folder $WORK, its pid $pid) and step
 # through the kernel host's commands.
 ctl() { timeout 5 $BIN/nvmfctl --socket $WORK/nvmfd.sock --json "$@"; }

@@ -66,14 +66,14 @@ step $FIO --name=mixed --rw=randwrite --bsrange=4k-128k --size=32M --offset=16M 
 osd_kill_during_writes() {
   $FIO --name=seq --rw=write --bs=64k --size=64M --offset=64M --iodepth=8 --do_verify=0 &
   local f=$! w0 i
-  w0=$(awk '{print $5}' /sys/block/nvme0n1/stat)
+  w0=$(writes_done /dev/nvme0n1)
   # Once fio has 128 writes done, kill osd.1 under it.
   for i in $(seq 600); do
-    [ $(( $(awk '{print $5}' /sys/block/nvme0n1/stat) - w0 )) -ge 128 ] && break
+    [ $(( $(writes_done /dev/nvme0n1) - w0 )) -ge 128 ] && break
     kill -0 $f 2>/dev/null || break
     sleep 0.1
   done
-  local done=$(( $(awk '{print $5}' /sys/block/nvme0n1/stat) - w0 ))
+  local done=$(( $(writes_done /dev/nvme0n1) - w0 ))
   # Killed under the writes, or the step shows nothing.
   kill -0 $f 2>/dev/null || { echo "fio ended before osd.1 was killed ($done writes)"; return 1; }
   [ $done -ge 128 ] || { echo "fio did $done writes in 60 s, not 128"; kill $f; return 1; }

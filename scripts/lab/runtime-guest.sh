@@ -111,8 +111,8 @@ step fio --name=grown --filename=$A2 --rw=randwrite --bs=4k --offset=64M --size=
 fio --name=doomed --filename=$A2 --rw=randwrite --bs=4k --size=64M --iodepth=16 --runtime=60 --time_based --ioengine=libaio --direct=1 --output-format=terse --minimal > /dev/null 2>&1 &
 doomed=$!
 # Removed while fio's writes are under way: 64 of them done first.
-w0=$(awk '{print $5}' /sys/block/${A2#/dev/}/stat)
-step wait_for '[ $(( $(awk "{print \$5}" /sys/block/${A2#/dev/}/stat) - w0 )) -ge 64 ]'
+w0=$(writes_done $A2)
+step wait_for '[ $(( $(writes_done $A2) - w0 )) -ge 64 ]'
 step wait_for 'kill -0 $doomed 2>/dev/null'
 step ctl namespace remove $NQN 2
 step wait_for '! ns_dev $NQN 2 >/dev/null'
