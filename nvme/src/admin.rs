@@ -264,10 +264,10 @@ fn flush_all(q: &Queue, ctrl: &Controller, cmd: Command) -> Action {
 }
 
 /// Responds with `data` pushed to the host buffer that the command's SGL describes. A
-/// buffer shorter than `data` is refused with Data SGL Length Invalid, as the kernel target
-/// refuses a transfer length other than the structure's (`nvmet_check_transfer_len`): a
-/// host must not take a truncated structure for the whole. A longer one is taken (SGLS bit
-/// 18), its first `data.len()` bytes written.
+/// buffer of another length than `data` is refused with Data SGL Length Invalid, as the
+/// kernel target refuses a transfer length other than the structure's
+/// (`nvmet_check_transfer_len`): a host must not take a truncated structure for the whole,
+/// and without SGLS bit 18 an SGL describes exactly the data.
 fn respond_data(q: &Queue, cmd: &Command, data: Vec<u8>, icd: &[u8]) -> Action {
     let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
     match q.data_ref(&cmd.sqe, len, false, icd) {
@@ -435,9 +435,9 @@ pub(crate) fn identify_controller(q: &Queue, ctrl: &Controller) -> wire::Identif
     id.cqes = 0x44;
     id.maxcmd = U16::new(limits.max_queue_depth);
     // SGLs without alignment, keyed SGL data blocks and the offset subtype (in-capsule data).
-    // Not bit 18 (an SGL longer than the data): a command that moves no data refuses an SGL
-    // that describes some, as the kernel target does, which bit 18 would allow. A data
-    // command's longer SGL is still taken (only the data is moved).
+    // Not bit 18 (an SGL longer than the data): an SGL describes exactly the data it moves
+    // (Dataset Management's may describe more), and a command that moves no data refuses
+    // one that describes some, as the kernel target checks both.
     id.sgls = U32::new(1 | (1 << 2) | (1 << 20));
     id.ioccsz = U32::new((64 + limits.in_capsule_data_size) / 16);
     id.iorcsz = U32::new(1);

@@ -157,7 +157,7 @@ pub(crate) fn handle(q: &mut Queue, cmd: Command, icd: &[u8]) -> Action {
             // target does (nvmet_check_data_len_lte), any transfer at least as long as the
             // ranges is taken, a shorter one is Data SGL Length Invalid, and only the bytes
             // of the NR + 1 ranges are fetched.
-            match q.data_ref(&sqe, ranges_len(&sqe), true, icd) {
+            match q.data_ref_at_least(&sqe, ranges_len(&sqe), true, icd) {
                 Ok(from) => Action::Fetch { cmd, from },
                 Err(st) => q.respond(&cmd, st, 0),
             }

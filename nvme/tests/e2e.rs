@@ -847,20 +847,32 @@ fn out_of_range_and_malformed_commands_get_the_precise_status() {
         .same_code(status::DATA_SGL_LENGTH_INVALID),
         "more in-capsule data than offered"
     );
-    // An in-capsule SGL longer than the data (SGLS bit 18, which Identify sets) is taken: its
-    // first 1024 bytes are written.
-    let mut longer = vec![0x5au8; 2048];
-    longer[1024..].fill(0xa5);
+    // An SGL longer than the data (Identify reports no SGLS bit 18): refused, in the capsule
+    // or keyed, and nothing written.
+    let before = {
+        let mut b = vec![0u8; 1024];
+        io.read(1, 0, 2, &mut b).unwrap();
+        b
+    };
+    let l = io.transport();
     assert!(
-        send(l, rw(1, SglDesc::in_capsule(0, 2048), 0x40), &longer).is_success(),
+        send(
+            l,
+            rw(1, SglDesc::in_capsule(0, 2048), 0x40),
+            &[0x5au8; 2048]
+        )
+        .same_code(status::DATA_SGL_LENGTH_INVALID),
         "an in-capsule SGL longer than the data"
     );
-    let mut written = vec![0u8; 1024];
-    io.read(1, 0, 2, &mut written).unwrap();
+    let (addr, key) = l.register_host_memory(vec![0x5au8; 2048]);
     assert!(
-        written.iter().all(|&b| b == 0x5a),
-        "not the SGL's first bytes"
+        send(l, rw(1, SglDesc::keyed(addr, 2048, key, false), 0x40), &[])
+            .same_code(status::DATA_SGL_LENGTH_INVALID),
+        "a keyed SGL longer than the data"
     );
+    let mut after = vec![0u8; 1024];
+    io.read(1, 0, 2, &mut after).unwrap();
+    assert!(after == before, "a refused write wrote");
     let l = io.transport();
     // Over fabrics every command's PSDT is 01b: PRPs (00b), a metadata SGL (10b) and the
     // reserved 11b are Invalid Field, for commands with data and without (as the kernel
@@ -944,17 +956,27 @@ fn admin_commands_refuse_a_host_buffer_shorter_than_their_data() {
             "Identify into {len} bytes: {st:?}"
         );
     }
-    // A buffer as long as the structure, or longer (SGLS bit 18), is served.
+    // Nor longer (Identify reports no SGLS bit 18): a buffer as long as the structure is
+    // served.
     let (addr, key) = l.register_host_memory(vec![0u8; 8192]);
-    assert!(send(
-        l,
-        with(
-            wire::admin_opcode::IDENTIFY,
-            1,
-            SglDesc::keyed(addr, 8192, key, false)
-        )
-    )
-    .is_success());
+    for (len, served) in [(4097, false), (8192, false), (4096, true)] {
+        let st = send(
+            l,
+            with(
+                wire::admin_opcode::IDENTIFY,
+                1,
+                SglDesc::keyed(addr, len, key, false),
+            ),
+        );
+        if served {
+            assert!(st.is_success(), "Identify into {len} bytes: {st:?}");
+        } else {
+            assert!(
+                st.same_code(status::DATA_SGL_LENGTH_INVALID),
+                "Identify into {len} bytes: {st:?}"
+            );
+        }
+    }
     let (addr, key) = l.register_host_memory(vec![0u8; 512]);
     let st = send(
         l,

@@ -236,6 +236,9 @@ impl DataPath {
         for (ci, qpn) in dirty.drain(..) {
             self.flush_qp(ci, qpn, now);
         }
+        // Nothing on this path stages work today; a QP that something here made dirty would
+        // otherwise be dropped from the list and its staged work never posted.
+        dirty.append(&mut self.dirty);
         self.dirty = dirty;
     }
 

@@ -20,7 +20,10 @@ impl Queue {
     }
 
     /// Where a command's data is, checked against the direction and the capsule: the SGL of
-    /// a command that moves `len` bytes (`host_to_target` for writes).
+    /// a command that moves `len` bytes (`host_to_target` for writes). It describes exactly
+    /// `len` bytes: Identify does not report SGLS bit 18, so an SGL shorter or longer than
+    /// the data is Data SGL Length Invalid, as the kernel target answers
+    /// (`nvmet_check_transfer_len`).
     pub(crate) fn data_ref(
         &self,
         sqe: &Sqe,
@@ -28,6 +31,32 @@ impl Queue {
         host_to_target: bool,
         icd: &[u8],
     ) -> Result<DataRef, Status> {
+        self.data_ref_of(sqe, len, host_to_target, icd, false)
+    }
+
+    /// [`Queue::data_ref`] for a command whose SGL may describe more than it moves (Dataset
+    /// Management: a host sends a buffer of room for every range, as the kernel target takes
+    /// it, `nvmet_check_data_len_lte`): its first `len` bytes are moved.
+    pub(crate) fn data_ref_at_least(
+        &self,
+        sqe: &Sqe,
+        len: u32,
+        host_to_target: bool,
+        icd: &[u8],
+    ) -> Result<DataRef, Status> {
+        self.data_ref_of(sqe, len, host_to_target, icd, true)
+    }
+
+    fn data_ref_of(
+        &self,
+        sqe: &Sqe,
+        len: u32,
+        host_to_target: bool,
+        icd: &[u8],
+        longer_ok: bool,
+    ) -> Result<DataRef, Status> {
+        // What an SGL of `l` bytes must be against the data's `len`.
+        let wrong_length = |l: u64| l < u64::from(len) || (!longer_ok && l > u64::from(len));
         let icd_len = u32::try_from(icd.len()).unwrap_or(u32::MAX);
         if sqe.psdt() != 1 {
             return Err(status::INVALID_FIELD);
@@ -39,7 +68,7 @@ impl Queue {
                 key,
                 invalidate,
             } => {
-                if l < len {
+                if wrong_length(u64::from(l)) {
                     return Err(status::DATA_SGL_LENGTH_INVALID);
                 }
                 Ok(DataRef::Keyed {
@@ -66,9 +95,10 @@ impl Queue {
                 if offset >= icd_len.max(1) && len > 0 {
                     return Err(status::SGL_OFFSET_INVALID);
                 }
-                // An SGL longer than the data is taken (though SGLS bit 18 is not reported),
-                // its first `len` bytes used; what it describes must have arrived in the capsule.
-                if l < len || offset.checked_add(l).is_none_or(|end| end > icd_len) {
+                // What it describes must have arrived in the capsule.
+                if wrong_length(u64::from(l))
+                    || offset.checked_add(l).is_none_or(|end| end > icd_len)
+                {
                     return Err(status::DATA_SGL_LENGTH_INVALID);
                 }
                 Ok(DataRef::InCapsule { offset, len })
@@ -101,7 +131,7 @@ impl Queue {
                         _ => return Err(status::SGL_DESCRIPTOR_TYPE_INVALID),
                     }
                 }
-                if total < u64::from(len) {
+                if wrong_length(total) {
                     return Err(status::DATA_SGL_LENGTH_INVALID);
                 }
                 Ok(DataRef::KeyedList { offset, count, len })
