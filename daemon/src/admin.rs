@@ -704,7 +704,12 @@ impl AdminServer {
             // blank lines) do not keep a client from the idle timeout.
             c.last_active = Instant::now();
             let answer = match serde_json::from_str::<Request>(text) {
-                Ok(req) => handle(req, c.uid, &self.stats()),
+                Ok(req) => {
+                    // The client asking is out of the map while it is served: it counts too.
+                    let mut stats = self.stats();
+                    stats.clients += 1;
+                    handle(req, c.uid, &stats)
+                }
                 Err(e) => Response::error(format!(
                     "bad request: {e}; send one JSON object per line, e.g. {{\"request\":\"status\"}}"
                 )),

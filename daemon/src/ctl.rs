@@ -156,13 +156,13 @@ fn render_into(out: &mut String, title: Option<&str>, v: &Value) {
 /// entries' reactor index).
 const LABEL_KEYS: [&str; 3] = ["id", "core", "reactor"];
 
-/// Renders a stats tree in the Prometheus (OpenMetrics) text format, with prometheus-client's
-/// encoder.
+/// Renders a stats tree in the Prometheus text format (0.0.4: what node_exporter's textfile
+/// collector and every Prometheus parser read), from prometheus-client's OpenMetrics encoding.
 ///
 /// Numbers and booleans become samples named `nvmfd_<path>`; in arrays of objects the strings
-/// and the keys `id`, `core` and `reactor` become labels. Names ending in `_total` are counters (the
-/// family is named without the suffix, each sample with it), the rest gauges. A family's
-/// help is the path of its values in the stats tree.
+/// and the keys `id`, `core` and `reactor` become labels. Names ending in `_total` are counters
+/// (HELP and TYPE name the samples, suffix included), the rest gauges. A family's help is the
+/// path of its values in the stats tree.
 pub fn render_prometheus(stats: &Value) -> String {
     use prometheus_client::encoding::text::encode;
     use prometheus_client::metrics::counter::Counter;
@@ -226,6 +226,51 @@ pub fn render_prometheus(stats: &Value) -> String {
     let mut out = String::new();
     // Writing to a String cannot fail.
     let _ = encode(&mut out, &registry);
+    prometheus_text(&out)
+}
+
+/// OpenMetrics text as the Prometheus text format: a counter family's HELP and TYPE lines name
+/// its samples (`x_total`; OpenMetrics names the family `x`, which a Prometheus text parser
+/// takes for another metric, leaving the samples untyped), and no `# UNIT` or `# EOF` lines.
+fn prometheus_text(open_metrics: &str) -> String {
+    let mut out = String::with_capacity(open_metrics.len() + 256);
+    let mut help: Option<&str> = None;
+    let push = |out: &mut String, line: &str| {
+        out.push_str(line);
+        out.push('\n');
+    };
+    for line in open_metrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            if let Some(h) = help.replace(line) {
+                push(&mut out, h);
+            }
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+            if kind == "counter" && !name.ends_with("_total") {
+                if let Some(h) = help.take() {
+                    let text = h
+                        .strip_prefix("# HELP ")
+                        .and_then(|t| t.strip_prefix(name))
+                        .unwrap_or("");
+                    push(&mut out, &format!("# HELP {name}_total{text}"));
+                }
+                push(&mut out, &format!("# TYPE {name}_total counter"));
+                continue;
+            }
+        }
+        if let Some(h) = help.take() {
+            push(&mut out, h);
+        }
+        push(&mut out, line);
+    }
+    if let Some(h) = help {
+        push(&mut out, h);
+    }
     out
 }
 
@@ -432,8 +477,8 @@ mod tests {
 # HELP nvmfd_uptime_seconds uptime_seconds.
 # TYPE nvmfd_uptime_seconds gauge
 nvmfd_uptime_seconds 5
-# HELP nvmfd_reactor_turns reactors[].turns_total.
-# TYPE nvmfd_reactor_turns counter
+# HELP nvmfd_reactor_turns_total reactors[].turns_total.
+# TYPE nvmfd_reactor_turns_total counter
 nvmfd_reactor_turns_total{id=\"0\",core=\"2\"} 10
 nvmfd_reactor_turns_total{id=\"1\",core=\"3\"} 20
 # HELP nvmfd_reactor_stalled reactors[].stalled.
@@ -444,20 +489,19 @@ nvmfd_reactor_stalled{id=\"1\",core=\"3\"} 1
 # TYPE nvmfd_datapath_qps gauge
 nvmfd_datapath_qps{reactor=\"0\"} 3
 nvmfd_datapath_qps{reactor=\"1\"} 5
-# HELP nvmfd_datapath_commands datapath[].commands_total.
-# TYPE nvmfd_datapath_commands counter
+# HELP nvmfd_datapath_commands_total datapath[].commands_total.
+# TYPE nvmfd_datapath_commands_total counter
 nvmfd_datapath_commands_total{reactor=\"0\"} 100
 nvmfd_datapath_commands_total{reactor=\"1\"} 200
 # HELP nvmfd_admin_clients admin.clients.
 # TYPE nvmfd_admin_clients gauge
 nvmfd_admin_clients 1
-# HELP nvmfd_admin_requests admin.requests_total.
-# TYPE nvmfd_admin_requests counter
+# HELP nvmfd_admin_requests_total admin.requests_total.
+# TYPE nvmfd_admin_requests_total counter
 nvmfd_admin_requests_total 7
 # HELP nvmfd_busy_ratio busy_ratio.
 # TYPE nvmfd_busy_ratio gauge
 nvmfd_busy_ratio 0.25
-# EOF
 ";
         // Within a family the series come in no particular order.
         fn sorted(t: &str) -> Vec<&str> {
@@ -473,13 +517,19 @@ nvmfd_busy_ratio 0.25
                 .join("\n")
         };
         assert_eq!(meta(&text), meta(expected), "families in the tree's order");
-        // Every sample follows its family's TYPE line.
+        // Every sample follows its family's HELP and TYPE lines, which name it exactly (a
+        // Prometheus text parser takes a sample of another name for an untyped metric).
         let mut family = "";
+        let mut helped = "";
         for l in text.lines() {
-            if let Some(t) = l.strip_prefix("# TYPE ") {
+            if let Some(h) = l.strip_prefix("# HELP ") {
+                helped = h.split(' ').next().unwrap_or("");
+            } else if let Some(t) = l.strip_prefix("# TYPE ") {
                 family = t.split(' ').next().unwrap_or("");
-            } else if !l.starts_with('#') {
-                assert!(l.starts_with(family), "{l} outside its family {family}");
+                assert_eq!(family, helped, "TYPE without its HELP");
+            } else {
+                let name = l.split(['{', ' ']).next().unwrap_or("");
+                assert_eq!(name, family, "{l} outside its family {family}");
             }
         }
     }

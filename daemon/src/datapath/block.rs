@@ -74,13 +74,17 @@ fn queue_op(
         IoOp::Write { offset, len, fua } => match (data.0.take(), data.1) {
             (Some(b), _) => (engine.write(dev, *offset, b, *fua, tag), one),
             (None, Some((_, from))) => {
-                bump(&counters.writes_from_receive, 1);
                 // SAFETY: `from..from + len` lies in the receive the request keeps off the
                 // SRQ until this write's completion is reaped (`finish_io`, `end_req` give it
                 // back only then; an SRQ rebuilt meanwhile is kept, its memory registered, in
                 // `retired_srqs` until its kept receives are given back); the engine is
                 // dropped before the SRQs.
                 let r = unsafe { engine.write_from(dev, *offset, from, *len, *fua, tag) };
+                // Counted once queued: a write the engine refuses (full: it is queued again
+                // later) is not, yet.
+                if r.is_ok() {
+                    bump(&counters.writes_from_receive, 1);
+                }
                 (r, one)
             }
             (None, None) => (missing(), one),
