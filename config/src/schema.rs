@@ -263,6 +263,15 @@ pub struct Subsystem {
     /// Default `"nvmfd"`.
     #[serde(default = "defaults::model")]
     pub model: String,
+    /// The lowest controller ID its controllers take, 1 to 65519. Default 1.
+    #[serde(default = "defaults::cntlid_min")]
+    pub cntlid_min: u16,
+    /// The highest controller ID its controllers take, `cntlid_min` to 65519 (FFEFh). Default
+    /// 65519. Gateways serving one NQN (two daemons exporting one RBD image) give each a
+    /// range of its own: a host refuses a second path to a subsystem whose controller has the
+    /// ID of one it already has (the Linux host: "Duplicate cntlid").
+    #[serde(default = "defaults::cntlid_max")]
+    pub cntlid_max: u16,
     /// Let any host NQN connect. Default `false`: only the NQNs of `hosts` may.
     #[serde(default)]
     pub allow_any_host: bool,
@@ -403,6 +412,14 @@ pub mod defaults {
     /// `transport.max_io_queues`
     pub fn max_io_queues() -> u32 {
         64
+    }
+    /// `subsystem.cntlid_min`
+    pub fn cntlid_min() -> u16 {
+        1
+    }
+    /// `subsystem.cntlid_max`: the highest controller ID the specification allows (FFEFh).
+    pub fn cntlid_max() -> u16 {
+        0xFFEF
     }
     /// `transport.in_capsule_data_size`
     pub fn in_capsule_data_size() -> ByteSize {

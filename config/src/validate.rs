@@ -523,6 +523,19 @@ fn subsystem_strings(c: &mut Checker<'_>, p: &KeyPath, s: &Subsystem) {
             "a model number is 1 to 40 printable ASCII characters",
         );
     }
+    if s.cntlid_min == 0 || s.cntlid_min > 0xFFEF {
+        c.fail(p.key("cntlid_min"), "a controller ID is 1 to 65519 (FFEFh)");
+    } else if s.cntlid_max > 0xFFEF {
+        c.fail(p.key("cntlid_max"), "a controller ID is 1 to 65519 (FFEFh)");
+    } else if s.cntlid_max < s.cntlid_min {
+        c.fail(
+            p.key("cntlid_max"),
+            format!(
+                "below cntlid_min ({}): the range holds no controller ID",
+                s.cntlid_min
+            ),
+        );
+    }
 }
 
 fn hosts(c: &mut Checker<'_>, p: &KeyPath, s: &Subsystem) {

@@ -483,6 +483,30 @@ error_case!(
     "1 to 20 printable ASCII"
 );
 error_case!(
+    cntlid_min_zero,
+    subsystem("cntlid_min = 0\n"),
+    "subsystem[0].cntlid_min",
+    7,
+    1,
+    "a controller ID is 1 to 65519"
+);
+error_case!(
+    cntlid_max_past_ffef,
+    subsystem("cntlid_max = 65520\n"),
+    "subsystem[0].cntlid_max",
+    7,
+    1,
+    "a controller ID is 1 to 65519"
+);
+error_case!(
+    cntlid_range_empty,
+    subsystem("cntlid_min = 200\ncntlid_max = 100\n"),
+    "subsystem[0].cntlid_max",
+    8,
+    1,
+    "below cntlid_min (200)"
+);
+error_case!(
     model_not_ascii,
     subsystem("model = \"Modèle\"\n"),
     "subsystem[0].model",

@@ -180,6 +180,7 @@ fn target_of(o: &InProcOptions, addr: SocketAddr, limits: Limits) -> Target {
             model: "nvmfd".into(),
             allow_any_host: true,
             hosts: vec![],
+            cntlids: nvmfd_nvme::ALL_CNTLIDS,
             namespaces: o
                 .namespaces
                 .iter()

@@ -350,6 +350,7 @@ pub fn subsystem(s: &nvmfd_config::Subsystem, namespaces: Vec<Namespace>) -> Sub
         allow_any_host: s.allow_any_host,
         hosts: s.hosts.clone(),
         namespaces,
+        cntlids: (s.cntlid_min, s.cntlid_max),
     }
 }
 

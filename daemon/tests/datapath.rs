@@ -276,6 +276,7 @@ fn serve_opts(
                 model: "nvmfd".into(),
                 allow_any_host: true,
                 hosts: vec![],
+                cntlids: nvmfd_nvme::ALL_CNTLIDS,
                 namespaces,
             }],
             vec![Port {

@@ -28,6 +28,7 @@ pub use queue::{
 };
 pub use target::{
     ChangeCount, ChangeError, ChangeWaker, ConnectHook, Controller, EndReason, Limits, Namespace,
-    Port, QueueInfo, QueueStats, Releases, Subsystem, Subsystems, Target, DISCOVERY_CHANGED_EVENT,
-    DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION, SHUTDOWN_FLUSH_KEEPS_ALIVE,
+    Port, QueueInfo, QueueStats, Releases, Subsystem, Subsystems, Target, ALL_CNTLIDS,
+    DISCOVERY_CHANGED_EVENT, DISCOVERY_NQN, NS_ATTR_CHANGED_EVENT, NVME_VERSION,
+    SHUTDOWN_FLUSH_KEEPS_ALIVE,
 };

@@ -57,7 +57,13 @@ pub struct Subsystem {
     pub hosts: Vec<String>,
     /// Namespaces, by ascending NSID.
     pub namespaces: Vec<Namespace>,
+    /// The controller IDs its controllers take, lowest and highest (within 1 to FFEFh;
+    /// [`ALL_CNTLIDS`] unless configured).
+    pub cntlids: (u16, u16),
 }
+
+/// Every controller ID a controller may have (1 to FFEFh).
+pub const ALL_CNTLIDS: (u16, u16) = (1, 0xFFEF);
 
 impl Subsystem {
     /// Whether `hostnqn` may connect.
@@ -725,11 +731,18 @@ impl Target {
         self.ctrls().values().cloned().collect()
     }
 
-    /// Allocates a controller ID (1 to 0xFFEF) not in use.
-    pub(crate) fn alloc_cntlid(&self, map: &HashMap<u16, Arc<Controller>>) -> Option<u16> {
-        for _ in 0..0xFFEF {
-            let id = self.inner.next_cntlid.fetch_add(1, Ordering::Relaxed) % 0xFFEF + 1;
-            let id = u16::try_from(id).ok()?;
+    /// Allocates a controller ID from `lo` to `hi` (within 1 to 0xFFEF) not in use. Called
+    /// with the controllers' map locked: successive counter values cover the range.
+    pub(crate) fn alloc_cntlid(
+        &self,
+        map: &HashMap<u16, Arc<Controller>>,
+        (lo, hi): (u16, u16),
+    ) -> Option<u16> {
+        let (lo, hi) = (lo.max(1), hi.min(0xFFEF));
+        let span = u32::from(hi.checked_sub(lo)?) + 1;
+        for _ in 0..span {
+            let n = self.inner.next_cntlid.fetch_add(1, Ordering::Relaxed);
+            let id = u16::try_from(u32::from(lo) + n % span).ok()?;
             if !map.contains_key(&id) {
                 return Some(id);
             }

@@ -64,6 +64,7 @@ fn world() -> World {
             model: "nvmfd test".into(),
             allow_any_host: true,
             hosts: vec![],
+            cntlids: nvmfd_nvme::ALL_CNTLIDS,
             namespaces: vec![ns(1, &d1, None), ns(2, &d2, Some(7)), ns(3, &d3, None)],
         },
         Subsystem {
@@ -73,6 +74,7 @@ fn world() -> World {
             model: "nvmfd test".into(),
             allow_any_host: false,
             hosts: vec![host(1).nqn],
+            cntlids: nvmfd_nvme::ALL_CNTLIDS,
             namespaces: vec![ns(1, &d4, None)],
         },
     ];
@@ -207,6 +209,46 @@ fn discovery_lists_what_the_host_may_reach() {
     }
 }
 
+/// A subsystem's controllers take IDs from its range alone (`cntlid_min`, `cntlid_max`: two
+/// gateways serving one NQN give each its own, so a host's two paths never meet one ID), as
+/// many as the range holds, then Controller Busy; an ID freed is taken again. Before, every
+/// controller took the next ID of the whole range, the same on every gateway.
+#[test]
+fn controllers_take_ids_from_their_subsystems_range() {
+    let mut sub = empty_subsystem(SUB, "SN-RANGE");
+    sub.cntlids = (300, 301);
+    let target = Target::new(vec![sub], vec![], Limits::default());
+    let backend = Backend::new(&[], Limits::default().max_io_size).unwrap();
+    let connect = |h: u8| {
+        AdminQueue::connect(
+            Loopback::new(&target, &backend, 0, 31),
+            &host(h),
+            SUB,
+            31,
+            5000,
+        )
+    };
+    let a = connect(1).unwrap();
+    let b = connect(2).unwrap();
+    let mut ids = [a.cntlid, b.cntlid];
+    ids.sort_unstable();
+    assert_eq!(ids, [300, 301]);
+    assert!(status_of(connect(3)).same_code(status::CONNECT_CONTROLLER_BUSY));
+    // A discovery controller is not held to a subsystem's range.
+    let d = AdminQueue::connect(
+        Loopback::new(&target, &backend, 0, 31),
+        &host(4),
+        DISCOVERY_NQN,
+        31,
+        5000,
+    )
+    .unwrap();
+    assert!(!(300..=301).contains(&d.cntlid));
+    let freed = a.cntlid;
+    drop(a);
+    assert_eq!(connect(5).unwrap().cntlid, freed);
+}
+
 /// A subsystem any host may connect to, with no namespace.
 fn empty_subsystem(nqn: &str, serial: &str) -> Subsystem {
     Subsystem {
@@ -216,6 +258,7 @@ fn empty_subsystem(nqn: &str, serial: &str) -> Subsystem {
         model: "nvmfd test".into(),
         allow_any_host: true,
         hosts: vec![],
+        cntlids: nvmfd_nvme::ALL_CNTLIDS,
         namespaces: vec![],
     }
 }
@@ -2630,6 +2673,7 @@ fn limits_world(max1: u32, max2: u32) -> World {
         model: "nvmfd test".into(),
         allow_any_host: true,
         hosts: vec![],
+        cntlids: nvmfd_nvme::ALL_CNTLIDS,
         namespaces,
     };
     let subsystems = vec![
@@ -2669,6 +2713,7 @@ fn dlfeat_offers_deallocating_write_zeroes_only_with_write_zeroes() {
             model: "nvmfd test".into(),
             allow_any_host: true,
             hosts: vec![],
+            cntlids: nvmfd_nvme::ALL_CNTLIDS,
             namespaces: vec![Namespace {
                 nsid: 1,
                 info,

@@ -998,3 +998,38 @@ fn a_file_namespace_served_without_o_direct_is_reported() {
     });
     d.assert_served_with_warning(0, &["O_DIRECT", "buffered"]);
 }
+
+/// Two gateways serving one NQN, each with a controller ID range of its own (`cntlid_min`,
+/// `cntlid_max`): a host's controllers on them never share an ID (the Linux host refuses a
+/// second path whose controller has the ID of one it has). Before, there was no range to set,
+/// and both daemons gave their first controller the same ID.
+#[test]
+fn gateways_of_one_nqn_give_controller_ids_from_their_own_ranges() {
+    let with_range = |lo: u16, hi: u16| Options {
+        replace: vec![(
+            "allow_any_host = true\n".into(),
+            format!("allow_any_host = true\ncntlid_min = {lo}\ncntlid_max = {hi}\n"),
+        )],
+        ..Options::default()
+    };
+    let a = Daemon::start(with_range(1, 32767));
+    let b = Daemon::start(with_range(32768, 65519));
+    let sub = "nqn.2024-01.io.nvmfd.test:ram0";
+    let ha = nvmfd_tests::host::Host::connect("127.0.0.57", a.soft_addr(), sub, 0x57);
+    let hb = nvmfd_tests::host::Host::connect("127.0.0.58", b.soft_addr(), sub, 0x57);
+    assert!(
+        (1..=32767).contains(&ha.admin.cntlid),
+        "{}",
+        ha.admin.cntlid
+    );
+    assert!(
+        (32768..=65519).contains(&hb.admin.cntlid),
+        "{}",
+        hb.admin.cntlid
+    );
+    assert_eq!(
+        a.data("config")["subsystem"][0]["cntlid_max"],
+        32767,
+        "the range is in the configuration in force"
+    );
+}

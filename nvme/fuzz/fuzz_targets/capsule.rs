@@ -56,6 +56,7 @@ fn world() -> World {
         model: "fuzz".into(),
         allow_any_host: true,
         hosts: vec![],
+        cntlids: nvmfd_nvme::ALL_CNTLIDS,
         namespaces: vec![
             Namespace { nsid: 1, info: namespace_info(dev.info()), uuid: Some([1; 16]), nguid: None },
             Namespace { nsid: 2, info: namespace_info(null.info()), uuid: None, nguid: Some([2; 16]) },

@@ -123,7 +123,8 @@ impl Queue {
             if !discovery && self.target.io_left_behind(&map, hostnqn, subnqn) {
                 return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY_RETRY, 0);
             }
-            let Some(cntlid) = self.target.alloc_cntlid(&map) else {
+            let range = subsystem.as_ref().map_or(crate::ALL_CNTLIDS, |s| s.cntlids);
+            let Some(cntlid) = self.target.alloc_cntlid(&map, range) else {
                 return self.respond(&cmd, status::CONNECT_CONTROLLER_BUSY, 0);
             };
             let ctrl = Arc::new(Controller {

@@ -124,6 +124,7 @@ mod tests {
                 model: "m".into(),
                 allow_any_host: true,
                 hosts: vec![],
+                cntlids: crate::ALL_CNTLIDS,
                 namespaces: vec![],
             }],
             vec![],
