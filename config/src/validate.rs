@@ -414,9 +414,11 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
     let mut nguids = HashMap::new();
     let mut paths = HashMap::new();
     let mut images = HashMap::new();
+    let mut identities = HashMap::new();
     let mut total: u32 = 0;
     for (i, s) in cfg.subsystems.iter().enumerate() {
         let p = KeyPath::default().key("subsystem").index(i);
+        let own_nqn = !nqns.contains_key(&s.nqn);
         if let Err(e) = check_nqn(&s.nqn) {
             c.fail(p.key("nqn"), e);
         } else if s.nqn == DISCOVERY_NQN {
@@ -431,6 +433,16 @@ fn subsystems(c: &mut Checker<'_>, cfg: &Config) {
             );
         }
         subsystem_strings(c, &p, s);
+        // A host names a subsystem's disks by model and serial number (Linux's
+        // /dev/disk/by-id/nvme-MODEL_SERIAL): two subsystems alike would share the names.
+        // (Not for an NQN given twice, whose default serial numbers are alike too.)
+        let identity = (s.model.clone(), s.serial_number());
+        if let Some(first) = identities.insert(identity, i).filter(|_| own_nqn) {
+            c.fail(
+                p.key("serial"),
+                format!("subsystem[{first}] has the same serial number and model: hosts name disks by them (/dev/disk/by-id), so two subsystems alike share those names"),
+            );
+        }
         hosts(c, &p, s);
         let mut nsids = HashMap::new();
         for (j, ns) in s.namespaces.iter().enumerate() {

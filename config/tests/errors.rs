@@ -507,6 +507,16 @@ error_case!(
     "below cntlid_min (200)"
 );
 error_case!(
+    serial_and_model_of_another_subsystem,
+    subsystem(
+        "serial = \"SN1\"\n[[subsystem]]\nnqn = \"nqn.2024-01.com.example:b\"\nallow_any_host = true\nserial = \"SN1\"\n"
+    ),
+    "subsystem[1].serial",
+    11,
+    1,
+    "subsystem[0] has the same serial number and model"
+);
+error_case!(
     model_not_ascii,
     subsystem("model = \"Modèle\"\n"),
     "subsystem[0].model",

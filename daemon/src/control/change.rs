@@ -144,7 +144,7 @@ impl Daemon {
             // Opening can wait for a network store (an RBD cluster that does not answer,
             // until its client gives up): off this thread, which keeps the watch meanwhile.
             info!(self.log, "opening the device of an added namespace"; "subsystem" => nqn, "nsid" => ns.nsid);
-            let spec = crate::serve::device_spec(ns);
+            let spec = crate::serve::device_spec(ns, self.cfg.transport.huge_pages);
             // An RBD image's engine handles are opened here too, one for each data path a
             // reactor may have (one per listener's device at most), so that no reactor waits
             // on the cluster when it attaches the image.
