@@ -3284,6 +3284,20 @@ fn a_late_event_of_a_destroyed_qp_leaves_a_new_qp_of_the_same_number_alone() {
     drop(admin);
 }
 
+/// The CQ is sized for the SRQ the device allows, not for a larger `srq_max`: on the soft
+/// provider (SRQs of 16,384 receives at most, CQs of 32,767 entries) an `srq_max` of 32,768
+/// took the CQ's room for drain markers, and the data path served 64 QPs instead of 4,096.
+#[test]
+fn an_srq_max_past_the_devices_takes_no_qps_from_the_cq() {
+    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
+    let srq = SrqConfig {
+        max: 32768,
+        ..FIXED_SRQ
+    };
+    let s = serve_full(4519, None, Some(srq), c);
+    assert_eq!(s.on_data_path(|dp| dp.max_qps()), nvmfd::datapath::MAX_QPS);
+}
+
 /// A data path serves at most `max_qps` QPs at once, live and draining (its CQ has room for
 /// a drain marker of each, all torn down at once): one more connection is refused with No
 /// Resources, and a torn-down QP counts until its drain ends.

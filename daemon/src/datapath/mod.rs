@@ -433,6 +433,11 @@ impl DataPath {
         }
         let pd = dev.alloc_pd().map_err(verr)?;
         let attr = dev.attr().map_err(verr)?;
+        // The SRQ is as large as the device allows at most (`ElasticSrq::new` caps it too):
+        // the CQ is sized for that, not for a larger `srq_max`, which took its excess from
+        // the QPs' room below.
+        let mut cfg = cfg;
+        cfg.srq.max = cfg.srq.max.min(attr.max_srq_wr).max(1);
         // A device whose CQs are smaller than asked for leaves less room for drain markers:
         // fewer QPs are served (logged by `set_log`).
         let wanted = cq_entries(&cfg);
@@ -600,6 +605,13 @@ impl DataPath {
     /// The completion channel's fd (readable after `arm` and a completion).
     pub fn wake_fd(&self) -> std::os::fd::RawFd {
         self.cq.channel_fd()
+    }
+
+    /// QPs served at once, live and draining (`DataPathConfig::max_qps`, less what the
+    /// device's CQs lack room for).
+    #[doc(hidden)]
+    pub fn max_qps(&self) -> u32 {
+        self.max_qps
     }
 
     /// Arms the completion channel when the reactor is about to sleep (never on a busy
