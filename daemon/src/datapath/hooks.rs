@@ -24,6 +24,13 @@ pub(super) struct Hooks {
 }
 
 impl DataPath {
+    /// Tests: QPs served at once, live and draining (`DataPathConfig::max_qps`, less what
+    /// the device's CQs lack room for).
+    #[doc(hidden)]
+    pub fn max_qps(&self) -> u32 {
+        self.max_qps
+    }
+
     /// Tests: while `hold` is set, block operations complete in the engine but the data path
     /// does not take their completions, as if the disk had stalled.
     pub fn hold_block_completions(&mut self, hold: bool) {

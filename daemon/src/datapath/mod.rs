@@ -607,13 +607,6 @@ impl DataPath {
         self.cq.channel_fd()
     }
 
-    /// QPs served at once, live and draining (`DataPathConfig::max_qps`, less what the
-    /// device's CQs lack room for).
-    #[doc(hidden)]
-    pub fn max_qps(&self) -> u32 {
-        self.max_qps
-    }
-
     /// Arms the completion channel when the reactor is about to sleep (never on a busy
     /// turn: it costs a read of the channel and a request for notification); false when it
     /// must not sleep. The reactor polls once more after arming, as a completion that
