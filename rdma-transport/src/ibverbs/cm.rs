@@ -650,59 +650,6 @@ impl CmId {
         self.accept_own(Self::conn_param(private_data)?, None)
     }
 
-    /// Accepts a connect request as a target does: granting this side `initiator_depth` RDMA
-    /// READs in flight (at most the initiator depth the request's event reported), and
-    /// offering the peer no RDMA READs at all (responder resources 0: a target never serves
-    /// READs from its host, and the kernel's nvmet-rdma accepts the same way). The peer's QP
-    /// then reads `initiator` 0 in [`CmId::read_depths`].
-    ///
-    /// The QP advertises `min_rnr_timer` (as in the InfiniBand table: 1 = 0.01 ms ... 12 =
-    /// 0.64 ms ... 0 = 655.36 ms), how long a peer whose SEND found no receive waits before
-    /// retrying, from the moment it can receive: rdma_cm gives 0, the longest, which starves a
-    /// queue while a target's SRQ grows. An accepted connection's own QP takes it in its move
-    /// to RTR, before the host can send; a QP librdmacm holds, right after the accept.
-    pub fn accept_with(
-        &self,
-        private_data: &[u8],
-        initiator_depth: u8,
-        min_rnr_timer: u8,
-    ) -> Result<(), VerbsError> {
-        let mut p = Self::conn_param(private_data)?;
-        p.initiator_depth = initiator_depth;
-        p.responder_resources = 0;
-        self.accept_own(p, Some(min_rnr_timer & 31))?;
-        if self.own_qp.is_none() {
-            // Accepted already: a device refusing the change leaves rdma_cm's timer, and the
-            // connection stands.
-            let _ = self.set_min_rnr_timer(min_rnr_timer);
-        }
-        Ok(())
-    }
-
-    /// The RNR NAK timer this side's QP advertises (its encoding, as `accept_with` takes it).
-    pub fn min_rnr_timer(&self) -> Option<u8> {
-        let qp = self.qp()?;
-        // SAFETY: plain data.
-        let (mut a, mut init): (ibv_qp_attr, ibv_qp_init_attr) =
-            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
-        // SAFETY: live QP; valid out-pointers; IBV_QP_MIN_RNR_TIMER = 1 << 15.
-        let rc = unsafe { ibv_query_qp(qp, &mut a, 1 << 15, &mut init) };
-        (rc == 0).then_some(a.min_rnr_timer)
-    }
-
-    /// Sets the RNR NAK timer of a QP in RTS (RTS to RTS, where it is an optional attribute).
-    fn set_min_rnr_timer(&self, code: u8) -> Result<(), VerbsError> {
-        let qp = self.qp().ok_or(VerbsError::Invalid {
-            op: "modify_qp",
-            why: "no QP",
-        })?;
-        // SAFETY: plain data.
-        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
-        a.min_rnr_timer = code & 31;
-        // SAFETY: live QP; IBV_QP_MIN_RNR_TIMER = 1 << 15.
-        check("modify_qp", unsafe { ibv_modify_qp(qp, &mut a, 1 << 15) })
-    }
-
     /// Rejects a connect request.
     pub fn reject(&self, private_data: &[u8]) -> Result<(), VerbsError> {
         let len = u8::try_from(private_data.len())
