@@ -1033,3 +1033,34 @@ fn gateways_of_one_nqn_give_controller_ids_from_their_own_ranges() {
         "the range is in the configuration in force"
     );
 }
+
+/// A reload that changes a served subsystem's serial number (held until the restart) and adds
+/// a subsystem with its old one: both would serve one serial number and model, which hosts
+/// name disks by, so it is refused. The file alone passed validation, and the two went live.
+#[test]
+fn a_reload_cannot_give_a_new_subsystem_a_served_ones_serial_number() {
+    let d = Daemon::start(Options {
+        replace: vec![(
+            "allow_any_host = true\n".into(),
+            "allow_any_host = true\nserial = \"S1\"\n".into(),
+        )],
+        ..Options::default()
+    });
+    let config = d.dir.path().join("nvmfd.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let edited = text.replace("serial = \"S1\"\n", "serial = \"S3\"\n")
+        + "\n[[subsystem]]\nnqn = \"nqn.2024-01.io.nvmfd.test:c\"\nallow_any_host = true\nserial = \"S1\"\n";
+    std::fs::write(&config, &edited).unwrap();
+    let a = d.request(r#"{"request": "reload"}"#);
+    assert_eq!(a["ok"], false, "{a}");
+    let why = a["error"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("would serve one serial number and model"),
+        "{a}"
+    );
+    assert_eq!(
+        d.data("status")["subsystems"].as_array().unwrap().len(),
+        1,
+        "nothing was changed"
+    );
+}

@@ -115,6 +115,17 @@ impl Daemon {
         let target = self.target.clone().ok_or("the daemon is not serving yet")?;
         let mut new = new;
         let (at_restart, warnings) = self.held_for_restart(&mut new);
+        // A kept subsystem's identity held for the restart may now be another's: refused, as
+        // the file would be (hosts name disks by serial number and model).
+        let mut seen = std::collections::HashMap::new();
+        for s in &new.subsystems {
+            if let Some(first) = seen.insert((s.model.clone(), s.serial_number()), &s.nqn) {
+                return Err(format!(
+                    "{first} and {} would serve one serial number and model (a served subsystem keeps its own until the restart): hosts name disks by them (/dev/disk/by-id); give one another serial number; nothing was changed",
+                    s.nqn
+                ));
+            }
+        }
         let plan = self.plan(&new, resizes)?;
         // A listener the change removes takes no new connection while it waits.
         for &i in &plan.listeners_removed {
@@ -144,7 +155,7 @@ impl Daemon {
             // Opening can wait for a network store (an RBD cluster that does not answer,
             // until its client gives up): off this thread, which keeps the watch meanwhile.
             info!(self.log, "opening the device of an added namespace"; "subsystem" => nqn, "nsid" => ns.nsid);
-            let spec = crate::serve::device_spec(ns, self.cfg.transport.huge_pages);
+            let spec = crate::serve::device_spec(ns);
             // An RBD image's engine handles are opened here too, one for each data path a
             // reactor may have (one per listener's device at most), so that no reactor waits
             // on the cluster when it attaches the image.

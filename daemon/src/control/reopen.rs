@@ -78,7 +78,7 @@ impl Daemon {
                     }
                 },
                 None if now >= r.at => {
-                    let spec = crate::serve::device_spec(&r.ns, self.cfg.transport.huge_pages);
+                    let spec = crate::serve::device_spec(&r.ns);
                     match spawn_counted(move || {
                         let dev = BlockDevice::open(&spec).map_err(|e| e.to_string())?;
                         // Not all need open: an engine that finds none waits for one

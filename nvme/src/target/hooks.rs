@@ -56,11 +56,12 @@ impl std::fmt::Debug for ChangeCount {
 
 /// Test hooks of the target: races made certain.
 impl super::Target {
-    /// Tests of controller IDs handed out again: the next admin Connect gets `cntlid` if no
-    /// controller in the map has it (the counter wraps after 65,519 Connects).
+    /// Tests of controller IDs handed out again: the next admin Connect of a subsystem with
+    /// the whole range (`ALL_CNTLIDS`) gets `cntlid` if no controller in the map has it.
     #[doc(hidden)]
     pub fn set_next_cntlid(&self, cntlid: u16) {
-        // `alloc_cntlid` hands out `n % 0xFFEF + 1` for counter value `n`.
+        // `alloc_cntlid` hands out `lo + n % span` for counter value `n`: `n % 0xFFEF + 1`
+        // for the whole range.
         self.inner
             .next_cntlid
             .store(u32::from(cntlid.max(1)) - 1, Ordering::Relaxed);
