@@ -3357,43 +3357,12 @@ fn connections_beyond_the_qp_limit_are_refused_until_one_has_drained() {
 /// Resources) until they timed out.
 #[test]
 fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
-    use nvmfd_rdma::soft::cm::CmEvent;
     use std::sync::atomic::Ordering::Relaxed;
-    let c = Arc::new(nvmfd::stats::DataPathCounters::default());
-    let s = serve_opts(
-        4514,
-        None,
-        None,
-        Arc::clone(&c),
-        None,
-        Opts {
-            max_qps: 8,
-            ..Opts::default()
-        },
-    );
-    let refused = || {
-        let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
-        let e = RdmaQueue::connect(ch, s.addr, 0, 31, 4096, 128 * 1024).unwrap_err();
-        assert!(
-            e.to_string().contains("status 0x6"),
-            "not No Resources: {e}"
-        );
-    };
+    let (c, s) = serve_eight_qps(4514);
+    let refused = || refused_for_no_resources(&s);
     // Within the grace (an hour here), connections without a Connect are all kept: as many
     // as the data path serves QPs, one at a time (an ended QP counts until its drain ends).
-    s.on_data_path(|dp| dp.unconnected_grace(Duration::from_secs(3600)));
-    let mut silent = Vec::new();
-    for n in 1..=8u64 {
-        let h = bare_connect(&s);
-        wait_until("the target accepted the connection", || {
-            c.connections_accepted.load(Relaxed) == n
-        });
-        assert!(matches!(
-            h.ch.next_event(),
-            Some(CmEvent::Established { .. })
-        ));
-        silent.push(h);
-    }
+    let silent = eight_silent_connections(&s, &c);
     refused();
     assert_eq!(c.connects_failed_accept.load(Relaxed), 1);
     assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 0);
@@ -3406,8 +3375,7 @@ fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
         c.qps_draining.load(Relaxed) == 0
     });
     assert_eq!(c.connections.load(Relaxed), 1);
-    for (i, h) in silent.iter().enumerate() {
-        let ended = matches!(h.ch.next_event(), Some(CmEvent::Disconnected { .. }));
+    for (i, ended) in ended(&silent).into_iter().enumerate() {
         assert_eq!(ended, i < 7, "silent connection {i}: ended {ended}");
     }
     // A host connects and is served.
@@ -3451,11 +3419,33 @@ fn connections_without_a_fabrics_connect_cannot_lock_out_a_host() {
 /// long it has waited: only `connect_timeout` ends it. The others beyond the quarter are.
 #[test]
 fn a_connection_with_a_command_under_way_is_not_crowded_out() {
-    use nvmfd_rdma::soft::cm::CmEvent;
     use std::sync::atomic::Ordering::Relaxed;
+    let (c, s) = serve_eight_qps(4517);
+    let silent = eight_silent_connections(&s, &c);
+    // The oldest sends a command before any Connect: refused, and its response waits for a
+    // receive its host never posts.
+    let before = c.commands.load(Relaxed);
+    send_commands(&silent[0], 0x06, 1);
+    wait_until("the command is in", || {
+        c.commands.load(Relaxed) == before + 1
+    });
+    s.on_data_path(|dp| dp.unconnected_grace(Duration::ZERO));
+    refused_for_no_resources(&s);
+    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 7);
+    wait_until("the ended connections drained", || {
+        c.qps_draining.load(Relaxed) == 0
+    });
+    assert_eq!(c.connections.load(Relaxed), 1);
+    for (i, ended) in ended(&silent).into_iter().enumerate() {
+        assert_eq!(ended, i > 0, "silent connection {i}: ended {ended}");
+    }
+}
+
+/// A data path of 8 QPs, and its counters.
+fn serve_eight_qps(port: u16) -> (Arc<nvmfd::stats::DataPathCounters>, Served) {
     let c = Arc::new(nvmfd::stats::DataPathCounters::default());
     let s = serve_opts(
-        4517,
+        port,
         None,
         None,
         Arc::clone(&c),
@@ -3465,10 +3455,18 @@ fn a_connection_with_a_command_under_way_is_not_crowded_out() {
             ..Opts::default()
         },
     );
+    (c, s)
+}
+
+/// With the crowd-out grace an hour, eight connections whose hosts send no Fabrics Connect,
+/// each accepted and established in turn (the data path's first).
+fn eight_silent_connections(s: &Served, c: &nvmfd::stats::DataPathCounters) -> Vec<BareHost> {
+    use nvmfd_rdma::soft::cm::CmEvent;
+    use std::sync::atomic::Ordering::Relaxed;
     s.on_data_path(|dp| dp.unconnected_grace(Duration::from_secs(3600)));
     let mut silent = Vec::new();
     for n in 1..=8u64 {
-        let h = bare_connect(&s);
+        let h = bare_connect(s);
         wait_until("the target accepted the connection", || {
             c.connections_accepted.load(Relaxed) == n
         });
@@ -3478,29 +3476,26 @@ fn a_connection_with_a_command_under_way_is_not_crowded_out() {
         ));
         silent.push(h);
     }
-    // The oldest sends a command before any Connect: refused, and its response waits for a
-    // receive its host never posts.
-    let before = c.commands.load(Relaxed);
-    send_commands(&silent[0], 0x06, 1);
-    wait_until("the command is in", || {
-        c.commands.load(Relaxed) == before + 1
-    });
-    s.on_data_path(|dp| dp.unconnected_grace(Duration::ZERO));
+    silent
+}
+
+/// A host's connect is refused with No Resources.
+fn refused_for_no_resources(s: &Served) {
     let ch = any::cm::CmChannel::Soft(nvmfd_rdma::soft::cm::CmChannel::new(&s.fabric).unwrap());
     let e = RdmaQueue::connect(ch, s.addr, 0, 31, 4096, 128 * 1024).unwrap_err();
     assert!(
         e.to_string().contains("status 0x6"),
         "not No Resources: {e}"
     );
-    assert_eq!(c.connects_failed_crowded_out.load(Relaxed), 7);
-    wait_until("the ended connections drained", || {
-        c.qps_draining.load(Relaxed) == 0
-    });
-    assert_eq!(c.connections.load(Relaxed), 1);
-    for (i, h) in silent.iter().enumerate() {
-        let ended = matches!(h.ch.next_event(), Some(CmEvent::Disconnected { .. }));
-        assert_eq!(ended, i > 0, "silent connection {i}: ended {ended}");
-    }
+}
+
+/// Whether each of `hosts` had its connection ended (its next CM event DISCONNECTED).
+fn ended(hosts: &[BareHost]) -> Vec<bool> {
+    use nvmfd_rdma::soft::cm::CmEvent;
+    hosts
+        .iter()
+        .map(|h| matches!(h.ch.next_event(), Some(CmEvent::Disconnected { .. })))
+        .collect()
 }
 
 /// Many queues gone at once (a host with a thousand queues disconnecting, a link down): their

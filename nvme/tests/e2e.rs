@@ -1513,17 +1513,16 @@ fn a_changed_namespace_list_read_that_fails_on_its_transfer_leaves_the_list() {
 fn aers_held_at_a_reset_end_with_it_and_the_new_ones_hear_the_next_event() {
     let w = world();
     let (mut a, ios) = w.controller(1);
+    // Four AERs from `first`, all held (none refused).
+    let arm_four = |a: &mut AdminQueue<Loopback>, first: u16| {
+        for cid in first..first + 4 {
+            let answer = a.transport().send_capsule(aer(cid).as_bytes()).unwrap();
+            assert!(answer.is_none(), "AER {cid} not held: {answer:?}");
+        }
+    };
     a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
         .unwrap();
-    for cid in 100..104 {
-        assert!(
-            a.transport()
-                .send_capsule(aer(cid).as_bytes())
-                .unwrap()
-                .is_none(),
-            "held"
-        );
-    }
+    arm_four(&mut a, 100);
     a.property_set(wire::property::CC, 0).unwrap();
     assert_eq!(a.transport().queue_mut().take_ended_aers(), 4);
     assert_eq!(a.transport().queue_mut().take_ended_aers(), 0, "taken once");
@@ -1538,15 +1537,7 @@ fn aers_held_at_a_reset_end_with_it_and_the_new_ones_hear_the_next_event() {
     a.enable().unwrap();
     a.set_feature(wire::feature::ASYNC_EVENT_CONFIG, 1 << 8)
         .unwrap();
-    for cid in 200..204 {
-        assert!(
-            a.transport()
-                .send_capsule(aer(cid).as_bytes())
-                .unwrap()
-                .is_none(),
-            "a new AER is held, not refused"
-        );
-    }
+    arm_four(&mut a, 200);
     // The change of before is reported to the new AERs, and the next one too (masked until
     // the Changed Namespace List is read, it joins the list).
     let ev = a.transport().poll_events();
